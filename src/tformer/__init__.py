@@ -1,0 +1,6 @@
+"""tformer: the translation Transformer, GPT and Transformer-XL, trained and run from one set of parts."""
+
+from tformer.errors import TformerError
+
+__version__ = "0.1.0"
+__all__ = ["TformerError", "__version__"]

@@ -1,0 +1,308 @@
+"""The `tformer` command: train, generate, evaluate.
+
+Each subcommand is a plain function taking typed arguments. This module owns the terminal
+(progress bars, tables, streamed text), the seeds and the device; the library only logs.
+A TformerError becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tformer import __version__
+from tformer.config import load_config
+from tformer.errors import TformerError
+
+log = logging.getLogger("tformer")
+
+
+# --- train ------------------------------------------------------------------------------
+
+
+def train_command(
+    config: str | None, out: str, overrides: list[str], *, resume: bool = False
+) -> int:
+    from tqdm import tqdm
+
+    from tformer.config import config_from_dict
+    from tformer.training import checkpoint as ckpt
+    from tformer.training.trainer import train
+
+    run_dir = Path(out)
+    resume_from = None
+    if resume:
+        if config is not None:
+            raise TformerError(
+                "--resume continues RUN_DIR with its own config; pass changes as key=value "
+                "overrides, not a config file"
+            )
+        if not run_dir.is_dir():
+            raise TformerError(f"--resume: run directory not found: {run_dir}")
+        resume_from = ckpt.latest_good_checkpoint(run_dir)
+        if resume_from is None:
+            raise TformerError(f"--resume: {run_dir} holds no usable checkpoint")
+        saved = ckpt.read_config(resume_from).to_dict()
+        cfg = config_from_dict(saved, overrides)
+    else:
+        if config is None:
+            raise TformerError("train needs a CONFIG.toml (or --resume to continue RUN_DIR)")
+        cfg = load_config(config, overrides)
+        if ckpt.step_checkpoints(run_dir) or (run_dir / ckpt.BEST).exists():
+            raise TformerError(
+                f"{run_dir} already holds a training run; add --resume to continue it, "
+                f"or choose another --out"
+            )
+
+    bar = tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True, leave=True)
+    shown: dict[str, str] = {}
+
+    def progress(info: dict[str, Any]) -> None:
+        bar.update(info["step"] - bar.n)
+        if "loss" in info:
+            shown.update(loss=f"{info['loss']:.4f}", lr=f"{info['lr']:.2e}",
+                         tok_s=f"{info['tokens_per_s']:,.0f}")
+        if "val" in info:
+            shown["val"] = f"{info['val']['loss']:.4f}"
+        bar.set_postfix(shown, refresh=True)
+
+    try:
+        result = train(cfg, run_dir, resume_from=resume_from, progress=progress)
+    finally:
+        bar.close()
+    status = "stopped early" if result.interrupted else "done"
+    best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "-"
+    print(f"{status} at step {result.step}: best validation loss {best}; run in {run_dir}")
+    if result.skipped_steps:
+        print(f"{result.skipped_steps} steps were skipped for non-finite loss or gradients")
+    return 0
+
+
+# --- generate ---------------------------------------------------------------------------
+
+
+def generate_command(
+    checkpoint: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 1337,
+    num_samples: int = 1,
+    use_cache: bool = True,
+    device: str = "auto",
+) -> int:
+    from tformer.decoding.lm import generate
+    from tformer.registry import get_family
+    from tformer.training.checkpoint import load_checkpoint
+    from tformer.training.device import pick_device
+
+    check_generation_args(max_new_tokens, temperature, top_k, top_p, num_samples)
+    dev = pick_device(device)
+    loaded = load_checkpoint(checkpoint, device=dev)
+    if get_family(loaded.cfg.family).kind != "lm":
+        raise TformerError(
+            f"checkpoint {loaded.path} is a {loaded.cfg.family} model; generate needs a "
+            f"language model (gpt or transformer-xl); use `tformer translate`"
+        )
+    model, tokenizer = loaded.model, loaded.tokenizer
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        if tokenizer.bos_id is not None:
+            ids = [tokenizer.bos_id]
+        else:
+            ids = tokenizer.encode("\n")
+    context = model.cfg.context
+    if len(ids) > context and loaded.cfg.family == "gpt":
+        print(
+            f"note: the prompt is {len(ids)} tokens and the model's context is {context}; "
+            f"it reads the last {context}",
+            file=sys.stderr,
+        )
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    prompt_ids = torch.tensor([ids], device=dev)
+    for sample in range(num_samples):
+        if num_samples > 1:
+            print(f"--- sample {sample + 1} ---")
+        sys.stdout.write(prompt)
+        new: list[int] = []
+        shown = ""
+        for token in generate(
+            model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, generator=generator, use_cache=use_cache,
+            eos_id=tokenizer.eos_id,
+        ):
+            new.append(int(token[0]))
+            text = tokenizer.decode(new)
+            # A byte-level token may end inside a character: wait for the rest of it.
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+        sys.stdout.write(tokenizer.decode(new)[len(shown):] + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+def check_generation_args(
+    max_new_tokens: int, temperature: float, top_k: int, top_p: float, num_samples: int
+) -> None:
+    if max_new_tokens < 1:
+        raise TformerError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    if not temperature >= 0:
+        raise TformerError(f"--temperature {temperature} must be 0 (greedy) or more")
+    if top_k < 0:
+        raise TformerError(f"--top-k {top_k} must be 0 (off) or more")
+    if not 0 < top_p <= 1:
+        raise TformerError(f"--top-p {top_p} must be in (0, 1]")
+    if num_samples < 1:
+        raise TformerError(f"--num-samples {num_samples} must be at least 1")
+
+
+# --- evaluate ---------------------------------------------------------------------------
+
+
+def evaluate_command(
+    checkpoint: str, data: list[str], *, as_json: bool = False, batch_size: int = 0,
+    device: str = "auto",
+) -> int:
+    from tformer.data.corpus import cached_token_ids, read_corpus
+    from tformer.registry import get_family
+    from tformer.training.checkpoint import load_checkpoint
+    from tformer.training.device import pick_device
+
+    dev = pick_device(device)
+    loaded = load_checkpoint(checkpoint, device=dev)
+    cfg, family = loaded.cfg, get_family(loaded.cfg.family)
+    if batch_size < 0:
+        raise TformerError(f"--batch-size {batch_size} must be positive")
+    if batch_size:
+        cfg = cfg.replace("train", batch_size=batch_size)
+    if family.kind != "lm":
+        raise TformerError(f"evaluate does not know the {cfg.family} family yet")
+    if len(data) > 1:
+        raise TformerError("a language model is evaluated on one DATA path (or none)")
+    if data:
+        ids = cached_token_ids(read_corpus(data[0]), loaded.tokenizer)
+        result = family.evaluate_text(loaded.model, ids, loaded.tokenizer, cfg)
+    else:
+        task = family.task(cfg, loaded.tokenizer)
+        result = task.evaluate(loaded.model)
+    print_metrics(result, as_json)
+    return 0
+
+
+def print_metrics(result: dict[str, float], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    width = max(len(k) for k in result)
+    for key, value in result.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        print(f"{key:<{width}}  {shown}")
+
+
+# --- argument parsing -------------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line and exit code 2 (argparse's default code)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="tformer", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tformer {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    p = sub.add_parser("train", help="train a model from a TOML config")
+    p.add_argument("config", nargs="?", help="CONFIG.toml (omit with --resume)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, e.g. train.lr=3e-4 model.n_layer=6")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--resume", action="store_true", help="continue RUN_DIR from its last checkpoint")
+
+    p = sub.add_parser("generate", help="sample text from a language model")
+    p.add_argument("checkpoint", help="run or checkpoint directory")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--greedy", action="store_true", help="same as --temperature 0")
+    p.add_argument("--top-k", type=int, default=0, help="0 is off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 is off")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
+    p.add_argument("--device", default="auto")
+
+    p = sub.add_parser("evaluate", help="loss, perplexity and bits per character")
+    p.add_argument("checkpoint", help="run or checkpoint directory")
+    p.add_argument("data", nargs="*", help="LM: a text file or folder (default: the run's "
+                   "validation split)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument("--batch-size", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    return parser
+
+
+def split_train_args(args: argparse.Namespace, extra: list[str]) -> tuple[str | None, list[str]]:
+    """Config path and overrides, wherever they stood among the options: argparse leaves
+    overrides after `--out R` in `extra`, and takes the first override for the config when
+    there is none (`tformer train --resume --out R train.steps=9`)."""
+    config, overrides = args.config, list(args.overrides) + extra
+    if config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)
+        config = None
+    return config, overrides
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.command == "train":
+        config, overrides = split_train_args(args, extra)
+        return train_command(config, args.out, overrides, resume=args.resume)
+    if args.command == "generate":
+        return generate_command(
+            args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+            temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=args.seed, num_samples=args.num_samples,
+            use_cache=not args.no_cache, device=args.device,
+        )
+    if args.command == "evaluate":
+        return evaluate_command(
+            args.checkpoint, args.data, as_json=args.json, batch_size=args.batch_size,
+            device=args.device,
+        )
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if args.command != "train" or a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s: %(message)s",
+    )
+    try:
+        return run(args, extra)
+    except TformerError as e:
+        print(f"tformer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tformer: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,249 @@
+"""Run configuration: three tables, [model], [data] and [train], read from TOML.
+
+Each table becomes a frozen dataclass. The [model] and [data] classes belong to the family
+named by `model.family` (see `tformer.registry`); [train] is shared. Every value is checked
+when the dataclass is built, so a typo fails at load time with the key's name, the bad value
+and what is allowed, never halfway through a run.
+
+Command-line overrides are dotted `key=value` pairs (`model.n_layer=6 train.lr=3e-4`); the
+value is read as a TOML literal when it is one (numbers, booleans, quoted strings) and as a
+bare string otherwise, so `data.path=corpus.txt` needs no quotes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from tformer.errors import TformerError, did_you_mean
+
+SECTIONS = ("model", "data", "train")
+
+
+# --- checks used by every config's __post_init__ -------------------------------------------
+
+
+def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        allowed = " | ".join(str(c) for c in choices)
+        raise TformerError(f"{key} = {value!r} is not allowed; choose one of: {allowed}")
+
+
+def check_range(
+    key: str, value: float | int, low: float | None = None, high: float | None = None
+) -> None:
+    """low <= value <= high, and finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TformerError(f"{key} = {value} must be a finite number")
+    if low is not None and value < low:
+        raise TformerError(f"{key} = {value} must be at least {low}")
+    if high is not None and value > high:
+        raise TformerError(f"{key} = {value} must be at most {high}")
+
+
+def check_heads(prefix: str, d_model: int, n_head: int, d_head: int | None) -> None:
+    """Without an explicit head size, the width must split evenly across the heads."""
+    if d_head is None and d_model % n_head != 0:
+        raise TformerError(
+            f"{prefix}.d_model = {d_model} is not divisible by {prefix}.n_head = {n_head}; "
+            f"pick sizes that divide, or set {prefix}.d_head"
+        )
+
+
+# --- the shared [train] table ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 12
+    """Sequences per step (seq2seq batches by `max_tokens` instead)."""
+    accumulate: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    """Largest global gradient norm; 0 turns clipping off."""
+    eval_every: int = 250
+    eval_batches: int = 0
+    """Batches per evaluation during training; 0 evaluates the whole validation split."""
+    checkpoint_every: int = 250
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 1337
+    precision: str = "fp32"
+    device: str = "auto"
+    compile: bool = False
+    max_bad_steps: int = 10
+    """Consecutive steps with a non-finite loss or gradient before training stops."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "accumulate", "eval_every", "checkpoint_every"):
+            check_range(f"train.{key}", getattr(self, key), low=1)
+        for key in ("keep_checkpoints", "log_every", "max_bad_steps"):
+            check_range(f"train.{key}", getattr(self, key), low=1)
+        check_range("train.warmup_steps", self.warmup_steps, low=0)
+        check_range("train.eval_batches", self.eval_batches, low=0)
+        check_range("train.lr", self.lr, low=0.0)
+        check_range("train.min_lr", self.min_lr, low=0.0, high=self.lr)
+        check_range("train.weight_decay", self.weight_decay, low=0.0)
+        check_range("train.beta1", self.beta1, low=0.0, high=1.0)
+        check_range("train.beta2", self.beta2, low=0.0, high=1.0)
+        check_range("train.grad_clip", self.grad_clip, low=0.0)
+        check_choice("train.schedule", self.schedule, ("cosine", "noam", "constant"))
+        check_choice("train.precision", self.precision, ("fp32", "bf16"))
+        if self.device not in ("auto", "cpu") and not self.device.startswith(("cuda", "mps")):
+            raise TformerError(
+                f"train.device = {self.device!r} is not allowed; choose auto, cpu, cuda or cuda:N"
+            )
+
+
+# --- the whole run -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    family: str
+    model: Any
+    data: Any
+    train: TrainConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        model = {"family": self.family, **dataclasses.asdict(self.model)}
+        return {
+            "model": model,
+            "data": dataclasses.asdict(self.data),
+            "train": dataclasses.asdict(self.train),
+        }
+
+    def replace(self, section: str, **changes: Any) -> RunConfig:
+        """A copy with some fields of one table changed (and validated again)."""
+        return dataclasses.replace(
+            self, **{section: dataclasses.replace(getattr(self, section), **changes)}
+        )
+
+
+def build_dataclass(cls: type, values: Mapping[str, Any], section: str) -> Any:
+    """cls(**values) with unknown keys and wrong types reported by name."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise TformerError(
+                f"unknown key {section}.{key}{did_you_mean(key, fields)}; "
+                f"known keys: {', '.join(fields)}"
+            )
+        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check `value` against a field's annotation; ints are accepted where floats are."""
+    allowed = typing.get_args(hint) if _is_union(hint) else (hint,)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if type(None) in allowed:
+            return None
+    for kind in allowed:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+    names = " or ".join("none" if k is type(None) else k.__name__ for k in allowed)
+    raise TformerError(f"{key} = {value!r} has the wrong type; expected {names}")
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'train.lr=3e-4' -> ('train', 'lr', 3e-4)."""
+    key, sep, raw = text.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise TformerError(
+            f"override {text!r} is not of the form section.key=value (e.g. train.lr=3e-4)"
+        )
+    if section not in SECTIONS:
+        raise TformerError(
+            f"override {text!r}: unknown table {section!r}{did_you_mean(section, SECTIONS)}; "
+            f"tables: {', '.join(SECTIONS)}"
+        )
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, name, value
+
+
+def config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> RunConfig:
+    """Build and validate a RunConfig from parsed TOML/JSON tables plus overrides."""
+    from tformer.registry import get_family
+
+    if not isinstance(raw, Mapping):
+        raise TformerError("a config must be a table with [model], [data] and [train]")
+    for section in raw:
+        if section not in SECTIONS:
+            raise TformerError(
+                f"unknown table [{section}]{did_you_mean(section, SECTIONS)}; "
+                f"tables: {', '.join(SECTIONS)}"
+            )
+    tables: dict[str, dict[str, Any]] = {}
+    for section in SECTIONS:
+        table = raw.get(section, {})
+        if not isinstance(table, Mapping):
+            raise TformerError(f"[{section}] must be a table of key = value pairs")
+        tables[section] = dict(table)
+    for text in overrides:
+        section, name, value = parse_override(text)
+        tables[section][name] = value
+
+    family_name = tables["model"].pop("family", "gpt")
+    if not isinstance(family_name, str):
+        raise TformerError(f"model.family = {family_name!r} must be a string")
+    family = get_family(family_name)
+    return RunConfig(
+        family=family.name,
+        model=build_dataclass(family.model_config, tables["model"], "model"),
+        data=build_dataclass(family.data_config, tables["data"], "data"),
+        train=build_dataclass(TrainConfig, tables["train"], "train"),
+    )
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read a TOML (or a checkpoint's JSON) config file and apply overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise TformerError(f"config file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except UnicodeDecodeError as e:
+        raise TformerError(f"config file {path} is not UTF-8 text") from e
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise TformerError(f"config file {path} does not parse: {e}") from e
+    return config_from_dict(raw, overrides)

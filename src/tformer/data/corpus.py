@@ -1,0 +1,112 @@
+"""Reading text corpora safely and caching their token ids.
+
+A corpus is a UTF-8 text file or a folder of them. Its token ids are computed once and kept
+as a flat numpy file in a cache directory (never beside the data, which may be read-only),
+keyed by a hash of the text and the tokenizer, then memory-mapped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tformer.data.tokenizers import Tokenizer
+from tformer.errors import TformerError
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """$TFORMER_CACHE, else $XDG_CACHE_HOME/tformer, else ~/.cache/tformer."""
+    if os.environ.get("TFORMER_CACHE"):
+        return Path(os.environ["TFORMER_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tformer"
+
+
+def text_files(path: str | Path) -> list[Path]:
+    """The files of a corpus: the file itself, or every non-hidden file under a folder."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(
+            p for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not files:
+            raise TformerError(f"data folder {path} holds no files")
+        return files
+    raise TformerError(f"data path not found: {path}")
+
+
+def read_text(path: str | Path) -> str:
+    """A file's text, with a one-line error for a file that is empty, binary or not UTF-8."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise TformerError(f"data file not found: {path}") from None
+    except OSError as e:
+        raise TformerError(f"cannot read data file {path}: {e.strerror}") from None
+    if not raw.strip():
+        raise TformerError(f"data file {path} is empty")
+    if b"\x00" in raw[:65536]:
+        raise TformerError(f"data file {path} looks binary (it contains NUL bytes), not text")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TformerError(
+            f"data file {path} is not UTF-8 text (bad byte at offset {e.start})"
+        ) from None
+    return text.removeprefix("\ufeff")
+
+
+def read_corpus(path: str | Path) -> str:
+    """All text of a file or a folder of files, joined by newlines in sorted order."""
+    return "\n".join(read_text(p) for p in text_files(path))
+
+
+def cached_token_ids(
+    text: str, tokenizer: Tokenizer, *, cache: Path | None = None
+) -> np.ndarray:
+    """Token ids of `text`, memory-mapped from the cache (computed and stored on a miss)."""
+    cache = cache or cache_dir()
+    key = hashlib.sha256()
+    key.update(tokenizer.to_json().encode())
+    key.update(b"\x00")
+    key.update(text.encode("utf-8", "surrogatepass"))
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    path = cache / f"tokens-{key.hexdigest()[:32]}.{np.dtype(dtype).name}"
+    if path.exists():
+        return np.load(path, mmap_mode="r")
+
+    ids = encode_long_text(text, tokenizer)
+    array = np.asarray(ids, dtype=dtype)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("cannot write the token cache in %s (%s); going on without it", cache, e)
+        return array
+    return np.load(path, mmap_mode="r")
+
+
+def encode_long_text(text: str, tokenizer: Tokenizer, chunk_lines: int = 4096) -> list[int]:
+    """Encode a large text in batches of lines (so BPE runs in parallel); line ends are kept,
+    so decoding the ids gives the text back."""
+    if tokenizer.kind == "char":
+        return tokenizer.encode(text)
+    lines = text.splitlines(keepends=True)
+    ids: list[int] = []
+    for start in range(0, len(lines), chunk_lines):
+        for line_ids in tokenizer.encode_batch(lines[start : start + chunk_lines]):
+            ids.extend(line_ids)
+    return ids

@@ -1,0 +1,89 @@
+"""Generating text from a language model, with or without its cache.
+
+A model decodes here if it has
+    make_cache(batch, max_len, padded=...) -> cache with .length and .max_len
+    forward(tokens, is_real, cache=..., last_only=True) -> (B, 1, V) logits
+and a `cfg.context` (the longest window it reads). GPT's cache is a preallocated KV cache;
+Transformer-XL's is its memory.
+
+Shapes: B batch, T prompt length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from tformer.decoding.sampling import next_token
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt: Tensor,
+    *,
+    max_new_tokens: int,
+    is_real: Tensor | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+    eos_id: int | None = None,
+) -> Iterator[Tensor]:
+    """Yield (B,) new tokens, one step at a time, after a (B, T) prompt.
+
+    is_real: (B, T) False at padding, for left-padded prompts of different lengths.
+    A model with a fixed context sees the last `context` tokens: once the cache is full, the
+    window slides by running the model afresh over it, so cached and uncached generation
+    always see the same tokens and agree exactly. With eos_id, stops once every row has
+    produced it (finished rows repeat it).
+    """
+    B = prompt.shape[0]
+    context = model.cfg.context
+    padded = is_real is not None
+    tokens = prompt
+    real = is_real if padded else None
+    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
+
+    cache = None
+    fresh = True  # the next forward pass reads the whole window
+    for _ in range(max_new_tokens):
+        if use_cache and cache is not None and cache.length + 1 > cache.max_len:
+            fresh = True
+        if fresh or not use_cache:
+            window = tokens[:, -context:]
+            window_real = real[:, -context:] if padded else None
+            cache = model.make_cache(B, context, padded=padded) if use_cache else None
+            logits = model(window, window_real, cache=cache, last_only=True)
+            fresh = False
+        else:
+            logits = model(tokens[:, -1:], real[:, -1:] if padded else None, cache=cache,
+                           last_only=True)
+        token = next_token(
+            logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )
+        if eos_id is not None:
+            token = token.masked_fill(done, eos_id)
+            done |= token == eos_id
+        tokens = torch.cat([tokens, token[:, None]], dim=1)
+        if padded:
+            real = torch.cat([real, torch.ones_like(token, dtype=torch.bool)[:, None]], dim=1)
+        yield token
+        if eos_id is not None and bool(done.all()):
+            break
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token lists of different lengths -> (B, T) ids and is_real mask, padded on the left so
+    every row's last token is at the same position."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    is_real = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq):] = torch.tensor(seq)
+            is_real[i, width - len(seq):] = True
+    return ids, is_real

@@ -1,0 +1,247 @@
+"""Multi-head attention on torch's scaled_dot_product_attention, its masks and its KV cache.
+
+Shapes: B batch, H heads, T query length, S key length, D model width,
+d_head query/key size per head, d_value value size per head.
+
+Masks are boolean "may attend" tensors (True = attend) that broadcast to (B, H, T, S); every
+mask in the library is built by the functions in this file.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# --- masks ----------------------------------------------------------------------------------
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
+    """(T, S) mask where query i sits at absolute position S - T + i and sees keys <= it.
+
+    With S > T the first S - T keys are earlier context (a KV cache, or XL memory) that every
+    query may see.
+    """
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+def padding_mask(key_is_real: Tensor) -> Tensor:
+    """(B, S) "this key is a real token" -> (B, 1, 1, S) attention mask."""
+    return key_is_real[:, None, None, :]
+
+
+def lm_mask(key_is_real: Tensor | None, q_len: int, k_len: int, device: torch.device) -> Tensor:
+    """Causal mask combined with a key-padding mask, as (B or 1, 1, T, S).
+
+    A query always sees its own position, so that a padding query (say at the left of a
+    left-padded prompt) has at least one key: a row with no key would make softmax produce
+    NaN, and a NaN value leaks into real positions through 0 * NaN in the next layer.
+    """
+    mask = causal_mask(q_len, k_len, device)[None, None]
+    if key_is_real is not None:
+        mask = mask & padding_mask(key_is_real)
+        diagonal = torch.zeros(q_len, k_len, dtype=torch.bool, device=device)
+        diagonal[:, k_len - q_len :].fill_diagonal_(True)
+        mask = mask | diagonal
+    return mask
+
+
+# --- the KV cache ---------------------------------------------------------------------------
+
+
+class KVCache:
+    """Preallocated keys and values of one attention layer, filled as decoding goes on.
+
+    Appending writes into a fixed buffer (no torch.cat per token); `reorder` follows beam
+    search's choice of surviving hypotheses in one place.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        n_head: int,
+        max_len: int,
+        d_head: int,
+        d_value: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.k = torch.empty(batch, n_head, max_len, d_head, dtype=dtype, device=device)
+        self.v = torch.empty(batch, n_head, max_len, d_value, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store (B, H, T, ·) new keys/values; return views of everything stored so far."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache holds {self.max_len} positions; {end} requested")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` (beam search: the surviving hypotheses' parents)."""
+        self.k = self.k.index_select(0, index)
+        self.v = self.v.index_select(0, index)
+
+
+class StaticKV:
+    """Keys and values computed once and reused at every step: cross-attention over the
+    encoder's output. Beams of one sentence share it when its batch is smaller than the
+    query batch (see MultiHeadAttention.forward)."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def reorder(self, index: Tensor) -> None:
+        # The encoder output depends only on the source sentence, which beams share.
+        pass
+
+
+class DecoderCache:
+    """Everything a decoder stack keeps between steps: one KVCache per layer, optional
+    cross-attention StaticKVs, and which cached positions are real tokens (for padded
+    batches). Beam search reorders all of it with one call."""
+
+    def __init__(
+        self,
+        self_attn: list[KVCache],
+        cross_attn: list[StaticKV] | None = None,
+        *,
+        track_padding: bool = False,
+    ) -> None:
+        self.self_attn = self_attn
+        self.cross_attn = cross_attn or []
+        first = self_attn[0]
+        self.is_real: Tensor | None = None
+        if track_padding:
+            self.is_real = torch.ones(
+                first.k.shape[0], first.max_len, dtype=torch.bool, device=first.k.device
+            )
+
+    @property
+    def length(self) -> int:
+        return self.self_attn[0].length
+
+    @property
+    def max_len(self) -> int:
+        return self.self_attn[0].max_len
+
+    def reorder(self, index: Tensor) -> None:
+        for cache in self.self_attn:
+            cache.reorder(index)
+        for cache in self.cross_attn:
+            cache.reorder(index)
+        if self.is_real is not None:
+            self.is_real = self.is_real.index_select(0, index)
+
+
+# --- multi-head attention -------------------------------------------------------------------
+
+
+class MultiHeadAttention(nn.Module):
+    """Self- or cross-attention with separate query/key and value head sizes.
+
+    Self-attention projects q, k and v with one fused matmul; cross-attention projects q from
+    the queries and k, v (fused) from the memory. Which one it is is fixed at construction.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_head: int,
+        *,
+        d_head: int | None = None,
+        d_value: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        cross: bool = False,
+    ) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.d_head = d_head or d_model // n_head
+        self.d_value = d_value or self.d_head
+        self.cross = cross
+        self.dropout = dropout
+        qk, v = n_head * self.d_head, n_head * self.d_value
+        if cross:
+            self.q_proj = nn.Linear(d_model, qk, bias=bias)
+            self.kv_proj = nn.Linear(d_model, qk + v, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 2 * qk + v, bias=bias)
+        self.out_proj = nn.Linear(v, d_model, bias=bias)
+
+    def _heads(self, x: Tensor, d: int) -> Tensor:
+        """(B, T, H*d) -> (B, H, T, d)."""
+        return x.unflatten(-1, (self.n_head, d)).transpose(1, 2)
+
+    def _project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.kv_proj(memory).split(
+            [self.n_head * self.d_head, self.n_head * self.d_value], dim=-1
+        )
+        return self._heads(k, self.d_head), self._heads(v, self.d_value)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        is_causal: bool = False,
+        cache: KVCache | StaticKV | None = None,
+    ) -> Tensor:
+        """x (B, T, D) -> (B, T, D).
+
+        memory: (B', S, D) the states to attend over for cross-attention (unused when
+            `cache` already holds them). B' may divide B: beams of one sentence share their
+            encoder output, read through a view instead of a copy.
+        mask: boolean may-attend mask broadcastable to (B, H, T, S).
+        is_causal: plain causal self-attention with no cache and no mask (the fast path).
+        cache: self-attention appends its new keys/values to a KVCache and attends over all
+            of them; cross-attention fills a StaticKV once and reuses it.
+        """
+        B, T, _ = x.shape
+        if self.cross:
+            q = self._heads(self.q_proj(x), self.d_head)
+            if isinstance(cache, StaticKV) and cache.k is not None:
+                k, v = cache.k, cache.v
+            else:
+                if memory is None:
+                    raise ValueError("cross-attention needs `memory`")
+                k, v = self._project_memory(memory)
+                if isinstance(cache, StaticKV):
+                    cache.k, cache.v = k, v
+            if k.shape[0] != B:
+                # (B', H, S, ·) -> (B, H, S, ·), each row repeated B/B' times, as a view.
+                group = B // k.shape[0]
+                k = k[:, None].expand(-1, group, -1, -1, -1).flatten(0, 1)
+                v = v[:, None].expand(-1, group, -1, -1, -1).flatten(0, 1)
+                if mask is not None and mask.shape[0] not in (1, B):
+                    mask = mask[:, None].expand(-1, group, -1, -1, -1).flatten(0, 1)
+        else:
+            qk = self.n_head * self.d_head
+            q, k, v = self.qkv_proj(x).split([qk, qk, self.n_head * self.d_value], dim=-1)
+            q, k, v = self._heads(q, self.d_head), self._heads(k, self.d_head), self._heads(
+                v, self.d_value
+            )
+            if isinstance(cache, KVCache):
+                k, v = cache.append(k, v)
+
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal and mask is None,
+        )
+        return self.out_proj(out.transpose(1, 2).flatten(2))

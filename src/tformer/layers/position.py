@@ -1,0 +1,53 @@
+"""Position encodings: sinusoidal (Vaswani et al. 2017, sec. 3.5) and learned (GPT)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def sinusoids(positions: Tensor, d_model: int) -> Tensor:
+    """Sinusoidal encodings of (possibly negative or fractional) positions: (N,) -> (N, D).
+
+    Dimension 2i holds sin(pos / 10000^(2i/D)) and 2i+1 holds cos(...). Transformer-XL feeds
+    relative distances through the same formula.
+    """
+    inv_freq = torch.exp(
+        torch.arange(0, d_model, 2, dtype=torch.float32, device=positions.device)
+        * (-math.log(10000.0) / d_model)
+    )
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    enc = torch.zeros(positions.shape[0], d_model, device=positions.device)
+    enc[:, 0::2] = torch.sin(angles)
+    enc[:, 1::2] = torch.cos(angles[:, : d_model // 2])
+    return enc
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed encodings for positions 0..max_len-1, kept as a non-persistent buffer."""
+
+    def __init__(self, max_len: int, d_model: int) -> None:
+        super().__init__()
+        self.register_buffer(
+            "table", sinusoids(torch.arange(max_len), d_model), persistent=False
+        )
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """Integer positions (any shape) -> their encodings (..., D)."""
+        return self.table[positions]
+
+
+class LearnedPositions(nn.Module):
+    """A trained embedding per position (GPT)."""
+
+    def __init__(self, max_len: int, d_model: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(max_len, d_model)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        return self.table(positions)
+
+
+POSITIONS = {"sinusoidal": SinusoidalPositions, "learned": LearnedPositions}

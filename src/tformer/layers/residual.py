@@ -1,0 +1,29 @@
+"""The residual connection around every sublayer, with the norm before or after it.
+
+post-norm (Vaswani et al. 2017): x = LayerNorm(x + Dropout(f(x)))
+pre-norm  (GPT-2, Xiong et al. 2020): x = x + Dropout(f(LayerNorm(x))); the stack then needs a
+final LayerNorm, which the model owns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+NORM_POSITIONS = ("pre", "post")
+
+
+class Residual(nn.Module):
+    def __init__(self, d_model: int, *, norm: str, dropout: float, bias: bool = True) -> None:
+        super().__init__()
+        if norm not in NORM_POSITIONS:
+            raise ValueError(f"norm must be one of {NORM_POSITIONS}, not {norm!r}")
+        self.pre = norm == "pre"
+        self.norm = nn.LayerNorm(d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        if self.pre:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))

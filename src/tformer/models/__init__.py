@@ -1,0 +1,1 @@
+"""One file per family: a Config dataclass and the nn.Module."""

@@ -1,0 +1,47 @@
+"""The families, by the name a config gives in `model.family`.
+
+Adding a family means one entry here plus its own files: a model, its task (data, loss,
+metrics) and its decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from tformer.data.lm import LMDataConfig
+from tformer.errors import TformerError, did_you_mean
+from tformer.models.gpt import GPT, GPTConfig
+from tformer.tasks import gpt as gpt_task
+from tformer.tasks.gpt import GPTTask
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kind: str
+    """'lm' (generate, evaluate on text) or 'seq2seq' (translate, evaluate with BLEU)."""
+    model_config: type
+    data_config: type
+    model: Callable[[Any], nn.Module]
+    task: Callable[..., Any]
+    evaluate_text: Callable[..., dict[str, float]] | None = None
+    """Language models: metrics over a token stream (model, ids, tokenizer, cfg)."""
+
+
+FAMILIES: dict[str, Family] = {
+    "gpt": Family("gpt", "lm", GPTConfig, LMDataConfig, GPT, GPTTask, gpt_task.evaluate_text),
+}
+
+
+def get_family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise TformerError(
+            f"model.family = {name!r} is not known{did_you_mean(name, FAMILIES)}; "
+            f"choose one of: {' | '.join(FAMILIES)}"
+        ) from None

@@ -1,0 +1,28 @@
+"""The one place that picks the device and the autocast precision."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tformer.errors import TformerError
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """'auto' is CUDA when present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TformerError(f"train.device = {name!r} but no CUDA device is available")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise TformerError(f"train.device = {name!r} but MPS is not available")
+    return device
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """bfloat16 autocast when asked for; fp32 otherwise."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

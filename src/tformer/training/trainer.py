@@ -1,0 +1,255 @@
+"""The training loop, the same for every family.
+
+Read `train` top to bottom: set-up (or restore), then one loop of optimizer steps with
+evaluation and checkpoints at fixed intervals. Everything family-specific is behind the task
+(see tformer.tasks): its batches, its loss, its validation metrics.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model
+from torch import nn
+
+from tformer.config import RunConfig, TrainConfig
+from tformer.data.tokenizers import load_tokenizer
+from tformer.errors import TformerError
+from tformer.registry import get_family
+from tformer.training import checkpoint as ckpt
+from tformer.training.device import autocast, pick_device
+from tformer.training.schedule import learning_rate
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.csv"
+METRIC_FIELDS = ("step", "split", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    val_loss: float | None
+    best_val_loss: float | None
+    skipped_steps: int
+    interrupted: bool
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only (not biases or norms)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
+    )
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class MetricsLog:
+    """metrics.csv in the run directory, one row per logged step or evaluation."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None) -> None:
+        self.path = run_dir / METRICS
+        if resume_step is not None and self.path.exists():
+            # Rows written after the checkpoint we resume from are about to be redone.
+            with open(self.path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+            self._write(rows, "w")
+        elif not self.path.exists() or resume_step is None:
+            self._write([], "w")
+
+    def _write(self, rows: list[dict[str, Any]], mode: str) -> None:
+        with open(self.path, mode, newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
+            if mode == "w":
+                writer.writeheader()
+            writer.writerows(rows)
+
+    def add(self, **row: Any) -> None:
+        self._write([row], "a")
+
+
+@contextmanager
+def stop_requests() -> Iterator[threading.Event]:
+    """An event set by Ctrl-C or SIGTERM, so the loop can save and stop between steps."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def request_stop(signum: int, frame: Any) -> None:
+        log.warning("got %s: saving a checkpoint and stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def train(
+    cfg: RunConfig,
+    run_dir: str | Path,
+    *,
+    resume_from: Path | None = None,
+    progress: Progress | None = None,
+) -> TrainResult:
+    """Train a model as `cfg` says, writing checkpoints and metrics into `run_dir`.
+
+    resume_from: a checkpoint of this run to continue from, exactly where it stopped.
+    progress: called with a dict after logged steps and evaluations (the CLI's progress bar).
+    """
+    run_dir = Path(run_dir)
+    tcfg = cfg.train
+    family = get_family(cfg.family)
+    device = pick_device(tcfg.device)
+
+    # --- set-up: data, model, optimizer, or all of them restored from a checkpoint -------
+    tokenizer = None
+    state: dict[str, Any] | None = None
+    if resume_from is not None:
+        tokenizer = load_tokenizer(resume_from / ckpt.TOKENIZER)
+        state = ckpt.load_trainer_state(resume_from)
+    torch.manual_seed(tcfg.seed)
+    task = family.task(cfg, tokenizer)
+    cfg = cfg.replace("model", **task.model_fields())
+    model = family.model(cfg.model).to(device)
+    optimizer = make_optimizer(model, tcfg, device)
+    batches = task.train_batches(tcfg.seed)
+
+    step, best_val, skipped = 0, None, 0
+    if state is not None:
+        load_model(model, str(resume_from / ckpt.WEIGHTS), device=str(device))
+        optimizer.load_state_dict(state["optimizer"])
+        batches.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        step, best_val, skipped = state["step"], state["best_val_loss"], state["skipped_steps"]
+        log.info("resuming %s at step %d", run_dir, step)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.write_json(run_dir / ckpt.CONFIG, cfg.to_dict())
+    metrics = MetricsLog(run_dir, step if state is not None else None)
+    train_step = model
+    if tcfg.compile:
+        train_step = torch.compile(model)
+
+    def save(path: Path) -> None:
+        trainer_state = {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "data": batches.state_dict(),
+            "rng": rng_state(),
+            "best_val_loss": best_val,
+            "skipped_steps": skipped,
+        }
+        ckpt.save_checkpoint(path, cfg, model, task.tokenizer, trainer_state)
+
+    def evaluate() -> float:
+        nonlocal best_val
+        result = task.evaluate(model, max_batches=tcfg.eval_batches)
+        val = result["loss"]
+        metrics.add(step=step, split="val", loss=f"{val:.6f}")
+        if progress:
+            progress({"step": step, "val": result})
+        if best_val is None or val < best_val:
+            best_val = val
+            save(run_dir / ckpt.BEST)
+        return val
+
+    # --- the loop ------------------------------------------------------------------------
+    model.train()
+    interrupted, val_loss, bad_in_a_row = False, None, 0
+    tokens_since, time_since, started = 0, time.perf_counter(), time.perf_counter()
+    with stop_requests() as stop:
+        while step < tcfg.steps and not stop.is_set():
+            lr = learning_rate(step, tcfg, getattr(cfg.model, "d_model", 512))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(tcfg.accumulate):
+                batch = next(batches).to(device)
+                with autocast(device, tcfg.precision):
+                    loss, n_tokens = task.loss(train_step, batch)
+                (loss / tcfg.accumulate).backward()
+                loss_sum += loss.detach()
+                tokens_since += n_tokens
+            max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            loss_value = loss_sum.item() / tcfg.accumulate
+
+            if math.isfinite(loss_value) and math.isfinite(float(grad_norm)):
+                optimizer.step()
+                bad_in_a_row = 0
+            else:
+                skipped += 1
+                bad_in_a_row += 1
+                log.warning("step %d: non-finite loss or gradient, step skipped", step + 1)
+                if bad_in_a_row >= tcfg.max_bad_steps:
+                    raise TformerError(
+                        f"training stopped at step {step + 1}: {bad_in_a_row} steps in a row had "
+                        f"a non-finite loss or gradient (try a lower train.lr); the checkpoints "
+                        f"in {run_dir} are from before"
+                    )
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+
+            if step % tcfg.log_every == 0 or step == tcfg.steps:
+                elapsed = time.perf_counter() - time_since
+                row = {
+                    "step": step, "split": "train", "loss": f"{loss_value:.6f}", "lr": f"{lr:.6g}",
+                    "grad_norm": f"{float(grad_norm):.4f}",
+                    "tokens_per_s": f"{tokens_since / elapsed:.1f}",
+                    "elapsed_s": f"{time.perf_counter() - started:.1f}",
+                }
+                metrics.add(**row)
+                if progress:
+                    progress({"step": step, "loss": loss_value, "lr": lr,
+                              "tokens_per_s": tokens_since / elapsed})
+                tokens_since, time_since = 0, time.perf_counter()
+            if step % tcfg.eval_every == 0 or step == tcfg.steps:
+                val_loss = evaluate()
+                model.train()
+                time_since = time.perf_counter()
+            if step % tcfg.checkpoint_every == 0 or step == tcfg.steps:
+                save(ckpt.step_dir(run_dir, step))
+                ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
+                time_since = time.perf_counter()
+        if stop.is_set():
+            interrupted = True
+            save(ckpt.step_dir(run_dir, step))
+            ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
+    return TrainResult(run_dir, step, val_loss, best_val, skipped, interrupted)
