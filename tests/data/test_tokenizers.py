@@ -1,0 +1,69 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tformer.data.tokenizers import (
+    BOS,
+    EOS,
+    PAD,
+    CharTokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_from_json,
+    train_tokenizer,
+)
+from tformer.errors import TformerError
+
+SAMPLE = "To be, or not to be: that is the question.\nSein oder Nichtsein — das ist hier die Frage.\n"
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return train_tokenizer("bpe", [SAMPLE * 50], vocab_size=300)
+
+
+@given(st.text())
+@settings(max_examples=200, deadline=None)
+def test_char_round_trip_of_any_text(text):
+    tok = CharTokenizer(text)
+    assert tok.decode(tok.encode(text)) == text
+    again = tokenizer_from_json(tok.to_json())
+    assert again.encode(text) == tok.encode(text)
+
+
+@given(st.text())
+@settings(max_examples=200, deadline=None)
+def test_bpe_round_trip_of_any_text(bpe, text):
+    assert bpe.decode(bpe.encode(text)) == text
+
+
+def test_char_tokenizer_names_unseen_characters():
+    tok = CharTokenizer("abc")
+    with pytest.raises(TformerError, match=r"never saw 2 of these characters: 'x', 'z'"):
+        tok.encode("abxcz")
+
+
+def test_special_tokens_come_first():
+    tok = CharTokenizer("ba", specials=True)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    assert tok.encode("ab") == [3, 4]
+    assert tok.decode([1, 3, 4, 2, 0]) == "ab"
+
+
+def test_bpe_specials_and_save_load(bpe, tmp_path):
+    assert [bpe.tok.id_to_token(i) for i in (bpe.pad_id, bpe.bos_id, bpe.eos_id)] == [PAD, BOS, EOS]
+    assert bpe.vocab_size <= 300
+    save_tokenizer(bpe, tmp_path / "tokenizer.json")
+    loaded = load_tokenizer(tmp_path / "tokenizer.json")
+    assert loaded.kind == "bpe"
+    assert loaded.encode(SAMPLE) == bpe.encode(SAMPLE)
+    assert len(bpe.encode(SAMPLE)) < len(SAMPLE) / 2, "BPE merges common pieces"
+
+
+def test_unknown_kind_and_bad_file(tmp_path):
+    with pytest.raises(TformerError, match="data.tokenizer = 'word'"):
+        train_tokenizer("word", ["x"])
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    with pytest.raises(TformerError, match="cannot read tokenizer"):
+        load_tokenizer(bad)

@@ -1,0 +1,92 @@
+import math
+
+import pytest
+import torch
+
+from tformer.layers import DecoderCache, KVCache, MultiHeadAttention, causal_mask, lm_mask
+
+
+def naive_attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(d) + mask) v, one (batch, head, query) at a time."""
+    B, H, T, _ = q.shape
+    out = torch.zeros(B, H, T, v.shape[-1])
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                scores = [
+                    (q[b, h, i] @ k[b, h, j]) / math.sqrt(q.shape[-1])
+                    if mask[b if mask.shape[0] > 1 else 0, 0, i, j] else -math.inf
+                    for j in range(k.shape[2])
+                ]
+                weights = torch.softmax(torch.tensor(scores), dim=0)
+                out[b, h, i] = weights @ v[b, h]
+    return out
+
+
+@pytest.mark.parametrize("d_head,d_value", [(None, None), (8, 12)])
+@torch.no_grad()
+def test_self_attention_matches_naive(d_head, d_value):
+    attn = MultiHeadAttention(16, 2, d_head=d_head, d_value=d_value).eval()
+    x = torch.randn(2, 5, 16)
+    is_real = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    mask = lm_mask(is_real, 5, 5, x.device)
+    got = attn(x, mask=mask)
+
+    q, k, v = attn.qkv_proj(x).split(
+        [2 * attn.d_head, 2 * attn.d_head, 2 * attn.d_value], dim=-1
+    )
+    heads = lambda t, d: t.unflatten(-1, (2, d)).transpose(1, 2)  # noqa: E731
+    ref = naive_attention(heads(q, attn.d_head), heads(k, attn.d_head), heads(v, attn.d_value), mask)
+    ref = attn.out_proj(ref.transpose(1, 2).flatten(2))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_fast_path_equals_explicit_mask():
+    attn = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(3, 7, 16)
+    torch.testing.assert_close(
+        attn(x, is_causal=True), attn(x, mask=causal_mask(7, 7)), atol=1e-6, rtol=1e-6
+    )
+
+
+def test_causal_mask_with_earlier_keys():
+    # 2 new queries after 3 cached keys: query 0 is position 3, query 1 is position 4.
+    expected = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(causal_mask(2, 5), expected)
+
+
+def test_lm_mask_keeps_the_diagonal_for_padding_queries():
+    is_real = torch.tensor([[False, False, True]])
+    mask = lm_mask(is_real, 3, 3, torch.device("cpu"))[0, 0]
+    assert mask.any(dim=-1).all(), "every query must see at least one key"
+    assert not mask[2, :2].any(), "a real query never sees padding"
+
+
+def test_cross_attention_shares_memory_across_beams():
+    attn = MultiHeadAttention(16, 2, cross=True).eval()
+    x = torch.randn(6, 3, 16)
+    memory = torch.randn(2, 4, 16)
+    shared = attn(x, memory)
+    copied = attn(x, memory.repeat_interleave(3, dim=0))
+    torch.testing.assert_close(shared, copied)
+
+
+def test_kv_cache_appends_and_reorders():
+    cache = KVCache(2, 1, 4, 3, 3, dtype=torch.float32, device=torch.device("cpu"))
+    k1, v1 = torch.randn(2, 1, 2, 3), torch.randn(2, 1, 2, 3)
+    cache.append(k1, v1)
+    k2, v2 = torch.randn(2, 1, 1, 3), torch.randn(2, 1, 1, 3)
+    k, v = cache.append(k2, v2)
+    assert torch.equal(k, torch.cat([k1, k2], dim=2)) and cache.length == 3
+    cache.reorder(torch.tensor([1, 1]))
+    assert torch.equal(cache.k[0, :, :3], torch.cat([k1, k2], dim=2)[1])
+    with pytest.raises(RuntimeError, match="holds 4 positions"):
+        cache.append(torch.randn(2, 1, 2, 3), torch.randn(2, 1, 2, 3))
+
+
+def test_decoder_cache_reorders_padding_too():
+    layers = [KVCache(2, 1, 4, 3, 3, dtype=torch.float32, device=torch.device("cpu"))]
+    cache = DecoderCache(layers, track_padding=True)
+    cache.is_real[0, 0] = False
+    cache.reorder(torch.tensor([1, 0]))
+    assert cache.is_real[1, 0].item() is False and cache.is_real[0, 0].item() is True
