@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tformer import __version__
-from tformer.config import load_config
+from tformer.config import RunConfig, load_config
 from tformer.errors import TformerError
 
 log = logging.getLogger("tformer")
@@ -172,7 +172,7 @@ def check_generation_args(
 
 def evaluate_command(
     checkpoint: str, data: list[str], *, as_json: bool = False, batch_size: int = 0,
-    device: str = "auto",
+    device: str = "auto", mem_len: int | None = None, segment_len: int | None = None,
 ) -> int:
     from tformer.data.corpus import cached_token_ids, read_corpus
     from tformer.registry import get_family
@@ -186,6 +186,7 @@ def evaluate_command(
         raise TformerError(f"--batch-size {batch_size} must be positive")
     if batch_size:
         cfg = cfg.replace("train", batch_size=batch_size)
+    cfg = memory_overrides(cfg, loaded.path, mem_len, segment_len)
     if family.kind != "lm":
         raise TformerError(f"evaluate does not know the {cfg.family} family yet")
     if len(data) > 1:
@@ -198,6 +199,29 @@ def evaluate_command(
         result = task.evaluate(loaded.model)
     print_metrics(result, as_json)
     return 0
+
+
+def memory_overrides(
+    cfg: RunConfig, path: Path, mem_len: int | None, segment_len: int | None
+) -> RunConfig:
+    """--mem-len and --segment-len: the memory and segment length a Transformer-XL is
+    evaluated with (they need not be the trained ones)."""
+    if mem_len is None and segment_len is None:
+        return cfg
+    if not hasattr(cfg.model, "mem_len"):
+        raise TformerError(
+            f"--mem-len and --segment-len apply to transformer-xl checkpoints; {path} is a "
+            f"{cfg.family} model"
+        )
+    if mem_len is not None:
+        if mem_len < 0:
+            raise TformerError(f"--mem-len {mem_len} must be 0 (no memory) or more")
+        cfg = cfg.replace("model", eval_mem_len=mem_len)
+    if segment_len is not None:
+        if segment_len < 1:
+            raise TformerError(f"--segment-len {segment_len} must be at least 1")
+        cfg = cfg.replace("model", context=segment_len)
+    return cfg
 
 
 def print_metrics(result: dict[str, float], as_json: bool) -> None:
@@ -253,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--batch-size", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--mem-len", type=int, default=None,
+                   help="transformer-xl: memory positions per layer (default: the trained one)")
+    p.add_argument("--segment-len", type=int, default=None,
+                   help="transformer-xl: tokens per segment (default: model.context)")
     return parser
 
 
@@ -281,7 +309,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "evaluate":
         return evaluate_command(
             args.checkpoint, args.data, as_json=args.json, batch_size=args.batch_size,
-            device=args.device,
+            device=args.device, mem_len=args.mem_len, segment_len=args.segment_len,
         )
     raise AssertionError(args.command)
 

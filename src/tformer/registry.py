@@ -15,8 +15,11 @@ from torch import nn
 from tformer.data.lm import LMDataConfig
 from tformer.errors import TformerError, did_you_mean
 from tformer.models.gpt import GPT, GPTConfig
+from tformer.models.transformer_xl import TransformerXL, TransformerXLConfig
 from tformer.tasks import gpt as gpt_task
+from tformer.tasks import transformer_xl as txl_task
 from tformer.tasks.gpt import GPTTask
+from tformer.tasks.transformer_xl import TransformerXLTask
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,10 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "gpt": Family("gpt", "lm", GPTConfig, LMDataConfig, GPT, GPTTask, gpt_task.evaluate_text),
+    "transformer-xl": Family(
+        "transformer-xl", "lm", TransformerXLConfig, LMDataConfig, TransformerXL,
+        TransformerXLTask, txl_task.evaluate_text,
+    ),
 }
 
 

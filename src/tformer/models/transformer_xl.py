@@ -1,0 +1,344 @@
+"""Transformer-XL: segment-level recurrence and relative positional attention
+(Dai et al. 2019, "Transformer-XL: Attentive Language Models Beyond a Fixed-Length Context").
+
+Each layer attends over [memory; segment]: the memory holds that layer's inputs for the
+last `mem_len` positions of the previous segments, detached from the graph (sec. 3.2). Where
+a key sits is given by its distance to the query, not by an absolute position (sec. 3.3), so
+the same states can be reused when the next segment arrives.
+
+Shapes: B batch, T segment (new tokens), M memory length, K = M + T keys, D d_model,
+H heads, d d_head, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.config import check_choice, check_heads, check_range
+from tformer.layers import FeedForward, Residual, lm_mask, sinusoids
+
+
+@dataclass(frozen=True)
+class TransformerXLConfig:
+    vocab_size: int = 0
+    """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
+    context: int = 64
+    """Segment length: tokens per training step and per evaluation step."""
+    mem_len: int = 64
+    """Positions of memory kept per layer while training."""
+    eval_mem_len: int | None = None
+    """Memory for evaluation and generation; none means mem_len."""
+    clamp_len: int = 0
+    """Relative distances beyond this share its encoding; 0 is off."""
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: int = 0
+    """0 means 4 * d_model."""
+    d_head: int | None = None
+    """Size per head; none means d_model / n_head."""
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    """Dropout on the attention probabilities."""
+    activation: str = "relu"
+    norm: str = "post"
+    """post, as in the paper's code; pre for deeper stacks."""
+    share_biases: bool = True
+    """One pair of global biases u, v for all layers (the paper's code); false: per layer."""
+    tie_embeddings: bool = True
+    bias: bool = True
+    """Biases in the feed-forward layers and the layer norms."""
+
+    def __post_init__(self) -> None:
+        check_range("model.vocab_size", self.vocab_size, low=0)
+        for key in ("context", "n_layer", "n_head", "d_model"):
+            check_range(f"model.{key}", getattr(self, key), low=1)
+        for key in ("mem_len", "clamp_len", "d_ff"):
+            check_range(f"model.{key}", getattr(self, key), low=0)
+        if self.eval_mem_len is not None:
+            check_range("model.eval_mem_len", self.eval_mem_len, low=0)
+        if self.d_head is not None:
+            check_range("model.d_head", self.d_head, low=1)
+        check_heads("model", self.d_model, self.n_head, self.d_head)
+        check_range("model.dropout", self.dropout, low=0.0, high=1.0)
+        check_range("model.attn_dropout", self.attn_dropout, low=0.0, high=1.0)
+        check_choice("model.activation", self.activation, ("relu", "gelu"))
+        check_choice("model.norm", self.norm, ("post", "pre"))
+
+    @property
+    def ff_width(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_size(self) -> int:
+        return self.d_head or self.d_model // self.n_head
+
+    @property
+    def memory_for_eval(self) -> int:
+        return self.mem_len if self.eval_mem_len is None else self.eval_mem_len
+
+
+# --- the memory ---------------------------------------------------------------------------
+
+
+class Memory:
+    """The recurrence state: for each layer, its inputs at the last `mem_len` positions.
+
+    An object that a caller creates, hands to every forward pass of one ordered stream, and
+    drops (or clears) when the stream starts over; the forward pass updates it in place. It
+    is the model's KV cache when generating: a token's cost stops growing once it is full.
+    """
+
+    def __init__(self, mem_len: int) -> None:
+        self.mem_len = mem_len
+        self.states: list[Tensor] = []
+        """Per layer (B, M, D), detached; empty before the first segment."""
+        self.is_real: Tensor | None = None
+        """(B, M) False at padding, or None when every remembered position is real."""
+
+    @property
+    def length(self) -> int:
+        return self.states[0].shape[1] if self.states else 0
+
+    def clear(self) -> None:
+        self.states, self.is_real = [], None
+
+    def update(self, layer_inputs: list[Tensor], is_real: Tensor | None) -> None:
+        """Append one segment's (B, T, D) layer inputs and keep the last mem_len positions
+        (the paper's SG(h^{n-1}_{tau}) of eq. 1, carried to the next segment)."""
+        if self.mem_len == 0:
+            return
+        B, T = layer_inputs[0].shape[:2]
+        M = self.length
+        with torch.no_grad():
+            if self.states:
+                layer_inputs = [
+                    torch.cat([m, h], dim=1)
+                    for m, h in zip(self.states, layer_inputs, strict=True)
+                ]
+            self.states = [h[:, -self.mem_len :].detach() for h in layer_inputs]
+            if is_real is not None or self.is_real is not None:
+                device = self.states[0].device
+                past = self.is_real
+                if past is None:
+                    past = torch.ones(B, M, dtype=torch.bool, device=device)
+                if is_real is None:
+                    is_real = torch.ones(B, T, dtype=torch.bool, device=device)
+                self.is_real = torch.cat([past, is_real], dim=1)[:, -self.mem_len :]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index`."""
+        self.states = [m.index_select(0, index) for m in self.states]
+        if self.is_real is not None:
+            self.is_real = self.is_real.index_select(0, index)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"mem_len": self.mem_len, "states": list(self.states), "is_real": self.is_real}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.mem_len = int(state["mem_len"])  # type: ignore[arg-type]
+        self.states = list(state["states"])  # type: ignore[call-overload]
+        self.is_real = state["is_real"]  # type: ignore[assignment]
+
+
+# --- relative attention -------------------------------------------------------------------
+
+
+def relative_shift(scores: Tensor) -> Tensor:
+    """(B, H, T, K) scores against distances K-1, K-2, ..., 0 (column c: distance K-1-c)
+    -> (B, H, T, K) scores of query i against key j, at distance M + i - j.
+
+    Entry [i, j] moves from column j + T-1-i of row i. Padding one zero column on the left
+    and reading the buffer with rows one element shorter shifts row i left by T-1-i in a
+    single copy (the paper's appendix B). Entries with j > M + i (future keys) hold values
+    from the next row: the causal mask removes them.
+    """
+    B, H, T, K = scores.shape
+    padded = F.pad(scores, (1, 0))
+    return padded.flatten(2)[..., T:].view(B, H, T, K)
+
+
+class RelativeAttention(nn.Module):
+    """Multi-head attention with relative positions (the paper's eq. 2 and sec. 3.3):
+
+        score(i, j) = (q_i + u) . k_j  +  (q_i + v) . W_R R_{i-j}
+                       (a) + (c)            (b) + (d)
+
+    q, k, values and W_R are per layer; u and v (global content and position biases) are
+    passed in, so that the model may share them across layers. The position term is added to
+    the scaled content term as a float mask of torch's scaled_dot_product_attention.
+    """
+
+    def __init__(self, cfg: TransformerXLConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.d_head = cfg.head_size
+        width = self.n_head * self.d_head
+        # No projection biases, as in the paper's code: u and v are the only biases.
+        self.qkv_proj = nn.Linear(cfg.d_model, 3 * width, bias=False)
+        self.pos_proj = nn.Linear(cfg.d_model, width, bias=False)
+        self.out_proj = nn.Linear(width, cfg.d_model, bias=False)
+        self.attn_dropout = cfg.attn_dropout
+
+    def _heads(self, x: Tensor) -> Tensor:
+        """(B, T, H*d) -> (B, H, T, d)."""
+        return x.unflatten(-1, (self.n_head, self.d_head)).transpose(1, 2)
+
+    def forward(
+        self, x: Tensor, memory: Tensor | None, positions: Tensor, mask: Tensor,
+        u: Tensor, v: Tensor,
+    ) -> Tensor:
+        """x (B, T, D), memory (B, M, D) or None -> (B, T, D).
+
+        positions: (K, D) encodings of the distances K-1 ... 0.
+        mask: boolean may-attend mask broadcastable to (B, H, T, K).
+        u, v: (H, d) the content and position biases.
+        """
+        width = self.n_head * self.d_head
+        q, k, values = self.qkv_proj(x).split(width, dim=-1)
+        if memory is not None:
+            # Keys and values over [memory; segment]; queries only for the segment.
+            k_mem, v_mem = F.linear(memory, self.qkv_proj.weight[width:]).split(width, dim=-1)
+            k, values = torch.cat([k_mem, k], dim=1), torch.cat([v_mem, values], dim=1)
+        q, k, values = self._heads(q), self._heads(k), self._heads(values)
+        pos_k = self.pos_proj(positions).unflatten(-1, (self.n_head, self.d_head)).transpose(0, 1)
+
+        scale = 1.0 / math.sqrt(self.d_head)
+        position_scores = relative_shift((q + v[:, None]) @ pos_k.transpose(-1, -2)) * scale
+        position_scores = position_scores.masked_fill(~mask, float("-inf"))
+        out = F.scaled_dot_product_attention(
+            q + u[:, None], k, values, attn_mask=position_scores,
+            dropout_p=self.attn_dropout if self.training else 0.0,
+        )
+        return self.out_proj(out.transpose(1, 2).flatten(2))
+
+
+class TransformerXLBlock(nn.Module):
+    """Relative attention over [memory; segment], then feed-forward, each in a residual."""
+
+    def __init__(self, cfg: TransformerXLConfig) -> None:
+        super().__init__()
+        self.attn = RelativeAttention(cfg)
+        self.ff = FeedForward(
+            cfg.d_model, cfg.ff_width, activation=cfg.activation, dropout=cfg.dropout,
+            bias=cfg.bias,
+        )
+        self.attn_residual = Residual(
+            cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias
+        )
+        self.ff_residual = Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias)
+        self.pre_norm = cfg.norm == "pre"
+
+    def forward(
+        self, x: Tensor, memory: Tensor | None, positions: Tensor, mask: Tensor,
+        u: Tensor, v: Tensor,
+    ) -> Tensor:
+        if memory is not None and self.pre_norm:
+            # The memory holds un-normalised layer inputs; pre-norm normalises the keys'
+            # inputs the same way as the queries' (the paper's code, pre_lnorm).
+            memory = self.attn_residual.norm(memory)
+        x = self.attn_residual(x, lambda h: self.attn(h, memory, positions, mask, u, v))
+        return self.ff_residual(x, self.ff)
+
+
+class TransformerXL(nn.Module):
+    """A Transformer-XL language model: tied embeddings, relative attention, memory."""
+
+    decodes_with_memory = True
+    """tformer.decoding.lm.generate hands this model to the memory-based decoder."""
+
+    def __init__(self, cfg: TransformerXLConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError(
+                "TransformerXLConfig.vocab_size must be set (from the tokenizer) to build a model"
+            )
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_scale = math.sqrt(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+        n_biases = 1 if cfg.share_biases else cfg.n_layer
+        self.u = nn.Parameter(torch.empty(n_biases, cfg.n_head, cfg.head_size))
+        self.v = nn.Parameter(torch.empty(n_biases, cfg.n_head, cfg.head_size))
+        self.blocks = nn.ModuleList(TransformerXLBlock(cfg) for _ in range(cfg.n_layer))
+        self.final_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.norm == "pre" else None
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _init_weights(self) -> None:
+        """N(0, 0.02) for every matrix and for u, v; zero biases (the paper's code)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        nn.init.normal_(self.u, mean=0.0, std=0.02)
+        nn.init.normal_(self.v, mean=0.0, std=0.02)
+
+    def relative_positions(self, k_len: int, device: torch.device) -> Tensor:
+        """(K, D) sinusoidal encodings of the distances K-1 ... 0 (oldest key first), with
+        distances beyond clamp_len clamped to it."""
+        distances = torch.arange(k_len - 1, -1, -1, device=device)
+        if self.cfg.clamp_len > 0:
+            distances = distances.clamp(max=self.cfg.clamp_len)
+        return sinusoids(distances, self.cfg.d_model)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        is_real: Tensor | None = None,
+        *,
+        memory: Memory | None = None,
+        last_only: bool = False,
+    ) -> Tensor:
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) with `last_only`.
+
+        memory: the stream's Memory; the segment attends over it, then it is updated in place
+            with this segment's layer inputs. None: the segment alone, and nothing is kept.
+        is_real: (B, T) False at padding. Padding keys are never attended to; a left-padded
+            row gives the same outputs as the row alone, since only distances matter.
+        """
+        B, T = tokens.shape
+        mems: list[Tensor | None] = [None] * self.cfg.n_layer
+        if memory is not None and memory.length:
+            if memory.states[0].shape[0] != B:
+                raise ValueError(f"memory holds {memory.states[0].shape[0]} rows; batch has {B}")
+            mems = list(memory.states)
+        M = memory.length if memory is not None else 0
+
+        keys_real = None
+        if is_real is not None or (memory is not None and memory.is_real is not None):
+            past = memory.is_real if memory is not None and memory.is_real is not None else (
+                torch.ones(B, M, dtype=torch.bool, device=tokens.device))
+            new = is_real if is_real is not None else torch.ones_like(tokens, dtype=torch.bool)
+            keys_real = torch.cat([past, new], dim=1)
+        # Causal over [memory; segment]: query i sits at key position M + i.
+        mask = lm_mask(keys_real, T, M + T, tokens.device)
+
+        positions = self.dropout(self.relative_positions(M + T, tokens.device))
+        x = self.dropout(self.embed(tokens) * self.embed_scale)
+        layer_inputs = []
+        shared = self.cfg.share_biases
+        for i, block in enumerate(self.blocks):
+            layer_inputs.append(x)
+            b = 0 if shared else i
+            x = block(x, mems[i], positions.to(x.dtype), mask, self.u[b], self.v[b])
+        if memory is not None:
+            memory.update(layer_inputs, is_real)
+
+        if last_only:
+            x = x[:, -1:]
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.lm_head(self.dropout(x))
+
+    def num_params(self) -> int:
+        """Distinct parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())

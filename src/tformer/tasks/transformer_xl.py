@@ -1,0 +1,108 @@
+"""The Transformer-XL family's task: ordered streams, a memory carried from batch to batch.
+
+Training reads B streams segment by segment (tformer.data.streams); the memory of one step is
+the context of the next. With train.accumulate = k, the k micro-batches of a step are k
+consecutive segments, each attending over the memory its predecessor left.
+
+The training memory is part of the data cursor: checkpoints store it beside the stream
+position, so a resumed run computes what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from tformer.config import RunConfig
+from tformer.data.lm import LMData
+from tformer.data.streams import StreamBatch, TrainStreams, eval_streams
+from tformer.data.tokenizers import Tokenizer
+from tformer.evaluation.lm import IGNORE_INDEX, count_chars, lm_loss, lm_metrics
+from tformer.models.transformer_xl import Memory
+
+
+class TrainSegments:
+    """TrainStreams plus the memory that continues them, saved and restored together."""
+
+    def __init__(self, streams: TrainStreams, memory: Memory) -> None:
+        self.streams = streams
+        self.memory = memory
+
+    def __iter__(self) -> TrainSegments:
+        return self
+
+    def __next__(self) -> StreamBatch:
+        batch = next(self.streams)
+        if batch.first:
+            self.memory.clear()
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.streams.state_dict(), "memory": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streams.load_state_dict(state)
+        self.memory.load_state_dict(state["memory"])
+
+
+class TransformerXLTask:
+    def __init__(
+        self, cfg: RunConfig, tokenizer: Tokenizer | None = None, *, cache: Path | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.data = LMData(cfg.data, tokenizer, cache=cache)
+        self.tokenizer = self.data.tokenizer
+        self.memory = Memory(cfg.model.mem_len)
+        """The training memory: what the last training batch left for the next one."""
+
+    def model_fields(self) -> dict[str, Any]:
+        return self.data.model_fields()
+
+    def train_batches(self, seed: int) -> TrainSegments:
+        self.memory.clear()
+        streams = TrainStreams(
+            self.data.train_ids, self.cfg.train.batch_size, self.cfg.model.context, seed
+        )
+        return TrainSegments(streams, self.memory)
+
+    def loss(self, model: nn.Module, batch: StreamBatch) -> tuple[Tensor, int]:
+        if self.memory.states and self.memory.states[0].device != batch.tokens.device:
+            # Restored from a checkpoint, which is read onto the CPU.
+            self.memory.states = [m.to(batch.tokens.device) for m in self.memory.states]
+        logits = model(batch.tokens, memory=self.memory)
+        return lm_loss(logits, batch.targets), batch.num_tokens
+
+    def evaluate(self, model: nn.Module, max_batches: int = 0) -> dict[str, float]:
+        return evaluate_text(model, self.data.val_ids, self.tokenizer, self.cfg, max_batches)
+
+
+@torch.no_grad()
+def evaluate_text(
+    model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0
+) -> dict[str, float]:
+    """Loss, perplexity and bits per character over a token stream, read as
+    train.batch_size ordered streams in segments of model.context, each carrying a memory of
+    model.eval_mem_len (default model.mem_len) positions.
+
+    Every token but the first is predicted once; the first segment of each stream starts
+    with an empty memory. max_batches: stop after this many segments (0: all).
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    memory = Memory(cfg.model.memory_for_eval)
+    total_nll, n_tokens, n_chars = 0.0, 0, 0
+    for i, batch in enumerate(eval_streams(ids, cfg.train.batch_size, cfg.model.context)):
+        if max_batches and i >= max_batches:
+            break
+        batch = batch.to(device)
+        logits = model(batch.tokens, memory=memory)
+        total_nll += float(lm_loss(logits, batch.targets, reduction="sum"))
+        n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+        n_chars += count_chars(batch.targets.cpu(), tokenizer)
+    model.train(was_training)
+    return lm_metrics(total_nll, n_tokens, n_chars)
