@@ -13,12 +13,15 @@ from typing import Any
 from torch import nn
 
 from tformer.data.lm import LMDataConfig
+from tformer.data.parallel import ParallelDataConfig
 from tformer.errors import TformerError, did_you_mean
 from tformer.models.gpt import GPT, GPTConfig
+from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from tformer.models.transformer_xl import TransformerXL, TransformerXLConfig
 from tformer.tasks import gpt as gpt_task
 from tformer.tasks import transformer_xl as txl_task
 from tformer.tasks.gpt import GPTTask
+from tformer.tasks.seq2seq import Seq2SeqTask
 from tformer.tasks.transformer_xl import TransformerXLTask
 
 
@@ -37,6 +40,9 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "gpt": Family("gpt", "lm", GPTConfig, LMDataConfig, GPT, GPTTask, gpt_task.evaluate_text),
+    "seq2seq": Family(
+        "seq2seq", "seq2seq", Seq2SeqConfig, ParallelDataConfig, Seq2Seq, Seq2SeqTask
+    ),
     "transformer-xl": Family(
         "transformer-xl", "lm", TransformerXLConfig, LMDataConfig, TransformerXL,
         TransformerXLTask, txl_task.evaluate_text,

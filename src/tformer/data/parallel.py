@@ -1,0 +1,315 @@
+"""Parallel data for translation: line-aligned source/target files, a joint tokenizer,
+length filtering, and batches by token count.
+
+Shapes: B sentences in a batch, S source length, T target length (both with padding).
+
+Every sentence is encoded as its tokens followed by EOS; the decoder reads BOS + target and
+predicts target + EOS. `encode_source` and `make_batch` are the only places that add these
+special tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tformer.config import check_choice, check_range
+from tformer.data.builtin import BUILTIN_PARALLEL, number_pairs
+from tformer.data.corpus import read_text
+from tformer.data.tokenizers import KINDS, Tokenizer, train_tokenizer
+from tformer.errors import TformerError
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ParallelDataConfig:
+    train_src: str | None = None
+    """Source side of the training pairs, one sentence a line; none: the built-in task
+    (numbers in digits -> spelled out in German)."""
+    train_tgt: str | None = None
+    val_src: str | None = None
+    """Validation pairs; none: the last val_fraction of the training pairs."""
+    val_tgt: str | None = None
+    val_fraction: float = 0.05
+    tokenizer: str = "bpe"
+    """bpe: one byte-level BPE trained on both sides (the shared vocabulary that tied
+    embeddings need); char: characters of both sides."""
+    vocab_size: int = 8000
+    """BPE only."""
+    max_tokens: int = 4000
+    """Tokens per training batch, padding included: sentences x the longest source or
+    target in the batch (this replaces train.batch_size)."""
+    max_len: int = 128
+    """Training pairs with a longer source or target (in tokens, EOS included) are left out."""
+    max_ratio: float = 3.0
+    """Training pairs whose longer side has more than max_ratio times the tokens of the
+    shorter side are left out (misaligned lines)."""
+    builtin_pairs: int = 20000
+    """Built-in task only: how many numbers."""
+    builtin_max: int = 999999
+    """Built-in task only: the largest number."""
+
+    def __post_init__(self) -> None:
+        for side in ("train", "val"):
+            src, tgt = getattr(self, f"{side}_src"), getattr(self, f"{side}_tgt")
+            if (src is None) != (tgt is None):
+                given, missing = ("src", "tgt") if tgt is None else ("tgt", "src")
+                raise TformerError(
+                    f"data.{side}_{given} is set but data.{side}_{missing} is not; give both "
+                    f"files of the pairs"
+                )
+        if self.val_src is not None and self.train_src is None:
+            raise TformerError("data.val_src is set but data.train_src is not")
+        check_range("data.val_fraction", self.val_fraction, low=0.0, high=0.5)
+        check_choice("data.tokenizer", self.tokenizer, KINDS)
+        check_range("data.vocab_size", self.vocab_size, low=260)
+        check_range("data.max_tokens", self.max_tokens, low=1)
+        check_range("data.max_len", self.max_len, low=2)
+        check_range("data.max_ratio", self.max_ratio, low=1.0)
+        check_range("data.builtin_pairs", self.builtin_pairs, low=10)
+        check_range("data.builtin_max", self.builtin_max, low=9, high=999999)
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.train_src is None or self.train_src == BUILTIN_PARALLEL
+
+
+# --- reading ----------------------------------------------------------------------------
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """A file's lines, split on "\\n" only: str.splitlines would also split on form feeds
+    and Unicode line separators inside a sentence and misalign the pairs."""
+    text = read_text(path)
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
+
+
+def read_pairs(src: str | Path, tgt: str | Path) -> tuple[list[str], list[str]]:
+    """Source and target sentences of two line-aligned files (with read_text's checks)."""
+    src_lines, tgt_lines = read_lines(src), read_lines(tgt)
+    if len(src_lines) != len(tgt_lines):
+        raise TformerError(
+            f"parallel files differ in length: {src} has {len(src_lines)} lines, "
+            f"{tgt} has {len(tgt_lines)}; line i of one must translate line i of the other"
+        )
+    return src_lines, tgt_lines
+
+
+def builtin_pairs(cfg: ParallelDataConfig) -> tuple[list[str], list[str]]:
+    pairs = number_pairs(cfg.builtin_pairs, cfg.builtin_max)
+    return [s for s, _ in pairs], [t for _, t in pairs]
+
+
+# --- encoding and batching ----------------------------------------------------------------
+
+
+def encode_source(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids + EOS for each text (the form both sides take)."""
+    return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(list(texts))]
+
+
+@dataclass
+class Seq2SeqBatch:
+    src: Tensor
+    """(B, S) source ids + EOS, right-padded."""
+    src_real: Tensor
+    """(B, S) True at real source tokens."""
+    tgt_in: Tensor
+    """(B, T) BOS + target ids, right-padded."""
+    tgt_out: Tensor
+    """(B, T) target ids + EOS; IGNORE_INDEX at padding."""
+
+    def to(self, device: torch.device) -> Seq2SeqBatch:
+        return Seq2SeqBatch(
+            self.src.to(device), self.src_real.to(device), self.tgt_in.to(device),
+            self.tgt_out.to(device),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.tgt_out != IGNORE_INDEX).sum())
+
+
+def pad_right(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Lists of ids -> (B, L) right-padded ids and their "is real" mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    is_real = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        is_real[i, : len(seq)] = True
+    return ids, is_real
+
+
+def make_batch(
+    src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]], tokenizer: Tokenizer
+) -> Seq2SeqBatch:
+    """Encoded pairs (each side ending in EOS) -> a padded batch for teacher forcing."""
+    src_ids, src_real = pad_right(src, tokenizer.pad_id)
+    tgt_in, _ = pad_right([[tokenizer.bos_id, *t[:-1]] for t in tgt], tokenizer.pad_id)
+    tgt_out, tgt_real = pad_right(tgt, tokenizer.pad_id)
+    return Seq2SeqBatch(src_ids, src_real, tgt_in, tgt_out.masked_fill(~tgt_real, IGNORE_INDEX))
+
+
+def batch_by_tokens(order: np.ndarray, cost: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Cut `order` (indices, similar lengths next to each other) into consecutive batches
+    whose padded size, sentences x longest cost, stays within max_tokens (a batch always
+    holds at least one sentence)."""
+    batches: list[np.ndarray] = []
+    start, longest = 0, 0
+    for i, index in enumerate(order):
+        longest_with = max(longest, int(cost[index]))
+        if i > start and longest_with * (i - start + 1) > max_tokens:
+            batches.append(order[start:i])
+            start, longest_with = i, int(cost[index])
+        longest = longest_with
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+class TokenBatches:
+    """Training batches by token count with length bucketing, reshuffled every epoch.
+
+    Each epoch: a random permutation, a stable sort by (target, source) length so that
+    equal lengths stay in random order, cut into batches of at most max_tokens, and the
+    batches shuffled. The epoch's batches follow from (seed, epoch) alone, so the state is
+    just (epoch, cursor) and resuming continues with the exact same batches.
+    """
+
+    def __init__(
+        self,
+        src: list[list[int]],
+        tgt: list[list[int]],
+        tokenizer: Tokenizer,
+        *,
+        max_tokens: int,
+        seed: int,
+    ) -> None:
+        if not src:
+            raise TformerError("no training pairs are left after filtering by data.max_len "
+                               "and data.max_ratio")
+        self.src, self.tgt, self.tokenizer = src, tgt, tokenizer
+        self.max_tokens, self.seed = max_tokens, seed
+        self.src_len = np.array([len(s) for s in src])
+        self.tgt_len = np.array([len(t) for t in tgt])
+        self.epoch, self.cursor = 0, 0
+        self._batches = self._epoch_batches(0)
+
+    def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.src))
+        order = order[np.lexsort((self.src_len[order], self.tgt_len[order]))]
+        batches = batch_by_tokens(order, np.maximum(self.src_len, self.tgt_len), self.max_tokens)
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def __len__(self) -> int:
+        """Batches in the current epoch."""
+        return len(self._batches)
+
+    def __iter__(self) -> Iterator[Seq2SeqBatch]:
+        return self
+
+    def __next__(self) -> Seq2SeqBatch:
+        if self.cursor >= len(self._batches):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._batches = self._epoch_batches(self.epoch)
+        index = self._batches[self.cursor]
+        self.cursor += 1
+        return make_batch([self.src[i] for i in index], [self.tgt[i] for i in index],
+                          self.tokenizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._batches = self._epoch_batches(self.epoch)
+
+
+def sorted_batches(
+    src: list[list[int]], tgt: list[list[int]], tokenizer: Tokenizer, max_tokens: int
+) -> Iterator[Seq2SeqBatch]:
+    """Evaluation batches: every pair once, in length order (least padding)."""
+    src_len = np.array([len(s) for s in src])
+    tgt_len = np.array([len(t) for t in tgt])
+    order = np.lexsort((src_len, tgt_len))
+    for index in batch_by_tokens(order, np.maximum(src_len, tgt_len), max_tokens):
+        yield make_batch([src[i] for i in index], [tgt[i] for i in index], tokenizer)
+
+
+# --- the data of one run ------------------------------------------------------------------
+
+
+def keep_pair(src_len: int, tgt_len: int, max_len: int, max_ratio: float) -> bool:
+    return (
+        max(src_len, tgt_len) <= max_len
+        and max(src_len, tgt_len) <= max_ratio * min(src_len, tgt_len)
+    )
+
+
+class ParallelData:
+    """The training and validation pairs of a run, encoded with one joint tokenizer."""
+
+    def __init__(self, cfg: ParallelDataConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.cfg = cfg
+        if cfg.is_builtin:
+            src, tgt = builtin_pairs(cfg)
+        else:
+            src, tgt = read_pairs(cfg.train_src, cfg.train_tgt)
+        if cfg.val_src is not None:
+            val_src, val_tgt = read_pairs(cfg.val_src, cfg.val_tgt)
+        else:
+            n_val = max(1, int(len(src) * cfg.val_fraction))
+            if n_val >= len(src):
+                raise TformerError(
+                    f"{len(src)} training pairs are too few to split off a validation set"
+                )
+            val_src, val_tgt = src[-n_val:], tgt[-n_val:]
+            src, tgt = src[:-n_val], tgt[:-n_val]
+        if tokenizer is None:
+            # One vocabulary for both languages, learnt from the training pairs only.
+            tokenizer = train_tokenizer(
+                cfg.tokenizer, [*src, *tgt], vocab_size=cfg.vocab_size, specials=True
+            )
+        if None in (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id):
+            raise TformerError("a translation tokenizer needs <pad>, <s> and </s> tokens")
+        self.tokenizer = tokenizer
+        self.train_src, self.train_tgt = self._encode(src, tgt, "training", cfg.max_ratio)
+        # Validation keeps its odd pairs (its loss should be the loss on the real split);
+        # only lengths the model cannot hold are left out.
+        self.val_src, self.val_tgt = self._encode(val_src, val_tgt, "validation", float("inf"))
+        self.val_text = (val_src, val_tgt)
+
+    def _encode(
+        self, src: list[str], tgt: list[str], split: str, max_ratio: float
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        src_ids, tgt_ids = encode_source(self.tokenizer, src), encode_source(self.tokenizer, tgt)
+        keep = [
+            i for i in range(len(src_ids))
+            if keep_pair(len(src_ids[i]), len(tgt_ids[i]), self.cfg.max_len, max_ratio)
+        ]
+        if len(keep) < len(src_ids) / 2:
+            log.warning("%s: %d of %d pairs left out by max_len %d and max_ratio %g; are the "
+                        "limits right for this data?", split, len(src_ids) - len(keep),
+                        len(src_ids), self.cfg.max_len, max_ratio)
+        elif len(keep) < len(src_ids):
+            log.info("%s: %d of %d pairs left out by max_len %d and max_ratio %g", split,
+                     len(src_ids) - len(keep), len(src_ids), self.cfg.max_len, max_ratio)
+        return [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
+
+    def model_fields(self) -> dict[str, Any]:
+        return {"vocab_size": self.tokenizer.vocab_size}

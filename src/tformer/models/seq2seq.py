@@ -1,0 +1,285 @@
+"""The encoder-decoder Transformer for translation (Vaswani et al. 2017, "Attention Is All
+You Need").
+
+Shapes: B batch, S source length, T target length, D d_model, V vocabulary (shared by the
+source and the target).
+
+The model reads in the paper's order: embeddings scaled by sqrt(D) plus sinusoidal
+positions (sec. 3.4, 3.5), N encoder layers (self-attention, FFN), N decoder layers (causal
+self-attention, cross-attention over the encoder's output, FFN), and a projection to the
+vocabulary tied to the embeddings (sec. 3.4). `encode` and `decode` are apart so that
+decoding runs the encoder once per sentence and the decoder one token at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.config import check_choice, check_heads, check_range
+from tformer.layers import (
+    DecoderCache,
+    FeedForward,
+    KVCache,
+    MultiHeadAttention,
+    Residual,
+    SinusoidalPositions,
+    StaticKV,
+    padding_mask,
+)
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Seq2SeqConfig:
+    vocab_size: int = 0
+    """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
+    max_len: int = 256
+    """Longest source or target (in tokens) the position table covers."""
+    n_layer: int = 6
+    """Encoder layers; the decoder has as many unless n_decoder_layer says otherwise."""
+    n_decoder_layer: int | None = None
+    n_head: int = 8
+    d_model: int = 512
+    d_ff: int = 0
+    """0 means 4 * d_model."""
+    d_head: int | None = None
+    """Query/key size per head; none means d_model / n_head."""
+    d_value: int | None = None
+    """Value size per head; none means d_head."""
+    dropout: float = 0.1
+    attn_dropout: float = 0.0
+    """Dropout on attention weights (the paper uses none)."""
+    ff_dropout: float = 0.0
+    """Dropout inside the FFN, after the activation (the paper uses none; `dropout` already
+    covers every sublayer's output)."""
+    activation: str = "relu"
+    norm: str = "pre"
+    """pre: LayerNorm before each sublayer, plus a final one per stack (stable with large
+    learning rates); post: the paper's LayerNorm(x + sublayer(x))."""
+    tie_embeddings: bool = True
+    """One matrix for the encoder embedding, the decoder embedding and the output
+    projection (sec. 3.4); needs the shared source/target vocabulary."""
+    label_smoothing: float = 0.1
+    """epsilon_ls of sec. 5.4."""
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        check_range("model.vocab_size", self.vocab_size, low=0)
+        for key in ("max_len", "n_layer", "n_head", "d_model"):
+            check_range(f"model.{key}", getattr(self, key), low=1)
+        check_range("model.d_ff", self.d_ff, low=0)
+        for key in ("n_decoder_layer", "d_head", "d_value"):
+            if getattr(self, key) is not None:
+                check_range(f"model.{key}", getattr(self, key), low=1)
+        check_heads("model", self.d_model, self.n_head, self.d_head)
+        check_range("model.dropout", self.dropout, low=0.0, high=1.0)
+        check_range("model.attn_dropout", self.attn_dropout, low=0.0, high=1.0)
+        check_range("model.ff_dropout", self.ff_dropout, low=0.0, high=1.0)
+        check_range("model.label_smoothing", self.label_smoothing, low=0.0, high=1.0)
+        check_choice("model.activation", self.activation, ("relu", "gelu"))
+        check_choice("model.norm", self.norm, ("pre", "post"))
+
+    @property
+    def ff_width(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_decoder_layer or self.n_layer
+
+
+def _attention(cfg: Seq2SeqConfig, *, cross: bool) -> MultiHeadAttention:
+    return MultiHeadAttention(
+        cfg.d_model, cfg.n_head, d_head=cfg.d_head, d_value=cfg.d_value,
+        dropout=cfg.attn_dropout, bias=cfg.bias, cross=cross,
+    )
+
+
+def _residual(cfg: Seq2SeqConfig) -> Residual:
+    return Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias)
+
+
+def _feedforward(cfg: Seq2SeqConfig) -> FeedForward:
+    return FeedForward(
+        cfg.d_model, cfg.ff_width, activation=cfg.activation, dropout=cfg.ff_dropout,
+        bias=cfg.bias,
+    )
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention over the source, then the FFN (sec. 3.1)."""
+
+    def __init__(self, cfg: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.attn = _attention(cfg, cross=False)
+        self.ff = _feedforward(cfg)
+        self.attn_residual = _residual(cfg)
+        self.ff_residual = _residual(cfg)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        x = self.attn_residual(x, lambda h: self.attn(h, mask=mask))
+        return self.ff_residual(x, self.ff)
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, cross-attention over the encoder's output, then the FFN."""
+
+    def __init__(self, cfg: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.self_attn = _attention(cfg, cross=False)
+        self.cross_attn = _attention(cfg, cross=True)
+        self.ff = _feedforward(cfg)
+        self.self_residual = _residual(cfg)
+        self.cross_residual = _residual(cfg)
+        self.ff_residual = _residual(cfg)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        memory_mask: Tensor,
+        self_cache: KVCache | None,
+        cross_cache: StaticKV | None,
+    ) -> Tensor:
+        # One new token sees every cached key, so it needs no mask; several tokens (a whole
+        # right-padded target, or a first step with an empty cache) read under the causal
+        # mask, and padding at the end is only ever seen by padding queries.
+        is_causal = x.shape[1] > 1
+        x = self.self_residual(
+            x, lambda h: self.self_attn(h, is_causal=is_causal, cache=self_cache)
+        )
+        x = self.cross_residual(
+            x, lambda h: self.cross_attn(h, memory, mask=memory_mask, cache=cross_cache)
+        )
+        return self.ff_residual(x, self.ff)
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self, cfg: Seq2SeqConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError(
+                "Seq2SeqConfig.vocab_size must be set (from the tokenizer) to build a model"
+            )
+        self.cfg = cfg
+        self.src_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tgt_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.positions = SinusoidalPositions(cfg.max_len, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layer))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        # Pre-norm leaves each stack's residual stream un-normalised: one LayerNorm closes it.
+        pre = cfg.norm == "pre"
+        self.encoder_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if pre else None
+        self.decoder_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if pre else None
+        self.out_proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.tgt_embed.weight = self.src_embed.weight
+            self.out_proj.weight = self.src_embed.weight
+
+    def _init_weights(self) -> None:
+        """Xavier-uniform matrices, as the reference tensor2tensor and fairseq code does.
+        Embeddings get N(0, D^-0.5), so that after the sqrt(D) scaling of sec. 3.4 they have
+        unit variance, like the sinusoids they are added to."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        for embed in (self.src_embed, self.tgt_embed):
+            nn.init.normal_(embed.weight, mean=0.0, std=self.cfg.d_model**-0.5)
+        nn.init.normal_(self.out_proj.weight, mean=0.0, std=self.cfg.d_model**-0.5)
+
+    def _embed(self, embed: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        if start + tokens.shape[1] > self.cfg.max_len:
+            raise ValueError(
+                f"{start + tokens.shape[1]} tokens exceed the model's max_len of "
+                f"{self.cfg.max_len}"
+            )
+        x = embed(tokens) * math.sqrt(self.cfg.d_model) + self.positions(positions)
+        return self.dropout(x)
+
+    def encode(self, src: Tensor, src_real: Tensor) -> Tensor:
+        """src (B, S) token ids, src_real (B, S) True at real tokens -> memory (B, S, D).
+
+        Padding keys are masked out, so a real position's output does not depend on how
+        much padding follows it; outputs at padding positions are meaningless.
+        """
+        mask = padding_mask(src_real)
+        x = self._embed(self.src_embed, src)
+        for layer in self.encoder:
+            x = layer(x, mask)
+        return self.encoder_norm(x) if self.encoder_norm is not None else x
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        src_real: Tensor,
+        *,
+        cache: DecoderCache | None = None,
+    ) -> Tensor:
+        """tgt (B, T) target ids so far (starting with BOS) -> logits (B, T, V).
+
+        memory (B', S, D), src_real (B', S): the encoder's output and its padding; B' may
+            divide B (beams of one sentence share their source, as a view).
+        cache: from make_cache; tgt then holds only the new tokens after the cached ones,
+            and the cross-attention keys/values are computed on the first call only.
+        """
+        start = cache.length if cache is not None else 0
+        if start > 0 and tgt.shape[1] > 1:
+            raise ValueError("after the first cached step, decode one token at a time")
+        x = self._embed(self.tgt_embed, tgt, start)
+        memory_mask = padding_mask(src_real)
+        for i, layer in enumerate(self.decoder):
+            self_cache = cache.self_attn[i] if cache is not None else None
+            cross_cache = cache.cross_attn[i] if cache is not None else None
+            x = layer(x, memory, memory_mask, self_cache, cross_cache)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return self.out_proj(x)
+
+    def forward(self, src: Tensor, src_real: Tensor, tgt: Tensor) -> Tensor:
+        """Teacher forcing: (B, S) source, (B, S) its mask, (B, T) target inputs ->
+        (B, T, V) logits."""
+        return self.decode(tgt, self.encode(src, src_real), src_real)
+
+    def make_cache(self, batch: int, max_len: int) -> DecoderCache:
+        """An empty cache for `batch` target sequences of up to `max_len` tokens: a KV cache
+        per decoder layer and a slot per layer for the encoder's keys/values."""
+        attn = self.decoder[0].self_attn
+        param = self.src_embed.weight
+        layers = range(len(self.decoder))
+        return DecoderCache(
+            [
+                KVCache(batch, self.cfg.n_head, max_len, attn.d_head, attn.d_value,
+                        dtype=param.dtype, device=param.device)
+                for _ in layers
+            ],
+            [StaticKV() for _ in layers],
+        )
+
+    def num_params(self) -> int:
+        """Distinct parameters (tied matrices count once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def label_smoothed_loss(
+    logits: Tensor, targets: Tensor, epsilon: float, *, reduction: str = "mean"
+) -> Tensor:
+    """Cross-entropy of (B, T, V) logits against (B, T) targets with label smoothing
+    (Szegedy et al. 2016; Vaswani et al. 2017, sec. 5.4): the target distribution puts
+    1 - epsilon on the right token and spreads epsilon evenly over the vocabulary.
+    IGNORE_INDEX targets (padding) count for nothing; "mean" averages over real tokens."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+        label_smoothing=epsilon, reduction=reduction,
+    )

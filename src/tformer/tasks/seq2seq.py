@@ -1,0 +1,80 @@
+"""The translation family's task: parallel pairs in token-count batches, label-smoothed
+loss for training, plain cross-entropy for validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tformer.config import RunConfig
+from tformer.data.parallel import (
+    ParallelData,
+    Seq2SeqBatch,
+    TokenBatches,
+    sorted_batches,
+)
+from tformer.data.tokenizers import Tokenizer
+from tformer.errors import TformerError
+from tformer.models.seq2seq import label_smoothed_loss
+
+
+class Seq2SeqTask:
+    def __init__(
+        self, cfg: RunConfig, tokenizer: Tokenizer | None = None, *, cache: Path | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.data = ParallelData(cfg.data, tokenizer)
+        self.tokenizer = self.data.tokenizer
+        if cfg.data.max_len > cfg.model.max_len:
+            raise TformerError(
+                f"data.max_len = {cfg.data.max_len} is longer than model.max_len = "
+                f"{cfg.model.max_len}, the positions the model has; lower data.max_len"
+            )
+
+    def model_fields(self) -> dict[str, Any]:
+        return self.data.model_fields()
+
+    def train_batches(self, seed: int) -> TokenBatches:
+        return TokenBatches(
+            self.data.train_src, self.data.train_tgt, self.tokenizer,
+            max_tokens=self.cfg.data.max_tokens, seed=seed,
+        )
+
+    def loss(self, model: nn.Module, batch: Seq2SeqBatch) -> tuple[Tensor, int]:
+        logits = model(batch.src, batch.src_real, batch.tgt_in)
+        loss = label_smoothed_loss(logits, batch.tgt_out, self.cfg.model.label_smoothing)
+        return loss, batch.num_tokens
+
+    def evaluate(self, model: nn.Module, max_batches: int = 0) -> dict[str, float]:
+        return evaluate_loss(
+            model, self.data.val_src, self.data.val_tgt, self.tokenizer,
+            self.cfg.data.max_tokens, max_batches,
+        )
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module,
+    src: list[list[int]],
+    tgt: list[list[int]],
+    tokenizer: Tokenizer,
+    max_tokens: int,
+    max_batches: int = 0,
+) -> dict[str, float]:
+    """Cross-entropy per target token (nats, no label smoothing) of encoded pairs."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, n_tokens = 0.0, 0
+    for i, batch in enumerate(sorted_batches(src, tgt, tokenizer, max_tokens)):
+        if max_batches and i >= max_batches:
+            break
+        batch = batch.to(device)
+        logits = model(batch.src, batch.src_real, batch.tgt_in)
+        total += float(label_smoothed_loss(logits, batch.tgt_out, 0.0, reduction="sum"))
+        n_tokens += batch.num_tokens
+    model.train(was_training)
+    return {"loss": total / max(n_tokens, 1), "tokens": n_tokens}

@@ -1,0 +1,144 @@
+import numpy as np
+import pytest
+import torch
+
+from tformer.config import config_from_dict
+from tformer.data.builtin import german_number, number_pairs
+from tformer.data.parallel import (
+    IGNORE_INDEX,
+    ParallelData,
+    ParallelDataConfig,
+    TokenBatches,
+    batch_by_tokens,
+    make_batch,
+    read_pairs,
+)
+from tformer.data.tokenizers import train_tokenizer
+from tformer.errors import TformerError
+
+
+@pytest.fixture
+def tokenizer():
+    return train_tokenizer("char", ["abcdefgh"], specials=True)
+
+
+def write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_files_with_different_line_counts_are_a_clear_error(tmp_path):
+    src = write(tmp_path / "a.en", ["one", "two", "three"])
+    tgt = write(tmp_path / "a.de", ["eins", "zwei"])
+    with pytest.raises(TformerError, match=r"a\.en has 3 lines, .*a\.de has 2"):
+        read_pairs(src, tgt)
+
+
+def test_lines_split_on_newlines_only(tmp_path):
+    src = write(tmp_path / "a.en", ["form\x0cfeed", "line\u2028separator"])
+    tgt = write(tmp_path / "a.de", ["x", "y"])
+    assert read_pairs(src, tgt) == (["form\x0cfeed", "line\u2028separator"], ["x", "y"])
+
+
+def test_a_missing_or_binary_file_is_a_clear_error(tmp_path):
+    with pytest.raises(TformerError, match="not found"):
+        read_pairs(tmp_path / "nope.en", tmp_path / "nope.de")
+    (tmp_path / "bin.en").write_bytes(b"\x00\x01\x02")
+    write(tmp_path / "ok.de", ["x"])
+    with pytest.raises(TformerError, match="binary"):
+        read_pairs(tmp_path / "bin.en", tmp_path / "ok.de")
+
+
+def test_half_a_pair_of_files_is_a_config_error():
+    with pytest.raises(TformerError, match="data.train_src is set but data.train_tgt is not"):
+        ParallelDataConfig(train_src="a.en")
+
+
+def test_make_batch_adds_bos_and_eos_and_ignores_padding(tokenizer):
+    src = [[5, 6, 2], [7, 2]]
+    tgt = [[8, 2], [9, 10, 11, 2]]
+    batch = make_batch(src, tgt, tokenizer)
+    assert batch.src.tolist() == [[5, 6, 2], [7, 2, 0]]
+    assert batch.src_real.tolist() == [[True, True, True], [True, True, False]]
+    assert batch.tgt_in.tolist() == [[1, 8, 0, 0], [1, 9, 10, 11]]
+    assert batch.tgt_out.tolist() == [[8, 2, IGNORE_INDEX, IGNORE_INDEX], [9, 10, 11, 2]]
+    assert batch.num_tokens == 6
+
+
+def test_batches_stay_within_max_tokens():
+    rng = np.random.default_rng(0)
+    cost = rng.integers(1, 40, size=500)
+    order = np.argsort(cost, kind="stable")
+    batches = batch_by_tokens(order, cost, max_tokens=100)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(500))
+    for b in batches:
+        assert len(b) == 1 or len(b) * cost[b].max() <= 100
+
+
+def make_batches(seed=0, n=200):
+    rng = np.random.default_rng(1)
+    src = [[3] * int(k) + [2] for k in rng.integers(1, 30, size=n)]
+    tgt = [[4] * int(k) + [2] for k in rng.integers(1, 30, size=n)]
+    tok = train_tokenizer("char", ["ab"], specials=True)
+    return TokenBatches(src, tgt, tok, max_tokens=120, seed=seed), src
+
+
+def test_an_epoch_covers_every_pair_once_and_the_next_epoch_is_reshuffled():
+    batches, src = make_batches()
+    seen = []
+    first = []
+    for _ in range(len(batches)):
+        batch = next(batches)
+        first.append(batch.src.shape)
+        assert batch.src.numel() <= 120 or batch.src.shape[0] == 1
+        seen.append(int(batch.src_real.sum()))
+    assert sum(seen) == sum(len(s) for s in src)
+    second = [next(batches).src.shape for _ in range(len(first))]
+    assert batches.epoch == 1 and first != second
+
+
+def test_resuming_from_the_state_gives_the_same_batches():
+    batches, _ = make_batches()
+    for _ in range(len(batches) + 3):  # into the second epoch
+        next(batches)
+    state = batches.state_dict()
+    expected = [next(batches) for _ in range(5)]
+    resumed, _ = make_batches()
+    resumed.load_state_dict(state)
+    for want in expected:
+        got = next(resumed)
+        assert torch.equal(got.src, want.src) and torch.equal(got.tgt_out, want.tgt_out)
+
+
+def test_filtering_by_length_and_ratio(tmp_path):
+    src = write(tmp_path / "t.en", ["ab", "abababababab", "a", "abc"])
+    tgt = write(tmp_path / "t.de", ["ba", "b", "ab", "ab" * 40])
+    cfg = ParallelDataConfig(
+        train_src=str(src), train_tgt=str(tgt), val_src=str(src), val_tgt=str(tgt),
+        tokenizer="char", max_len=20, max_ratio=2.0,
+    )
+    data = ParallelData(cfg)
+    # Kept: "ab"/"ba" (3 and 3 tokens) and "a"/"ab" (2 and 3). Left out: ratio 13/2, and a
+    # target of 81 tokens.
+    assert len(data.train_src) == 2
+    # Validation keeps odd ratios and leaves out only what is too long.
+    assert len(data.val_src) == 3
+
+
+def test_builtin_task_is_generated_with_one_right_answer():
+    assert german_number(347) == "dreihundertsiebenundvierzig"
+    assert german_number(101_021) == "einhunderteintausendeinundzwanzig"
+    assert german_number(16) == "sechzehn" and german_number(70) == "siebzig"
+    pairs = number_pairs(100, 999)
+    assert len({s for s, _ in pairs}) == 100
+    assert all(german_number(int(s)) == t for s, t in pairs)
+    assert number_pairs(2000, 999)[0] == number_pairs(2000, 999)[0]
+
+
+def test_a_seq2seq_config_with_no_data_uses_the_builtin_task():
+    cfg = config_from_dict({"model": {"family": "seq2seq"},
+                            "data": {"tokenizer": "char", "builtin_pairs": 300,
+                                     "builtin_max": 999, "max_ratio": 12.0}})
+    data = ParallelData(cfg.data)
+    assert len(data.train_src) + len(data.val_src) == 300
+    assert data.tokenizer.decode(data.val_src[0])[0].isdigit()
