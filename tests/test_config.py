@@ -1,0 +1,96 @@
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tformer.config import config_from_dict, load_config, parse_override
+from tformer.errors import TformerError
+
+CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.to_dict()["model"]["family"] == cfg.family
+
+
+def test_overrides_are_typed_toml_values():
+    assert parse_override("train.lr=3e-4") == ("train", "lr", 3e-4)
+    assert parse_override("model.n_layer=6") == ("model", "n_layer", 6)
+    assert parse_override("model.bias=false") == ("model", "bias", False)
+    assert parse_override("data.path=corpus.txt") == ("data", "path", "corpus.txt")
+    assert parse_override('data.path="a b.txt"') == ("data", "path", "a b.txt")
+
+
+def test_overrides_apply_and_ints_become_floats():
+    cfg = config_from_dict({}, ["model.n_layer=6", "train.lr=1", "data.path=none"])
+    assert cfg.model.n_layer == 6
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.data.path is None
+
+
+@pytest.mark.parametrize(
+    "raw,overrides,message",
+    [
+        ({"model": {"n_layers": 4}}, [], r'unknown key model.n_layers \(did you mean "n_layer"\?\)'),
+        ({}, ["trian.lr=1"], r"unknown table 'trian' \(did you mean \"train\"\?\)"),
+        ({"modle": {}}, [], r'unknown table \[modle\] \(did you mean "model"\?\)'),
+        ({}, ["lr=1"], "not of the form section.key=value"),
+        ({}, ["train.lr=fast"], "train.lr = 'fast' has the wrong type; expected float"),
+        ({}, ["model.n_layer=2.5"], "expected int"),
+        ({}, ["model.bias=1"], "expected bool"),
+        ({}, ["model.n_head=3"], "model.d_model = 128 is not divisible by model.n_head = 3"),
+        ({}, ["model.n_layer=0"], "model.n_layer = 0 must be at least 1"),
+        ({}, ["model.norm=middle"], "model.norm = 'middle' is not allowed; choose one of: pre | post"),
+        ({}, ["model.family=gtp"], "model.family = 'gtp' is not known \\(did you mean \"gpt\"\\?\\)"),
+        ({}, ["train.schedule=linear"], "choose one of: cosine | noam | constant"),
+        ({}, ["train.min_lr=1"], "train.min_lr = 1.0 must be at most"),
+        ({}, ["train.lr=nan"], "must be a finite number"),
+        ({"train": 3}, [], r"\[train\] must be a table"),
+    ],
+)
+def test_bad_configs_name_the_problem(raw, overrides, message):
+    with pytest.raises(TformerError, match=message):
+        config_from_dict(raw, overrides)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(TformerError, match="config file not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nn_layer = ")
+    with pytest.raises(TformerError, match="does not parse"):
+        load_config(bad)
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(TformerError, match="not UTF-8"):
+        load_config(binary)
+
+
+def test_round_trip_through_dict():
+    cfg = config_from_dict({}, ["model.n_layer=3", "data.tokenizer=bpe"])
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+@given(st.dictionaries(st.sampled_from(["model", "data", "train", "x"]),
+                       st.dictionaries(st.text(max_size=12), st.one_of(
+                           st.integers(), st.floats(), st.text(max_size=8), st.booleans(),
+                           st.none()), max_size=4), max_size=3))
+@settings(max_examples=300, deadline=None)
+def test_no_config_gives_anything_but_a_clear_error(raw):
+    raw = {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in raw.items()}
+    try:
+        config_from_dict(raw)
+    except TformerError as e:
+        assert "\n" not in str(e)
+
+
+@given(st.text(max_size=30))
+@settings(max_examples=300, deadline=None)
+def test_no_override_gives_anything_but_a_clear_error(text):
+    try:
+        config_from_dict({}, [text])
+    except TformerError as e:
+        assert "\n" not in str(e)

@@ -1,0 +1,31 @@
+import math
+
+import pytest
+
+from tformer.config import TrainConfig
+from tformer.training.schedule import learning_rate
+
+
+def test_cosine_warms_up_then_decays_to_min_lr():
+    cfg = TrainConfig(steps=1000, lr=1e-3, min_lr=1e-4, warmup_steps=100)
+    assert learning_rate(0, cfg, 128) == pytest.approx(1e-5)
+    assert learning_rate(99, cfg, 128) == pytest.approx(1e-3)
+    assert learning_rate(549, cfg, 128) == pytest.approx(5.5e-4)  # halfway down the cosine
+    assert learning_rate(999, cfg, 128) == pytest.approx(1e-4)
+    rates = [learning_rate(s, cfg, 128) for s in range(100, 1000)]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+
+
+def test_constant_after_warmup():
+    cfg = TrainConfig(steps=100, lr=0.5, min_lr=0.0, warmup_steps=10, schedule="constant")
+    assert learning_rate(4, cfg, 64) == pytest.approx(0.25)
+    assert learning_rate(50, cfg, 64) == 0.5
+
+
+def test_noam_is_the_papers_formula():
+    cfg = TrainConfig(lr=1.0, min_lr=0.0, warmup_steps=4000, schedule="noam")
+    for step in (1, 100, 3999, 4000, 20000):
+        expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+        assert learning_rate(step - 1, cfg, 512) == pytest.approx(expected)
+    peak = learning_rate(3999, cfg, 512)
+    assert peak == pytest.approx(512**-0.5 / math.sqrt(4000))
