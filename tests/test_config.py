@@ -34,7 +34,11 @@ def test_overrides_apply_and_ints_become_floats():
 @pytest.mark.parametrize(
     "raw,overrides,message",
     [
-        ({"model": {"n_layers": 4}}, [], r'unknown key model.n_layers \(did you mean "n_layer"\?\)'),
+        (
+            {"model": {"n_layers": 4}},
+            [],
+            r'unknown key model.n_layers \(did you mean "n_layer"\?\)',
+        ),
         ({}, ["trian.lr=1"], r"unknown table 'trian' \(did you mean \"train\"\?\)"),
         ({"modle": {}}, [], r'unknown table \[modle\] \(did you mean "model"\?\)'),
         ({}, ["lr=1"], "not of the form section.key=value"),
@@ -43,8 +47,16 @@ def test_overrides_apply_and_ints_become_floats():
         ({}, ["model.bias=1"], "expected bool"),
         ({}, ["model.n_head=3"], "model.d_model = 128 is not divisible by model.n_head = 3"),
         ({}, ["model.n_layer=0"], "model.n_layer = 0 must be at least 1"),
-        ({}, ["model.norm=middle"], "model.norm = 'middle' is not allowed; choose one of: pre | post"),
-        ({}, ["model.family=gtp"], "model.family = 'gtp' is not known \\(did you mean \"gpt\"\\?\\)"),
+        (
+            {},
+            ["model.norm=middle"],
+            "model.norm = 'middle' is not allowed; choose one of: pre | post",
+        ),
+        (
+            {},
+            ["model.family=gtp"],
+            "model.family = 'gtp' is not known \\(did you mean \"gpt\"\\?\\)",
+        ),
         ({}, ["train.schedule=linear"], "choose one of: cosine | noam | constant"),
         ({}, ["train.min_lr=1"], "train.min_lr = 1.0 must be at most"),
         ({}, ["train.lr=nan"], "must be a finite number"),
@@ -74,10 +86,17 @@ def test_round_trip_through_dict():
     assert config_from_dict(cfg.to_dict()) == cfg
 
 
-@given(st.dictionaries(st.sampled_from(["model", "data", "train", "x"]),
-                       st.dictionaries(st.text(max_size=12), st.one_of(
-                           st.integers(), st.floats(), st.text(max_size=8), st.booleans(),
-                           st.none()), max_size=4), max_size=3))
+@given(
+    st.dictionaries(
+        st.sampled_from(["model", "data", "train", "x"]),
+        st.dictionaries(
+            st.text(max_size=12),
+            st.one_of(st.integers(), st.floats(), st.text(max_size=8), st.booleans(), st.none()),
+            max_size=4,
+        ),
+        max_size=3,
+    )
+)
 @settings(max_examples=300, deadline=None)
 def test_no_config_gives_anything_but_a_clear_error(raw):
     raw = {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in raw.items()}

@@ -1,4 +1,4 @@
-"""tformer: the translation Transformer, GPT and Transformer-XL, trained and run from one set of parts."""
+"""tformer: the translation Transformer, GPT and Transformer-XL, from one set of parts."""
 
 from tformer.errors import TformerError
 

@@ -66,8 +66,11 @@ def train_command(
     def progress(info: dict[str, Any]) -> None:
         bar.update(info["step"] - bar.n)
         if "loss" in info:
-            shown.update(loss=f"{info['loss']:.4f}", lr=f"{info['lr']:.2e}",
-                         tok_s=f"{info['tokens_per_s']:,.0f}")
+            shown.update(
+                loss=f"{info['loss']:.4f}",
+                lr=f"{info['lr']:.2e}",
+                tok_s=f"{info['tokens_per_s']:,.0f}",
+            )
         if "val" in info:
             shown["val"] = f"{info['val']['loss']:.4f}"
         bar.set_postfix(shown, refresh=True)
@@ -136,18 +139,24 @@ def generate_command(
         new: list[int] = []
         shown = ""
         for token in generate(
-            model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_k=top_k, top_p=top_p, generator=generator, use_cache=use_cache,
+            model,
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+            use_cache=use_cache,
             eos_id=tokenizer.eos_id,
         ):
             new.append(int(token[0]))
             text = tokenizer.decode(new)
             # A byte-level token may end inside a character: wait for the rest of it.
             if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown):])
+                sys.stdout.write(text[len(shown) :])
                 sys.stdout.flush()
                 shown = text
-        sys.stdout.write(tokenizer.decode(new)[len(shown):] + "\n")
+        sys.stdout.write(tokenizer.decode(new)[len(shown) :] + "\n")
         sys.stdout.flush()
     return 0
 
@@ -171,8 +180,14 @@ def check_generation_args(
 
 
 def evaluate_command(
-    checkpoint: str, data: list[str], *, as_json: bool = False, batch_size: int = 0,
-    device: str = "auto", mem_len: int | None = None, segment_len: int | None = None,
+    checkpoint: str,
+    data: list[str],
+    *,
+    as_json: bool = False,
+    batch_size: int = 0,
+    device: str = "auto",
+    mem_len: int | None = None,
+    segment_len: int | None = None,
 ) -> int:
     from tformer.data.corpus import cached_token_ids, read_corpus
     from tformer.registry import get_family
@@ -252,10 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model from a TOML config")
     p.add_argument("config", nargs="?", help="CONFIG.toml (omit with --resume)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides, e.g. train.lr=3e-4 model.n_layer=6")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides, e.g. train.lr=3e-4 model.n_layer=6",
+    )
     p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--resume", action="store_true", help="continue RUN_DIR from its last checkpoint")
+    p.add_argument(
+        "--resume", action="store_true", help="continue RUN_DIR from its last checkpoint"
+    )
 
     p = sub.add_parser("generate", help="sample text from a language model")
     p.add_argument("checkpoint", help="run or checkpoint directory")
@@ -272,15 +293,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="loss, perplexity and bits per character")
     p.add_argument("checkpoint", help="run or checkpoint directory")
-    p.add_argument("data", nargs="*", help="LM: a text file or folder (default: the run's "
-                   "validation split)")
+    p.add_argument(
+        "data", nargs="*", help="LM: a text file or folder (default: the run's validation split)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--batch-size", type=int, default=0)
     p.add_argument("--device", default="auto")
-    p.add_argument("--mem-len", type=int, default=None,
-                   help="transformer-xl: memory positions per layer (default: the trained one)")
-    p.add_argument("--segment-len", type=int, default=None,
-                   help="transformer-xl: tokens per segment (default: model.context)")
+    p.add_argument(
+        "--mem-len",
+        type=int,
+        default=None,
+        help="transformer-xl: memory positions per layer (default: the trained one)",
+    )
+    p.add_argument(
+        "--segment-len",
+        type=int,
+        default=None,
+        help="transformer-xl: tokens per segment (default: model.context)",
+    )
     return parser
 
 
@@ -301,25 +331,39 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         return train_command(config, args.out, overrides, resume=args.resume)
     if args.command == "generate":
         return generate_command(
-            args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
-            temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed, num_samples=args.num_samples,
-            use_cache=not args.no_cache, device=args.device,
+            args.checkpoint,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=0.0 if args.greedy else args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            num_samples=args.num_samples,
+            use_cache=not args.no_cache,
+            device=args.device,
         )
     if args.command == "evaluate":
         return evaluate_command(
-            args.checkpoint, args.data, as_json=args.json, batch_size=args.batch_size,
-            device=args.device, mem_len=args.mem_len, segment_len=args.segment_len,
+            args.checkpoint,
+            args.data,
+            as_json=args.json,
+            batch_size=args.batch_size,
+            device=args.device,
+            mem_len=args.mem_len,
+            segment_len=args.segment_len,
         )
     raise AssertionError(args.command)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    unknown = [a for a in extra if args.command != "train" or a.startswith("-") or "=" not in a]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        unknown = [a for a in extra if args.command != "train" or a.startswith("-") or "=" not in a]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    except SystemExit as e:  # usage errors (code 2), --help and --version (code 0)
+        return e.code if isinstance(e.code, int) else 0
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s: %(message)s",

@@ -14,7 +14,9 @@ from tformer.data.tokenizers import (
 )
 from tformer.errors import TformerError
 
-SAMPLE = "To be, or not to be: that is the question.\nSein oder Nichtsein — das ist hier die Frage.\n"
+SAMPLE = (
+    "To be, or not to be: that is the question.\nSein oder Nichtsein — das ist hier die Frage.\n"
+)
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,8 @@ def test_temperature_zero_is_argmax_and_sampling_is_seeded():
 
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0]]).expand(20000, 3)
-    counts = torch.bincount(next_token(logits, generator=torch.Generator().manual_seed(0)), minlength=3)
+    counts = torch.bincount(
+        next_token(logits, generator=torch.Generator().manual_seed(0)), minlength=3
+    )
     expected = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0) * 20000
     assert torch.allclose(counts.float(), expected, rtol=0.05)

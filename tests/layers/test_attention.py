@@ -15,7 +15,8 @@ def naive_attention(q, k, v, mask):
             for i in range(T):
                 scores = [
                     (q[b, h, i] @ k[b, h, j]) / math.sqrt(q.shape[-1])
-                    if mask[b if mask.shape[0] > 1 else 0, 0, i, j] else -math.inf
+                    if mask[b if mask.shape[0] > 1 else 0, 0, i, j]
+                    else -math.inf
                     for j in range(k.shape[2])
                 ]
                 weights = torch.softmax(torch.tensor(scores), dim=0)
@@ -32,11 +33,11 @@ def test_self_attention_matches_naive(d_head, d_value):
     mask = lm_mask(is_real, 5, 5, x.device)
     got = attn(x, mask=mask)
 
-    q, k, v = attn.qkv_proj(x).split(
-        [2 * attn.d_head, 2 * attn.d_head, 2 * attn.d_value], dim=-1
-    )
+    q, k, v = attn.qkv_proj(x).split([2 * attn.d_head, 2 * attn.d_head, 2 * attn.d_value], dim=-1)
     heads = lambda t, d: t.unflatten(-1, (2, d)).transpose(1, 2)  # noqa: E731
-    ref = naive_attention(heads(q, attn.d_head), heads(k, attn.d_head), heads(v, attn.d_value), mask)
+    ref = naive_attention(
+        heads(q, attn.d_head), heads(k, attn.d_head), heads(v, attn.d_value), mask
+    )
     ref = attn.out_proj(ref.transpose(1, 2).flatten(2))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 

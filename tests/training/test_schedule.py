@@ -13,7 +13,7 @@ def test_cosine_warms_up_then_decays_to_min_lr():
     assert learning_rate(549, cfg, 128) == pytest.approx(5.5e-4)  # halfway down the cosine
     assert learning_rate(999, cfg, 128) == pytest.approx(1e-4)
     rates = [learning_rate(s, cfg, 128) for s in range(100, 1000)]
-    assert all(a >= b for a, b in zip(rates, rates[1:]))
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
 
 
 def test_constant_after_warmup():

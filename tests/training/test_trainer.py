@@ -15,13 +15,28 @@ from tformer.training.trainer import train
 
 
 def tiny_config(corpus, *extra):
-    return config_from_dict({}, [
-        f"data.path={corpus}", "model.n_layer=2", "model.n_head=2", "model.d_model=32",
-        "model.context=16", "model.dropout=0.1", "train.batch_size=4", "train.steps=12",
-        "train.warmup_steps=2", "train.lr=3e-3", "train.min_lr=3e-4", "train.log_every=1",
-        "train.eval_every=4", "train.checkpoint_every=4", "train.keep_checkpoints=5",
-        "train.device=cpu", *extra,
-    ])
+    return config_from_dict(
+        {},
+        [
+            f"data.path={corpus}",
+            "model.n_layer=2",
+            "model.n_head=2",
+            "model.d_model=32",
+            "model.context=16",
+            "model.dropout=0.1",
+            "train.batch_size=4",
+            "train.steps=12",
+            "train.warmup_steps=2",
+            "train.lr=3e-3",
+            "train.min_lr=3e-4",
+            "train.log_every=1",
+            "train.eval_every=4",
+            "train.checkpoint_every=4",
+            "train.keep_checkpoints=5",
+            "train.device=cpu",
+            *extra,
+        ],
+    )
 
 
 def train_losses(run_dir):
@@ -30,9 +45,14 @@ def train_losses(run_dir):
 
 
 def test_training_lowers_the_loss_and_writes_a_run(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, "train.steps=40", "train.eval_every=20", "train.lr=1e-2",
-                      "train.checkpoint_every=20",
-                      "model.dropout=0.0")
+    cfg = tiny_config(
+        tiny_corpus,
+        "train.steps=40",
+        "train.eval_every=20",
+        "train.lr=1e-2",
+        "train.checkpoint_every=20",
+        "model.dropout=0.0",
+    )
     result = train(cfg, tmp_path / "run")
     losses = [float(loss) for _, loss in train_losses(tmp_path / "run")]
     n_chars = len(set(tiny_corpus.read_text()))
@@ -41,7 +61,10 @@ def test_training_lowers_the_loss_and_writes_a_run(tiny_corpus, tmp_path):
     assert result.val_loss < 2.7
     assert result.step == 40 and result.val_loss is not None and not result.interrupted
     assert (tmp_path / "run" / ckpt.BEST).is_dir()
-    assert [p.name for p in ckpt.step_checkpoints(tmp_path / "run")] == ["step-000020", "step-000040"]
+    assert [p.name for p in ckpt.step_checkpoints(tmp_path / "run")] == [
+        "step-000020",
+        "step-000040",
+    ]
 
 
 def test_a_crashed_run_resumes_bit_identically(tiny_corpus, tmp_path):
@@ -77,7 +100,9 @@ def test_non_finite_steps_are_skipped_then_stop_training(tiny_corpus, tmp_path, 
     result = train(tiny_config(tiny_corpus), tmp_path / "run")
     assert result.skipped_steps == 2 and result.step == 12
 
-    monkeypatch.setattr(GPTTask, "loss", lambda self, m, b: (real_loss(self, m, b)[0] * float("inf"), 1))
+    monkeypatch.setattr(
+        GPTTask, "loss", lambda self, m, b: (real_loss(self, m, b)[0] * float("inf"), 1)
+    )
     with pytest.raises(TformerError, match="3 steps in a row had a non-finite loss"):
         train(tiny_config(tiny_corpus, "train.max_bad_steps=3"), tmp_path / "bad")
     for path in ckpt.step_checkpoints(tmp_path / "run"):

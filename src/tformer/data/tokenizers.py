@@ -84,6 +84,8 @@ class BPETokenizer:
 
     def __init__(self, tokenizer) -> None:  # a tokenizers.Tokenizer
         self.tok = tokenizer
+        # Text that happens to contain "<s>" is text: special tokens enter only by id.
+        self.tok.encode_special_tokens = True
         self.pad_id = tokenizer.token_to_id(PAD)
         self.bos_id = tokenizer.token_to_id(BOS)
         self.eos_id = tokenizer.token_to_id(EOS)

@@ -69,14 +69,23 @@ class GPTBlock(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.attn = MultiHeadAttention(
-            cfg.d_model, cfg.n_head, d_head=cfg.d_head, d_value=cfg.d_value,
-            dropout=cfg.dropout, bias=cfg.bias,
-        )
-        self.ff = FeedForward(
-            cfg.d_model, cfg.ff_width, activation=cfg.activation, dropout=cfg.dropout,
+            cfg.d_model,
+            cfg.n_head,
+            d_head=cfg.d_head,
+            d_value=cfg.d_value,
+            dropout=cfg.dropout,
             bias=cfg.bias,
         )
-        self.attn_residual = Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias)
+        self.ff = FeedForward(
+            cfg.d_model,
+            cfg.ff_width,
+            activation=cfg.activation,
+            dropout=cfg.dropout,
+            bias=cfg.bias,
+        )
+        self.attn_residual = Residual(
+            cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias
+        )
         self.ff_residual = Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias)
 
     def forward(self, x: Tensor, mask: Tensor | None, cache: KVCache | None) -> Tensor:
@@ -93,7 +102,9 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.vocab_size < 1:
-            raise ValueError("GPTConfig.vocab_size must be set (from the tokenizer) to build a model")
+            raise ValueError(
+                "GPTConfig.vocab_size must be set (from the tokenizer) to build a model"
+            )
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.positions = POSITIONS[cfg.position](cfg.context, cfg.d_model)
@@ -120,7 +131,9 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.out_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.ff.down.weight, mean=0.0, std=residual_std)
 
-    def make_cache(self, batch: int, max_len: int | None = None, *, padded: bool = False) -> DecoderCache:
+    def make_cache(
+        self, batch: int, max_len: int | None = None, *, padded: bool = False
+    ) -> DecoderCache:
         """An empty KV cache for `batch` sequences of up to `max_len` (default: context) tokens.
         `padded`: the prompts will come with a padding mask that the cache must remember."""
         cfg = self.cfg
@@ -129,8 +142,15 @@ class GPT(nn.Module):
         param = self.embed.weight
         return DecoderCache(
             [
-                KVCache(batch, cfg.n_head, max_len, attn.d_head, attn.d_value,
-                        dtype=param.dtype, device=param.device)
+                KVCache(
+                    batch,
+                    cfg.n_head,
+                    max_len,
+                    attn.d_head,
+                    attn.d_value,
+                    dtype=param.dtype,
+                    device=param.device,
+                )
                 for _ in range(cfg.n_layer)
             ],
             track_padding=padded,
