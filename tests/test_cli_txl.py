@@ -5,9 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tformer.cli import main
 from tformer.config import load_config
+from tformer.registry import get_family
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.family=transformer-xl", "model.n_layer=2", "model.d_model=16", "model.n_head=2",
@@ -31,6 +33,8 @@ def test_shipped_config_loads():
     assert cfg.family == "transformer-xl"
     assert (cfg.model.context, cfg.model.mem_len, cfg.model.n_layer, cfg.model.d_model) == (
         64, 64, 4, 128)
+    model = get_family(cfg.family).model(cfg.replace("model", vocab_size=65).model)
+    assert model(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 65)
 
 
 def test_train_evaluate_generate(tmp_path, tiny_corpus, capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,13 +138,13 @@ class Memory:
         if self.is_real is not None:
             self.is_real = self.is_real.index_select(0, index)
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         return {"mem_len": self.mem_len, "states": list(self.states), "is_real": self.is_real}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.mem_len = int(state["mem_len"])  # type: ignore[arg-type]
-        self.states = list(state["states"])  # type: ignore[call-overload]
-        self.is_real = state["is_real"]  # type: ignore[assignment]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mem_len = int(state["mem_len"])
+        self.states = list(state["states"])
+        self.is_real = state["is_real"]
 
 
 # --- relative attention -------------------------------------------------------------------
