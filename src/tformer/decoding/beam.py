@@ -1,0 +1,222 @@
+"""Translating with an encoder-decoder model: greedy search and batched beam search.
+
+A model decodes here if it has
+    encode(src, src_real) -> memory
+    decode(tgt, memory, src_real, cache=...) -> logits
+    make_cache(batch, max_len) -> DecoderCache
+and a `cfg.max_len` (the longest target its positions cover). The encoder runs once per
+sentence; its cross-attention keys/values are computed on the first decoder step and kept
+in the cache, and the K beams of a sentence read them as a view (no copy per beam).
+
+Shapes: B sentences, K beams, S source length, L longest output (tokens, EOS included),
+V vocabulary.
+
+Scores: a hypothesis y is ranked by log P(y | x) / lp(y) with GNMT's length penalty
+lp(y) = ((5 + |y|) / 6) ** alpha (Wu et al. 2016, eq. 14), |y| counting the EOS token;
+alpha = 0 ranks by log-probability alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]
+    """Output ids, without BOS and EOS."""
+    score: float
+    """log-probability / length penalty: what beam search ranks by."""
+    logprob: float
+    """log P(tokens + EOS | source)."""
+
+
+def length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_output_lengths(src_real: Tensor, a: float, b: int, limit: int) -> Tensor:
+    """(B,) the most tokens (EOS included) each sentence may produce: a * source length + b,
+    at least 1 and at most `limit` (the model's positions)."""
+    src_len = src_real.sum(dim=1).float()
+    return (a * src_len + b).floor().long().clamp(min=1, max=limit)
+
+
+def _step_logprobs(
+    logits: Tensor, step: int, max_len: Tensor, *, eos_id: int, banned: tuple[int, ...]
+) -> Tensor:
+    """(N, V) logits of output position `step` -> log-probabilities with the rules of
+    decoding applied: padding and BOS are never produced, and a row whose length limit
+    (N,) is reached must produce EOS."""
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    logprobs[:, list(banned)] = float("-inf")
+    must_end = (step >= max_len - 1)[:, None]
+    not_eos = torch.arange(logprobs.shape[-1], device=logprobs.device) != eos_id
+    return logprobs.masked_fill(must_end & not_eos, float("-inf"))
+
+
+@torch.no_grad()
+def greedy_search(
+    model: nn.Module,
+    src: Tensor,
+    src_real: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    alpha: float = 0.0,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+    use_cache: bool = True,
+    check_every: int = 4,
+) -> list[Hypothesis]:
+    """The most likely next token at each step, for (B, S) sources at once.
+
+    use_cache False runs the decoder over the whole prefix at every step (for tests).
+    check_every: steps between checks whether every sentence has ended (each check waits
+    for the device).
+    """
+    B = src.shape[0]
+    memory = model.encode(src, src_real)
+    max_len = max_output_lengths(src_real, max_len_a, max_len_b, model.cfg.max_len)
+    steps = int(max_len.max())
+    cache = model.make_cache(B, steps) if use_cache else None
+    tokens = torch.full((B, steps + 1), pad_id, dtype=torch.long, device=src.device)
+    tokens[:, 0] = bos_id
+    logprob = torch.zeros(B, device=src.device)
+    length = torch.zeros(B, dtype=torch.long, device=src.device)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    for t in range(steps):
+        prefix = tokens[:, t : t + 1] if use_cache else tokens[:, : t + 1]
+        logits = model.decode(prefix, memory, src_real, cache=cache)[:, -1]
+        logprobs = _step_logprobs(logits, t, max_len, eos_id=eos_id, banned=(pad_id, bos_id))
+        token = logprobs.argmax(dim=-1)
+        logprob += torch.where(done, 0.0, logprobs.gather(1, token[:, None])[:, 0])
+        tokens[:, t + 1] = token.masked_fill(done, pad_id)
+        ended = ~done & (token == eos_id)
+        length = torch.where(ended, t + 1, length)
+        done |= ended
+        if (t + 1) % check_every == 0 and bool(done.all()):
+            break
+    score = logprob / length_penalty(length.float(), alpha)
+    return [
+        Hypothesis(tokens[i, 1 : int(length[i])].tolist(), float(score[i]), float(logprob[i]))
+        for i in range(B)
+    ]
+
+
+@torch.no_grad()
+def beam_search(
+    model: nn.Module,
+    src: Tensor,
+    src_real: Tensor,
+    *,
+    beam: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    alpha: float = 0.6,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+    n_best: int = 1,
+    early_stopping: bool = True,
+) -> list[list[Hypothesis]]:
+    """Beam search over (B, S) sources at once; the n_best hypotheses of each, best first.
+
+    Each step scores the K * V extensions of a sentence's K beams and takes the best 2K:
+    those among the best K that end in EOS become finished hypotheses, and the best K that
+    do not end carry on (so the beam stays full; Sutskever et al. 2014, fairseq). A sentence
+    is finished when it has K finished hypotheses (early_stopping) or, without early
+    stopping, when no live beam can still beat the worst of them; finished sentences keep
+    their results while the others go on. The self-attention caches follow the surviving
+    beams through one DecoderCache.reorder per step; everything else is tensor work on
+    the device, with one check per step whether all sentences are finished.
+    """
+    B, K = src.shape[0], beam
+    if not 1 <= n_best <= K:
+        raise ValueError(f"n_best = {n_best} must be between 1 and the beam size {K}")
+    device = src.device
+    memory = model.encode(src, src_real)
+    max_len = max_output_lengths(src_real, max_len_a, max_len_b, model.cfg.max_len)
+    steps = int(max_len.max())
+    max_len_beams = max_len.repeat_interleave(K)
+    cache = model.make_cache(B * K, steps)
+    V = model.cfg.vocab_size
+    if 2 * K > V:
+        raise ValueError(f"beam {K} is too wide for a vocabulary of {V}")
+
+    L = steps + 1
+    tokens = torch.full((B, K, L), pad_id, dtype=torch.long, device=device)
+    tokens[:, :, 0] = bos_id
+    # Only the first beam is alive at the start: the others would repeat it.
+    scores = torch.full((B, K), float("-inf"), device=device)
+    scores[:, 0] = 0.0
+    finished_score = torch.full((B, K), float("-inf"), device=device)
+    finished_logprob = torch.full((B, K), float("-inf"), device=device)
+    finished_length = torch.zeros(B, K, dtype=torch.long, device=device)
+    finished_tokens = torch.full((B, K, L), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    rank = torch.arange(2 * K, device=device)
+    row_offset = torch.arange(B, device=device)[:, None] * K
+
+    for t in range(steps):
+        logits = model.decode(tokens[:, :, t].reshape(B * K, 1), memory, src_real, cache=cache)
+        logprobs = _step_logprobs(
+            logits[:, -1], t, max_len_beams, eos_id=eos_id, banned=(pad_id, bos_id)
+        ).view(B, K, V)
+        top, index = (scores[:, :, None] + logprobs).view(B, K * V).topk(2 * K, dim=1)
+        parent, token = index // V, index % V
+        candidates = tokens.gather(1, parent[:, :, None].expand(-1, -1, L)).clone()
+        candidates[:, :, t + 1] = token
+
+        # Hypotheses that end here join the finished ones; the best K of both are kept.
+        ends = token == eos_id
+        new_finished = ends & (rank < K) & ~done[:, None] & top.isfinite()
+        normalised = torch.where(new_finished, top / length_penalty(t + 1.0, alpha), -torch.inf)
+        merged = torch.cat([finished_score, normalised], dim=1)
+        finished_score, keep = merged.topk(K, dim=1)
+        finished_logprob = torch.cat([finished_logprob, top], dim=1).gather(1, keep)
+        lengths = torch.full_like(top, t + 1, dtype=torch.long)
+        finished_length = torch.cat([finished_length, lengths], dim=1).gather(1, keep)
+        finished_tokens = torch.cat([finished_tokens, candidates], dim=1).gather(
+            1, keep[:, :, None].expand(-1, -1, L)
+        )
+
+        # The best K candidates that do not end carry on (there are always K: at most K end).
+        _, carry = (ends.long() * 2 * K + rank).topk(K, dim=1, largest=False)
+        scores = top.gather(1, carry)
+        tokens = candidates.gather(1, carry[:, :, None].expand(-1, -1, L))
+        cache.reorder((row_offset + parent.gather(1, carry)).flatten())
+
+        full = finished_score.isfinite().all(dim=1)
+        if early_stopping:
+            done |= full
+        else:
+            # A live beam's log-probability only falls; its best possible score divides it
+            # by the largest penalty it can still get (alpha > 0) or the current one.
+            best_length = max_len.float() if alpha > 0 else torch.full_like(scores[:, 0], t + 1.0)
+            best_live = scores.max(dim=1).values / length_penalty(best_length, alpha)
+            done |= full & (best_live <= finished_score[:, -1])
+        done |= t >= max_len - 1
+        if bool(done.all()):
+            break
+
+    results = []
+    for i in range(B):
+        nbest = [
+            Hypothesis(
+                finished_tokens[i, j, 1 : int(finished_length[i, j])].tolist(),
+                float(finished_score[i, j]),
+                float(finished_logprob[i, j]),
+            )
+            for j in range(n_best)
+            if finished_score[i, j].isfinite()
+        ]
+        # Only a model that gives EOS probability 0 where the length limit forces it leaves a
+        # sentence with nothing finished: it gets the empty output, as greedy search gives.
+        results.append(nbest or [Hypothesis([], float("-inf"), float("-inf"))])
+    return results

@@ -1,0 +1,192 @@
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from tformer.decoding.beam import beam_search, greedy_search, length_penalty
+from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
+IDS = {"pad": PAD, "bos": BOS, "eos": EOS}
+SPECIAL = {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD}
+
+
+# --- beam search against hand-written probability tables ---------------------------------
+
+
+class TableCache:
+    """Remembers each row's prefix; reorder follows the beams like a real cache."""
+
+    def __init__(self, batch: int) -> None:
+        self.history = torch.empty(batch, 0, dtype=torch.long)
+
+    @property
+    def length(self) -> int:
+        return self.history.shape[1]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.history = self.history.index_select(0, index)
+
+
+class TableModel(nn.Module):
+    """P(next token | output so far) from a dict; unlisted tokens have probability 0."""
+
+    def __init__(self, table: dict[tuple[int, ...], dict[int, float]], vocab: int = 5) -> None:
+        super().__init__()
+        self.table = table
+        self.cfg = SimpleNamespace(max_len=16, vocab_size=vocab)
+
+    def encode(self, src, src_real):
+        return src.float()[:, :, None]
+
+    def make_cache(self, batch, max_len):
+        return TableCache(batch)
+
+    def decode(self, tgt, memory, src_real, *, cache):
+        cache.history = torch.cat([cache.history, tgt], dim=1)
+        logits = torch.full((tgt.shape[0], 1, self.cfg.vocab_size), float("-inf"))
+        for row, prefix in enumerate(cache.history.tolist()):
+            for token, p in self.table.get(tuple(prefix[1:]), {EOS: 1.0}).items():
+                logits[row, 0, token] = math.log(p)
+        return logits
+
+
+TABLE = {
+    (): {A: 0.6, B: 0.4},
+    (A,): {EOS: 0.4, A: 0.35, B: 0.25},
+    (B,): {EOS: 0.9, A: 0.05, B: 0.05},
+    (A, A): {EOS: 1.0},
+    (A, B): {EOS: 1.0},
+}
+SRC = torch.tensor([[5, 5, EOS]])
+REAL = torch.ones_like(SRC, dtype=torch.bool)
+
+
+def test_greedy_takes_the_locally_best_token():
+    [hyp] = greedy_search(TableModel(TABLE), SRC, REAL, **SPECIAL)
+    assert hyp.tokens == [A]
+    assert hyp.logprob == pytest.approx(math.log(0.6 * 0.4))
+
+
+def test_beam_search_finds_the_more_likely_translation_greedy_misses():
+    [hyps] = beam_search(TableModel(TABLE), SRC, REAL, beam=2, n_best=2, alpha=0.0, **SPECIAL)
+    assert [h.tokens for h in hyps] == [[B], [A]]
+    assert [h.logprob for h in hyps] == pytest.approx([math.log(0.36), math.log(0.24)])
+
+
+def test_the_length_penalty_prefers_longer_hypotheses_without_early_stopping():
+    alpha = 2.0
+    [hyps] = beam_search(TableModel(TABLE), SRC, REAL, beam=2, n_best=2, alpha=alpha,
+                         early_stopping=False, max_len_a=0.0, max_len_b=4, **SPECIAL)
+    assert [h.tokens for h in hyps] == [[B], [A, A]]
+    expected = math.log(0.6 * 0.35) / length_penalty(3, alpha)
+    assert hyps[1].score == pytest.approx(expected)
+    # With early stopping the search ends as soon as two hypotheses are finished.
+    [early] = beam_search(TableModel(TABLE), SRC, REAL, beam=2, n_best=2, alpha=alpha,
+                          max_len_a=0.0, max_len_b=4, **SPECIAL)
+    assert [h.tokens for h in early] == [[B], [A]]
+
+
+def test_the_maximum_length_forces_the_end():
+    # At most 1 token + EOS: the (A, A) and (A, B) continuations are out of reach.
+    [hyps] = beam_search(TableModel(TABLE), SRC, REAL, beam=2, n_best=2, alpha=0.0,
+                         early_stopping=False, max_len_a=0.0, max_len_b=2, **SPECIAL)
+    assert [h.tokens for h in hyps] == [[B], [A]]
+    [forced] = beam_search(TableModel(TABLE), SRC, REAL, beam=2, alpha=0.0, max_len_a=0.0,
+                           max_len_b=1, **SPECIAL)
+    # The table gives EOS probability 0 at the first step: the forced end has logprob -inf.
+    assert forced[0].tokens == [] and forced[0].logprob == float("-inf")
+
+
+# --- a real (tiny, random) model --------------------------------------------------------
+
+
+V = 23
+
+
+@pytest.fixture(scope="module")
+def model() -> Seq2Seq:
+    torch.manual_seed(0)
+    cfg = Seq2SeqConfig(vocab_size=V, max_len=40, n_layer=2, n_head=2, d_model=16, d_ff=32,
+                        dropout=0.0)
+    model = Seq2Seq(cfg).eval()
+    with torch.no_grad():  # sharper distributions than at initialisation: fewer near-ties
+        model.out_proj.weight.mul_(4.0)
+    return model
+
+
+def sources(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, V, (int(k),), generator=g).tolist() + [EOS]
+            for k in torch.randint(1, 12, (n,), generator=g)]
+    width = max(map(len, seqs))
+    src = torch.zeros(n, width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        src[i, : len(s)] = torch.tensor(s)
+    return src, src != PAD, seqs
+
+
+def one(seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.tensor([seq])
+    return src, torch.ones_like(src, dtype=torch.bool)
+
+
+def test_beam_size_one_equals_greedy(model):
+    src, real, _ = sources(8)
+    greedy = greedy_search(model, src, real, alpha=0.6, **SPECIAL)
+    beam = beam_search(model, src, real, beam=1, alpha=0.6, **SPECIAL)
+    for g, [b] in zip(greedy, beam, strict=True):
+        assert g.tokens == b.tokens
+        assert g.logprob == b.logprob and g.score == pytest.approx(b.score)
+
+
+def test_cached_greedy_equals_uncached(model):
+    src, real, _ = sources(6)
+    cached = greedy_search(model, src, real, **SPECIAL)
+    uncached = greedy_search(model, src, real, use_cache=False, **SPECIAL)
+    assert [h.tokens for h in cached] == [h.tokens for h in uncached]
+    assert [h.logprob for h in cached] == pytest.approx([h.logprob for h in uncached], abs=1e-4)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_sixteen_sentences_as_one_batch_equal_one_at_a_time(model, beam):
+    src, real, seqs = sources(16, seed=2)
+    batched = beam_search(model, src, real, beam=beam, n_best=beam, **SPECIAL)
+    for seq, together in zip(seqs, batched, strict=True):
+        [alone] = beam_search(model, *one(seq), beam=beam, n_best=beam, **SPECIAL)
+        assert [h.tokens for h in together] == [h.tokens for h in alone]
+        assert [h.score for h in together] == pytest.approx([h.score for h in alone], abs=1e-4)
+
+
+def test_greedy_batched_equals_one_at_a_time(model):
+    src, real, seqs = sources(16, seed=3)
+    batched = greedy_search(model, src, real, **SPECIAL)
+    for seq, together in zip(seqs, batched, strict=True):
+        [alone] = greedy_search(model, *one(seq), **SPECIAL)
+        assert together.tokens == alone.tokens
+        assert together.logprob == pytest.approx(alone.logprob, abs=1e-4)
+
+
+def test_beam_hypotheses_are_sorted_by_length_normalised_score(model):
+    src, real, _ = sources(3, seed=4)
+    for hyps in beam_search(model, src, real, beam=4, n_best=4, alpha=0.6, **SPECIAL):
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True)
+        for h in hyps:
+            assert h.score == pytest.approx(h.logprob / length_penalty(len(h.tokens) + 1, 0.6))
+
+
+def test_beam_logprobs_equal_a_teacher_forced_rescoring(model):
+    src, real, seqs = sources(2, seed=5)
+    hyps = beam_search(model, src, real, beam=3, n_best=3, **SPECIAL)
+    for seq, nbest in zip(seqs, hyps, strict=True):
+        s, r = one(seq)
+        for h in nbest:
+            tgt_in = torch.tensor([[BOS, *h.tokens]])
+            target = torch.tensor([*h.tokens, EOS])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(s, r, tgt_in)[0], dim=-1)
+            assert h.logprob == pytest.approx(float(logp.gather(1, target[:, None]).sum()),
+                                              abs=1e-3)
