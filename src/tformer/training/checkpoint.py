@@ -235,6 +235,31 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
     return torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=True)
 
 
+def recover_run_dir(run_dir: Path) -> None:
+    """Tidy up after a process killed while saving: drop half-written temporaries, and put
+    back a checkpoint that was moved aside but not yet replaced."""
+    for folder in (Path(run_dir), Path(run_dir) / CHECKPOINTS):
+        if not folder.is_dir():
+            continue
+        for path in folder.iterdir():
+            if path.name.startswith(".tmp-") and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.name.startswith(".old-") and path.is_dir():
+                name = path.name[len(".old-") :].rsplit("-", 1)[0]
+                if (folder / name).exists():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.replace(path, folder / name)
+                    log.warning("restored %s, left aside by an interrupted save", folder / name)
+
+
+def resume_point(run_dir: Path) -> Path | None:
+    """The checkpoint `--resume` continues from: the newest good step checkpoint, after
+    tidying up what a killed process may have left."""
+    recover_run_dir(run_dir)
+    return latest_good_checkpoint(run_dir)
+
+
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` step checkpoints."""
     for path in step_checkpoints(run_dir)[:-keep]:

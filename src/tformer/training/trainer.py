@@ -83,9 +83,10 @@ class MetricsLog:
     def __init__(self, run_dir: Path, resume_step: int | None) -> None:
         self.path = run_dir / METRICS
         if resume_step is not None and self.path.exists():
-            # Rows written after the checkpoint we resume from are about to be redone.
+            # Rows written after the checkpoint we resume from are about to be redone; a row
+            # cut short by a kill is dropped.
             with open(self.path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+                rows = [r for r in csv.DictReader(f) if self._complete(r, resume_step)]
             self._write(rows, "w")
         elif not self.path.exists() or resume_step is None:
             self._write([], "w")
@@ -96,6 +97,12 @@ class MetricsLog:
             if mode == "w":
                 writer.writeheader()
             writer.writerows(rows)
+
+    @staticmethod
+    def _complete(row: dict[str, Any], last_step: int) -> bool:
+        if None in row.values() or None in row or not row["step"].isdigit():
+            return False
+        return int(row["step"]) <= last_step and row["split"] in ("train", "val")
 
     def add(self, **row: Any) -> None:
         self._write([row], "a")
@@ -130,7 +137,8 @@ def train(
 ) -> TrainResult:
     """Train a model as `cfg` says, writing checkpoints and metrics into `run_dir`.
 
-    resume_from: a checkpoint of this run to continue from, exactly where it stopped.
+    resume_from: a checkpoint of this run to continue from, exactly where it stopped
+        (`checkpoint.resume_point(run_dir)` finds the newest good one).
     progress: called with a dict after logged steps and evaluations (the CLI's progress bar).
     """
     run_dir = Path(run_dir)
@@ -250,6 +258,7 @@ def train(
                 time_since = time.perf_counter()
         if stop.is_set():
             interrupted = True
-            save(ckpt.step_dir(run_dir, step))
-            ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
+            if not ckpt.step_dir(run_dir, step).exists():
+                save(ckpt.step_dir(run_dir, step))
+                ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
     return TrainResult(run_dir, step, val_loss, best_val, skipped, interrupted)
