@@ -1,4 +1,4 @@
-"""The `tformer` command: train, generate, evaluate.
+"""The `tformer` command: train, generate, translate, evaluate, average.
 
 Each subcommand is a plain function taking typed arguments. This module owns the terminal
 (progress bars, tables, streamed text), the seeds and the device; the library only logs.
@@ -45,7 +45,7 @@ def train_command(
             )
         if not run_dir.is_dir():
             raise TformerError(f"--resume: run directory not found: {run_dir}")
-        resume_from = ckpt.latest_good_checkpoint(run_dir)
+        resume_from = ckpt.resume_point(run_dir)
         if resume_from is None:
             raise TformerError(f"--resume: {run_dir} holds no usable checkpoint")
         saved = ckpt.read_config(resume_from).to_dict()
@@ -188,6 +188,8 @@ def evaluate_command(
     device: str = "auto",
     mem_len: int | None = None,
     segment_len: int | None = None,
+    beam: int = 4,
+    alpha: float = 0.6,
 ) -> int:
     from tformer.data.corpus import cached_token_ids, read_corpus
     from tformer.registry import get_family
@@ -202,6 +204,10 @@ def evaluate_command(
     if batch_size:
         cfg = cfg.replace("train", batch_size=batch_size)
     cfg = memory_overrides(cfg, loaded.path, mem_len, segment_len)
+    if family.kind == "seq2seq":
+        return evaluate_translation_command(
+            loaded, data, as_json=as_json, beam=beam, alpha=alpha, batch_size=batch_size or 32
+        )
     if family.kind != "lm":
         raise TformerError(f"evaluate does not know the {cfg.family} family yet")
     if len(data) > 1:
@@ -247,6 +253,141 @@ def print_metrics(result: dict[str, float], as_json: bool) -> None:
     for key, value in result.items():
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
         print(f"{key:<{width}}  {shown}")
+
+
+# --- translation: translate, evaluate, average -----------------------------------------
+
+
+def check_search_args(beam: int, alpha: float, n_best: int, batch_size: int,
+                      max_len_a: float, max_len_b: int) -> None:
+    if beam < 1:
+        raise TformerError(f"--beam {beam} must be at least 1 (1 is greedy search)")
+    if not alpha >= 0:
+        raise TformerError(f"--alpha {alpha} must be 0 (no length penalty) or more")
+    if not 1 <= n_best <= beam:
+        raise TformerError(f"--n-best {n_best} must be between 1 and --beam {beam}")
+    if batch_size < 1:
+        raise TformerError(f"--batch-size {batch_size} must be at least 1")
+    if not max_len_a >= 0 or max_len_b < 0 or (max_len_a == 0 and max_len_b == 0):
+        raise TformerError(
+            f"--max-len-a {max_len_a} and --max-len-b {max_len_b} must be 0 or more, and not "
+            f"both 0"
+        )
+
+
+def load_translation_model(checkpoint: str, device: str):
+    from tformer.registry import get_family
+    from tformer.training.checkpoint import load_checkpoint
+    from tformer.training.device import pick_device
+
+    loaded = load_checkpoint(checkpoint, device=pick_device(device))
+    if get_family(loaded.cfg.family).kind != "seq2seq":
+        raise TformerError(
+            f"checkpoint {loaded.path} is a {loaded.cfg.family} model; translate needs a "
+            f"seq2seq model (use `tformer generate` for language models)"
+        )
+    return loaded
+
+
+def translate_command(
+    checkpoint: str,
+    *,
+    input: str | None = None,
+    output: str | None = None,
+    beam: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float | None = None,
+    max_len_b: int = 10,
+    n_best: int = 1,
+    early_stopping: bool = False,
+    batch_size: int = 32,
+    device: str = "auto",
+) -> int:
+    from tqdm import tqdm
+
+    from tformer.data.parallel import read_lines
+    from tformer.decoding.translate import SearchOptions, translate
+
+    loaded = load_translation_model(checkpoint, device)
+    # By default an output may be as long, relative to its source, as training pairs were.
+    if max_len_a is None:
+        max_len_a = loaded.cfg.data.max_ratio
+    check_search_args(beam, alpha, n_best, batch_size, max_len_a, max_len_b)
+    if input is not None:
+        lines = read_lines(input)
+    else:
+        lines = sys.stdin.read().split("\n")
+        if lines[-1] == "":
+            lines.pop()
+    options = SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+                            n_best=n_best, early_stopping=early_stopping)
+    bar = tqdm(total=len(lines), unit="line", disable=input is None, file=sys.stderr)
+    try:
+        results = translate(loaded.model, loaded.tokenizer, lines, options,
+                            batch_size=batch_size, progress=bar.update)
+    finally:
+        bar.close()
+    out = open(output, "w", encoding="utf-8") if output else sys.stdout
+    try:
+        for i, hyps in enumerate(results):
+            for hyp in hyps:
+                # One line per translation, whatever the model produced.
+                text = hyp.text.replace("\n", " ")
+                out.write(f"{i}\t{hyp.score:.4f}\t{text}\n" if n_best > 1 else text + "\n")
+    finally:
+        if output:
+            out.close()
+    return 0
+
+
+def evaluate_translation_command(
+    loaded: Any, data: list[str], *, as_json: bool, beam: int, alpha: float, batch_size: int
+) -> int:
+    from tqdm import tqdm
+
+    from tformer.data.parallel import read_pairs
+    from tformer.decoding.translate import SearchOptions
+    from tformer.evaluation.translation import evaluate_translation
+    from tformer.registry import get_family
+
+    max_len_a = loaded.cfg.data.max_ratio
+    check_search_args(beam, alpha, 1, batch_size, max_len_a, 10)
+    if len(data) not in (0, 2):
+        raise TformerError(
+            "a translation model is evaluated on SRC REF (two line-aligned files), or with "
+            "no DATA on its run's validation pairs"
+        )
+    if data:
+        sources, references = read_pairs(data[0], data[1])
+    else:
+        task = get_family(loaded.cfg.family).task(loaded.cfg, loaded.tokenizer)
+        sources, references = task.data.val_text
+    bar = tqdm(total=len(sources), unit="line", file=sys.stderr, leave=False)
+    try:
+        result, _ = evaluate_translation(
+            loaded.model, loaded.tokenizer, sources, references,
+            SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a), batch_size=batch_size,
+            max_tokens=loaded.cfg.data.max_tokens, progress=bar.update,
+        )
+    finally:
+        bar.close()
+    print_metrics(result, as_json)
+    return 0
+
+
+def average_command(checkpoints: list[str], out: str, *, last: int = 0) -> int:
+    from tformer.training.average import average_checkpoints, checkpoints_to_average
+    from tformer.training.checkpoint import is_checkpoint
+
+    if last < 0:
+        raise TformerError(f"--last {last} must be at least 1")
+    paths = checkpoints_to_average(checkpoints, last)
+    dest = Path(out)
+    if dest.exists() and not is_checkpoint(dest) and any(dest.iterdir()):
+        raise TformerError(f"--out {dest} exists and is not a checkpoint; choose another --out")
+    average_checkpoints(paths, dest)
+    print(f"averaged {len(paths)} checkpoints into {dest}: " + ", ".join(p.name for p in paths))
+    return 0
 
 
 # --- argument parsing -------------------------------------------------------------------
@@ -311,6 +452,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="transformer-xl: tokens per segment (default: model.context)",
     )
+    p.add_argument("--beam", type=int, default=4, help="seq2seq: beam size (1 is greedy)")
+    p.add_argument("--alpha", type=float, default=0.6, help="seq2seq: length penalty")
+
+    p = sub.add_parser("translate", help="translate lines with a seq2seq model")
+    p.add_argument("checkpoint", help="run or checkpoint directory")
+    p.add_argument("input", nargs="?", help="a file of lines (default: stdin)")
+    p.add_argument("-o", "--output", help="write here (default: stdout)")
+    p.add_argument("--beam", type=int, default=4, help="beam size; 1 is greedy search")
+    p.add_argument("--alpha", type=float, default=0.6,
+                   help="GNMT length penalty ((5 + length) / 6) ** alpha; 0 is off")
+    p.add_argument("--max-len-a", type=float, default=None,
+                   help="at most a * source tokens + b output tokens (default a: the "
+                   "training data's data.max_ratio)")
+    p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--n-best", type=int, default=1,
+                   help="write the N best as 'line<TAB>score<TAB>text'")
+    p.add_argument("--early-stopping", action="store_true",
+                   help="end a sentence once it has --beam finished hypotheses (faster)")
+    p.add_argument("--batch-size", type=int, default=32, help="sentences decoded at once")
+    p.add_argument("--device", default="auto")
+
+    p = sub.add_parser("average", help="average the weights of several checkpoints")
+    p.add_argument("checkpoints", nargs="+", help="checkpoint directories, or one run with --last")
+    p.add_argument("--last", type=int, default=0, help="the run's newest N step checkpoints")
+    p.add_argument("--out", required=True, help="the averaged checkpoint's directory")
     return parser
 
 
@@ -351,7 +517,18 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             device=args.device,
             mem_len=args.mem_len,
             segment_len=args.segment_len,
+            beam=args.beam,
+            alpha=args.alpha,
         )
+    if args.command == "translate":
+        return translate_command(
+            args.checkpoint, input=args.input, output=args.output, beam=args.beam,
+            alpha=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+            n_best=args.n_best, early_stopping=args.early_stopping,
+            batch_size=args.batch_size, device=args.device,
+        )
+    if args.command == "average":
+        return average_command(args.checkpoints, args.out, last=args.last)
     raise AssertionError(args.command)
 
 

@@ -123,16 +123,17 @@ def beam_search(
     max_len_a: float = 1.5,
     max_len_b: int = 10,
     n_best: int = 1,
-    early_stopping: bool = True,
+    early_stopping: bool = False,
 ) -> list[list[Hypothesis]]:
     """Beam search over (B, S) sources at once; the n_best hypotheses of each, best first.
 
     Each step scores the K * V extensions of a sentence's K beams and takes the best 2K:
     those among the best K that end in EOS become finished hypotheses, and the best K that
-    do not end carry on (so the beam stays full; Sutskever et al. 2014, fairseq). A sentence
-    is finished when it has K finished hypotheses (early_stopping) or, without early
-    stopping, when no live beam can still beat the worst of them; finished sentences keep
-    their results while the others go on. The self-attention caches follow the surviving
+    do not end carry on (so the beam stays full, as in fairseq). A sentence is finished when
+    it has K finished hypotheses and, without early_stopping, no live beam can still beat
+    its n_best-th: early stopping is faster but can end a sentence on K poor short
+    hypotheses while a better, longer one is still growing. Finished sentences keep their
+    results while the others go on. The self-attention caches follow the surviving
     beams through one DecoderCache.reorder per step; everything else is tensor work on
     the device, with one check per step whether all sentences are finished.
     """
@@ -196,11 +197,10 @@ def beam_search(
         if early_stopping:
             done |= full
         else:
-            # A live beam's log-probability only falls; its best possible score divides it
-            # by the largest penalty it can still get (alpha > 0) or the current one.
-            best_length = max_len.float() if alpha > 0 else torch.full_like(scores[:, 0], t + 1.0)
-            best_live = scores.max(dim=1).values / length_penalty(best_length, alpha)
-            done |= full & (best_live <= finished_score[:, -1])
+            # A live beam's log-probability (<= 0) only falls, so its best possible score
+            # divides it by the largest penalty it can still get.
+            best_live = scores.max(dim=1).values / length_penalty(max_len.float(), alpha)
+            done |= full & (best_live <= finished_score[:, n_best - 1])
         done |= t >= max_len - 1
         if bool(done.all()):
             break

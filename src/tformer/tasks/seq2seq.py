@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from tformer.config import RunConfig
@@ -14,10 +13,10 @@ from tformer.data.parallel import (
     ParallelData,
     Seq2SeqBatch,
     TokenBatches,
-    sorted_batches,
 )
 from tformer.data.tokenizers import Tokenizer
 from tformer.errors import TformerError
+from tformer.evaluation.translation import evaluate_loss
 from tformer.models.seq2seq import label_smoothed_loss
 
 
@@ -53,28 +52,3 @@ class Seq2SeqTask:
             model, self.data.val_src, self.data.val_tgt, self.tokenizer,
             self.cfg.data.max_tokens, max_batches,
         )
-
-
-@torch.no_grad()
-def evaluate_loss(
-    model: nn.Module,
-    src: list[list[int]],
-    tgt: list[list[int]],
-    tokenizer: Tokenizer,
-    max_tokens: int,
-    max_batches: int = 0,
-) -> dict[str, float]:
-    """Cross-entropy per target token (nats, no label smoothing) of encoded pairs."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    total, n_tokens = 0.0, 0
-    for i, batch in enumerate(sorted_batches(src, tgt, tokenizer, max_tokens)):
-        if max_batches and i >= max_batches:
-            break
-        batch = batch.to(device)
-        logits = model(batch.src, batch.src_real, batch.tgt_in)
-        total += float(label_smoothed_loss(logits, batch.tgt_out, 0.0, reduction="sum"))
-        n_tokens += batch.num_tokens
-    model.train(was_training)
-    return {"loss": total / max(n_tokens, 1), "tokens": n_tokens}

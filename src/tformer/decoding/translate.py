@@ -1,0 +1,97 @@
+"""Translating lines of text: encode, batch by length, decode, and give the outputs back in
+input order.
+
+Shapes: B sentences in a batch, S source length.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tformer.data.parallel import encode_source, pad_right
+from tformer.data.tokenizers import Tokenizer
+from tformer.decoding.beam import beam_search, greedy_search
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    beam: int = 4
+    """1 is greedy search."""
+    alpha: float = 0.6
+    """GNMT length penalty exponent; 0 ranks by log-probability alone."""
+    max_len_a: float = 1.5
+    max_len_b: int = 10
+    """At most max_len_a * source tokens + max_len_b output tokens."""
+    n_best: int = 1
+    early_stopping: bool = False
+
+
+@dataclass
+class Translation:
+    text: str
+    score: float
+
+
+def translate(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    lines: Sequence[str],
+    options: SearchOptions | None = None,
+    *,
+    batch_size: int = 32,
+    progress: Callable[[int], None] | None = None,
+) -> list[list[Translation]]:
+    """The n_best translations of each line, best first, in the order of `lines`.
+
+    Lines are decoded in batches of up to `batch_size` sentences of similar length (least
+    padding). A source longer than the model's positions is cut, with a warning.
+    progress: called with the number of lines done after each batch.
+    """
+    options = options or SearchOptions()
+    device = next(model.parameters()).device
+    limit = model.cfg.max_len
+    sources = encode_source(tokenizer, lines)
+    for i, ids in enumerate(sources):
+        if len(ids) > limit:
+            log.warning("line %d has %d tokens; the model reads the first %d", i + 1, len(ids),
+                        limit)
+            sources[i] = ids[: limit - 1] + [tokenizer.eos_id]
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    results: list[list[Translation]] = [[] for _ in sources]
+    special = {"bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id}
+    for start in range(0, len(order), batch_size):
+        index = order[start : start + batch_size]
+        src, src_real = pad_right([sources[i] for i in index], tokenizer.pad_id)
+        src, src_real = src.to(device), src_real.to(device)
+        if options.beam == 1:
+            found = [[h] for h in greedy_search(
+                model, src, src_real, alpha=options.alpha, max_len_a=options.max_len_a,
+                max_len_b=options.max_len_b, **special,
+            )]
+        else:
+            found = beam_search(
+                model, src, src_real, beam=options.beam, alpha=options.alpha,
+                max_len_a=options.max_len_a, max_len_b=options.max_len_b,
+                n_best=options.n_best, early_stopping=options.early_stopping, **special,
+            )
+        for i, hyps in zip(index, found, strict=True):
+            results[i] = [Translation(tokenizer.decode(h.tokens), h.score) for h in hyps]
+        if progress is not None:
+            progress(len(index))
+    return results
+
+
+@torch.no_grad()
+def best_translations(
+    model: nn.Module, tokenizer: Tokenizer, lines: Sequence[str],
+    options: SearchOptions | None = None, **kwargs,
+) -> list[str]:
+    """The best translation of each line, as text."""
+    return [hyps[0].text for hyps in translate(model, tokenizer, lines, options, **kwargs)]
