@@ -1,0 +1,76 @@
+"""Translation speed: sentences/s for greedy search and beam 4, at batch 1 and batch 32.
+
+    .venv/bin/python benchmarks/translation_speed.py CKPT [--sentences 64] [--json]
+
+CKPT is a trained seq2seq run or checkpoint (a random model never says EOS, so its speed
+says nothing about translation); the sentences are the first --sentences lines of
+Multi30k's test2016.en, or --source FILE. Each setting translates the same sentences
+(sorted by length, as `tformer translate` does) and reports sentences/s and the mean output
+length; settings are interleaved over --repeats rounds and the table gives medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tformer.data.parallel import read_lines
+from tformer.decoding.translate import SearchOptions, translate
+from tformer.training.checkpoint import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT.parent / "shared" / "data" / "multi30k" / "test2016.en"
+SETTINGS = [("greedy", 1, 1), ("greedy", 1, 32), ("beam 4", 4, 1), ("beam 4", 4, 32)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--source", default=str(SOURCE))
+    parser.add_argument("--sentences", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    loaded = load_checkpoint(args.checkpoint)
+    lines = read_lines(args.source)[: args.sentences]
+    rates: dict[tuple[str, int], list[float]] = {(n, b): [] for n, _, b in SETTINGS}
+    lengths: dict[tuple[str, int], float] = {}
+    for _ in range(args.repeats):
+        for name, beam, batch in SETTINGS:
+            options = SearchOptions(beam=beam, max_len_a=loaded.cfg.data.max_ratio)
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = translate(loaded.model, loaded.tokenizer, lines, options, batch_size=batch)
+            rates[(name, batch)].append(len(lines) / (time.perf_counter() - start))
+            ids = [loaded.tokenizer.encode(h[0].text) for h in out]
+            lengths[(name, batch)] = sum(map(len, ids)) / len(ids)
+
+    rows = [
+        {"search": name, "batch": batch, "sentences_per_s": statistics.median(rates[(name, batch)]),
+         "mean_output_tokens": lengths[(name, batch)]}
+        for name, _, batch in SETTINGS
+    ]
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(), "sentences": len(lines),
+                          "rows": rows}))
+        return
+    params = loaded.model.num_params()
+    print(f"{args.checkpoint}: {params / 1e6:.1f}M parameters, {len(lines)} sentences, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"{'search':<8} {'batch':>5} {'sentences/s':>12} {'output tokens':>14}")
+    for row in rows:
+        print(f"{row['search']:<8} {row['batch']:>5} {row['sentences_per_s']:>12.1f} "
+              f"{row['mean_output_tokens']:>14.1f}")
+
+
+if __name__ == "__main__":
+    main()
