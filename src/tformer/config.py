@@ -92,6 +92,8 @@ class TrainConfig:
     precision: str = "fp32"
     device: str = "auto"
     compile: bool = False
+    parallel: str = "ddp"
+    """With several processes (torchrun): ddp replicates the model, fsdp shards it."""
     max_bad_steps: int = 10
     """Consecutive steps with a non-finite loss or gradient before training stops."""
 
@@ -110,6 +112,7 @@ class TrainConfig:
         check_range("train.grad_clip", self.grad_clip, low=0.0)
         check_choice("train.schedule", self.schedule, ("cosine", "noam", "constant"))
         check_choice("train.precision", self.precision, ("fp32", "bf16"))
+        check_choice("train.parallel", self.parallel, ("ddp", "fsdp"))
         if self.device not in ("auto", "cpu") and not self.device.startswith(("cuda", "mps")):
             raise TformerError(
                 f"train.device = {self.device!r} is not allowed; choose auto, cpu, cuda or cuda:N"

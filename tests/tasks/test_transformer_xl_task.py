@@ -43,7 +43,7 @@ def test_a_crashed_run_resumes_bit_identically_memory_included(tiny_corpus, tmp_
     latest = ckpt.latest_good_checkpoint(tmp_path / "crashed")
     assert latest.name == "step-000002"
     state = ckpt.load_trainer_state(latest)
-    assert len(state["data"]["memory"]["states"]) == 2, "the memory travels with the cursor"
+    assert len(state["data_per_rank"][0]["memory"]["states"]) == 2, "the memory travels with the cursor"
     train(cfg, tmp_path / "crashed", resume_from=latest)
 
     assert train_losses(tmp_path / "crashed") == train_losses(tmp_path / "straight")
@@ -56,7 +56,7 @@ def test_accumulated_micro_batches_are_consecutive_segments(tiny_corpus, tmp_pat
     cfg = tiny_config(tiny_corpus, "train.steps=2", "train.accumulate=2")
     train(cfg, tmp_path / "acc")
     state = ckpt.load_trainer_state(tmp_path / "acc" / "checkpoints" / "step-000002")
-    assert state["data"]["segment"] == 4 and state["data"]["epoch"] == 0
+    assert state["data_per_rank"][0]["segment"] == 4 and state["data_per_rank"][0]["epoch"] == 0
 
 
 def test_the_training_memory_carries_over_and_clears_at_a_new_epoch(tiny_corpus):

@@ -117,8 +117,9 @@ def test_ctrl_c_and_sigterm_save_and_stop(tiny_corpus, tmp_path, signum):
             os.kill(os.getpid(), signum)
 
     result = train(tiny_config(tiny_corpus), tmp_path / "run", progress=interrupt)
-    assert result.interrupted and result.step == 6
-    assert ckpt.latest_good_checkpoint(tmp_path / "run").name == "step-000006"
+    # The signal came while step 6 was logged: step 7 is the first to see it.
+    assert result.interrupted and result.step == 7
+    assert ckpt.latest_good_checkpoint(tmp_path / "run").name == "step-000007"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 

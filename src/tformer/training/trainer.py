@@ -28,7 +28,8 @@ from tformer.data.tokenizers import load_tokenizer
 from tformer.errors import TformerError
 from tformer.registry import get_family
 from tformer.training import checkpoint as ckpt
-from tformer.training.device import autocast, pick_device
+from tformer.training import distributed
+from tformer.training.device import autocast
 from tformer.training.schedule import learning_rate
 
 log = logging.getLogger(__name__)
@@ -140,11 +141,14 @@ def train(
     resume_from: a checkpoint of this run to continue from, exactly where it stopped
         (`checkpoint.resume_point(run_dir)` finds the newest good one).
     progress: called with a dict after logged steps and evaluations (the CLI's progress bar).
+
+    Under torchrun every process calls this; rank 0 alone logs, evaluates and saves.
     """
     run_dir = Path(run_dir)
     tcfg = cfg.train
     family = get_family(cfg.family)
-    device = pick_device(tcfg.device)
+    procs, device = distributed.setup(tcfg.device)
+    main = procs.is_main
 
     # --- set-up: data, model, optimizer, or all of them restored from a checkpoint -------
     tokenizer = None
@@ -156,70 +160,105 @@ def train(
     task = family.task(cfg, tokenizer)
     cfg = cfg.replace("model", **task.model_fields())
     model = family.model(cfg.model).to(device)
+    if state is not None:
+        load_model(model, str(resume_from / ckpt.WEIGHTS), device=str(device))
+    # Dropout differs between ranks, as it would between the rows of one large batch.
+    torch.manual_seed(tcfg.seed + procs.rank)
+    train_model = distributed.wrap(model, procs, device, tcfg.parallel)
+    if tcfg.compile:
+        train_model = torch.compile(train_model)
     optimizer = make_optimizer(model, tcfg, device)
     batches = task.train_batches(tcfg.seed)
 
     step, best_val, skipped = 0, None, 0
     if state is not None:
-        load_model(model, str(resume_from / ckpt.WEIGHTS), device=str(device))
-        optimizer.load_state_dict(state["optimizer"])
-        batches.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
+        distributed.load_optimizer_state(model, optimizer, state["optimizer"], procs, tcfg.parallel)
+        same_layout = len(state["data_per_rank"]) == procs.world_size
+        batches.load_state_dict(state["data_per_rank"][procs.rank if same_layout else 0])
+        if same_layout:
+            set_rng_state(state["rng_per_rank"][procs.rank])
         step, best_val, skipped = state["step"], state["best_val_loss"], state["skipped_steps"]
         log.info("resuming %s at step %d", run_dir, step)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.write_json(run_dir / ckpt.CONFIG, cfg.to_dict())
-    metrics = MetricsLog(run_dir, step if state is not None else None)
-    train_step = model
-    if tcfg.compile:
-        train_step = torch.compile(model)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_json(run_dir / ckpt.CONFIG, cfg.to_dict())
+        metrics = MetricsLog(run_dir, step if state is not None else None)
 
     def save(path: Path) -> None:
-        trainer_state = {
-            "step": step,
-            "optimizer": optimizer.state_dict(),
-            "data": batches.state_dict(),
-            "rng": rng_state(),
-            "best_val_loss": best_val,
-            "skipped_steps": skipped,
-        }
-        ckpt.save_checkpoint(path, cfg, model, task.tokenizer, trainer_state)
+        """Every rank takes part (FSDP gathers its shards); rank 0 writes."""
+        weights = distributed.full_state_dict(model, procs, tcfg.parallel)
+        optimizer_state = distributed.optimizer_state(model, optimizer, procs, tcfg.parallel)
+        data_states = distributed.gather_objects(batches.state_dict(), procs)
+        rng_states = distributed.gather_objects(rng_state(), procs)
+        if main:
+            trainer_state = {
+                "step": step,
+                "optimizer": optimizer_state,
+                "data_per_rank": data_states,
+                "rng_per_rank": rng_states,
+                "best_val_loss": best_val,
+                "skipped_steps": skipped,
+            }
+            to_save = model
+            if weights is not None:
+                to_save = family.model(cfg.model)
+                to_save.load_state_dict(weights)
+            ckpt.save_checkpoint(path, cfg, to_save, task.tokenizer, trainer_state)
+        distributed.barrier(procs)
 
     def evaluate() -> float:
         nonlocal best_val
-        result = task.evaluate(model, max_batches=tcfg.eval_batches)
-        val = result["loss"]
-        metrics.add(step=step, split="val", loss=f"{val:.6f}")
-        if progress:
-            progress({"step": step, "val": result})
-        if best_val is None or val < best_val:
+        val = torch.zeros((), device=device)
+        if main or tcfg.parallel == "fsdp":  # FSDP's shards all take part in each forward
+            result = task.evaluate(model, max_batches=tcfg.eval_batches)
+            val += result["loss"]
+        val = float(distributed.broadcast_from_main(val, procs))
+        improved = best_val is None or val < best_val
+        if main:
+            metrics.add(step=step, split="val", loss=f"{val:.6f}")
+            if progress:
+                progress({"step": step, "val": result})
+        if improved:
             best_val = val
             save(run_dir / ckpt.BEST)
         return val
 
     # --- the loop ------------------------------------------------------------------------
+    # Each micro-batch adds the gradient of its summed token losses; the sum over ranks and
+    # micro-batches is then divided by the global token count, so every token weighs the
+    # same whatever the number of processes or the split into micro-batches.
+    params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     interrupted, val_loss, bad_in_a_row = False, None, 0
     tokens_since, time_since, started = 0, time.perf_counter(), time.perf_counter()
     with stop_requests() as stop:
-        while step < tcfg.steps and not stop.is_set():
+        while step < tcfg.steps:
             lr = learning_rate(step, tcfg, getattr(cfg.model, "d_model", 512))
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-            loss_sum = torch.zeros((), device=device)
-            for _ in range(tcfg.accumulate):
-                batch = next(batches).to(device)
-                with autocast(device, tcfg.precision):
-                    loss, n_tokens = task.loss(train_step, batch)
-                (loss / tcfg.accumulate).backward()
-                loss_sum += loss.detach()
-                tokens_since += n_tokens
+            totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, tokens, stop
+            for micro in range(tcfg.accumulate):
+                batch = distributed.shard(next(batches), procs).to(device)
+                last = micro == tcfg.accumulate - 1
+                with distributed.no_sync(train_model, skip=not last):
+                    with autocast(device, tcfg.precision):
+                        loss, n_tokens = task.loss(train_model, batch)
+                    (loss * n_tokens).backward()
+                totals[0] += loss.detach().double() * n_tokens
+                totals[1] += n_tokens
+            totals[2] = float(stop.is_set())
+            loss_sum, global_tokens, stop_votes = distributed.sum_over_ranks(totals, procs).tolist()
+            tokens_since += int(global_tokens)
+            for p in params:
+                if p.grad is not None:
+                    # DDP averaged over ranks: scale the mean of sums to the global token mean.
+                    p.grad.mul_(procs.world_size / max(global_tokens, 1.0))
             max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            loss_value = loss_sum.item() / tcfg.accumulate
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            loss_value = loss_sum / max(global_tokens, 1.0)
 
-            if math.isfinite(loss_value) and math.isfinite(float(grad_norm)):
+            if math.isfinite(loss_value) and math.isfinite(grad_norm):
                 optimizer.step()
                 bad_in_a_row = 0
             else:
@@ -235,15 +274,13 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             step += 1
 
-            if step % tcfg.log_every == 0 or step == tcfg.steps:
+            if main and (step % tcfg.log_every == 0 or step == tcfg.steps):
                 elapsed = time.perf_counter() - time_since
-                row = {
-                    "step": step, "split": "train", "loss": f"{loss_value:.6f}", "lr": f"{lr:.6g}",
-                    "grad_norm": f"{float(grad_norm):.4f}",
-                    "tokens_per_s": f"{tokens_since / elapsed:.1f}",
-                    "elapsed_s": f"{time.perf_counter() - started:.1f}",
-                }
-                metrics.add(**row)
+                metrics.add(
+                    step=step, split="train", loss=f"{loss_value:.6f}", lr=f"{lr:.6g}",
+                    grad_norm=f"{grad_norm:.4f}", tokens_per_s=f"{tokens_since / elapsed:.1f}",
+                    elapsed_s=f"{time.perf_counter() - started:.1f}",
+                )
                 if progress:
                     progress({"step": step, "loss": loss_value, "lr": lr,
                               "tokens_per_s": tokens_since / elapsed})
@@ -252,13 +289,17 @@ def train(
                 val_loss = evaluate()
                 model.train()
                 time_since = time.perf_counter()
+            if stop_votes > 0:  # every rank stops at the same step
+                interrupted = True
+                break
             if step % tcfg.checkpoint_every == 0 or step == tcfg.steps:
                 save(ckpt.step_dir(run_dir, step))
-                ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
+                if main:
+                    ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
                 time_since = time.perf_counter()
-        if stop.is_set():
-            interrupted = True
-            if not ckpt.step_dir(run_dir, step).exists():
-                save(ckpt.step_dir(run_dir, step))
+        if interrupted:
+            save(ckpt.step_dir(run_dir, step))
+            if main:
                 ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
+    distributed.teardown()
     return TrainResult(run_dir, step, val_loss, best_val, skipped, interrupted)
