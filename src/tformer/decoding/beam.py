@@ -130,12 +130,13 @@ def beam_search(
     Each step scores the K * V extensions of a sentence's K beams and takes the best 2K:
     those among the best K that end in EOS become finished hypotheses, and the best K that
     do not end carry on (so the beam stays full, as in fairseq). A sentence is finished when
-    it has K finished hypotheses and, without early_stopping, no live beam can still beat
-    its n_best-th: early stopping is faster but can end a sentence on K poor short
-    hypotheses while a better, longer one is still growing. Finished sentences keep their
-    results while the others go on. The self-attention caches follow the surviving
-    beams through one DecoderCache.reorder per step; everything else is tensor work on
-    the device, with one check per step whether all sentences are finished.
+    no live beam can still beat its n_best-th finished hypothesis, or, with early_stopping,
+    as soon as it has K finished ones (fairseq's rule: faster, but on a sharp model K poor
+    short hypotheses can end a sentence while a better, longer one is still growing).
+    Finished sentences keep their results while the others go on. The self-attention
+    caches follow the surviving beams through one DecoderCache.reorder per step; everything
+    else is tensor work on the device, with one check per step whether all sentences are
+    finished.
     """
     B, K = src.shape[0], beam
     if not 1 <= n_best <= K:
@@ -193,14 +194,14 @@ def beam_search(
         tokens = candidates.gather(1, carry[:, :, None].expand(-1, -1, L))
         cache.reorder((row_offset + parent.gather(1, carry)).flatten())
 
-        full = finished_score.isfinite().all(dim=1)
         if early_stopping:
-            done |= full
+            done |= finished_score.isfinite().all(dim=1)
         else:
             # A live beam's log-probability (<= 0) only falls, so its best possible score
             # divides it by the largest penalty it can still get.
             best_live = scores.max(dim=1).values / length_penalty(max_len.float(), alpha)
-            done |= full & (best_live <= finished_score[:, n_best - 1])
+            worst_kept = finished_score[:, n_best - 1]
+            done |= worst_kept.isfinite() & (best_live <= worst_kept)
         done |= t >= max_len - 1
         if bool(done.all()):
             break
