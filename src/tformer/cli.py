@@ -33,6 +33,7 @@ def train_command(
 
     from tformer.config import config_from_dict
     from tformer.training import checkpoint as ckpt
+    from tformer.training.distributed import from_environment
     from tformer.training.trainer import train
 
     run_dir = Path(out)
@@ -60,7 +61,9 @@ def train_command(
                 f"or choose another --out"
             )
 
-    bar = tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True, leave=True)
+    # Under torchrun, rank 0 speaks for all.
+    quiet = not from_environment().is_main
+    bar = tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True, leave=True, disable=quiet)
     shown: dict[str, str] = {}
 
     def progress(info: dict[str, Any]) -> None:
@@ -79,6 +82,8 @@ def train_command(
         result = train(cfg, run_dir, resume_from=resume_from, progress=progress)
     finally:
         bar.close()
+    if quiet:
+        return 0
     status = "stopped early" if result.interrupted else "done"
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "-"
     print(f"{status} at step {result.step}: best validation loss {best}; run in {run_dir}")

@@ -43,7 +43,8 @@ def test_a_crashed_run_resumes_bit_identically_memory_included(tiny_corpus, tmp_
     latest = ckpt.latest_good_checkpoint(tmp_path / "crashed")
     assert latest.name == "step-000002"
     state = ckpt.load_trainer_state(latest)
-    assert len(state["data_per_rank"][0]["memory"]["states"]) == 2, "the memory travels with the cursor"
+    data = state["data_per_rank"][0]
+    assert len(data["memory"]["states"]) == 2, "the memory travels with the cursor"
     train(cfg, tmp_path / "crashed", resume_from=latest)
 
     assert train_losses(tmp_path / "crashed") == train_losses(tmp_path / "straight")

@@ -277,13 +277,23 @@ def train(
             if main and (step % tcfg.log_every == 0 or step == tcfg.steps):
                 elapsed = time.perf_counter() - time_since
                 metrics.add(
-                    step=step, split="train", loss=f"{loss_value:.6f}", lr=f"{lr:.6g}",
-                    grad_norm=f"{grad_norm:.4f}", tokens_per_s=f"{tokens_since / elapsed:.1f}",
+                    step=step,
+                    split="train",
+                    loss=f"{loss_value:.6f}",
+                    lr=f"{lr:.6g}",
+                    grad_norm=f"{grad_norm:.4f}",
+                    tokens_per_s=f"{tokens_since / elapsed:.1f}",
                     elapsed_s=f"{time.perf_counter() - started:.1f}",
                 )
                 if progress:
-                    progress({"step": step, "loss": loss_value, "lr": lr,
-                              "tokens_per_s": tokens_since / elapsed})
+                    progress(
+                        {
+                            "step": step,
+                            "loss": loss_value,
+                            "lr": lr,
+                            "tokens_per_s": tokens_since / elapsed,
+                        }
+                    )
                 tokens_since, time_since = 0, time.perf_counter()
             if step % tcfg.eval_every == 0 or step == tcfg.steps:
                 val_loss = evaluate()
