@@ -89,7 +89,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     seed: int = 1337
-    precision: str = "fp32"
+    precision: str = "auto"
+    """auto: bf16 autocast on a GPU that supports it, fp32 elsewhere."""
     device: str = "auto"
     compile: bool = False
     parallel: str = "ddp"
@@ -111,7 +112,7 @@ class TrainConfig:
         check_range("train.beta2", self.beta2, low=0.0, high=1.0)
         check_range("train.grad_clip", self.grad_clip, low=0.0)
         check_choice("train.schedule", self.schedule, ("cosine", "noam", "constant"))
-        check_choice("train.precision", self.precision, ("fp32", "bf16"))
+        check_choice("train.precision", self.precision, ("auto", "fp32", "bf16"))
         check_choice("train.parallel", self.parallel, ("ddp", "fsdp"))
         if self.device not in ("auto", "cpu") and not self.device.startswith(("cuda", "mps")):
             raise TformerError(

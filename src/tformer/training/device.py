@@ -22,7 +22,11 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bfloat16 autocast when asked for; fp32 otherwise."""
+    """bfloat16 autocast when asked for, or by default ('auto') on a GPU that has it; fp32
+    otherwise (a CPU without bf16 units runs bf16 matmuls many times slower than fp32)."""
+    if precision == "auto":
+        bf16_gpu = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bf16" if bf16_gpu else "fp32"
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
