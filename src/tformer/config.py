@@ -28,7 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from tformer.errors import TformerError, did_you_mean
+from tformer.errors import TformerError, did_you_mean, shown
 
 SECTIONS = ("model", "data", "train")
 
@@ -153,7 +153,7 @@ def build_dataclass(cls: type, values: Mapping[str, Any], section: str) -> Any:
     for key, value in values.items():
         if key not in fields:
             raise TformerError(
-                f"unknown key {section}.{key}{did_you_mean(key, fields)}; "
+                f"unknown key {section}.{shown(key)}{did_you_mean(key, fields)}; "
                 f"known keys: {', '.join(fields)}"
             )
         kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
@@ -213,7 +213,7 @@ def config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> R
     for section in raw:
         if section not in SECTIONS:
             raise TformerError(
-                f"unknown table [{section}]{did_you_mean(section, SECTIONS)}; "
+                f"unknown table [{shown(section)}]{did_you_mean(section, SECTIONS)}; "
                 f"tables: {', '.join(SECTIONS)}"
             )
     tables: dict[str, dict[str, Any]] = {}

@@ -18,3 +18,8 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean "x"?)' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f' (did you mean "{close[0]}"?)' if close else ""
+
+
+def shown(name: str) -> str:
+    """A user-given name as it can appear in a one-line message (escaped if it must be)."""
+    return name if name.isprintable() else repr(name)
