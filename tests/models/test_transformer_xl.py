@@ -46,7 +46,7 @@ def test_relative_shift_matches_an_index_loop():
 
 
 def naive_relative_attention(attn: RelativeAttention, x, memory, u, v, clamp_len: int):
-    """The paper's eq. 2 (the A_rel terms) one query and one key at a time."""
+    """Sec. 3.3 of the paper (the A^rel terms (a)-(d)), one query and one key at a time."""
     H, d = attn.n_head, attn.d_head
     B, T, D = x.shape
     context = torch.cat([memory, x], dim=1) if memory is not None else x
@@ -84,7 +84,8 @@ def test_relative_attention_matches_the_per_position_formula(clamp_len, mem):
     positions = model.relative_positions(K, x.device)
     mask = torch.ones(5, K, dtype=torch.bool).tril(mem)[None, None]
     u, v = torch.randn(2, 8), torch.randn(2, 8)
-    fast = attn(x, memory, positions, mask, u, v)
+    fast, (keys, values) = attn(x, memory, positions, mask, u, v)
+    assert keys.shape == values.shape == (2, 2, K, 8)
     slow = naive_relative_attention(attn, x, memory, u, v, clamp_len)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
@@ -139,6 +140,19 @@ def test_memory_holds_each_layers_input_for_the_last_positions():
     for state, layer_input in zip(memory.states, inputs, strict=True):
         torch.testing.assert_close(state, layer_input[:, -4:])
         assert not state.requires_grad
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_keys_and_values_equal_the_remembered_inputs(variant):
+    """With fixed weights the memory may keep keys and values instead of layer inputs."""
+    model = tiny(**variant)
+    inputs, keys = Memory(mem_len=5), Memory(mem_len=5, cache_keys=True)
+    for n in (4, 1, 6, 1, 1):
+        tokens = torch.randint(0, V, (2, n))
+        torch.testing.assert_close(model(tokens, memory=keys), model(tokens, memory=inputs),
+                                   atol=1e-5, rtol=1e-5)
+        assert keys.length == inputs.length and not keys.states
+    assert keys.keys_values[0][0].shape == (2, 2, 5, model.cfg.head_size)
 
 
 def test_memory_slides_and_mem_len_zero_keeps_nothing():

@@ -2,9 +2,10 @@
 
 The prompt is read in segments of the model's segment length, each attending over the
 memory the previous ones left; then each new token is one segment of length 1. The memory
-keeps the last `mem_len` positions of every layer, so once it is full a token costs the
-same however long the text has grown, and the context still reaches past the memory
-through the layers (Dai et al. 2019, sec. 3.2: about n_layer * mem_len tokens).
+keeps every layer's keys and values at the last `mem_len` positions (projected once, as a
+KV cache does), so once it is full a token costs the same however long the text has grown,
+and the context still reaches past the memory through the layers (Dai et al. 2019,
+sec. 3.2: about n_layer * mem_len tokens).
 
 Without the cache, each step runs the model afresh over the last mem_len + 1 tokens: the
 tokens a cached step attends to directly. Both give the same result while the whole text
@@ -68,7 +69,7 @@ def generate_with_memory(
     tokens = prompt
     real = is_real
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
-    memory = Memory(mem_len)
+    memory = Memory(mem_len, cache_keys=True)
 
     for step in range(max_new_tokens):
         if not use_cache:

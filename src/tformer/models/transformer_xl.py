@@ -93,57 +93,88 @@ class Memory:
     An object that a caller creates, hands to every forward pass of one ordered stream, and
     drops (or clears) when the stream starts over; the forward pass updates it in place. It
     is the model's KV cache when generating: a token's cost stops growing once it is full.
+
+    cache_keys: keep each layer's projected keys and values instead of its inputs, so that
+        they are not projected again at every segment. Only while the weights stay fixed
+        (evaluation, generation); training needs the inputs, since its keys change with
+        every step and their weights learn from the memory too.
     """
 
-    def __init__(self, mem_len: int) -> None:
+    def __init__(self, mem_len: int, *, cache_keys: bool = False) -> None:
         self.mem_len = mem_len
+        self.cache_keys = cache_keys
         self.states: list[Tensor] = []
-        """Per layer (B, M, D), detached; empty before the first segment."""
+        """Per layer (B, M, D) inputs, detached; empty before the first segment."""
+        self.keys_values: list[tuple[Tensor, Tensor]] = []
+        """With cache_keys, per layer (B, H, M, d) keys and values instead of the inputs."""
         self.is_real: Tensor | None = None
         """(B, M) False at padding, or None when every remembered position is real."""
 
     @property
     def length(self) -> int:
+        if self.keys_values:
+            return self.keys_values[0][0].shape[2]
         return self.states[0].shape[1] if self.states else 0
 
-    def clear(self) -> None:
-        self.states, self.is_real = [], None
+    @property
+    def rows(self) -> int:
+        if self.keys_values:
+            return self.keys_values[0][0].shape[0]
+        return self.states[0].shape[0] if self.states else 0
 
-    def update(self, layer_inputs: list[Tensor], is_real: Tensor | None) -> None:
-        """Append one segment's (B, T, D) layer inputs and keep the last mem_len positions
-        (the paper's SG(h^{n-1}_{tau}) of eq. 1, carried to the next segment)."""
+    def clear(self) -> None:
+        self.states, self.keys_values, self.is_real = [], [], None
+
+    def update(
+        self, layer_inputs: list[Tensor], keys_values: list[tuple[Tensor, Tensor]],
+        is_real: Tensor | None,
+    ) -> None:
+        """Append one segment's (B, T, D) layer inputs (or, with cache_keys, its layers' keys
+        and values over [memory; segment]) and keep the last mem_len positions: the
+        stop-gradient SG(h^{n-1}_{tau}) of sec. 3.2, reused by the next segment."""
         if self.mem_len == 0:
             return
         B, T = layer_inputs[0].shape[:2]
         M = self.length
+        L = self.mem_len
         with torch.no_grad():
-            if self.states:
-                layer_inputs = [
-                    torch.cat([m, h], dim=1)
-                    for m, h in zip(self.states, layer_inputs, strict=True)
-                ]
-            self.states = [h[:, -self.mem_len :].detach() for h in layer_inputs]
+            if self.cache_keys:
+                self.keys_values = [(k[:, :, -L:].detach(), v[:, :, -L:].detach())
+                                    for k, v in keys_values]
+            else:
+                if self.states:
+                    layer_inputs = [
+                        torch.cat([m, h], dim=1)
+                        for m, h in zip(self.states, layer_inputs, strict=True)
+                    ]
+                self.states = [h[:, -L:].detach() for h in layer_inputs]
             if is_real is not None or self.is_real is not None:
-                device = self.states[0].device
+                device = layer_inputs[0].device
                 past = self.is_real
                 if past is None:
                     past = torch.ones(B, M, dtype=torch.bool, device=device)
                 if is_real is None:
                     is_real = torch.ones(B, T, dtype=torch.bool, device=device)
-                self.is_real = torch.cat([past, is_real], dim=1)[:, -self.mem_len :]
+                self.is_real = torch.cat([past, is_real], dim=1)[:, -L:]
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows `index`."""
         self.states = [m.index_select(0, index) for m in self.states]
+        self.keys_values = [(k.index_select(0, index), v.index_select(0, index))
+                            for k, v in self.keys_values]
         if self.is_real is not None:
             self.is_real = self.is_real.index_select(0, index)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mem_len": self.mem_len, "states": list(self.states), "is_real": self.is_real}
+        return {"mem_len": self.mem_len, "cache_keys": self.cache_keys,
+                "states": list(self.states), "keys_values": list(self.keys_values),
+                "is_real": self.is_real}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.mem_len = int(state["mem_len"])
+        self.cache_keys = bool(state.get("cache_keys", False))
         self.states = list(state["states"])
+        self.keys_values = [tuple(kv) for kv in state.get("keys_values", [])]
         self.is_real = state["is_real"]
 
 
@@ -165,7 +196,7 @@ def relative_shift(scores: Tensor) -> Tensor:
 
 
 class RelativeAttention(nn.Module):
-    """Multi-head attention with relative positions (the paper's eq. 2 and sec. 3.3):
+    """Multi-head attention with relative positions (sec. 3.3, the terms (a)-(d) of A^rel):
 
         score(i, j) = (q_i + u) . k_j  +  (q_i + v) . W_R R_{i-j}
                        (a) + (c)            (b) + (d)
@@ -192,21 +223,29 @@ class RelativeAttention(nn.Module):
 
     def forward(
         self, x: Tensor, memory: Tensor | None, positions: Tensor, mask: Tensor,
-        u: Tensor, v: Tensor,
-    ) -> Tensor:
-        """x (B, T, D), memory (B, M, D) or None -> (B, T, D).
+        u: Tensor, v: Tensor, *, memory_kv: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x (B, T, D) -> (B, T, D), and the (B, H, K, d) keys and values over
+        [memory; segment].
 
+        memory: (B, M, D) the memory's states (already normalised for pre-norm), or None.
+        memory_kv: (B, H, M, d) keys and values of the memory, projected before; used
+            instead of `memory`.
         positions: (K, D) encodings of the distances K-1 ... 0.
         mask: boolean may-attend mask broadcastable to (B, H, T, K).
         u, v: (H, d) the content and position biases.
         """
         width = self.n_head * self.d_head
         q, k, values = self.qkv_proj(x).split(width, dim=-1)
-        if memory is not None:
-            # Keys and values over [memory; segment]; queries only for the segment.
-            k_mem, v_mem = F.linear(memory, self.qkv_proj.weight[width:]).split(width, dim=-1)
-            k, values = torch.cat([k_mem, k], dim=1), torch.cat([v_mem, values], dim=1)
         q, k, values = self._heads(q), self._heads(k), self._heads(values)
+        # Keys and values over [memory; segment]; queries only for the segment.
+        if memory_kv is not None:
+            k_mem, v_mem = memory_kv
+        elif memory is not None:
+            k_mem, v_mem = F.linear(memory, self.qkv_proj.weight[width:]).split(width, dim=-1)
+            k_mem, v_mem = self._heads(k_mem), self._heads(v_mem)
+        if memory_kv is not None or memory is not None:
+            k, values = torch.cat([k_mem, k], dim=2), torch.cat([v_mem, values], dim=2)
         pos_k = self.pos_proj(positions).unflatten(-1, (self.n_head, self.d_head)).transpose(0, 1)
 
         scale = 1.0 / math.sqrt(self.d_head)
@@ -216,7 +255,7 @@ class RelativeAttention(nn.Module):
             q + u[:, None], k, values, attn_mask=position_scores,
             dropout_p=self.attn_dropout if self.training else 0.0,
         )
-        return self.out_proj(out.transpose(1, 2).flatten(2))
+        return self.out_proj(out.transpose(1, 2).flatten(2)), (k, values)
 
 
 class TransformerXLBlock(nn.Module):
@@ -236,15 +275,24 @@ class TransformerXLBlock(nn.Module):
         self.pre_norm = cfg.norm == "pre"
 
     def forward(
-        self, x: Tensor, memory: Tensor | None, positions: Tensor, mask: Tensor,
-        u: Tensor, v: Tensor,
-    ) -> Tensor:
+        self, x: Tensor, memory: Tensor | None, memory_kv: tuple[Tensor, Tensor] | None,
+        positions: Tensor, mask: Tensor, u: Tensor, v: Tensor,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """As RelativeAttention.forward: the block's output and its keys and values."""
         if memory is not None and self.pre_norm:
             # The memory holds un-normalised layer inputs; pre-norm normalises the keys'
             # inputs the same way as the queries' (the paper's code, pre_lnorm).
             memory = self.attn_residual.norm(memory)
-        x = self.attn_residual(x, lambda h: self.attn(h, memory, positions, mask, u, v))
-        return self.ff_residual(x, self.ff)
+        keys_values = None
+
+        def attend(h: Tensor) -> Tensor:
+            nonlocal keys_values
+            out, keys_values = self.attn(h, memory, positions, mask, u, v, memory_kv=memory_kv)
+            return out
+
+        x = self.attn_residual(x, attend)
+        assert keys_values is not None
+        return self.ff_residual(x, self.ff), keys_values
 
 
 class TransformerXL(nn.Module):
@@ -307,12 +355,17 @@ class TransformerXL(nn.Module):
             row gives the same outputs as the row alone, since only distances matter.
         """
         B, T = tokens.shape
-        mems: list[Tensor | None] = [None] * self.cfg.n_layer
-        if memory is not None and memory.length:
-            if memory.states[0].shape[0] != B:
-                raise ValueError(f"memory holds {memory.states[0].shape[0]} rows; batch has {B}")
-            mems = list(memory.states)
+        n_layer = self.cfg.n_layer
+        states: list[Tensor | None] = [None] * n_layer
+        keys_values: list[tuple[Tensor, Tensor] | None] = [None] * n_layer
         M = memory.length if memory is not None else 0
+        if memory is not None and M:
+            if memory.rows != B:
+                raise ValueError(f"memory holds {memory.rows} rows; the batch has {B}")
+            if memory.keys_values:
+                keys_values = list(memory.keys_values)
+            else:
+                states = list(memory.states)
 
         keys_real = None
         if is_real is not None or (memory is not None and memory.is_real is not None):
@@ -325,14 +378,16 @@ class TransformerXL(nn.Module):
 
         positions = self.dropout(self.relative_positions(M + T, tokens.device))
         x = self.dropout(self.embed(tokens) * self.embed_scale)
-        layer_inputs = []
+        layer_inputs, new_keys_values = [], []
         shared = self.cfg.share_biases
         for i, block in enumerate(self.blocks):
             layer_inputs.append(x)
             b = 0 if shared else i
-            x = block(x, mems[i], positions.to(x.dtype), mask, self.u[b], self.v[b])
+            x, kv = block(x, states[i], keys_values[i], positions.to(x.dtype), mask,
+                          self.u[b], self.v[b])
+            new_keys_values.append(kv)
         if memory is not None:
-            memory.update(layer_inputs, is_real)
+            memory.update(layer_inputs, new_keys_values, is_real)
 
         if last_only:
             x = x[:, -1:]

@@ -5,11 +5,14 @@ the context of the next. With train.accumulate = k, the k micro-batches of a ste
 consecutive segments, each attending over the memory its predecessor left.
 
 The training memory is part of the data cursor: checkpoints store it beside the stream
-position, so a resumed run computes what an uninterrupted one would have.
+position, so a resumed run computes what an uninterrupted one would have. Under torchrun
+each process keeps the memory of its own rows (its slice of the B streams); a run resumed
+with another number of processes starts with an empty memory.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,8 @@ from tformer.data.streams import StreamBatch, TrainStreams, eval_streams
 from tformer.data.tokenizers import Tokenizer
 from tformer.evaluation.lm import IGNORE_INDEX, count_chars, lm_loss, lm_metrics
 from tformer.models.transformer_xl import Memory
+
+log = logging.getLogger(__name__)
 
 
 class TrainSegments:
@@ -70,6 +75,10 @@ class TransformerXLTask:
         return TrainSegments(streams, self.memory)
 
     def loss(self, model: nn.Module, batch: StreamBatch) -> tuple[Tensor, int]:
+        if self.memory.length and self.memory.rows != batch.tokens.shape[0]:
+            # Resumed with another number of processes: this rank's rows are other streams.
+            log.warning("the saved memory is for other streams; starting with an empty one")
+            self.memory.clear()
         if self.memory.states and self.memory.states[0].device != batch.tokens.device:
             # Restored from a checkpoint, which is read onto the CPU.
             self.memory.states = [m.to(batch.tokens.device) for m in self.memory.states]
@@ -94,7 +103,7 @@ def evaluate_text(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    memory = Memory(cfg.model.memory_for_eval)
+    memory = Memory(cfg.model.memory_for_eval, cache_keys=True)
     total_nll, n_tokens, n_chars = 0.0, 0, 0
     for i, batch in enumerate(eval_streams(ids, cfg.train.batch_size, cfg.model.context)):
         if max_batches and i >= max_batches:
