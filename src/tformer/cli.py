@@ -107,6 +107,7 @@ def generate_command(
     num_samples: int = 1,
     use_cache: bool = True,
     device: str = "auto",
+    int8: bool = False,
 ) -> int:
     from tformer.decoding.lm import generate
     from tformer.registry import get_family
@@ -122,6 +123,10 @@ def generate_command(
             f"language model (gpt or transformer-xl); use `tformer translate`"
         )
     model, tokenizer = loaded.model, loaded.tokenizer
+    if int8:
+        from tformer.decoding.quantize import quantize_int8
+
+        model = quantize_int8(model)
     ids = tokenizer.encode(prompt)
     if not ids:
         if tokenizer.bos_id is not None:
@@ -195,6 +200,7 @@ def evaluate_command(
     segment_len: int | None = None,
     beam: int = 4,
     alpha: float = 0.6,
+    int8: bool = False,
 ) -> int:
     from tformer.data.corpus import cached_token_ids, read_corpus
     from tformer.registry import get_family
@@ -203,6 +209,10 @@ def evaluate_command(
 
     dev = pick_device(device)
     loaded = load_checkpoint(checkpoint, device=dev)
+    if int8:
+        from tformer.decoding.quantize import quantize_int8
+
+        loaded.model = quantize_int8(loaded.model)
     cfg, family = loaded.cfg, get_family(loaded.cfg.family)
     if batch_size < 0:
         raise TformerError(f"--batch-size {batch_size} must be positive")
@@ -435,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
+    p.add_argument("--int8", action="store_true", help="int8 weights (CPU): faster, ~same text")
     p.add_argument("--device", default="auto")
 
     p = sub.add_parser("evaluate", help="loss, perplexity and bits per character")
@@ -442,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "data", nargs="*", help="LM: a text file or folder (default: the run's validation split)"
     )
+    p.add_argument("--int8", action="store_true", help="int8 weights (CPU), to see their cost")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--batch-size", type=int, default=0)
     p.add_argument("--device", default="auto")
@@ -512,6 +524,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             num_samples=args.num_samples,
             use_cache=not args.no_cache,
             device=args.device,
+            int8=args.int8,
         )
     if args.command == "evaluate":
         return evaluate_command(
@@ -524,6 +537,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             segment_len=args.segment_len,
             beam=args.beam,
             alpha=args.alpha,
+            int8=args.int8,
         )
     if args.command == "translate":
         return translate_command(

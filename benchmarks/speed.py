@@ -1,0 +1,360 @@
+"""tformer beside Hugging Face transformers on the same model shapes, measured in one run.
+
+    make bench                                  # installs the `bench` extra, then runs this
+    .venv/bin/python benchmarks/speed.py [--repeats 3] [--json] [--only gpt-train,...]
+
+Each row times tformer and the peer in alternation, `repeats` times each, and reports the
+medians and their ratio (tformer / peer; above 1 is faster). The machine's own limits come
+first: the fp32 matmul peak and the memory read bandwidth, from which the table derives
+training MFU (model FLOPs per second over the matmul peak) and, for decoding at batch 1,
+the fraction of the bandwidth limit (every token reads every weight once).
+
+Rows: GPT training at 4x128 (context 64, batch 12) and 6x384 (context 256, batch 8), same
+AdamW, against GPT2LMHeadModel; greedy generation at the GPT-2-small shape (12 x 768,
+vocabulary 50257, 16-token prompt, 128 new tokens) at batch 1 and 8 against
+GPT2LMHeadModel.generate, and tformer's int8 weights against its fp32 ones; beam-4
+translation (d_model 256, 3 + 3 layers, vocabulary 8000, 20-token inputs, 30 output
+tokens) at batch 1 and 16 against MarianMTModel.generate; Transformer-XL training beside
+the GPT of the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tformer.decoding.beam import beam_search
+from tformer.decoding.lm import generate
+from tformer.decoding.quantize import quantize_int8
+from tformer.evaluation.lm import lm_loss
+from tformer.models.gpt import GPT, GPTConfig
+from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
+from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# --- the machine ---------------------------------------------------------------------------
+
+
+def matmul_peak(repeats: int) -> float:
+    """Best fp32 GFLOP/s of a 2048^3 matmul."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    torch.mm(a, b)
+    return max(2 * 2048**3 / seconds(lambda: torch.mm(a, b)) for _ in range(repeats)) / 1e9
+
+
+def read_bandwidth(repeats: int) -> float:
+    """Median GB/s of summing a 512 MB tensor (reads every byte once)."""
+    x = torch.ones(128 * 1024 * 1024)
+    x.sum()
+    return statistics.median(x.numel() * 4 / seconds(x.sum) for _ in range(repeats)) / 1e9
+
+
+# --- models of the same shape on both sides -----------------------------------------------
+
+
+def gpt_pair(n_layer: int, n_head: int, d_model: int, context: int, vocab: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    ours = GPT(
+        GPTConfig(
+            vocab_size=vocab,
+            context=context,
+            n_layer=n_layer,
+            n_head=n_head,
+            d_model=d_model,
+            d_ff=4 * d_model,
+        )
+    )
+    peer = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=vocab,
+            n_positions=context,
+            n_embd=d_model,
+            n_layer=n_layer,
+            n_head=n_head,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+    return ours, peer
+
+
+def training_flops_per_token(model: torch.nn.Module, n_layer: int, d_model: int, T: int) -> float:
+    """6 N + 12 L T D (Chowdhery et al. 2022, app. B): N counts the weights used in matmuls
+    (the tied output projection included, position tables not)."""
+    n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "pos" not in name)
+    return 6 * n + 12 * n_layer * T * d_model
+
+
+def gpt_train_step(model, batch: int, context: int, vocab: int, steps: int, ours: bool):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randint(0, vocab, (steps, batch, context + 1))
+    model.train()
+
+    def run() -> None:
+        for s in range(steps):
+            if ours:
+                loss = lm_loss(model(data[s, :, :-1]), data[s, :, 1:])
+            else:
+                logits = model(data[s, :, :-1]).logits
+                loss = F.cross_entropy(logits.flatten(0, 1), data[s, :, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def gpt_generate(model, batch: int, new: int, ours: bool):
+    prompt = torch.randint(0, 1000, (batch, 16))
+    model.eval()
+    if ours:
+        return lambda: list(generate(model, prompt, max_new_tokens=new, temperature=0.0))
+    mask = torch.ones_like(prompt)
+    return lambda: model.generate(
+        prompt,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+
+
+def translation_pair(vocab: int = 8000):
+    from transformers import MarianConfig, MarianMTModel
+
+    ours = Seq2Seq(
+        Seq2SeqConfig(
+            vocab_size=vocab, n_layer=3, n_head=4, d_model=256, d_ff=1024, dropout=0.0, max_len=128
+        )
+    ).eval()
+    peer = MarianMTModel(
+        MarianConfig(
+            vocab_size=vocab,
+            d_model=256,
+            encoder_layers=3,
+            decoder_layers=3,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=1024,
+            decoder_ffn_dim=1024,
+            max_position_embeddings=128,
+            pad_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=0,
+            forced_eos_token_id=None,
+        )
+    ).eval()
+    return ours, peer
+
+
+def translate_beam4(model, batch: int, ours: bool):
+    src = torch.randint(3, 8000, (batch, 20))
+    real = torch.ones_like(src, dtype=torch.bool)
+    if ours:
+        return lambda: beam_search(
+            model,
+            src,
+            real,
+            beam=4,
+            bos_id=1,
+            eos_id=2,
+            pad_id=0,
+            alpha=0.6,
+            max_len_a=0.0,
+            max_len_b=30,
+        )
+    return lambda: model.generate(
+        src, attention_mask=real.long(), num_beams=4, max_new_tokens=30, min_new_tokens=30
+    )
+
+
+# --- the table -----------------------------------------------------------------------------
+
+
+def compare(ours: Callable, peer: Callable, work: float, repeats: int) -> tuple[float, float]:
+    """Median rates (work per second) of two callables timed in alternation."""
+    ours(), peer()  # warm-up
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(work / seconds(ours))
+        b.append(work / seconds(peer))
+    return statistics.median(a), statistics.median(b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated row groups: machine, gpt-train, gpt-generate, int8, translate, txl",
+    )
+    args = parser.parse_args()
+    groups = set(args.only.split(",")) if args.only else None
+    wanted = lambda name: groups is None or name in groups  # noqa: E731
+    torch.manual_seed(0)
+    rows: list[dict] = []
+
+    def emit(**row) -> None:
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+
+    peak = matmul_peak(5)
+    bandwidth = read_bandwidth(5)
+    emit(
+        row="machine",
+        matmul_peak_gflops=round(peak, 1),
+        read_bandwidth_gbs=round(bandwidth, 2),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+    )
+
+    if wanted("gpt-train"):
+        for L, H, D, T, B in ((4, 4, 128, 64, 12), (6, 6, 384, 256, 8)):
+            ours, peer = gpt_pair(L, H, D, T, vocab=65)
+            steps = 5
+            a, b = compare(
+                gpt_train_step(ours, B, T, 65, steps, True),
+                gpt_train_step(peer, B, T, 65, steps, False),
+                steps * B * T,
+                args.repeats,
+            )
+            flops = training_flops_per_token(ours, L, D, T)
+            emit(
+                row=f"gpt train {L}x{D} ctx{T} b{B}",
+                unit="tokens/s",
+                tformer=a,
+                peer=b,
+                peer_name="GPT2LMHeadModel",
+                ratio=a / b,
+                mfu=a * flops / (peak * 1e9),
+            )
+
+    if wanted("gpt-generate") or wanted("int8"):
+        ours, peer = gpt_pair(12, 12, 768, 1024, vocab=50257)
+        weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+        new = 128
+        if wanted("gpt-generate"):
+            for B in (1, 8):
+                a, b = compare(
+                    gpt_generate(ours, B, new, True),
+                    gpt_generate(peer, B, new, False),
+                    B * new,
+                    args.repeats,
+                )
+                row = dict(
+                    row=f"gpt-2 small greedy b{B}",
+                    unit="tokens/s",
+                    tformer=a,
+                    peer=b,
+                    peer_name="GPT2LMHeadModel.generate",
+                    ratio=a / b,
+                )
+                if B == 1:
+                    row["bandwidth_fraction"] = a * weight_bytes / (bandwidth * 1e9)
+                emit(**row)
+        if wanted("int8"):
+            int8 = quantize_int8(ours)
+            a, b = compare(
+                gpt_generate(int8, 1, new, True),
+                gpt_generate(ours, 1, new, True),
+                new,
+                args.repeats,
+            )
+            emit(
+                row="gpt-2 small greedy b1 int8",
+                unit="tokens/s",
+                tformer=a,
+                peer=b,
+                peer_name="tformer fp32",
+                ratio=a / b,
+            )
+        del ours, peer
+
+    if wanted("translate"):
+        ours, peer = translation_pair()
+        for B in (1, 16):
+            a, b = compare(
+                translate_beam4(ours, B, True), translate_beam4(peer, B, False), B, args.repeats
+            )
+            emit(
+                row=f"translate beam4 b{B}",
+                unit="sentences/s",
+                tformer=a,
+                peer=b,
+                peer_name="MarianMTModel.generate",
+                ratio=a / b,
+            )
+
+    if wanted("txl"):
+        cfg = dict(vocab_size=65, context=64, n_layer=4, n_head=4, d_model=128, d_ff=512)
+        gpt = GPT(GPTConfig(**cfg))
+        txl = TransformerXL(TransformerXLConfig(mem_len=64, **cfg))
+        steps, B = 5, 12
+        memory = Memory(64)
+        data = torch.randint(0, 65, (steps, B, 65))
+        opt = torch.optim.AdamW(txl.parameters(), lr=1e-4)
+
+        def txl_steps() -> None:
+            for s in range(steps):
+                lm_loss(txl(data[s, :, :-1], memory=memory), data[s, :, 1:]).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        a, b = compare(
+            txl_steps, gpt_train_step(gpt, B, 64, 65, steps, True), steps * B * 64, args.repeats
+        )
+        emit(
+            row="txl train 4x128 seg64 mem64 b12",
+            unit="tokens/s",
+            tformer=a,
+            peer=b,
+            peer_name="tformer GPT, same size",
+            ratio=a / b,
+        )
+
+    if not args.json:
+        print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    machine = rows[0]
+    print(
+        f"torch {machine['torch']}, {machine['threads']} threads: fp32 matmul peak "
+        f"{machine['matmul_peak_gflops']:.0f} GFLOP/s, memory read "
+        f"{machine['read_bandwidth_gbs']:.1f} GB/s"
+    )
+    print(f"{'row':<34}{'unit':<13}{'tformer':>10}{'peer':>10}{'ratio':>8}  notes")
+    for r in rows[1:]:
+        notes = [f"vs {r['peer_name']}"]
+        if "mfu" in r:
+            notes.append(f"MFU {r['mfu']:.0%}")
+        if "bandwidth_fraction" in r:
+            notes.append(f"{r['bandwidth_fraction']:.0%} of bandwidth limit")
+        print(
+            f"{r['row']:<34}{r['unit']:<13}{r['tformer']:>10,.1f}{r['peer']:>10,.1f}"
+            f"{r['ratio']:>7.2f}x  {', '.join(notes)}"
+        )
+
+
+if __name__ == "__main__":
+    main()
