@@ -69,7 +69,7 @@ def test_evaluate_reports_bleu_chrf_and_loss(run, tmp_path, capsys):
     capsys.readouterr()
     assert main(["evaluate", str(run), str(src), str(ref), "--json", "--beam", "2"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert {"bleu", "chrf", "loss", "bleu_signature"} <= set(result)
+    assert {"bleu", "chrf", "loss", "exact_match", "bleu_signature"} <= set(result)
     assert result["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert main(["evaluate", str(run), "--json"]) == 0  # the run's own validation pairs
     assert json.loads(capsys.readouterr().out)["sentences"] == 10

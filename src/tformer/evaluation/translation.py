@@ -20,7 +20,9 @@ from tformer.models.seq2seq import label_smoothed_loss
 
 
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float | str]:
-    """Corpus BLEU and chrF of one hypothesis per reference, with sacrebleu's signatures."""
+    """Corpus BLEU and chrF of one hypothesis per reference, with sacrebleu's signatures,
+    and the fraction of hypotheses equal to their reference (for tasks with one right
+    answer)."""
     from sacrebleu.metrics import BLEU, CHRF
 
     if len(hypotheses) != len(references):
@@ -28,9 +30,11 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[
             f"{len(hypotheses)} hypotheses for {len(references)} references; they must pair up"
         )
     bleu, chrf = BLEU(), CHRF()
+    exact = sum(h == r for h, r in zip(hypotheses, references, strict=True))
     return {
         "bleu": bleu.corpus_score(list(hypotheses), [list(references)]).score,
         "chrf": chrf.corpus_score(list(hypotheses), [list(references)]).score,
+        "exact_match": exact / max(len(hypotheses), 1),
         "bleu_signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
     }
@@ -90,6 +94,7 @@ def evaluate_translation(
     tgt_ids = [ids[:limit] for ids in encode_source(tokenizer, references)]
     loss = evaluate_loss(model, src_ids, tgt_ids, tokenizer, max_tokens)
     result.update(bleu=scores["bleu"], chrf=scores["chrf"], loss=loss["loss"],
-                  sentences=len(sources), bleu_signature=scores["bleu_signature"],
+                  exact_match=scores["exact_match"], sentences=len(sources),
+                  bleu_signature=scores["bleu_signature"],
                   chrf_signature=scores["chrf_signature"])
     return result, hypotheses
