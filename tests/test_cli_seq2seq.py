@@ -14,7 +14,7 @@ from tformer.registry import get_family
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.d_ff=32",
-        "model.max_len=64", "data.builtin_pairs=200", "data.builtin_max=999",
+        "data.builtin_pairs=200", "data.builtin_max=999",
         "data.max_tokens=400", "train.steps=4", "train.eval_every=2",
         "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.warmup_steps=1",
         "train.log_every=1"]
