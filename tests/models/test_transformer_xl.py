@@ -84,7 +84,7 @@ def test_relative_attention_matches_the_per_position_formula(clamp_len, mem):
     positions = model.relative_positions(K, x.device)
     mask = torch.ones(5, K, dtype=torch.bool).tril(mem)[None, None]
     u, v = torch.randn(2, 8), torch.randn(2, 8)
-    fast, (keys, values) = attn(x, memory, positions, mask, u, v)
+    fast, (keys, values) = attn(x, memory, attn.position_keys(positions), mask, u, v)
     assert keys.shape == values.shape == (2, 2, K, 8)
     slow = naive_relative_attention(attn, x, memory, u, v, clamp_len)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
@@ -153,6 +153,13 @@ def test_cached_keys_and_values_equal_the_remembered_inputs(variant):
                                    atol=1e-5, rtol=1e-5)
         assert keys.length == inputs.length and not keys.states
     assert keys.keys_values[0][0].shape == (2, 2, 5, model.cfg.head_size)
+
+
+def test_cached_keys_refuse_a_training_model():
+    model = tiny()
+    model.train()
+    with pytest.raises(ValueError, match="needs fixed weights"):
+        model(torch.randint(0, V, (1, 4)), memory=Memory(4, cache_keys=True))
 
 
 def test_memory_slides_and_mem_len_zero_keeps_nothing():

@@ -109,6 +109,9 @@ class Memory:
         """With cache_keys, per layer (B, H, M, d) keys and values instead of the inputs."""
         self.is_real: Tensor | None = None
         """(B, M) False at padding, or None when every remembered position is real."""
+        self.position_keys: dict[tuple[int, int], Tensor] = {}
+        """With cache_keys, W_R R per (layer, number of keys): once the memory is full, every
+        segment of the same length reuses them."""
 
     @property
     def length(self) -> int:
@@ -124,6 +127,7 @@ class Memory:
 
     def clear(self) -> None:
         self.states, self.keys_values, self.is_real = [], [], None
+        self.position_keys = {}
 
     def update(
         self, layer_inputs: list[Tensor], keys_values: list[tuple[Tensor, Tensor]],
@@ -221,8 +225,12 @@ class RelativeAttention(nn.Module):
         """(B, T, H*d) -> (B, H, T, d)."""
         return x.unflatten(-1, (self.n_head, self.d_head)).transpose(1, 2)
 
+    def position_keys(self, positions: Tensor) -> Tensor:
+        """(K, D) encodings of the distances K-1 ... 0 -> (H, K, d) W_R R, per head."""
+        return self.pos_proj(positions).unflatten(-1, (self.n_head, self.d_head)).transpose(0, 1)
+
     def forward(
-        self, x: Tensor, memory: Tensor | None, positions: Tensor, mask: Tensor,
+        self, x: Tensor, memory: Tensor | None, pos_k: Tensor, mask: Tensor,
         u: Tensor, v: Tensor, *, memory_kv: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x (B, T, D) -> (B, T, D), and the (B, H, K, d) keys and values over
@@ -231,7 +239,7 @@ class RelativeAttention(nn.Module):
         memory: (B, M, D) the memory's states (already normalised for pre-norm), or None.
         memory_kv: (B, H, M, d) keys and values of the memory, projected before; used
             instead of `memory`.
-        positions: (K, D) encodings of the distances K-1 ... 0.
+        pos_k: (H, K, d) position_keys of the distances K-1 ... 0.
         mask: boolean may-attend mask broadcastable to (B, H, T, K).
         u, v: (H, d) the content and position biases.
         """
@@ -246,8 +254,6 @@ class RelativeAttention(nn.Module):
             k_mem, v_mem = self._heads(k_mem), self._heads(v_mem)
         if memory_kv is not None or memory is not None:
             k, values = torch.cat([k_mem, k], dim=2), torch.cat([v_mem, values], dim=2)
-        pos_k = self.pos_proj(positions).unflatten(-1, (self.n_head, self.d_head)).transpose(0, 1)
-
         scale = 1.0 / math.sqrt(self.d_head)
         position_scores = relative_shift((q + v[:, None]) @ pos_k.transpose(-1, -2)) * scale
         position_scores = position_scores.masked_fill(~mask, float("-inf"))
@@ -276,7 +282,7 @@ class TransformerXLBlock(nn.Module):
 
     def forward(
         self, x: Tensor, memory: Tensor | None, memory_kv: tuple[Tensor, Tensor] | None,
-        positions: Tensor, mask: Tensor, u: Tensor, v: Tensor,
+        pos_k: Tensor, mask: Tensor, u: Tensor, v: Tensor,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """As RelativeAttention.forward: the block's output and its keys and values."""
         if memory is not None and self.pre_norm:
@@ -287,7 +293,7 @@ class TransformerXLBlock(nn.Module):
 
         def attend(h: Tensor) -> Tensor:
             nonlocal keys_values
-            out, keys_values = self.attn(h, memory, positions, mask, u, v, memory_kv=memory_kv)
+            out, keys_values = self.attn(h, memory, pos_k, mask, u, v, memory_kv=memory_kv)
             return out
 
         x = self.attn_residual(x, attend)
@@ -355,6 +361,8 @@ class TransformerXL(nn.Module):
             row gives the same outputs as the row alone, since only distances matter.
         """
         B, T = tokens.shape
+        if memory is not None and memory.cache_keys and self.training:
+            raise ValueError("Memory(cache_keys=True) needs fixed weights; call model.eval()")
         n_layer = self.cfg.n_layer
         states: list[Tensor | None] = [None] * n_layer
         keys_values: list[tuple[Tensor, Tensor] | None] = [None] * n_layer
@@ -376,15 +384,21 @@ class TransformerXL(nn.Module):
         # Causal over [memory; segment]: query i sits at key position M + i.
         mask = lm_mask(keys_real, T, M + T, tokens.device)
 
-        positions = self.dropout(self.relative_positions(M + T, tokens.device))
         x = self.dropout(self.embed(tokens) * self.embed_scale)
+        positions = None
+        cached = memory.position_keys if memory is not None and memory.cache_keys else None
         layer_inputs, new_keys_values = [], []
-        shared = self.cfg.share_biases
         for i, block in enumerate(self.blocks):
+            pos_k = cached.get((i, M + T)) if cached is not None else None
+            if pos_k is None:
+                if positions is None:
+                    positions = self.dropout(self.relative_positions(M + T, tokens.device))
+                pos_k = block.attn.position_keys(positions.to(x.dtype))
+                if cached is not None:
+                    cached[(i, M + T)] = pos_k
             layer_inputs.append(x)
-            b = 0 if shared else i
-            x, kv = block(x, states[i], keys_values[i], positions.to(x.dtype), mask,
-                          self.u[b], self.v[b])
+            b = 0 if self.cfg.share_biases else i
+            x, kv = block(x, states[i], keys_values[i], pos_k, mask, self.u[b], self.v[b])
             new_keys_values.append(kv)
         if memory is not None:
             memory.update(layer_inputs, new_keys_values, is_real)
