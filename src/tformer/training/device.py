@@ -15,9 +15,9 @@ def pick_device(name: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise TformerError(f"train.device = {name!r} but no CUDA device is available")
+        raise TformerError(f"device {name!r} was asked for, but no CUDA device is available")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise TformerError(f"train.device = {name!r} but MPS is not available")
+        raise TformerError(f"device {name!r} was asked for, but MPS is not available")
     return device
 
 
