@@ -63,13 +63,18 @@ def test_lm_mask_keeps_the_diagonal_for_padding_queries():
     assert not mask[2, :2].any(), "a real query never sees padding"
 
 
-def test_cross_attention_shares_memory_across_beams():
-    attn = MultiHeadAttention(16, 2, cross=True).eval()
+@pytest.mark.parametrize("d_value", [None, 12])
+def test_cross_attention_shares_memory_across_beams(d_value):
+    attn = MultiHeadAttention(16, 2, d_value=d_value, cross=True).eval()
     x = torch.randn(6, 3, 16)
     memory = torch.randn(2, 4, 16)
-    shared = attn(x, memory)
-    copied = attn(x, memory.repeat_interleave(3, dim=0))
-    torch.testing.assert_close(shared, copied)
+    is_real = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    mask = is_real[:, None, None, :]
+    shared = attn(x, memory, mask=mask)
+    copied = attn(
+        x, memory.repeat_interleave(3, dim=0), mask=mask.repeat_interleave(3, dim=0)
+    )
+    torch.testing.assert_close(shared, copied, atol=1e-6, rtol=1e-5)
 
 
 def test_kv_cache_appends_and_reorders():

@@ -190,6 +190,24 @@ class MultiHeadAttention(nn.Module):
         )
         return self._heads(k, self.d_head), self._heads(v, self.d_value)
 
+    def _attend_shared(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Cross-attention where each of B' memories serves B/B' consecutive query rows (the
+        beams of one sentence): the rows' queries are stacked along the query axis, so every
+        memory is read once, by one matmul, and never copied per beam.
+
+        q (B, H, T, d), k (B', H, S, d), v (B', H, S, d_value), mask (B' or 1, 1, 1, S).
+        """
+        B, H, T, _ = q.shape
+        shared, group = k.shape[0], B // k.shape[0]
+        if mask is not None and mask.shape[2] != 1:
+            raise ValueError("shared cross-attention takes a key-padding mask (B', 1, 1, S)")
+        q = q.view(shared, group, H, T, -1).transpose(1, 2).reshape(shared, H, group * T, -1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
+        )
+        out = out.view(shared, H, group, T, -1).transpose(1, 2).reshape(B, H, T, -1)
+        return self.out_proj(out.transpose(1, 2).flatten(2))
+
     def forward(
         self,
         x: Tensor,
@@ -221,12 +239,7 @@ class MultiHeadAttention(nn.Module):
                 if isinstance(cache, StaticKV):
                     cache.k, cache.v = k, v
             if k.shape[0] != B:
-                # (B', H, S, ·) -> (B, H, S, ·), each row repeated B/B' times, as a view.
-                group = B // k.shape[0]
-                k = k[:, None].expand(-1, group, -1, -1, -1).flatten(0, 1)
-                v = v[:, None].expand(-1, group, -1, -1, -1).flatten(0, 1)
-                if mask is not None and mask.shape[0] not in (1, B):
-                    mask = mask[:, None].expand(-1, group, -1, -1, -1).flatten(0, 1)
+                return self._attend_shared(q, k, v, mask)
         else:
             qk = self.n_head * self.d_head
             q, k, v = self.qkv_proj(x).split([qk, qk, self.n_head * self.d_value], dim=-1)
