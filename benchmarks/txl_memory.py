@@ -47,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--out", default="runs/txl-memory")
+    parser.add_argument("--seed", type=int, default=None, help="train.seed override")
     parser.add_argument("--data", default=None, help="data.path override (default: the configs')")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args()
@@ -55,6 +56,8 @@ def main() -> None:
     common = [f"train.steps={args.steps}", "train.eval_every=500", "train.checkpoint_every=500"]
     if args.data:
         common.append(f"data.path={args.data}")
+    if args.seed is not None:
+        common.append(f"train.seed={args.seed}")
     runs = {
         "gpt": ("configs/gpt-shakespeare-char.toml", []),
         "txl-mem0": ("configs/txl-shakespeare-char.toml", ["model.mem_len=0"]),
@@ -73,7 +76,8 @@ def main() -> None:
         ("  same model, evaluated with mem_len 256", "txl-mem64", "256", ["--mem-len", "256"]),
     ]
     lines = [
-        f"Validation split, segment length 64, {args.steps} training steps each.",
+        f"Validation split, segment length 64, {args.steps} training steps each"
+        + (f", seed {args.seed}." if args.seed is not None else "."),
         "",
         "| model | eval memory | val loss (nats) | val bpc | train time (s) |",
         "| --- | --- | --- | --- | --- |",
