@@ -95,3 +95,18 @@ def test_evaluation_equals_a_hand_written_walk(tiny_corpus):
         count += int((batch.targets != IGNORE_INDEX).sum())
     assert count == len(ids) - 1 == result["tokens"]
     assert result["loss"] == pytest.approx(total / count, rel=1e-6)
+
+
+def test_one_stream_with_a_long_memory_equals_one_causal_pass(tiny_corpus):
+    """Walking the text in segments with a memory that never forgets scores every token as
+    one causal pass over the whole text does."""
+    cfg = tiny_config(tiny_corpus, "model.dropout=0.0", "train.batch_size=1",
+                      "model.eval_mem_len=100000")
+    task = TransformerXLTask(cfg)
+    model = get_family("transformer-xl").model(
+        cfg.replace("model", **task.model_fields()).model).eval()
+    ids = torch.from_numpy(task.data.val_ids.astype("int64"))[None]
+    with torch.no_grad():
+        whole = float(lm_loss(model(ids[:, :-1]), ids[:, 1:]))
+    assert evaluate_text(model, task.data.val_ids, task.tokenizer, cfg)["loss"] == pytest.approx(
+        whole, rel=1e-5)
