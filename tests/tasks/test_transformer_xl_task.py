@@ -110,3 +110,23 @@ def test_one_stream_with_a_long_memory_equals_one_causal_pass(tiny_corpus):
         whole = float(lm_loss(model(ids[:, :-1]), ids[:, 1:]))
     assert evaluate_text(model, task.data.val_ids, task.tokenizer, cfg)["loss"] == pytest.approx(
         whole, rel=1e-5)
+
+
+def test_memory_saved_by_another_process_layout_is_not_restored(tiny_corpus, monkeypatch):
+    from tformer.tasks import transformer_xl
+
+    cfg = tiny_config(tiny_corpus, "model.dropout=0.0")
+    task = TransformerXLTask(cfg)
+    model = get_family("transformer-xl").model(
+        cfg.replace("model", **task.model_fields()).model)
+    batches = task.train_batches(0)
+    with torch.no_grad():
+        task.loss(model, next(batches))
+    state = batches.state_dict()
+    restored = TransformerXLTask(cfg, task.tokenizer).train_batches(0)
+    restored.load_state_dict(state)
+    assert restored.memory.length == 8 and restored.streams.segment == 1
+    monkeypatch.setattr(transformer_xl, "process_slot", lambda: (1, 2))
+    elsewhere = TransformerXLTask(cfg, task.tokenizer).train_batches(0)
+    elsewhere.load_state_dict(state)
+    assert elsewhere.memory.length == 0 and elsewhere.streams.segment == 1

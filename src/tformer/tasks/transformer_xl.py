@@ -47,11 +47,25 @@ class TrainSegments:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.streams.state_dict(), "memory": self.memory.state_dict()}
+        return {**self.streams.state_dict(), "memory": self.memory.state_dict(),
+                "memory_owner": process_slot()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.streams.load_state_dict(state)
-        self.memory.load_state_dict(state["memory"])
+        self.memory.clear()
+        if tuple(state.get("memory_owner", (0, 1))) == process_slot():
+            self.memory.load_state_dict(state["memory"])
+        else:
+            # Another number of processes: this process's rows are other streams.
+            log.warning("resuming with another number of processes: the memory starts empty")
+
+
+def process_slot() -> tuple[int, int]:
+    """(rank, world size) under torchrun, else (0, 1): which rows of each batch this process
+    trains on, and so which streams its memory belongs to."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 class TransformerXLTask:
@@ -76,7 +90,7 @@ class TransformerXLTask:
 
     def loss(self, model: nn.Module, batch: StreamBatch) -> tuple[Tensor, int]:
         if self.memory.length and self.memory.rows != batch.tokens.shape[0]:
-            # Resumed with another number of processes: this rank's rows are other streams.
+            # Resumed with another train.batch_size: the rows are other streams.
             log.warning("the saved memory is for other streams; starting with an empty one")
             self.memory.clear()
         if self.memory.states and self.memory.states[0].device != batch.tokens.device:
