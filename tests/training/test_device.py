@@ -25,3 +25,8 @@ def test_auto_precision_is_fp32_on_the_cpu():
     assert isinstance(autocast(cpu, "fp32"), contextlib.nullcontext)
     with autocast(cpu, "bf16"):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_a_bad_device_name_is_a_clear_error():
+    with pytest.raises(TformerError, match="'gpu0' is not a device"):
+        pick_device("gpu0")

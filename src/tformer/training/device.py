@@ -13,7 +13,12 @@ def pick_device(name: str = "auto") -> torch.device:
     """'auto' is CUDA when present, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TformerError(
+            f"device {name!r} is not a device; choose auto, cpu, cuda or cuda:N"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TformerError(f"device {name!r} was asked for, but no CUDA device is available")
     if device.type == "mps" and not torch.backends.mps.is_available():
