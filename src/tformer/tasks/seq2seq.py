@@ -21,6 +21,9 @@ from tformer.models.seq2seq import label_smoothed_loss
 
 
 class Seq2SeqTask:
+    """`cache` is accepted like the other families' tasks but unused: the pairs are
+    tokenized in memory, which takes seconds for Multi30k."""
+
     def __init__(
         self, cfg: RunConfig, tokenizer: Tokenizer | None = None, *, cache: Path | None = None
     ) -> None:
