@@ -231,6 +231,9 @@ def train(
     model.train()
     interrupted, val_loss, bad_in_a_row = False, None, 0
     tokens_since, time_since, started = 0, time.perf_counter(), time.perf_counter()
+    # The logged training loss is the token-weighted mean over the steps since the last
+    # log, not one batch's (which swings widely with token-count batches).
+    logged_loss, logged_tokens = 0.0, 0.0
     with stop_requests() as stop:
         while step < tcfg.steps:
             lr = learning_rate(step, tcfg, getattr(cfg.model, "d_model", 512))
@@ -257,6 +260,8 @@ def train(
             max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             loss_value = loss_sum / max(global_tokens, 1.0)
+            if math.isfinite(loss_value):
+                logged_loss, logged_tokens = logged_loss + loss_sum, logged_tokens + global_tokens
 
             if math.isfinite(loss_value) and math.isfinite(grad_norm):
                 optimizer.step()
@@ -276,10 +281,11 @@ def train(
 
             if main and (step % tcfg.log_every == 0 or step == tcfg.steps):
                 elapsed = time.perf_counter() - time_since
+                mean_loss = logged_loss / logged_tokens if logged_tokens else math.nan
                 metrics.add(
                     step=step,
                     split="train",
-                    loss=f"{loss_value:.6f}",
+                    loss=f"{mean_loss:.6f}",
                     lr=f"{lr:.6g}",
                     grad_norm=f"{grad_norm:.4f}",
                     tokens_per_s=f"{tokens_since / elapsed:.1f}",
@@ -289,12 +295,13 @@ def train(
                     progress(
                         {
                             "step": step,
-                            "loss": loss_value,
+                            "loss": mean_loss,
                             "lr": lr,
                             "tokens_per_s": tokens_since / elapsed,
                         }
                     )
                 tokens_since, time_since = 0, time.perf_counter()
+                logged_loss, logged_tokens = 0.0, 0.0
             if step % tcfg.eval_every == 0 or step == tcfg.steps:
                 val_loss = evaluate()
                 model.train()
