@@ -5,7 +5,8 @@
 
 Each row times tformer and the peer in alternation, `repeats` times each, and reports the
 medians and their ratio (tformer / peer; above 1 is faster). The machine's own limits come
-first: the fp32 matmul peak and the memory read bandwidth, from which the table derives
+first: the fp32 matmul peak and the memory read bandwidth (of a plain sum, and of the
+matrix-vector products a batch-1 decoding step is made of), from which the table derives
 training MFU (model FLOPs per second over the matmul peak) and, for decoding at batch 1,
 the fraction of the bandwidth limit (every token reads every weight once).
 
@@ -59,6 +60,21 @@ def read_bandwidth(repeats: int) -> float:
     x = torch.ones(128 * 1024 * 1024)
     x.sum()
     return statistics.median(x.numel() * 4 / seconds(x.sum) for _ in range(repeats)) / 1e9
+
+
+def matvec_bandwidth(repeats: int) -> float:
+    """Median GB/s at which a matrix-vector product streams 377 MB of fp32 weights: the rate
+    a batch-1 decoding step can read its weights at, a tighter limit than a plain sum."""
+    weights = [torch.randn(3072, 768) for _ in range(40)]
+    x = torch.randn(1, 768)
+    nbytes = sum(w.numel() * 4 for w in weights)
+
+    def run() -> None:
+        for w in weights:
+            F.linear(x, w)
+
+    run()
+    return statistics.median(nbytes / seconds(run) for _ in range(repeats)) / 1e9
 
 
 # --- models of the same shape on both sides -----------------------------------------------
@@ -220,10 +236,12 @@ def main() -> None:
 
     peak = matmul_peak(5)
     bandwidth = read_bandwidth(5)
+    matvec = matvec_bandwidth(5)
     emit(
         row="machine",
         matmul_peak_gflops=round(peak, 1),
         read_bandwidth_gbs=round(bandwidth, 2),
+        matvec_bandwidth_gbs=round(matvec, 2),
         threads=torch.get_num_threads(),
         torch=torch.__version__,
     )
@@ -271,6 +289,7 @@ def main() -> None:
                 )
                 if B == 1:
                     row["bandwidth_fraction"] = a * weight_bytes / (bandwidth * 1e9)
+                    row["matvec_fraction"] = a * weight_bytes / (matvec * 1e9)
                 emit(**row)
         if wanted("int8"):
             int8 = quantize_int8(ours)
@@ -341,7 +360,8 @@ def print_table(rows: list[dict]) -> None:
     print(
         f"torch {machine['torch']}, {machine['threads']} threads: fp32 matmul peak "
         f"{machine['matmul_peak_gflops']:.0f} GFLOP/s, memory read "
-        f"{machine['read_bandwidth_gbs']:.1f} GB/s"
+        f"{machine['read_bandwidth_gbs']:.1f} GB/s (sum), "
+        f"{machine['matvec_bandwidth_gbs']:.1f} GB/s (matrix-vector)"
     )
     print(f"{'row':<34}{'unit':<13}{'tformer':>10}{'peer':>10}{'ratio':>8}  notes")
     for r in rows[1:]:
@@ -349,7 +369,10 @@ def print_table(rows: list[dict]) -> None:
         if "mfu" in r:
             notes.append(f"MFU {r['mfu']:.0%}")
         if "bandwidth_fraction" in r:
-            notes.append(f"{r['bandwidth_fraction']:.0%} of bandwidth limit")
+            notes.append(
+                f"{r['bandwidth_fraction']:.0%} of read / {r['matvec_fraction']:.0%} of "
+                f"matrix-vector bandwidth"
+            )
         print(
             f"{r['row']:<34}{r['unit']:<13}{r['tformer']:>10,.1f}{r['peer']:>10,.1f}"
             f"{r['ratio']:>7.2f}x  {', '.join(notes)}"
