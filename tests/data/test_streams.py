@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from tformer.data.streams import TrainStreams, eval_streams
+from tformer.data.tokenizers import IGNORE_INDEX
 from tformer.errors import TformerError
-from tformer.evaluation.lm import IGNORE_INDEX
 
 
 def stream(n: int) -> np.ndarray:

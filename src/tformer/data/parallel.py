@@ -23,12 +23,10 @@ from torch import Tensor
 from tformer.config import check_choice, check_range
 from tformer.data.builtin import BUILTIN_PARALLEL, number_pairs
 from tformer.data.corpus import read_text
-from tformer.data.tokenizers import KINDS, Tokenizer, train_tokenizer
+from tformer.data.tokenizers import IGNORE_INDEX, KINDS, Tokenizer, train_tokenizer
 from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

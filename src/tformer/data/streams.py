@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from tformer.data.lm import check_stream_length
+from tformer.data.tokenizers import IGNORE_INDEX
 from tformer.errors import TformerError
-from tformer.evaluation.lm import IGNORE_INDEX
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Protocol
 from tformer.errors import TformerError
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+IGNORE_INDEX = -100
+"""A target id that counts for nothing in a loss (padding, or past the end of a stream)."""
 SPECIALS = (PAD, BOS, EOS)
 KINDS = ("char", "bpe")
 

@@ -11,9 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.data.lm import LMBatch, sequential_windows
-from tformer.data.tokenizers import Tokenizer
-
-IGNORE_INDEX = -100
+from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
 
 
 def lm_loss(logits: Tensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:

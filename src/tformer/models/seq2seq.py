@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.config import check_choice, check_heads, check_range
+from tformer.data.tokenizers import IGNORE_INDEX
 from tformer.layers import (
     DecoderCache,
     FeedForward,
@@ -31,8 +32,6 @@ from tformer.layers import (
     StaticKV,
     padding_mask,
 )
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
