@@ -26,6 +26,7 @@ from tformer.data.streams import StreamBatch, TrainStreams, eval_streams
 from tformer.data.tokenizers import Tokenizer
 from tformer.evaluation.lm import IGNORE_INDEX, count_chars, lm_loss, lm_metrics
 from tformer.models.transformer_xl import Memory
+from tformer.training.distributed import from_environment
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,8 @@ class TrainSegments:
 def process_slot() -> tuple[int, int]:
     """(rank, world size) under torchrun, else (0, 1): which rows of each batch this process
     trains on, and so which streams its memory belongs to."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+    procs = from_environment()
+    return procs.rank, procs.world_size
 
 
 class TransformerXLTask:
