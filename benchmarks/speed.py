@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from tformer.decoding.beam import beam_search
 from tformer.decoding.lm import generate
+from tformer.decoding.prepack import PackedLinear, prepack, prepack_available
 from tformer.decoding.quantize import quantize_int8
 from tformer.evaluation.lm import lm_loss
 from tformer.models.gpt import GPT, GPTConfig
@@ -62,16 +63,20 @@ def read_bandwidth(repeats: int) -> float:
     return statistics.median(x.numel() * 4 / seconds(x.sum) for _ in range(repeats)) / 1e9
 
 
-def matvec_bandwidth(repeats: int) -> float:
-    """Median GB/s at which a matrix-vector product streams 377 MB of fp32 weights: the rate
-    a batch-1 decoding step can read its weights at, a tighter limit than a plain sum."""
-    weights = [torch.randn(3072, 768) for _ in range(40)]
+def matvec_bandwidth(repeats: int, packed: bool) -> float:
+    """Median GB/s at which matrix-vector products stream 377 MB of fp32 weights: the rate
+    a batch-1 decoding step can read its weights at, with F.linear's kernels or with the
+    prepacked ones tformer decodes with."""
+    layers = [torch.nn.Linear(768, 3072, bias=False) for _ in range(40)]
+    if packed:
+        layers = [PackedLinear(layer) for layer in layers]
     x = torch.randn(1, 768)
-    nbytes = sum(w.numel() * 4 for w in weights)
+    nbytes = sum(layer.weight.numel() * 4 for layer in layers)
 
+    @torch.no_grad()
     def run() -> None:
-        for w in weights:
-            F.linear(x, w)
+        for layer in layers:
+            layer(x)
 
     run()
     return statistics.median(nbytes / seconds(run) for _ in range(repeats)) / 1e9
@@ -236,12 +241,14 @@ def main() -> None:
 
     peak = matmul_peak(5)
     bandwidth = read_bandwidth(5)
-    matvec = matvec_bandwidth(5)
+    matvec_linear = matvec_bandwidth(5, packed=False)
+    matvec = matvec_bandwidth(5, packed=True) if prepack_available() else matvec_linear
     emit(
         row="machine",
         matmul_peak_gflops=round(peak, 1),
         read_bandwidth_gbs=round(bandwidth, 2),
         matvec_bandwidth_gbs=round(matvec, 2),
+        matvec_linear_bandwidth_gbs=round(matvec_linear, 2),
         threads=torch.get_num_threads(),
         torch=torch.__version__,
     )
@@ -268,7 +275,8 @@ def main() -> None:
             )
 
     if wanted("gpt-generate") or wanted("int8"):
-        ours, peer = gpt_pair(12, 12, 768, 1024, vocab=50257)
+        fp32, peer = gpt_pair(12, 12, 768, 1024, vocab=50257)
+        ours = prepack(fp32)  # as `tformer generate` runs it
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
         new = 128
         if wanted("gpt-generate"):
@@ -292,7 +300,7 @@ def main() -> None:
                     row["matvec_fraction"] = a * weight_bytes / (matvec * 1e9)
                 emit(**row)
         if wanted("int8"):
-            int8 = quantize_int8(ours)
+            int8 = quantize_int8(fp32)
             a, b = compare(
                 gpt_generate(int8, 1, new, True),
                 gpt_generate(ours, 1, new, True),
@@ -307,10 +315,11 @@ def main() -> None:
                 peer_name="tformer fp32",
                 ratio=a / b,
             )
-        del ours, peer
+        del fp32, ours, peer
 
     if wanted("translate"):
         ours, peer = translation_pair()
+        ours = prepack(ours)  # as `tformer translate` runs it
         for B in (1, 16):
             a, b = compare(
                 translate_beam4(ours, B, True), translate_beam4(peer, B, False), B, args.repeats
@@ -361,7 +370,8 @@ def print_table(rows: list[dict]) -> None:
         f"torch {machine['torch']}, {machine['threads']} threads: fp32 matmul peak "
         f"{machine['matmul_peak_gflops']:.0f} GFLOP/s, memory read "
         f"{machine['read_bandwidth_gbs']:.1f} GB/s (sum), "
-        f"{machine['matvec_bandwidth_gbs']:.1f} GB/s (matrix-vector)"
+        f"{machine['matvec_bandwidth_gbs']:.1f} GB/s (matrix-vector, prepacked; "
+        f"{machine['matvec_linear_bandwidth_gbs']:.1f} with F.linear)"
     )
     print(f"{'row':<34}{'unit':<13}{'tformer':>10}{'peer':>10}{'ratio':>8}  notes")
     for r in rows[1:]:

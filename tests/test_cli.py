@@ -73,6 +73,11 @@ def test_train_generate_evaluate(run_dir, capsys, tiny_corpus):
     result = json.loads(capsys.readouterr().out)
     assert set(result) >= {"loss", "perplexity", "bpc"}
     assert result["bpc"] == pytest.approx(result["loss"] / 0.6931471805599453)
+    assert main(["evaluate", str(run_dir), "--json", "--int8"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert int8["loss"] == pytest.approx(result["loss"], rel=0.02)
+    assert main(["generate", str(run_dir), "--prompt", "First", "--int8", "--greedy"]) == 0
+    assert capsys.readouterr().out.startswith("First")
 
     assert main(["evaluate", str(run_dir), str(tiny_corpus)]) == 0
     table = capsys.readouterr().out

@@ -56,6 +56,8 @@ def test_translate_stdin_and_files(run, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out.txt"
     assert main(["translate", str(run), str(src), "-o", str(out), "--beam", "1"]) == 0
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
+    assert main(["translate", str(run), str(src), "-o", str(out), "--int8"]) == 0
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 3
     assert main(["translate", str(run), str(src), "--beam", "3", "--n-best", "2"]) == 0
     rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     assert [r[0] for r in rows] == ["0", "0", "1", "1", "2", "2"]
