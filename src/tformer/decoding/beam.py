@@ -46,17 +46,29 @@ def max_output_lengths(src_real: Tensor, a: float, b: int, limit: int) -> Tensor
     return (a * src_len + b).floor().long().clamp(min=1, max=limit)
 
 
-def _step_logprobs(
-    logits: Tensor, step: int, max_len: Tensor, *, eos_id: int, banned: tuple[int, ...]
-) -> Tensor:
-    """(N, V) logits of output position `step` -> log-probabilities with the rules of
-    decoding applied: padding and BOS are never produced, and a row whose length limit
-    (N,) is reached must produce EOS."""
-    logprobs = F.log_softmax(logits.float(), dim=-1)
-    logprobs[:, list(banned)] = float("-inf")
-    must_end = (step >= max_len - 1)[:, None]
-    not_eos = torch.arange(logprobs.shape[-1], device=logprobs.device) != eos_id
-    return logprobs.masked_fill(must_end & not_eos, float("-inf"))
+class _Rules:
+    """The rules of decoding, applied to a step's log-probabilities: padding and BOS are
+    never produced, and a row whose length limit is reached must produce EOS.
+
+    max_len (N,): each row's limit (tokens, EOS included); banned: ids never produced.
+    """
+
+    def __init__(self, max_len: Tensor, vocab: int, *, eos_id: int, banned: tuple[int, ...]):
+        self.max_len = max_len
+        self.banned = torch.tensor(banned, device=max_len.device)
+        self.not_eos = torch.arange(vocab, device=max_len.device) != eos_id
+        # No row is at its limit before this step, so the check is skipped until then (one
+        # read of the limits here instead of a vocabulary-wide mask at every step).
+        self.first_forced = int(max_len.min()) - 1
+
+    def logprobs(self, logits: Tensor, step: int) -> Tensor:
+        """(N, V) logits of output position `step` -> (N, V) log-probabilities."""
+        logprobs = F.log_softmax(logits.float(), dim=-1)
+        logprobs.index_fill_(1, self.banned, float("-inf"))
+        if step >= self.first_forced:
+            must_end = (step >= self.max_len - 1)[:, None]
+            logprobs.masked_fill_(must_end & self.not_eos, float("-inf"))
+        return logprobs
 
 
 @torch.no_grad()
@@ -90,10 +102,11 @@ def greedy_search(
     logprob = torch.zeros(B, device=src.device)
     length = torch.zeros(B, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    rules = _Rules(max_len, model.cfg.vocab_size, eos_id=eos_id, banned=(pad_id, bos_id))
     for t in range(steps):
         prefix = tokens[:, t : t + 1] if use_cache else tokens[:, : t + 1]
         logits = model.decode(prefix, memory, src_real, cache=cache)[:, -1]
-        logprobs = _step_logprobs(logits, t, max_len, eos_id=eos_id, banned=(pad_id, bos_id))
+        logprobs = rules.logprobs(logits, t)
         token = logprobs.argmax(dim=-1)
         logprob += torch.where(done, 0.0, logprobs.gather(1, token[:, None])[:, 0])
         tokens[:, t + 1] = token.masked_fill(done, pad_id)
@@ -165,13 +178,17 @@ def beam_search(
     rank = torch.arange(2 * K, device=device)
     row_offset = torch.arange(B, device=device)[:, None] * K
 
+    rules = _Rules(max_len_beams, V, eos_id=eos_id, banned=(pad_id, bos_id))
+
     for t in range(steps):
         logits = model.decode(tokens[:, :, t].reshape(B * K, 1), memory, src_real, cache=cache)
-        logprobs = _step_logprobs(
-            logits[:, -1], t, max_len_beams, eos_id=eos_id, banned=(pad_id, bos_id)
-        ).view(B, K, V)
-        top, index = (scores[:, :, None] + logprobs).view(B, K * V).topk(2 * K, dim=1)
-        parent, token = index // V, index % V
+        extended = rules.logprobs(logits[:, -1], t).view(B, K, V).add_(scores[:, :, None])
+        # The best 2K of a sentence's K * V extensions are among the best 2K of each beam:
+        # two small top-k's, the first over rows of V, are cheaper than one over K * V.
+        beam_top, beam_token = extended.topk(2 * K, dim=2)
+        top, index = beam_top.view(B, 2 * K * K).topk(2 * K, dim=1)
+        parent = index // (2 * K)
+        token = beam_token.view(B, 2 * K * K).gather(1, index)
         candidates = tokens.gather(1, parent[:, :, None].expand(-1, -1, L)).clone()
         candidates[:, :, t + 1] = token
 
