@@ -122,6 +122,23 @@ def training_flops_per_token(model: torch.nn.Module, n_layer: int, d_model: int,
     return 6 * n + 12 * n_layer * T * d_model
 
 
+def txl_training_flops_per_token(
+    n_layer: int, d_model: int, d_ff: int, vocab: int, T: int, M: int, B: int
+) -> float:
+    """The same count for Transformer-XL, term by term (forward 2 flops per multiply-add,
+    backward twice that): every token's own projections and FFN (6 x 12 D^2 with d_ff 4D),
+    the keys and values of the M remembered states (forward, and the weight gradient only:
+    the memory takes none), attention over K = M + T keys (6 K D for q.k and for p.v as in
+    the GPT formula, and 6 K D more for the position term), the position projection of K
+    distances per segment of B T tokens, and the tied output projection."""
+    K = M + T
+    own = 6 * (4 * d_model * d_model + 2 * d_model * d_ff)
+    memory = 4 * (2 * d_model * d_model) * M / T
+    attention = 12 * K * d_model + 6 * K * d_model
+    positions = 6 * K * d_model * d_model / (B * T)
+    return n_layer * (own + memory + attention + positions) + 6 * vocab * d_model
+
+
 def gpt_train_step(model, batch: int, context: int, vocab: int, steps: int, ours: bool):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.randint(0, vocab, (steps, batch, context + 1))
@@ -334,12 +351,12 @@ def main() -> None:
             )
 
     if wanted("txl"):
-        cfg = dict(vocab_size=65, context=64, n_layer=4, n_head=4, d_model=128, d_ff=512)
-        gpt = GPT(GPTConfig(**cfg))
-        txl = TransformerXL(TransformerXLConfig(mem_len=64, **cfg))
-        steps, B = 5, 12
-        memory = Memory(64)
-        data = torch.randint(0, 65, (steps, B, 65))
+        L, D, F_, V, T, M, B = 4, 128, 512, 65, 64, 64, 12
+        cfg = dict(vocab_size=V, n_layer=L, n_head=4, d_model=D, d_ff=F_)
+        txl = TransformerXL(TransformerXLConfig(context=T, mem_len=M, **cfg))
+        steps = 5
+        memory = Memory(M)
+        data = torch.randint(0, V, (steps, B, T + 1))
         opt = torch.optim.AdamW(txl.parameters(), lr=1e-4)
 
         def txl_steps() -> None:
@@ -348,17 +365,29 @@ def main() -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-        a, b = compare(
-            txl_steps, gpt_train_step(gpt, B, 64, 65, steps, True), steps * B * 64, args.repeats
-        )
-        emit(
-            row="txl train 4x128 seg64 mem64 b12",
-            unit="tokens/s",
-            tformer=a,
-            peer=b,
-            peer_name="tformer GPT, same size",
-            ratio=a / b,
-        )
+        txl_flops = txl_training_flops_per_token(L, D, F_, V, T, M, B)
+        # Beside the GPT of the same segment length, and the GPT whose context spans what a
+        # Transformer-XL query sees (M + T), at the same tokens per step.
+        for context, batch in ((T, B), (T + M, B * T // (T + M))):
+            gpt = GPT(GPTConfig(context=context, **cfg))
+            a, b = compare(
+                txl_steps,
+                gpt_train_step(gpt, batch, context, V, steps, True),
+                steps * B * T,
+                args.repeats,
+            )
+            gpt_flops = training_flops_per_token(gpt, L, D, context)
+            emit(
+                row=f"txl train {L}x{D} seg{T} mem{M} b{B}",
+                unit="tokens/s",
+                tformer=a,
+                peer=b,
+                peer_name=f"tformer GPT ctx{context} b{batch}",
+                ratio=a / b,
+                mfu=a * txl_flops / (peak * 1e9),
+                peer_mfu=b * gpt_flops / (peak * 1e9),
+                flops_ratio=gpt_flops / txl_flops,
+            )
 
     if not args.json:
         print_table(rows)
@@ -378,6 +407,10 @@ def print_table(rows: list[dict]) -> None:
         notes = [f"vs {r['peer_name']}"]
         if "mfu" in r:
             notes.append(f"MFU {r['mfu']:.0%}")
+        if "peer_mfu" in r:
+            notes.append(
+                f"GPT MFU {r['peer_mfu']:.0%}; equal MFU would give {r['flops_ratio']:.2f}x"
+            )
         if "bandwidth_fraction" in r:
             notes.append(
                 f"{r['bandwidth_fraction']:.0%} of read / {r['matvec_fraction']:.0%} of "

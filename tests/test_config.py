@@ -57,7 +57,7 @@ def test_overrides_apply_and_ints_become_floats():
             ["model.family=gtp"],
             "model.family = 'gtp' is not known \\(did you mean \"gpt\"\\?\\)",
         ),
-        ({}, ["train.schedule=linear"], "choose one of: cosine | noam | constant"),
+        ({}, ["train.schedule=step"], "choose one of: cosine | linear | noam | constant"),
         ({}, ["train.min_lr=1"], "train.min_lr = 1.0 must be at most"),
         ({}, ["train.lr=nan"], "must be a finite number"),
         ({"train": 3}, [], r"\[train\] must be a table"),

@@ -111,7 +111,7 @@ class TrainConfig:
         check_range("train.beta1", self.beta1, low=0.0, high=1.0)
         check_range("train.beta2", self.beta2, low=0.0, high=1.0)
         check_range("train.grad_clip", self.grad_clip, low=0.0)
-        check_choice("train.schedule", self.schedule, ("cosine", "noam", "constant"))
+        check_choice("train.schedule", self.schedule, ("cosine", "linear", "noam", "constant"))
         check_choice("train.precision", self.precision, ("auto", "fp32", "bf16"))
         check_choice("train.parallel", self.parallel, ("ddp", "fsdp"))
         if self.device not in ("auto", "cpu") and not self.device.startswith(("cuda", "mps")):

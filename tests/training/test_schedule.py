@@ -16,6 +16,15 @@ def test_cosine_warms_up_then_decays_to_min_lr():
     assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
 
 
+def test_linear_warms_up_then_falls_in_a_straight_line_to_min_lr():
+    cfg = TrainConfig(steps=1000, lr=1e-3, min_lr=1e-4, warmup_steps=100, schedule="linear")
+    assert learning_rate(99, cfg, 128) == pytest.approx(1e-3)
+    assert learning_rate(549, cfg, 128) == pytest.approx(5.5e-4)
+    assert learning_rate(999, cfg, 128) == pytest.approx(1e-4)
+    steps = [learning_rate(s, cfg, 128) - learning_rate(s + 1, cfg, 128) for s in range(99, 998)]
+    assert max(steps) == pytest.approx(min(steps))  # the same decrement at every step
+
+
 def test_constant_after_warmup():
     cfg = TrainConfig(steps=100, lr=0.5, min_lr=0.0, warmup_steps=10, schedule="constant")
     assert learning_rate(4, cfg, 64) == pytest.approx(0.25)
