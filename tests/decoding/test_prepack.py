@@ -37,6 +37,16 @@ def test_a_packed_linear_computes_the_linear_product(shape, bias):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_packed_linear_reads_strided_inputs():
+    linear = nn.Linear(48, 80)
+    x = torch.randn(6, 5, 48)
+    with torch.no_grad():
+        for view in (x.transpose(0, 1), x[:, -1:], x[:, ::2]):
+            assert not view.is_contiguous()
+            want = F.linear(view.contiguous(), linear.weight, linear.bias)
+            torch.testing.assert_close(PackedLinear(linear)(view), want, atol=1e-5, rtol=1e-5)
+
+
 def test_prepack_shares_the_parameters_and_leaves_the_original_alone():
     model = gpt()
     packed = prepack(model)
