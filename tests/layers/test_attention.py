@@ -2,8 +2,16 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tformer.layers import DecoderCache, KVCache, MultiHeadAttention, causal_mask, lm_mask
+from tformer.layers import (
+    DecoderCache,
+    KVCache,
+    MultiHeadAttention,
+    attention_bias,
+    causal_mask,
+    lm_mask,
+)
 
 
 def naive_attention(q, k, v, mask):
@@ -54,6 +62,17 @@ def test_causal_mask_with_earlier_keys():
     # 2 new queries after 3 cached keys: query 0 is position 3, query 1 is position 4.
     expected = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(causal_mask(2, 5), expected)
+
+
+def test_an_attention_bias_gives_sdpa_the_same_result_as_its_mask():
+    mask = lm_mask(torch.tensor([[False, True, True, True]]), 4, 4, torch.device("cpu"))
+    bias = attention_bias(mask, torch.float32)
+    assert set(bias.unique().tolist()) == {0.0, float("-inf")}
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    torch.testing.assert_close(
+        F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+    )
 
 
 def test_lm_mask_keeps_the_diagonal_for_padding_queries():

