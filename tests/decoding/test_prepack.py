@@ -57,6 +57,8 @@ def test_prepack_shares_the_parameters_and_leaves_the_original_alone():
         assert param is ours[name], name
     # Tied embeddings stay tied.
     assert packed.lm_head.weight is packed.embed.weight
+    assert not any(isinstance(m, nn.Dropout) for m in packed.modules())
+    assert any(isinstance(m, nn.Dropout) for m in model.modules())
 
 
 def test_prepacked_gpt_logits_and_greedy_tokens_match_the_original():

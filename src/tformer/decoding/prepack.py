@@ -67,7 +67,8 @@ def prepack_available() -> bool:
 
 
 def prepack(model: nn.Module) -> nn.Module:
-    """A copy of `model` for fp32 CPU inference whose nn.Linear layers are PackedLinear.
+    """A copy of `model` for fp32 CPU inference whose nn.Linear layers are PackedLinear
+    and whose dropout layers are gone.
 
     The copy shares every parameter with `model` (only the module objects are new), so it
     costs one extra copy of the linear weights. A model on another device or in another
@@ -89,4 +90,8 @@ def prepack(model: nn.Module) -> nn.Module:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear(child))
+            elif isinstance(child, nn.Dropout):
+                # The identity at inference; a decoding step makes a dozen such calls, and
+                # dropping them made beam search at batch 1 5-10% faster.
+                setattr(parent, name, nn.Identity())
     return packed.eval()

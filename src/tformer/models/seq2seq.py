@@ -30,6 +30,7 @@ from tformer.layers import (
     Residual,
     SinusoidalPositions,
     StaticKV,
+    attention_bias,
     padding_mask,
 )
 
@@ -237,7 +238,8 @@ class Seq2Seq(nn.Module):
         if start > 0 and tgt.shape[1] > 1:
             raise ValueError("after the first cached step, decode one token at a time")
         x = self._embed(self.tgt_embed, tgt, start)
-        memory_mask = padding_mask(src_real)
+        # As a float bias, made once here rather than by SDPA in every layer.
+        memory_mask = attention_bias(padding_mask(src_real), x.dtype)
         for i, layer in enumerate(self.decoder):
             self_cache = cache.self_attn[i] if cache is not None else None
             cross_cache = cache.cross_attn[i] if cache is not None else None
