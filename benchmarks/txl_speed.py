@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tformer.decoding.lm import generate
+from tformer.layers import attention_bias
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import (
     Memory,
@@ -101,7 +102,7 @@ def generation(model, device: torch.device, new_tokens: int, skip: int = 0):
     return run
 
 
-def sdpa_attention(attn: RelativeAttention, x, memory, pos_k, mask, u, v):
+def sdpa_attention(attn: RelativeAttention, x, memory, pos_k, bias, u, v):
     """RelativeAttention.forward with the position term handed to torch's
     scaled_dot_product_attention as a float mask, for comparison."""
     width = attn.n_head * attn.d_head
@@ -110,8 +111,7 @@ def sdpa_attention(attn: RelativeAttention, x, memory, pos_k, mask, u, v):
     k, values = torch.cat([k_mem, k], dim=1), torch.cat([v_mem, values], dim=1)
     q, k, values = attn._heads(q), attn._heads(k), attn._heads(values)
     scale = 1.0 / math.sqrt(attn.d_head)
-    position = relative_shift((q + v[:, None]) @ pos_k.transpose(-1, -2)) * scale
-    position = position.masked_fill(~mask, float("-inf"))
+    position = relative_shift((q + v[:, None]) @ pos_k.transpose(-1, -2)) * scale + bias
     out = F.scaled_dot_product_attention(q + u[:, None], k, values, attn_mask=position)
     return attn.out_proj(out.transpose(1, 2).flatten(2)), (k, values)
 
@@ -175,13 +175,14 @@ def main() -> None:
     memory = torch.randn(BATCH, 64, 128, device=device)
     positions = txl.relative_positions(128, device)
     mask = torch.ones(CONTEXT, 128, dtype=torch.bool, device=device).tril(64)[None, None]
+    bias = attention_bias(mask, x.dtype)
     u, v = txl.u[0], txl.v[0]
 
     def attention(fn):
         def run() -> int:
             for _ in range(10):
                 pos_k = attn.position_keys(positions)
-                fn(attn, x, memory, pos_k, mask, u, v)[0].sum().backward()
+                fn(attn, x, memory, pos_k, bias, u, v)[0].sum().backward()
             return 10 * BATCH * CONTEXT
         return lambda: timed(device, run)
 

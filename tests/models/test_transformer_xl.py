@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tformer.errors import TformerError
-from tformer.layers import sinusoids
+from tformer.layers import attention_bias, sinusoids
 from tformer.models.transformer_xl import (
     Memory,
     RelativeAttention,
@@ -84,7 +84,8 @@ def test_relative_attention_matches_the_per_position_formula(clamp_len, mem):
     positions = model.relative_positions(K, x.device)
     mask = torch.ones(5, K, dtype=torch.bool).tril(mem)[None, None]
     u, v = torch.randn(2, 8), torch.randn(2, 8)
-    fast, (keys, values) = attn(x, memory, attn.position_keys(positions), mask, u, v)
+    bias = attention_bias(mask, x.dtype)
+    fast, (keys, values) = attn(x, memory, attn.position_keys(positions), bias, u, v)
     assert keys.shape == values.shape == (2, 2, K, 8)
     slow = naive_relative_attention(attn, x, memory, u, v, clamp_len)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)

@@ -213,8 +213,9 @@ class Seq2Seq(nn.Module):
         Padding keys are masked out, so a real position's output does not depend on how
         much padding follows it; outputs at padding positions are meaningless.
         """
-        mask = padding_mask(src_real)
         x = self._embed(self.src_embed, src)
+        # As a float bias, made once here rather than by SDPA in every layer.
+        mask = attention_bias(padding_mask(src_real), x.dtype)
         for layer in self.encoder:
             x = layer(x, mask)
         return self.encoder_norm(x) if self.encoder_norm is not None else x

@@ -235,7 +235,7 @@ class RelativeAttention(nn.Module):
         return self.pos_proj(positions).unflatten(-1, (self.n_head, self.d_head)).transpose(0, 1)
 
     def forward(
-        self, x: Tensor, memory: Tensor | None, pos_k: Tensor, mask: Tensor,
+        self, x: Tensor, memory: Tensor | None, pos_k: Tensor, bias: Tensor,
         u: Tensor, v: Tensor, *, memory_kv: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x (B, T, D) -> (B, T, D), and the (B, H, K, d) keys and values over
@@ -245,7 +245,8 @@ class RelativeAttention(nn.Module):
         memory_kv: (B, H, M, d) keys and values of the memory, projected before; used
             instead of `memory`.
         pos_k: (H, K, d) position_keys of the distances K-1 ... 0.
-        mask: boolean may-attend mask broadcastable to (B, H, T, K).
+        bias: attention_bias of the may-attend mask, broadcastable to (B, H, T, K): 0 where
+            a query may attend, -inf where not.
         u, v: (H, d) the content and position biases.
         """
         width = self.n_head * self.d_head
@@ -266,7 +267,7 @@ class RelativeAttention(nn.Module):
         scores = (q + u * scale).transpose(1, 2) @ k.transpose(-1, -2)
         position = torch.einsum("bthd,hkd->bhtk", q + v * scale, pos_k)
         # Summed in place: the matmul's backward needs its inputs, not its output.
-        scores = scores.add_(relative_shift(position)).add_(attention_bias(mask, scores.dtype))
+        scores = scores.add_(relative_shift(position)).add_(bias)
         probs = F.dropout(scores.softmax(dim=-1), self.attn_dropout, self.training)
         return self.out_proj((probs @ values).transpose(1, 2).flatten(2)), (k, values)
 
@@ -289,7 +290,7 @@ class TransformerXLBlock(nn.Module):
 
     def forward(
         self, x: Tensor, memory: Tensor | None, memory_kv: tuple[Tensor, Tensor] | None,
-        pos_k: Tensor, mask: Tensor, u: Tensor, v: Tensor,
+        pos_k: Tensor, bias: Tensor, u: Tensor, v: Tensor,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """As RelativeAttention.forward: the block's output and its keys and values."""
         if memory is not None and self.pre_norm:
@@ -300,7 +301,7 @@ class TransformerXLBlock(nn.Module):
 
         def attend(h: Tensor) -> Tensor:
             nonlocal keys_values
-            out, keys_values = self.attn(h, memory, pos_k, mask, u, v, memory_kv=memory_kv)
+            out, keys_values = self.attn(h, memory, pos_k, bias, u, v, memory_kv=memory_kv)
             return out
 
         x = self.attn_residual(x, attend)
@@ -388,10 +389,10 @@ class TransformerXL(nn.Module):
                 torch.ones(B, M, dtype=torch.bool, device=tokens.device))
             new = is_real if is_real is not None else torch.ones_like(tokens, dtype=torch.bool)
             keys_real = torch.cat([past, new], dim=1)
-        # Causal over [memory; segment]: query i sits at key position M + i.
-        mask = lm_mask(keys_real, T, M + T, tokens.device)
-
         x = self.dropout(self.embed(tokens) * self.embed_scale)
+        # Causal over [memory; segment]: query i sits at key position M + i. Made into the
+        # additive bias once here, for every layer.
+        bias = attention_bias(lm_mask(keys_real, T, M + T, tokens.device), x.dtype)
         positions = None
         cached = memory.position_keys if memory is not None and memory.cache_keys else None
         layer_inputs, new_keys_values = [], []
@@ -405,7 +406,7 @@ class TransformerXL(nn.Module):
                     cached[(i, M + T)] = pos_k
             layer_inputs.append(x)
             b = 0 if self.cfg.share_biases else i
-            x, kv = block(x, states[i], keys_values[i], pos_k, mask, self.u[b], self.v[b])
+            x, kv = block(x, states[i], keys_values[i], pos_k, bias, self.u[b], self.v[b])
             new_keys_values.append(kv)
         if memory is not None:
             memory.update(layer_inputs, new_keys_values, is_real)
