@@ -51,7 +51,12 @@ class TrainResult:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only (not biases or norms)."""
+    """AdamW with weight decay on matrices and embeddings only (not biases or norms).
+
+    The fused implementation (one kernel over all parameters) on CPU as on GPUs: on CPU it
+    updates a 0.8M-parameter model in a sixth of the time of the default per-op one, a tenth
+    of a small model's training step (benchmarks/speed.py).
+    """
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -61,7 +66,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type in ("cpu", "cuda")
     )
 
 
