@@ -179,6 +179,7 @@ def beam_search(
     row_offset = torch.arange(B, device=device)[:, None] * K
 
     rules = _Rules(max_len_beams, V, eos_id=eos_id, banned=(pad_id, bos_id))
+    any_finished = False  # whether any hypothesis has finished yet (known on the host)
 
     for t in range(steps):
         logits = model.decode(tokens[:, :, t].reshape(B * K, 1), memory, src_real, cache=cache)
@@ -189,38 +190,49 @@ def beam_search(
         top, index = beam_top.view(B, 2 * K * K).topk(2 * K, dim=1)
         parent = index // (2 * K)
         token = beam_token.view(B, 2 * K * K).gather(1, index)
-        candidates = tokens.gather(1, parent[:, :, None].expand(-1, -1, L)).clone()
-        candidates[:, :, t + 1] = token
-
-        # Hypotheses that end here join the finished ones; the best K of both are kept.
         ends = token == eos_id
-        new_finished = ends & (rank < K) & ~done[:, None] & top.isfinite()
-        normalised = torch.where(new_finished, top / length_penalty(t + 1.0, alpha), -torch.inf)
-        merged = torch.cat([finished_score, normalised], dim=1)
-        finished_score, keep = merged.topk(K, dim=1)
-        finished_logprob = torch.cat([finished_logprob, top], dim=1).gather(1, keep)
-        lengths = torch.full_like(top, t + 1, dtype=torch.long)
-        finished_length = torch.cat([finished_length, lengths], dim=1).gather(1, keep)
-        finished_tokens = torch.cat([finished_tokens, candidates], dim=1).gather(
-            1, keep[:, :, None].expand(-1, -1, L)
-        )
+
+        # Hypotheses among the best K that end here join the finished ones, and the best K
+        # of both are kept. Most steps end none: the check skips a dozen operations then.
+        new_finished = ends[:, :K] & top[:, :K].isfinite() & ~done[:, None]
+        changed = bool(new_finished.any())
+        if changed:
+            any_finished = True
+            ended = tokens.gather(1, parent[:, :K, None].expand(-1, -1, L))
+            ended[:, :, t + 1] = token[:, :K]
+            normalised = torch.where(
+                new_finished, top[:, :K] / length_penalty(t + 1.0, alpha), -torch.inf
+            )
+            finished_score, keep = torch.cat([finished_score, normalised], dim=1).topk(K, dim=1)
+            finished_logprob = torch.cat([finished_logprob, top[:, :K]], dim=1).gather(1, keep)
+            lengths = torch.full_like(finished_length, t + 1)
+            finished_length = torch.cat([finished_length, lengths], dim=1).gather(1, keep)
+            finished_tokens = torch.cat([finished_tokens, ended], dim=1).gather(
+                1, keep[:, :, None].expand(-1, -1, L)
+            )
 
         # The best K candidates that do not end carry on (there are always K: at most K end).
         _, carry = (ends.long() * 2 * K + rank).topk(K, dim=1, largest=False)
         scores = top.gather(1, carry)
-        tokens = candidates.gather(1, carry[:, :, None].expand(-1, -1, L))
-        cache.reorder((row_offset + parent.gather(1, carry)).flatten())
+        carried = parent.gather(1, carry)
+        tokens = tokens.gather(1, carried[:, :, None].expand(-1, -1, L))
+        tokens[:, :, t + 1] = token.gather(1, carry)
+        cache.reorder((row_offset + carried).flatten())
 
-        if early_stopping:
-            done |= finished_score.isfinite().all(dim=1)
-        else:
-            # A live beam's log-probability (<= 0) only falls, so its best possible score
-            # divides it by the largest penalty it can still get.
-            best_live = scores.max(dim=1).values / length_penalty(max_len.float(), alpha)
-            worst_kept = finished_score[:, n_best - 1]
-            done |= worst_kept.isfinite() & (best_live <= worst_kept)
-        done |= t >= max_len - 1
-        if bool(done.all()):
+        if any_finished:
+            changed = True
+            if early_stopping:
+                done |= finished_score.isfinite().all(dim=1)
+            else:
+                # A live beam's log-probability (<= 0) only falls, so its best possible score
+                # divides it by the largest penalty it can still get.
+                best_live = scores.max(dim=1).values / length_penalty(max_len.float(), alpha)
+                worst_kept = finished_score[:, n_best - 1]
+                done |= worst_kept.isfinite() & (best_live <= worst_kept)
+        if t >= rules.first_forced:
+            changed = True
+            done |= t >= max_len - 1
+        if changed and bool(done.all()):
             break
 
     results = []
