@@ -146,7 +146,7 @@ class Memory:
                 self.keys_values = [(k[:, :, -L:].detach(), v[:, :, -L:].detach())
                                     for k, v in keys_values]
             else:
-                if self.states:
+                if self.states and T < L:  # (a segment of L or more replaces it whole)
                     layer_inputs = [
                         torch.cat([m, h], dim=1)
                         for m, h in zip(self.states, layer_inputs, strict=True)
