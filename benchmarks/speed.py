@@ -1,7 +1,7 @@
 """tformer beside Hugging Face transformers on the same model shapes, measured in one run.
 
     make bench                                  # installs the `bench` extra, then runs this
-    .venv/bin/python benchmarks/speed.py [--repeats 3] [--json] [--only gpt-train,...]
+    .venv/bin/python benchmarks/speed.py [--repeats 5] [--json] [--only gpt-train,...]
 
 Each row times tformer and the peer in alternation, `repeats` times each, and reports the
 medians and their ratio (tformer / peer; above 1 is faster). The machine's own limits come
@@ -243,7 +243,7 @@ def compare(ours: Callable, peer: Callable, work: float, repeats: int) -> tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     parser.add_argument(
         "--only",
