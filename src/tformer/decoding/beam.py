@@ -195,8 +195,7 @@ def beam_search(
         # Hypotheses among the best K that end here join the finished ones, and the best K
         # of both are kept. Most steps end none: the check skips a dozen operations then.
         new_finished = ends[:, :K] & top[:, :K].isfinite() & ~done[:, None]
-        changed = bool(new_finished.any())
-        if changed:
+        if bool(new_finished.any()):
             any_finished = True
             ended = tokens.gather(1, parent[:, :K, None].expand(-1, -1, L))
             ended[:, :, t + 1] = token[:, :K]
@@ -219,8 +218,8 @@ def beam_search(
         tokens[:, :, t + 1] = token.gather(1, carry)
         cache.reorder((row_offset + carried).flatten())
 
+        # Until a hypothesis finishes or a row reaches its limit, no sentence can be done.
         if any_finished:
-            changed = True
             if early_stopping:
                 done |= finished_score.isfinite().all(dim=1)
             else:
@@ -229,10 +228,10 @@ def beam_search(
                 best_live = scores.max(dim=1).values / length_penalty(max_len.float(), alpha)
                 worst_kept = finished_score[:, n_best - 1]
                 done |= worst_kept.isfinite() & (best_live <= worst_kept)
-        if t >= rules.first_forced:
-            changed = True
+        at_limit = t >= rules.first_forced
+        if at_limit:
             done |= t >= max_len - 1
-        if changed and bool(done.all()):
+        if (any_finished or at_limit) and bool(done.all()):
             break
 
     results = []

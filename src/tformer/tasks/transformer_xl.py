@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from tformer.config import RunConfig
 from tformer.data.lm import LMData
 from tformer.data.streams import StreamBatch, TrainStreams, eval_streams
-from tformer.data.tokenizers import Tokenizer
-from tformer.evaluation.lm import IGNORE_INDEX, count_chars, lm_loss, lm_metrics
+from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
+from tformer.evaluation.lm import count_chars, lm_loss, lm_metrics
 from tformer.models.transformer_xl import Memory
 from tformer.training.distributed import from_environment
 
