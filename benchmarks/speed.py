@@ -6,7 +6,8 @@
 Each row times tformer and the peer in alternation, `repeats` times each, and reports the
 medians and their ratio (tformer / peer; above 1 is faster). The machine's own limits come
 first: the fp32 matmul peak and the memory read bandwidth (of a plain sum, and of the
-matrix-vector products a batch-1 decoding step is made of), from which the table derives
+matrix-vector products a batch-1 decoding step is made of, with tformer's kernel, oneDNN's
+prepacked one and F.linear), from which the table derives
 training MFU (model FLOPs per second over the matmul peak) and, for decoding at batch 1,
 the fraction of the bandwidth limit (every token reads every weight once).
 
@@ -63,13 +64,16 @@ def read_bandwidth(repeats: int) -> float:
     return statistics.median(x.numel() * 4 / seconds(x.sum) for _ in range(repeats)) / 1e9
 
 
-def matvec_bandwidth(repeats: int, packed: bool) -> float:
+def matvec_bandwidth(repeats: int, kernel: str) -> float:
     """Median GB/s at which matrix-vector products stream 377 MB of fp32 weights: the rate
-    a batch-1 decoding step can read its weights at, with F.linear's kernels or with the
-    prepacked ones tformer decodes with."""
+    a batch-1 decoding step can read its weights at, with F.linear's kernel ("linear"),
+    oneDNN's prepacked one ("onednn"), or what tformer decodes with ("tformer": its own
+    kernel where it is available, else oneDNN's)."""
     layers = [torch.nn.Linear(768, 3072, bias=False) for _ in range(40)]
-    if packed:
+    if kernel != "linear":
         layers = [PackedLinear(layer) for layer in layers]
+        for layer in layers:
+            layer.native &= kernel == "tformer"
     x = torch.randn(1, 768)
     nbytes = sum(layer.weight.numel() * 4 for layer in layers)
 
@@ -263,13 +267,16 @@ def main() -> None:
 
     peak = matmul_peak(5)
     bandwidth = read_bandwidth(5)
-    matvec_linear = matvec_bandwidth(5, packed=False)
-    matvec = matvec_bandwidth(5, packed=True) if prepack_available() else matvec_linear
+    matvec_linear = matvec_bandwidth(5, "linear")
+    packed = prepack_available()
+    matvec_onednn = matvec_bandwidth(5, "onednn") if packed else matvec_linear
+    matvec = matvec_bandwidth(5, "tformer") if packed else matvec_linear
     emit(
         row="machine",
         matmul_peak_gflops=round(peak, 1),
         read_bandwidth_gbs=round(bandwidth, 2),
         matvec_bandwidth_gbs=round(matvec, 2),
+        matvec_onednn_bandwidth_gbs=round(matvec_onednn, 2),
         matvec_linear_bandwidth_gbs=round(matvec_linear, 2),
         threads=torch.get_num_threads(),
         torch=torch.__version__,
@@ -404,8 +411,9 @@ def print_table(rows: list[dict]) -> None:
         f"torch {machine['torch']}, {machine['threads']} threads: fp32 matmul peak "
         f"{machine['matmul_peak_gflops']:.0f} GFLOP/s, memory read "
         f"{machine['read_bandwidth_gbs']:.1f} GB/s (sum), "
-        f"{machine['matvec_bandwidth_gbs']:.1f} GB/s (matrix-vector, prepacked; "
-        f"{machine['matvec_linear_bandwidth_gbs']:.1f} with F.linear)"
+        f"{machine['matvec_bandwidth_gbs']:.1f} GB/s (matrix-vector as tformer decodes; "
+        f"{machine['matvec_onednn_bandwidth_gbs']:.1f} oneDNN prepacked, "
+        f"{machine['matvec_linear_bandwidth_gbs']:.1f} F.linear)"
     )
     print(f"{'row':<34}{'unit':<13}{'tformer':>10}{'peer':>10}{'ratio':>8}  notes")
     for r in rows[1:]:

@@ -6,7 +6,8 @@ machine's limit: it reads a 768 x 3072 matrix at about 14 GB/s for one row and a
 for eight, against some 28 GB/s that a plain sum reads. oneDNN can reorder a weight once
 into the blocked layout its kernels stream best; with that layout the same products run
 1.3x (one row) to 2x (eight rows) faster, and a 4-row, 8000-word output projection 4x
-(benchmarks/speed.py measures the effect end to end).
+(benchmarks/speed.py measures the effect end to end). For one to four rows a hand-written
+kernel (matvec.py) is faster still, and PackedLinear uses it where it is available.
 
 The reordered copy is made once, when decoding starts: `prepack(model)` returns a model
 whose nn.Linear layers hold their weight in both layouts (the original stays, shared, for
@@ -23,10 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer.decoding import matvec
+
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout. Same results as the nn.Linear
-    it came from, up to float rounding (the kernels sum in another order)."""
+    it came from, up to float rounding (the kernels sum in another order). One to four rows
+    go through `matvec`'s kernel where it is available."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -39,12 +43,19 @@ class PackedLinear(nn.Module):
         # Packed for 64, the kernels ran as fast at 1 to 8 rows as packed for exactly those,
         # and packed for 1 they lost half their speed at 4 rows and more.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
+        self.native = (
+            matvec.load() is not None
+            and self.weight.is_contiguous()
+            and (self.bias is None or self.bias.is_contiguous())
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             # The reordered copy has no autograd: computing a gradient through it would be
             # silently wrong, so training code gets the plain product instead.
             return F.linear(x, self.weight, self.bias)
+        if self.native and 0 < x.numel() <= matvec.MAX_ROWS * self.in_features:
+            return matvec.matvec(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -1,0 +1,143 @@
+"""A hand-written fp32 kernel for the products of one to four rows that decoding makes.
+
+At batch 1 a GPT decoding step multiplies one row by every weight matrix, and beam search
+at batch 1 multiplies four. The library kernels are built for larger products: oneDNN's
+prepacked one (prepack.py) streams a 768 x 3072 matrix at some 21 GB/s against the 28-31
+GB/s that a plain sum reads, and every call costs it ~30 us however small the matrix, a
+third of a beam step at d_model 256. `matvec.c` streams the weights at about the sum's rate
+and costs ~5 us a call (benchmarks/speed.py measures both effects end to end).
+
+The C source ships with the package and is compiled on first use with the system's C
+compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
+a hash of the source and the command. Where that cannot happen (no compiler, not x86-64
+Linux with AVX2 and FMA, `TFORMER_NATIVE=0` in the environment) `load()` returns None and
+decoding keeps to oneDNN, with the same results up to float rounding.
+
+The kernel threads with OpenMP. Linked after torch, it resolves to the OpenMP runtime
+torch already loaded and shares its threads; it uses `torch.get_num_threads()` of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 4
+_SOURCE = Path(__file__).with_name("matvec.c")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with the reason logged) where it is not available."""
+    try:
+        return _load()
+    except _Unavailable as e:
+        log.info("fp32 matvec kernel not used: %s", e)
+        return None
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get("TFORMER_NATIVE", "1") == "0":
+        raise _Unavailable("TFORMER_NATIVE=0")
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        raise _Unavailable(f"written for x86-64 Linux, not {sys.platform} {platform.machine()}")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise _Unavailable("the CPU lacks AVX2")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise _Unavailable("no C compiler (set $CC)")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"matvec-{key}.so"
+    if not library.exists():
+        _compile(compiler, library)
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError as e:
+        raise _Unavailable(f"cannot load {library}: {e}") from None
+    lib.tformer_matvec.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.tformer_matvec.restype = ctypes.c_int
+    # A last check that the build computes what it should, on every path of the kernel:
+    # 1 to 4 rows, a remainder of rows of W, and a remainder of the inner dimension.
+    w, b = torch.randn(11, 21), torch.randn(11)
+    for m in range(1, MAX_ROWS + 1):
+        x = torch.randn(m, 21)
+        if not torch.allclose(_call(lib, x, w, b), F.linear(x, w, b), atol=1e-5):
+            raise _Unavailable(f"{library} computed a wrong product")
+    return lib
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for path in (Path(base) / "tformer", Path(tempfile.gettempdir()) / "tformer"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            pass
+    raise _Unavailable("no writable cache directory")
+
+
+def _compile(compiler: str, library: Path) -> None:
+    # Build under a temporary name and rename: a process that finds the library finds all
+    # of it, even while another one is compiling.
+    fd, tmp = tempfile.mkstemp(dir=library.parent, suffix=".so.tmp")
+    os.close(fd)
+    cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise _Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
+        os.replace(tmp, library)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise _Unavailable(f"{' '.join(cmd)} failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _call(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    m, (n, k) = x.shape[0], weight.shape
+    y = x.new_empty(m, n)
+    status = lib.tformer_matvec(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    assert status == 0, status
+    return y
+
+
+def matvec(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear(x, weight, bias) for x of 1 to MAX_ROWS rows (x: (..., K), weight: (N, K),
+    bias: (N,) or None; fp32 on the CPU, weight and bias contiguous), through the kernel.
+    Call only when `load()` is not None."""
+    lib = load()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return _call(lib, rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
