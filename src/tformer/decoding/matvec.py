@@ -1,11 +1,13 @@
-"""A hand-written fp32 kernel for the products of one to four rows that decoding makes.
+"""Hand-written kernels for the products of a few rows that decoding makes, with fp32 or
+int8 weights.
 
 At batch 1 a GPT decoding step multiplies one row by every weight matrix, and beam search
 at batch 1 multiplies four. The library kernels are built for larger products: oneDNN's
 prepacked one (prepack.py) streams a 768 x 3072 matrix at some 21 GB/s against the 28-31
 GB/s that a plain sum reads, and every call costs it ~30 us however small the matrix, a
 third of a beam step at d_model 256. `matvec.c` streams the weights at about the sum's rate
-and costs ~5 us a call (benchmarks/speed.py measures both effects end to end).
+and costs ~5 us a call (benchmarks/speed.py measures both effects end to end). The same
+kernel reads int8 weights with one scale per row (quantize.py), a quarter of the bytes.
 
 The C source ships with the package and is compiled on first use with the system's C
 compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
@@ -76,13 +78,19 @@ def _load() -> ctypes.CDLL:
     except OSError as e:
         raise _Unavailable(f"cannot load {library}: {e}") from None
     lib.tformer_matvec.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.tformer_matvec.restype = ctypes.c_int
+    lib.tformer_matvec.restype = None
+    lib.tformer_matvec_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.tformer_matvec_int8.restype = None
     # A last check that the build computes what it should, on every path of the kernel:
-    # 1 to 4 rows, a remainder of rows of W, and a remainder of the inner dimension.
-    w, b = torch.randn(11, 21), torch.randn(11)
-    for m in range(1, MAX_ROWS + 1):
+    # 1 to 5 rows, a remainder of rows of W, and a remainder of the inner dimension.
+    w, b = torch.randint(-127, 128, (11, 21), dtype=torch.int8), torch.randn(11)
+    scale = torch.rand(11) / 64  # products of order 1
+    for m in range(1, 6):
         x = torch.randn(m, 21)
-        if not torch.allclose(_call(lib, x, w, b), F.linear(x, w, b), atol=1e-5):
+        dequantized = w.float() * scale[:, None]
+        want = F.linear(x, dequantized, b)
+        fp32, int8 = _call(lib, x, dequantized, None, b), _call(lib, x, w, scale, b)
+        if not (torch.allclose(fp32, want, atol=1e-4) and torch.allclose(int8, want, atol=1e-4)):
             raise _Unavailable(f"{library} computed a wrong product")
     return lib
 
@@ -117,27 +125,29 @@ def _compile(compiler: str, library: Path) -> None:
             os.unlink(tmp)
 
 
-def _call(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _call(
+    lib: ctypes.CDLL, x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None
+) -> Tensor:
     m, (n, k) = x.shape[0], weight.shape
     y = x.new_empty(m, n)
-    status = lib.tformer_matvec(
-        x.data_ptr(),
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
-    assert status == 0, status
+    bias_ptr = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if scale is None:
+        lib.tformer_matvec(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
+                           threads)
+    else:
+        lib.tformer_matvec_int8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), bias_ptr,
+                                y.data_ptr(), m, n, k, threads)
     return y
 
 
-def matvec(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """F.linear(x, weight, bias) for x of 1 to MAX_ROWS rows (x: (..., K), weight: (N, K),
-    bias: (N,) or None; fp32 on the CPU, weight and bias contiguous), through the kernel.
-    Call only when `load()` is not None."""
-    lib = load()
+def matvec(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias) through the kernel, or with int8 weights and `scale`,
+    F.linear(x, weight * scale[:, None], bias).
+
+    x: (..., K) fp32; weight: (N, K), fp32 or int8, contiguous; scale, bias: (N,) fp32,
+    contiguous, or None; all on the CPU. Any number of rows, but fastest for 1 to MAX_ROWS;
+    call only when `load()` is not None.
+    """
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return _call(lib, rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return _call(load(), rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])

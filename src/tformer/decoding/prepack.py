@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -93,16 +94,23 @@ def prepack(model: nn.Module) -> nn.Module:
         or not prepack_available()
     ):
         return model
+    return swap_linears(model, lambda name, linear: PackedLinear(linear))
+
+
+def swap_linears(model: nn.Module, swap: Callable[[str, nn.Linear], nn.Module]) -> nn.Module:
+    """A copy of `model` in eval mode in which every nn.Linear `child`, an attribute `name`
+    of its parent, becomes `swap(name, child)` and every dropout layer is gone. The copy
+    shares every parameter and buffer with `model`: only the module objects are new."""
     # Copy the module tree but not its tensors: the memo maps every parameter and buffer
     # to itself.
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    packed = copy.deepcopy(model, memo)
-    for parent in list(packed.modules()):
+    swapped = copy.deepcopy(model, memo)
+    for parent in list(swapped.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, swap(name, child))
             elif isinstance(child, nn.Dropout):
                 # The identity at inference; a decoding step makes a dozen such calls, and
                 # dropping them made beam search at batch 1 5-10% faster.
                 setattr(parent, name, nn.Identity())
-    return packed.eval()
+    return swapped.eval()

@@ -314,6 +314,8 @@ class TransformerXL(nn.Module):
 
     decodes_with_memory = True
     """tformer.decoding.lm.generate hands this model to the memory-based decoder."""
+    reads_linear_weights = ("qkv_proj",)
+    """Linear layers whose weight the model slices (the memory's keys and values)."""
 
     def __init__(self, cfg: TransformerXLConfig) -> None:
         super().__init__()
