@@ -12,11 +12,13 @@ kernel reads int8 weights with one scale per row (quantize.py), a quarter of the
 The C source ships with the package and is compiled on first use with the system's C
 compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
 a hash of the source and the command. Where that cannot happen (no compiler, not x86-64
-Linux with AVX2 and FMA, `TFORMER_NATIVE=0` in the environment) `load()` returns None and
-decoding keeps to oneDNN, with the same results up to float rounding.
+Linux with AVX2 and FMA, `TFORMER_NATIVE=0` in the environment) `load()` returns None:
+fp32 decoding keeps to oneDNN, with the same results up to float rounding, and `--int8`
+to PyTorch's dynamic quantization.
 
-The kernel threads with OpenMP. Linked after torch, it resolves to the OpenMP runtime
-torch already loaded and shares its threads; it uses `torch.get_num_threads()` of them.
+The kernel threads with OpenMP. Linked after torch (whose Linux builds use GNU OpenMP), it
+resolves to the runtime torch already loaded and shares its threads; it uses
+`torch.get_num_threads()` of them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 4
+"""PackedLinear sends products of up to this many rows here. The kernel takes any number,
+four at a time, but from about eight rows on oneDNN's matrix-matrix kernels catch up."""
 _SOURCE = Path(__file__).with_name("matvec.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
@@ -50,7 +54,7 @@ def load() -> ctypes.CDLL | None:
     try:
         return _load()
     except _Unavailable as e:
-        log.info("fp32 matvec kernel not used: %s", e)
+        log.info("decoding kernel not built: %s", e)
         return None
 
 
