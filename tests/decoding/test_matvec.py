@@ -73,39 +73,31 @@ def test_a_packed_linear_sends_up_to_four_rows_through_the_kernel(monkeypatch):
     assert len(calls) == 3  # the 5- and 9-row products went to oneDNN
 
 
-def test_without_a_compiler_decoding_keeps_to_the_library_kernels(monkeypatch, tmp_path):
+def test_without_a_compiler_decoding_keeps_to_the_library_kernels(
+    monkeypatch, tmp_path, reload_kernel
+):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    matvec.load.cache_clear()
-    try:
-        assert matvec.load() is None
-        if prepack_available():
-            linear = nn.Linear(16, 8)
-            packed = PackedLinear(linear)
-            assert not packed.native
-            x = torch.randn(1, 16)
-            with torch.no_grad():
-                torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
-    finally:
-        matvec.load.cache_clear()
+    assert matvec.load() is None
+    if prepack_available():
+        linear = nn.Linear(16, 8)
+        packed = PackedLinear(linear)
+        assert not packed.native
+        x = torch.randn(1, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
-def test_the_environment_can_turn_the_kernel_off(monkeypatch):
+def test_the_environment_can_turn_the_kernel_off(monkeypatch, reload_kernel):
     monkeypatch.setenv("TFORMER_NATIVE", "0")
-    matvec.load.cache_clear()
-    try:
-        assert matvec.load() is None
-    finally:
-        matvec.load.cache_clear()
+    assert matvec.load() is None
 
 
 @native
-def test_a_fresh_cache_builds_the_kernel_and_leaves_no_temporary_files(monkeypatch, tmp_path):
+def test_a_fresh_cache_builds_the_kernel_and_leaves_no_temporary_files(
+    monkeypatch, tmp_path, reload_kernel
+):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    matvec.load.cache_clear()
-    try:
-        assert matvec.load() is not None
-        built = sorted(p.name for p in (tmp_path / "tformer").iterdir())
-        assert len(built) == 1 and built[0].startswith("matvec-") and built[0].endswith(".so")
-    finally:
-        matvec.load.cache_clear()
+    assert matvec.load() is not None
+    built = sorted(p.name for p in (tmp_path / "tformer").iterdir())
+    assert len(built) == 1 and built[0].startswith("matvec-") and built[0].endswith(".so")

@@ -18,11 +18,8 @@ def model() -> GPT:
 
 
 @pytest.fixture
-def without_kernel(monkeypatch):
+def without_kernel(monkeypatch, reload_kernel):
     monkeypatch.setenv("TFORMER_NATIVE", "0")
-    matvec.load.cache_clear()
-    yield
-    matvec.load.cache_clear()
 
 
 def test_int8_logits_stay_close_and_the_original_is_untouched(model):

@@ -89,9 +89,9 @@ def _load() -> ctypes.CDLL:
     # 1 to 5 rows, a remainder of rows of W, and a remainder of the inner dimension.
     w, b = torch.randint(-127, 128, (11, 21), dtype=torch.int8), torch.randn(11)
     scale = torch.rand(11) / 64  # products of order 1
+    dequantized = w.float() * scale[:, None]
     for m in range(1, 6):
         x = torch.randn(m, 21)
-        dequantized = w.float() * scale[:, None]
         want = F.linear(x, dequantized, b)
         fp32, int8 = _call(lib, x, dequantized, None, b), _call(lib, x, w, scale, b)
         if not (torch.allclose(fp32, want, atol=1e-4) and torch.allclose(int8, want, atol=1e-4)):
