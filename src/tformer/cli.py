@@ -84,9 +84,10 @@ def train_command(
         bar.close()
     if quiet:
         return 0
-    status = "stopped early" if result.interrupted else "done"
-    best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "-"
-    print(f"{status} at step {result.step}: best validation loss {best}; run in {run_dir}")
+    status = "stopped early" if result.interrupted or result.stopped_early else "done"
+    best = f"{result.best_val:.4f}" if result.best_val is not None else "-"
+    print(f"{status} at step {result.step}: best validation {cfg.train.best_metric} {best}; "
+          f"run in {run_dir}")
     if result.skipped_steps:
         print(f"{result.skipped_steps} steps were skipped for non-finite loss or gradients")
     return 0
@@ -343,7 +344,9 @@ def translate_command(
             lines.pop()
     options = SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                             n_best=n_best, early_stopping=early_stopping)
-    bar = tqdm(total=len(lines), unit="line", disable=input is None, file=sys.stderr)
+    # A bar for a file on a terminal; none for stdin (a pipe, or a person typing).
+    bar = tqdm(total=len(lines), unit="line", file=sys.stderr,
+               disable=input is None or not sys.stderr.isatty())
     try:
         results = translate(loaded.model, loaded.tokenizer, lines, options,
                             batch_size=batch_size, progress=bar.update)
@@ -381,15 +384,22 @@ def evaluate_translation_command(
         )
     if data:
         sources, references = read_pairs(data[0], data[1])
+        reference_path = data[1]
     else:
         task = get_family(loaded.cfg.family).task(loaded.cfg, loaded.tokenizer)
         sources, references = task.data.val_text
-    bar = tqdm(total=len(sources), unit="line", file=sys.stderr, leave=False)
+        reference_path = loaded.cfg.data.val_tgt or loaded.cfg.data.train_tgt or ""
+    # The Moses tokenizer of the literature-style BLEU follows the reference's language,
+    # read from a file name like test2016.de; English rules otherwise.
+    suffix = Path(reference_path).suffix[1:]
+    lang = suffix if suffix.isalpha() and len(suffix) == 2 else "en"
+    bar = tqdm(total=len(sources), unit="line", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())
     try:
         result, _ = evaluate_translation(
             loaded.model, loaded.tokenizer, sources, references,
             SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a), batch_size=batch_size,
-            max_tokens=loaded.cfg.data.max_tokens, progress=bar.update,
+            max_tokens=loaded.cfg.data.max_tokens, progress=bar.update, lang=lang,
         )
     finally:
         bar.close()
@@ -502,6 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoints", nargs="+", help="checkpoint directories, or one run with --last")
     p.add_argument("--last", type=int, default=0, help="the run's newest N step checkpoints")
     p.add_argument("--out", required=True, help="the averaged checkpoint's directory")
+
+    p = sub.add_parser("plot", help="plot the loss, learning rate and speed of runs")
+    p.add_argument("runs", nargs="+", help="run directories (each with its metrics.csv)")
+    p.add_argument("-o", "--output", required=True, help="FILE.png (or .pdf, .svg)")
     return parser
 
 
@@ -556,6 +570,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         )
     if args.command == "average":
         return average_command(args.checkpoints, args.out, last=args.last)
+    if args.command == "plot":
+        from tformer.viz.command import plot_command
+
+        return plot_command(args.runs, args.output)
     raise AssertionError(args.command)
 
 

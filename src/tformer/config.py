@@ -66,6 +66,10 @@ def check_heads(prefix: str, d_model: int, n_head: int, d_head: int | None) -> N
 
 # --- the shared [train] table ------------------------------------------------------------
 
+HIGHER_IS_BETTER = {"loss": False, "bleu": True, "chrf": True}
+"""The validation metrics train.best_metric may name, and which way is better."""
+
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -97,6 +101,15 @@ class TrainConfig:
     """With several processes (torchrun): ddp replicates the model, fsdp shards it."""
     max_bad_steps: int = 10
     """Consecutive steps with a non-finite loss or gradient before training stops."""
+    best_metric: str = "loss"
+    """The validation metric that picks best/: loss (lower is better), or bleu / chrf
+    (higher is better; translation with data.val_bleu_every)."""
+    patience: int = 0
+    """Stop after this many evaluations in a row that measured best_metric without
+    improving it; 0 never stops early."""
+    tensorboard: bool = False
+    """Also write the logged scalars as TensorBoard event files in RUN_DIR/tensorboard
+    (needs `pip install 'tformer[viz]'`); metrics.csv is written either way."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "accumulate", "eval_every", "checkpoint_every"):
@@ -104,6 +117,8 @@ class TrainConfig:
         for key in ("keep_checkpoints", "log_every", "max_bad_steps"):
             check_range(f"train.{key}", getattr(self, key), low=1)
         check_range("train.warmup_steps", self.warmup_steps, low=0)
+        check_range("train.patience", self.patience, low=0)
+        check_choice("train.best_metric", self.best_metric, tuple(HIGHER_IS_BETTER))
         check_range("train.eval_batches", self.eval_batches, low=0)
         check_range("train.lr", self.lr, low=0.0)
         check_range("train.min_lr", self.min_lr, low=0.0, high=self.lr)

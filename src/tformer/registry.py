@@ -36,12 +36,15 @@ class Family:
     task: Callable[..., Any]
     evaluate_text: Callable[..., dict[str, float]] | None = None
     """Language models: metrics over a token stream (model, ids, tokenizer, cfg)."""
+    metrics: tuple[str, ...] = ("loss",)
+    """What its task's validation may report, for train.best_metric."""
 
 
 FAMILIES: dict[str, Family] = {
     "gpt": Family("gpt", "lm", GPTConfig, LMDataConfig, GPT, GPTTask, gpt_task.evaluate_text),
     "seq2seq": Family(
-        "seq2seq", "seq2seq", Seq2SeqConfig, ParallelDataConfig, Seq2Seq, Seq2SeqTask
+        "seq2seq", "seq2seq", Seq2SeqConfig, ParallelDataConfig, Seq2Seq, Seq2SeqTask,
+        metrics=("loss", "bleu", "chrf"),
     ),
     "transformer-xl": Family(
         "transformer-xl", "lm", TransformerXLConfig, LMDataConfig, TransformerXL,

@@ -56,6 +56,11 @@ class ParallelDataConfig:
     """Built-in task only: how many numbers."""
     builtin_max: int = 999999
     """Built-in task only: the largest number."""
+    val_bleu_every: int = 0
+    """During training, translate the validation sources greedily every this many
+    evaluations and log BLEU and chrF beside the loss; 0 never does."""
+    val_bleu_sentences: int = 0
+    """How many validation sentences (the first ones) that translation reads; 0 all."""
 
     def __post_init__(self) -> None:
         for side in ("train", "val"):
@@ -76,6 +81,8 @@ class ParallelDataConfig:
         check_range("data.max_ratio", self.max_ratio, low=1.0)
         check_range("data.builtin_pairs", self.builtin_pairs, low=10)
         check_range("data.builtin_max", self.builtin_max, low=9, high=999999)
+        check_range("data.val_bleu_every", self.val_bleu_every, low=0)
+        check_range("data.val_bleu_sentences", self.val_bleu_sentences, low=0)
 
     @property
     def is_builtin(self) -> bool:

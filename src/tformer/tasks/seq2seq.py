@@ -1,5 +1,6 @@
 """The translation family's task: parallel pairs in token-count batches, label-smoothed
-loss for training, plain cross-entropy for validation."""
+loss for training, plain cross-entropy for validation, and (every data.val_bleu_every
+evaluations) BLEU and chrF of greedy translations of the validation sources."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from tformer.data.parallel import (
     TokenBatches,
 )
 from tformer.data.tokenizers import Tokenizer
+from tformer.decoding.translate import SearchOptions, best_translations
 from tformer.errors import TformerError
-from tformer.evaluation.translation import evaluate_loss
+from tformer.evaluation.translation import corpus_scores, evaluate_loss
 from tformer.models.seq2seq import label_smoothed_loss
 
 
@@ -35,6 +37,12 @@ class Seq2SeqTask:
                 f"data.max_len = {cfg.data.max_len} is longer than model.max_len = "
                 f"{cfg.model.max_len}, the positions the model has; lower data.max_len"
             )
+        if cfg.train.best_metric != "loss" and cfg.data.val_bleu_every == 0:
+            raise TformerError(
+                f"train.best_metric = {cfg.train.best_metric!r} needs data.val_bleu_every of "
+                f"1 or more, to measure it during training"
+            )
+        self.evaluations = 0
 
     def model_fields(self) -> dict[str, Any]:
         return self.data.model_fields()
@@ -51,7 +59,25 @@ class Seq2SeqTask:
         return loss, batch.num_tokens
 
     def evaluate(self, model: nn.Module, max_batches: int = 0) -> dict[str, float]:
-        return evaluate_loss(
+        result = evaluate_loss(
             model, self.data.val_src, self.data.val_tgt, self.tokenizer,
             self.cfg.data.max_tokens, max_batches,
         )
+        self.evaluations += 1
+        every = self.cfg.data.val_bleu_every
+        if every and self.evaluations % every == 0:
+            result.update(self.translation_scores(model))
+        return result
+
+    def translation_scores(self, model: nn.Module) -> dict[str, float]:
+        """BLEU and chrF (sacreBLEU's defaults) of greedy translations of the validation
+        sources: cheaper than beam search, and it moves with it."""
+        sources, references = self.data.val_text
+        n = self.cfg.data.val_bleu_sentences or len(sources)
+        was_training = model.training
+        model.eval()
+        options = SearchOptions(beam=1, alpha=0.0, max_len_a=self.cfg.data.max_ratio)
+        hypotheses = best_translations(model, self.tokenizer, sources[:n], options)
+        model.train(was_training)
+        scores = corpus_scores(hypotheses, references[:n])
+        return {"bleu": scores["bleu"], "chrf": scores["chrf"]}

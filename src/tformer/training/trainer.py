@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_model
 from torch import nn
 
-from tformer.config import RunConfig, TrainConfig
+from tformer.config import HIGHER_IS_BETTER, RunConfig, TrainConfig
 from tformer.data.tokenizers import load_tokenizer
 from tformer.errors import TformerError
 from tformer.registry import get_family
@@ -35,7 +35,11 @@ from tformer.training.schedule import learning_rate
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.csv"
-METRIC_FIELDS = ("step", "split", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
+METRIC_FIELDS = (
+    "step", "split", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "tokens", "bleu",
+    "chrf",
+)
+"""tokens: target tokens trained on so far; bleu, chrf: on validation rows that measured them."""
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -45,9 +49,12 @@ class TrainResult:
     run_dir: Path
     step: int
     val_loss: float | None
-    best_val_loss: float | None
+    best_val: float | None
+    """The best validation value of train.best_metric."""
     skipped_steps: int
     interrupted: bool
+    stopped_early: bool = False
+    """train.patience evaluations passed without a better train.best_metric."""
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -86,8 +93,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class MetricsLog:
     """metrics.csv in the run directory, one row per logged step or evaluation."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None) -> None:
+    def __init__(self, run_dir: Path, resume_step: int | None, *, tensorboard: bool = False):
         self.path = run_dir / METRICS
+        self.tensorboard = None
+        if tensorboard:
+            from tformer.viz.tensorboard import TensorBoardLog
+
+            self.tensorboard = TensorBoardLog(run_dir, resume_step)
         if resume_step is not None and self.path.exists():
             # Rows written after the checkpoint we resume from are about to be redone; a row
             # cut short by a kill is dropped.
@@ -112,6 +124,12 @@ class MetricsLog:
 
     def add(self, **row: Any) -> None:
         self._write([row], "a")
+        if self.tensorboard is not None:
+            self.tensorboard.add(row)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 @contextmanager
@@ -152,6 +170,11 @@ def train(
     run_dir = Path(run_dir)
     tcfg = cfg.train
     family = get_family(cfg.family)
+    if tcfg.best_metric not in family.metrics:
+        raise TformerError(
+            f"train.best_metric = {tcfg.best_metric!r}: the {cfg.family} family measures "
+            f"{' | '.join(family.metrics)} on its validation split"
+        )
     procs, device = distributed.setup(tcfg.device)
     main = procs.is_main
 
@@ -175,7 +198,7 @@ def train(
     optimizer = make_optimizer(model, tcfg, device)
     batches = task.train_batches(tcfg.seed)
 
-    step, best_val, skipped = 0, None, 0
+    step, best_val, skipped, tokens_seen, evals_without_gain = 0, None, 0, 0, 0
     if state is not None:
         distributed.load_optimizer_state(model, optimizer, state["optimizer"], procs, tcfg.parallel)
         same_layout = len(state["data_per_rank"]) == procs.world_size
@@ -183,11 +206,15 @@ def train(
         if same_layout:
             set_rng_state(state["rng_per_rank"][procs.rank])
         step, best_val, skipped = state["step"], state["best_val_loss"], state["skipped_steps"]
+        tokens_seen = state.get("tokens_seen", 0)
+        evals_without_gain = state.get("evals_without_gain", 0)
         log.info("resuming %s at step %d", run_dir, step)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.write_json(run_dir / ckpt.CONFIG, cfg.to_dict())
-        metrics = MetricsLog(run_dir, step if state is not None else None)
+        metrics = MetricsLog(
+            run_dir, step if state is not None else None, tensorboard=tcfg.tensorboard
+        )
 
     def save(path: Path) -> None:
         """Every rank takes part (FSDP gathers its shards); rank 0 writes."""
@@ -203,6 +230,8 @@ def train(
                 "rng_per_rank": rng_states,
                 "best_val_loss": best_val,
                 "skipped_steps": skipped,
+                "tokens_seen": tokens_seen,
+                "evals_without_gain": evals_without_gain,
             }
             to_save = model
             if weights is not None:
@@ -212,20 +241,26 @@ def train(
         distributed.barrier(procs)
 
     def evaluate() -> float:
-        nonlocal best_val
-        val = torch.zeros((), device=device)
+        """The validation loss; saves best/ when train.best_metric improved."""
+        nonlocal best_val, evals_without_gain
+        # The loss and the best metric (NaN when this evaluation did not measure it).
+        scores = torch.full((2,), math.nan, dtype=torch.float64, device=device)
         if main or tcfg.parallel == "fsdp":  # FSDP's shards all take part in each forward
             result = task.evaluate(model, max_batches=tcfg.eval_batches)
-            val += result["loss"]
-        val = float(distributed.broadcast_from_main(val, procs))
-        improved = best_val is None or val < best_val
+            scores[0], scores[1] = result["loss"], result.get(tcfg.best_metric, math.nan)
+        val, value = distributed.broadcast_from_main(scores, procs).tolist()
         if main:
-            metrics.add(step=step, split="val", loss=f"{val:.6f}")
+            measured = {k: f"{result[k]:.4f}" for k in ("bleu", "chrf") if k in result}
+            metrics.add(step=step, split="val", loss=f"{val:.6f}", **measured)
             if progress:
                 progress({"step": step, "val": result})
-        if improved:
-            best_val = val
-            save(run_dir / ckpt.BEST)
+        if not math.isnan(value):
+            higher = HIGHER_IS_BETTER[tcfg.best_metric]
+            if best_val is None or (value > best_val if higher else value < best_val):
+                best_val, evals_without_gain = value, 0
+                save(run_dir / ckpt.BEST)
+            else:
+                evals_without_gain += 1
         return val
 
     # --- the loop ------------------------------------------------------------------------
@@ -234,7 +269,7 @@ def train(
     # same whatever the number of processes or the split into micro-batches.
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
-    interrupted, val_loss, bad_in_a_row = False, None, 0
+    interrupted, stopped_early, val_loss, bad_in_a_row = False, False, None, 0
     tokens_since, time_since, started = 0, time.perf_counter(), time.perf_counter()
     # The logged training loss is the token-weighted mean over the steps since the last
     # log, not one batch's (which swings widely with token-count batches).
@@ -258,6 +293,7 @@ def train(
             totals[2] = float(stop.is_set())
             loss_sum, global_tokens, stop_votes = distributed.sum_over_ranks(totals, procs).tolist()
             tokens_since += int(global_tokens)
+            tokens_seen += int(global_tokens)
             for p in params:
                 if p.grad is not None:
                     # DDP averaged over ranks: scale the mean of sums to the global token mean.
@@ -295,6 +331,7 @@ def train(
                     grad_norm=f"{grad_norm:.4f}",
                     tokens_per_s=f"{tokens_since / elapsed:.1f}",
                     elapsed_s=f"{time.perf_counter() - started:.1f}",
+                    tokens=tokens_seen,
                 )
                 if progress:
                     progress(
@@ -314,14 +351,21 @@ def train(
             if stop_votes > 0:  # every rank stops at the same step
                 interrupted = True
                 break
+            if tcfg.patience and evals_without_gain >= tcfg.patience:
+                log.info("no better validation %s in %d evaluations: stopping",
+                         tcfg.best_metric, evals_without_gain)
+                stopped_early = True
+                break
             if step % tcfg.checkpoint_every == 0 or step == tcfg.steps:
                 save(ckpt.step_dir(run_dir, step))
                 if main:
                     ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
                 time_since = time.perf_counter()
-        if interrupted:
+        if interrupted or stopped_early:
             save(ckpt.step_dir(run_dir, step))
             if main:
                 ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
+    if main:
+        metrics.close()
     distributed.teardown()
-    return TrainResult(run_dir, step, val_loss, best_val, skipped, interrupted)
+    return TrainResult(run_dir, step, val_loss, best_val, skipped, interrupted, stopped_early)

@@ -1,0 +1,23 @@
+"""Seeing what training and models do: loss plots, TensorBoard logs, a model summary and
+attention maps. matplotlib and tensorboard come with the `viz` extra."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tformer.errors import TformerError
+
+
+def require(module: str) -> Any:
+    """Import an optional dependency of the viz extra, or say how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        if package == "torch":
+            package = "tensorboard"
+        raise TformerError(
+            f"this needs the {package} package: pip install 'tformer[viz]'"
+        ) from None
