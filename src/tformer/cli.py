@@ -516,6 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="plot the loss, learning rate and speed of runs")
     p.add_argument("runs", nargs="+", help="run directories (each with its metrics.csv)")
     p.add_argument("-o", "--output", required=True, help="FILE.png (or .pdf, .svg)")
+
+    p = sub.add_parser("info", help="a checkpoint's config, parameters, FLOPs and memory")
+    p.add_argument("checkpoint", help="run or checkpoint directory")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     return parser
 
 
@@ -574,6 +578,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         from tformer.viz.command import plot_command
 
         return plot_command(args.runs, args.output)
+    if args.command == "info":
+        from tformer.viz.command import info_command
+
+        return info_command(args.checkpoint, as_json=args.json)
     raise AssertionError(args.command)
 
 

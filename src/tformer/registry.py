@@ -23,6 +23,7 @@ from tformer.tasks import transformer_xl as txl_task
 from tformer.tasks.gpt import GPTTask
 from tformer.tasks.seq2seq import Seq2SeqTask
 from tformer.tasks.transformer_xl import TransformerXLTask
+from tformer.viz import cost
 
 
 @dataclass(frozen=True)
@@ -38,17 +39,22 @@ class Family:
     """Language models: metrics over a token stream (model, ids, tokenizer, cfg)."""
     metrics: tuple[str, ...] = ("loss",)
     """What its task's validation may report, for train.best_metric."""
+    cost: Callable[[Any], Any] | None = None
+    """FLOPs and activation memory of a RunConfig (tformer.viz.cost), for `tformer info`."""
 
 
 FAMILIES: dict[str, Family] = {
-    "gpt": Family("gpt", "lm", GPTConfig, LMDataConfig, GPT, GPTTask, gpt_task.evaluate_text),
+    "gpt": Family(
+        "gpt", "lm", GPTConfig, LMDataConfig, GPT, GPTTask, gpt_task.evaluate_text,
+        cost=cost.gpt_cost,
+    ),
     "seq2seq": Family(
         "seq2seq", "seq2seq", Seq2SeqConfig, ParallelDataConfig, Seq2Seq, Seq2SeqTask,
-        metrics=("loss", "bleu", "chrf"),
+        metrics=("loss", "bleu", "chrf"), cost=cost.seq2seq_cost,
     ),
     "transformer-xl": Family(
         "transformer-xl", "lm", TransformerXLConfig, LMDataConfig, TransformerXL,
-        TransformerXLTask, txl_task.evaluate_text,
+        TransformerXLTask, txl_task.evaluate_text, cost=cost.transformer_xl_cost,
     ),
 }
 

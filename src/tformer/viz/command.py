@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tformer.errors import TformerError
@@ -24,4 +25,12 @@ def plot_command(runs: list[str], out: str) -> int:
     path = check_figure_path(out)
     plot_runs(runs).savefig(path, dpi=100)
     print(f"wrote {path}")
+    return 0
+
+
+def info_command(checkpoint: str, *, as_json: bool = False) -> int:
+    from tformer.viz.info import format_summary, summarize
+
+    info = summarize(checkpoint)
+    print(json.dumps(info) if as_json else format_summary(info), end="" if not as_json else "\n")
     return 0
