@@ -520,6 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="a checkpoint's config, parameters, FLOPs and memory")
     p.add_argument("checkpoint", help="run or checkpoint directory")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+
+    p = sub.add_parser("attention", help="draw attention maps (layers x heads) for one text")
+    p.add_argument("checkpoint", help="run or checkpoint directory")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help="language models: the text to read")
+    text.add_argument("--source", help="translation: the sentence to translate")
+    p.add_argument("-o", "--output", required=True, help="FILE.png (or .pdf, .svg)")
     return parser
 
 
@@ -582,6 +589,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         from tformer.viz.command import info_command
 
         return info_command(args.checkpoint, as_json=args.json)
+    if args.command == "attention":
+        from tformer.viz.command import attention_command
+
+        return attention_command(args.checkpoint, args.output, text=args.text,
+                                 source=args.source)
     raise AssertionError(args.command)
 
 

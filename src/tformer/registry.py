@@ -23,7 +23,7 @@ from tformer.tasks import transformer_xl as txl_task
 from tformer.tasks.gpt import GPTTask
 from tformer.tasks.seq2seq import Seq2SeqTask
 from tformer.tasks.transformer_xl import TransformerXLTask
-from tformer.viz import cost
+from tformer.viz import attention, cost
 
 
 @dataclass(frozen=True)
@@ -41,20 +41,24 @@ class Family:
     """What its task's validation may report, for train.best_metric."""
     cost: Callable[[Any], Any] | None = None
     """FLOPs and activation memory of a RunConfig (tformer.viz.cost), for `tformer info`."""
+    attention: Callable[..., Any] | None = None
+    """(model, tokenizer, text) -> the attention maps `tformer attention` draws."""
 
 
 FAMILIES: dict[str, Family] = {
     "gpt": Family(
         "gpt", "lm", GPTConfig, LMDataConfig, GPT, GPTTask, gpt_task.evaluate_text,
-        cost=cost.gpt_cost,
+        cost=cost.gpt_cost, attention=attention.gpt_attention,
     ),
     "seq2seq": Family(
         "seq2seq", "seq2seq", Seq2SeqConfig, ParallelDataConfig, Seq2Seq, Seq2SeqTask,
         metrics=("loss", "bleu", "chrf"), cost=cost.seq2seq_cost,
+        attention=attention.seq2seq_attention,
     ),
     "transformer-xl": Family(
         "transformer-xl", "lm", TransformerXLConfig, LMDataConfig, TransformerXL,
         TransformerXLTask, txl_task.evaluate_text, cost=cost.transformer_xl_cost,
+        attention=attention.transformer_xl_attention,
     ),
 }
 

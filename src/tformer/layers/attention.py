@@ -9,6 +9,8 @@ mask in the library is built by the functions in this file.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -160,6 +162,10 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention projects q, k and v with one fused matmul; cross-attention projects q from
     the queries and k, v (fused) from the memory. Which one it is is fixed at construction.
+
+    `recorded`: None normally. Set to a list (tformer.viz.attention.recording_attention
+    does), every forward pass appends its (B, H, T, S) attention probabilities to it,
+    computed by `attend_explicitly` instead of the fused kernel, which never forms them.
     """
 
     def __init__(
@@ -186,6 +192,7 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(d_model, 2 * qk + v, bias=bias)
         self.out_proj = nn.Linear(v, d_model, bias=bias)
+        self.recorded: list[Tensor] | None = None
 
     def _heads(self, x: Tensor, d: int) -> Tensor:
         """(B, T, H*d) -> (B, H, T, d)."""
@@ -246,7 +253,13 @@ class MultiHeadAttention(nn.Module):
                 if isinstance(cache, StaticKV):
                     cache.k, cache.v = k, v
             if k.shape[0] != B:
-                return self._attend_shared(q, k, v, mask)
+                if self.recorded is None:
+                    return self._attend_shared(q, k, v, mask)
+                # Recording: every row gets its own copy of its sentence's keys and values.
+                k = k.repeat_interleave(B // k.shape[0], dim=0)
+                v = v.repeat_interleave(B // v.shape[0], dim=0)
+                if mask is not None and mask.shape[0] not in (1, B):
+                    mask = mask.repeat_interleave(B // mask.shape[0], dim=0)
         else:
             qk = self.n_head * self.d_head
             q, k, v = self.qkv_proj(x).split([qk, qk, self.n_head * self.d_value], dim=-1)
@@ -256,6 +269,9 @@ class MultiHeadAttention(nn.Module):
             if isinstance(cache, KVCache):
                 k, v = cache.append(k, v)
 
+        if self.recorded is not None:
+            out = self.attend_explicitly(q, k, v, mask, is_causal and mask is None)
+            return self.out_proj(out.transpose(1, 2).flatten(2))
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -265,3 +281,20 @@ class MultiHeadAttention(nn.Module):
             is_causal=is_causal and mask is None,
         )
         return self.out_proj(out.transpose(1, 2).flatten(2))
+
+    def attend_explicitly(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool
+    ) -> Tensor:
+        """softmax(q k^T / sqrt(d_head) + mask) v written out, as SDPA computes it, keeping
+        the probabilities in `recorded`. q (B, H, T, d), k (B, H, S, d), v (B, H, S, d_value)
+        -> (B, H, T, d_value)."""
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if is_causal:
+            mask = causal_mask(q.shape[2], k.shape[2], q.device)
+        if mask is not None:
+            scores = scores + (attention_bias(mask, scores.dtype) if mask.dtype == torch.bool
+                               else mask)
+        probs = scores.softmax(dim=-1)
+        self.recorded.append(probs.detach())
+        probs = F.dropout(probs, self.dropout if self.training else 0.0)
+        return probs @ v

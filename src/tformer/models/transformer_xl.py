@@ -233,6 +233,9 @@ class RelativeAttention(nn.Module):
         self.pos_proj = nn.Linear(cfg.d_model, width, bias=False)
         self.out_proj = nn.Linear(width, cfg.d_model, bias=False)
         self.attn_dropout = cfg.attn_dropout
+        self.recorded: list[Tensor] | None = None
+        """A list to append each forward pass's (B, H, T, K) attention probabilities to,
+        or None (see tformer.viz.attention.recording_attention)."""
 
     def _heads(self, x: Tensor) -> Tensor:
         """(B, T, H*d) -> (B, H, T, d)."""
@@ -276,7 +279,10 @@ class RelativeAttention(nn.Module):
         position = torch.einsum("bthd,hkd->bhtk", q + v * scale, pos_k)
         # Summed in place: the matmul's backward needs its inputs, not its output.
         scores = scores.add_(relative_shift(position)).add_(bias)
-        probs = F.dropout(scores.softmax(dim=-1), self.attn_dropout, self.training)
+        probs = scores.softmax(dim=-1)
+        if self.recorded is not None:
+            self.recorded.append(probs.detach())
+        probs = F.dropout(probs, self.attn_dropout, self.training)
         return self.out_proj((probs @ values).transpose(1, 2).flatten(2)), (k, values)
 
 
