@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -235,12 +236,33 @@ def evaluate_command(
         raise TformerError("a language model is evaluated on one DATA path (or none)")
     if data:
         ids = cached_token_ids(read_corpus(data[0]), loaded.tokenizer)
-        result = family.evaluate_text(loaded.model, ids, loaded.tokenizer, cfg)
+        with token_progress(loaded.model, total=len(ids)):
+            result = family.evaluate_text(loaded.model, ids, loaded.tokenizer, cfg)
     else:
         task = family.task(cfg, loaded.tokenizer)
         result = task.evaluate(loaded.model)
     print_metrics(result, as_json)
     return 0
+
+
+@contextmanager
+def token_progress(model: torch.nn.Module, total: int):
+    """A progress bar on stderr (on a terminal only) counting the tokens the model's
+    forward passes read, whatever loop drives them."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="tok", unit_scale=True, file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())
+
+    def count(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        bar.update(args[0].numel())  # a hook that returned a value would replace the output
+
+    hook = model.register_forward_hook(count)
+    try:
+        yield
+    finally:
+        hook.remove()
+        bar.close()
 
 
 def memory_overrides(
