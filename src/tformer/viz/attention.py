@@ -163,7 +163,7 @@ def plot_attention(maps: AttentionMaps, title: str = "") -> Any:
     cell = min(4.0, max(1.8, 0.12 * longest))
     fig = Figure(figsize=(cols * cell + 1.0, rows * cell + 0.8), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
-    fontsize = 7 if longest <= 24 else 5
+    fontsize = 7 if longest <= 32 else 5
     row = 0
     for group in maps.groups:
         n_layer, n_head = group.weights.shape[:2]
