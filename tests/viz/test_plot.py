@@ -69,3 +69,11 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
     assert "write a .png" in capsys.readouterr().err
     with pytest.raises(TformerError, match="at least one run"):
         plot_runs([])
+
+
+def test_without_matplotlib_the_error_says_what_to_install(runs, monkeypatch, capsys, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["plot", str(runs["a"]), "-o", str(tmp_path / "x.png")]) == 2
+    assert "needs the matplotlib package: pip install 'tformer[viz]'" in capsys.readouterr().err

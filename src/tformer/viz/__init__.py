@@ -8,16 +8,15 @@ from typing import Any
 from tformer.errors import TformerError
 
 
-def require(module: str) -> Any:
-    """Import an optional dependency of the viz extra, or say how to install it."""
+def require(module: str, package: str | None = None) -> Any:
+    """Import `module`, an optional dependency of the viz extra (from `package`, by default
+    the module's top-level name), or say how to install it."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
-        package = module.split(".")[0]
-        if package == "torch":
-            package = "tensorboard"
+        package = package or module.split(".")[0]
         raise TformerError(
             f"this needs the {package} package: pip install 'tformer[viz]'"
         ) from None

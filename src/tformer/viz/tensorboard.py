@@ -14,8 +14,7 @@ NOT_SCALARS = ("step", "split")
 
 class TensorBoardLog:
     def __init__(self, run_dir: Path, resume_step: int | None) -> None:
-        require("tensorboard")
-        writer = require("torch.utils.tensorboard").SummaryWriter
+        writer = require("torch.utils.tensorboard", "tensorboard").SummaryWriter
         # A resumed run redoes the steps after its checkpoint: TensorBoard drops the events
         # logged past it, as metrics.csv drops its rows.
         purge = resume_step + 1 if resume_step is not None else None
