@@ -154,3 +154,32 @@ def test_the_command_prints_tables_or_json(runs, capsys):
     assert info["family"] == "gpt" and info["step"] == 12
     assert main(["info", "/no/such/run"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_transformer_xl_decoding_flops_match_torchs_count():
+    cfg, model = build("transformer-xl", {"vocab_size": 30, "context": 6, "mem_len": 9,
+                                          "n_layer": 2, "n_head": 2, "d_model": 16,
+                                          "d_ff": 24})
+    cost = get_family("transformer-xl").cost(cfg)
+    model.eval()
+    memory = Memory(9, cache_keys=True)
+    tokens = torch.randint(0, 30, (1, 14))
+    with torch.no_grad():
+        for start in range(0, 12, 6):  # fill the memory
+            model(tokens[:, start : start + 6], memory=memory)
+        model(tokens[:, 12:13], memory=memory, last_only=True)  # position keys now cached
+    assert memory.length == 9
+    # Frozen weights rather than no_grad: the flop counter's module tracker trips over
+    # views of parameters (u[b], v[b]) made under no_grad.
+    model.requires_grad_(False)
+    flops = counted(lambda: model(tokens[:, 13:14], memory=memory, last_only=True))
+    assert flops == pytest.approx(cost.decode_flops)
+
+
+def test_the_cadence_options_are_checked():
+    from tformer.errors import TformerError
+
+    with pytest.raises(TformerError, match="data.val_bleu_every = -1 must be at least 0"):
+        build("seq2seq", {}, {"val_bleu_every": -1})
+    with pytest.raises(TformerError, match="train.patience = -2 must be at least 0"):
+        build("gpt", {}, train={"patience": -2})
