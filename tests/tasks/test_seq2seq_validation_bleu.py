@@ -90,3 +90,20 @@ def test_a_language_model_cannot_pick_best_by_bleu(tiny_corpus, tmp_path):
                                 "train.device=cpu"])
     with pytest.raises(TformerError, match="the gpt family measures loss"):
         train(cfg, tmp_path / "run")
+
+
+def test_resuming_with_another_best_metric_starts_best_afresh(tmp_path, monkeypatch):
+    scripted = iter([5.0, 7.0, 0.5])
+    monkeypatch.setattr(Seq2SeqTask, "translation_scores",
+                        lambda self, model: {"bleu": next(scripted), "chrf": 0.0})
+    run = tmp_path / "run"
+    train(config("data.val_bleu_every=1", "train.steps=4", "train.checkpoint_every=4"), run)
+    assert ckpt.load_trainer_state(run / ckpt.BEST)["best_metric"] == "loss"
+    resume_from = ckpt.step_dir(run, 4)
+    cfg = ckpt.read_config(resume_from)
+    cfg = cfg.replace("train", steps=6, best_metric="bleu")
+    result = train(cfg, run, resume_from=resume_from)
+    # The loss of the first part (above 0.5) is no BLEU to beat: the first BLEU after
+    # resuming becomes best, however low.
+    assert result.best_val == 0.5
+    assert ckpt.load_trainer_state(run / ckpt.BEST)["step"] == 6

@@ -321,9 +321,13 @@ def restore(run: Run, state: dict[str, Any]) -> None:
     if same_layout:
         set_rng_state(state["rng_per_rank"][procs.rank])
     run.step, run.skipped_steps = state["step"], state["skipped_steps"]
-    run.best_val = state.get("best_val", state.get("best_val_loss"))
     run.tokens_seen = state.get("tokens_seen", 0)
-    run.evals_without_gain = state.get("evals_without_gain", 0)
+    if state.get("best_metric", "loss") == tcfg.best_metric:
+        run.best_val = state.get("best_val", state.get("best_val_loss"))
+        run.evals_without_gain = state.get("evals_without_gain", 0)
+    elif run.is_main:  # a BLEU is no match for a loss: best/ is chosen afresh
+        log.warning("train.best_metric changed from %s to %s: best/ follows %s from now on",
+                    state["best_metric"], tcfg.best_metric, tcfg.best_metric)
     saved = state.get("horizon", {"steps": state.get("schedule_steps", tcfg.steps)})
     horizon = Horizon(**saved)
     run.horizon = extend(horizon, run.step, tcfg, schedule_width(run.cfg))
@@ -500,6 +504,7 @@ def save(run: Run, path: Path) -> None:
             "data_per_rank": data_states,
             "carry_per_rank": carries,
             "rng_per_rank": rng_states,
+            "best_metric": run.cfg.train.best_metric,
             "best_val": run.best_val,
             "skipped_steps": run.skipped_steps,
             "tokens_seen": run.tokens_seen,
