@@ -1,4 +1,4 @@
-"""The `tformer` command: train, generate, translate, evaluate, average.
+"""The `tformer` command: train, generate, translate, evaluate, average, import, export.
 
 Each subcommand is a plain function taking typed arguments. This module owns the terminal
 (progress bars, tables, streamed text), the seeds and the device; the library only logs.
@@ -502,6 +502,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoints", nargs="+", help="checkpoint directories, or one run with --last")
     p.add_argument("--last", type=int, default=0, help="the run's newest N step checkpoints")
     p.add_argument("--out", required=True, help="the averaged checkpoint's directory")
+
+    p = sub.add_parser("import", help="a local Hugging Face model directory -> a checkpoint")
+    p.add_argument("source", help="directory with config.json and the weights (GPT-2, Marian)")
+    p.add_argument("--out", required=True, help="the new checkpoint's directory")
+
+    p = sub.add_parser("export", help="a checkpoint -> a Hugging Face model directory")
+    p.add_argument("checkpoint", help="run or checkpoint directory")
+    p.add_argument("--out", required=True, help="the new model directory")
+    p.add_argument("--format", default="gpt2", help="gpt2 (GPT2LMHeadModel)")
     return parser
 
 
@@ -556,6 +565,12 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         )
     if args.command == "average":
         return average_command(args.checkpoints, args.out, last=args.last)
+    if args.command in ("import", "export"):
+        from tformer.interop import command
+
+        if args.command == "import":
+            return command.import_command(args.source, args.out)
+        return command.export_command(args.checkpoint, args.out, format=args.format)
     raise AssertionError(args.command)
 
 

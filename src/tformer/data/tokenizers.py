@@ -1,8 +1,10 @@
-"""Tokenizers: characters, or byte-level BPE trained with Hugging Face `tokenizers`.
+"""Tokenizers: characters, or byte-level BPE trained with Hugging Face `tokenizers`, or a
+pretrained model's own (GPT-2's byte-level BPE, imported with its weights).
 
-Both save to one JSON file (tokenizer.json in every checkpoint) and load back from it with
+All save to one JSON file (tokenizer.json in every checkpoint) and load back from it with
 `load_tokenizer`. Special tokens (padding, begin and end of sequence) are handled here and
-nowhere else: ids 0, 1, 2 when a tokenizer has them.
+nowhere else: ids 0, 1, 2 when a tokenizer trained here has them; a pretrained tokenizer
+names its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ IGNORE_INDEX = -100
 """A target id that counts for nothing in a loss (padding, or past the end of a stream)."""
 SPECIALS = (PAD, BOS, EOS)
 KINDS = ("char", "bpe")
+"""The kinds a run can train; a pretrained tokenizer ("gpt2") comes with its checkpoint."""
 
 
 class Tokenizer(Protocol):
@@ -125,6 +128,54 @@ class BPETokenizer:
         return self.tok.to_str()
 
 
+class PretrainedBPETokenizer:
+    """A pretrained model's byte-level BPE (GPT-2's), held as a `tokenizers.Tokenizer` with
+    the names of its special tokens. GPT-2 has one, <|endoftext|>, that both begins and
+    ends a document, and no padding token.
+
+    Text that contains a special token's name encodes to that token, as Hugging Face's
+    tokenizer does: a fine-tuning corpus marks its documents' ends with <|endoftext|>.
+    """
+
+    kind = "gpt2"
+
+    def __init__(
+        self, tokenizer, *, bos: str | None, eos: str | None, pad: str | None = None
+    ) -> None:  # tokenizer: a tokenizers.Tokenizer
+        self.tok = tokenizer
+        self.names = {"bos": bos, "eos": eos, "pad": pad}
+        self.bos_id = self._id(bos)
+        self.eos_id = self._id(eos)
+        self.pad_id = self._id(pad)
+
+    def _id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        found = self.tok.token_to_id(token)
+        if found is None:
+            raise TformerError(f"the tokenizer has no token {token!r}")
+        return found
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"kind": self.kind, **self.names, "tokenizer": json.loads(self.tok.to_str())},
+            ensure_ascii=False,
+        )
+
+
 def train_tokenizer(
     kind: str, texts: Iterable[str], *, vocab_size: int = 8000, specials: bool = False
 ) -> Tokenizer:
@@ -145,6 +196,11 @@ def tokenizer_from_json(text: str) -> Tokenizer:
         return CharTokenizer(data["chars"], specials=data["specials"])
     from tokenizers import Tokenizer as HFTokenizer
 
+    if data.get("kind") == PretrainedBPETokenizer.kind:
+        return PretrainedBPETokenizer(
+            HFTokenizer.from_str(json.dumps(data["tokenizer"])),
+            bos=data["bos"], eos=data["eos"], pad=data["pad"],
+        )
     return BPETokenizer(HFTokenizer.from_str(text))
 
 

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.config import check_choice, check_heads, check_range
-from tformer.layers import FeedForward, Residual, attention_bias, lm_mask, sinusoids
+from tformer.layers import (
+    ACTIVATIONS,
+    SINUSOID_LAYOUTS,
+    FeedForward,
+    Residual,
+    attention_bias,
+    lm_mask,
+    sinusoids,
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,10 @@ class TransformerXLConfig:
     tie_embeddings: bool = True
     bias: bool = True
     """Biases in the feed-forward layers and the layer norms."""
+    sinusoid_layout: str = "interleaved"
+    """interleaved sin/cos, or halves ([sin | cos], the layout of the paper's own code)."""
+    output_bias: bool = False
+    """A bias on the projection to the vocabulary (the paper's code has one)."""
 
     def __post_init__(self) -> None:
         check_range("model.vocab_size", self.vocab_size, low=0)
@@ -68,8 +80,9 @@ class TransformerXLConfig:
         check_heads("model", self.d_model, self.n_head, self.d_head)
         check_range("model.dropout", self.dropout, low=0.0, high=1.0)
         check_range("model.attn_dropout", self.attn_dropout, low=0.0, high=1.0)
-        check_choice("model.activation", self.activation, ("relu", "gelu"))
+        check_choice("model.activation", self.activation, tuple(ACTIVATIONS))
         check_choice("model.norm", self.norm, ("post", "pre"))
+        check_choice("model.sinusoid_layout", self.sinusoid_layout, SINUSOID_LAYOUTS)
 
     @property
     def ff_width(self) -> int:
@@ -332,7 +345,7 @@ class TransformerXL(nn.Module):
         self.v = nn.Parameter(torch.empty(n_biases, cfg.n_head, cfg.head_size))
         self.blocks = nn.ModuleList(TransformerXLBlock(cfg) for _ in range(cfg.n_layer))
         self.final_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.norm == "pre" else None
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -353,7 +366,7 @@ class TransformerXL(nn.Module):
         distances = torch.arange(k_len - 1, -1, -1, device=device)
         if self.cfg.clamp_len > 0:
             distances = distances.clamp(max=self.cfg.clamp_len)
-        return sinusoids(distances, self.cfg.d_model)
+        return sinusoids(distances, self.cfg.d_model, self.cfg.sinusoid_layout)
 
     def forward(
         self,
