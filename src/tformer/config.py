@@ -97,6 +97,9 @@ class TrainConfig:
     """With several processes (torchrun): ddp replicates the model, fsdp shards it."""
     max_bad_steps: int = 10
     """Consecutive steps with a non-finite loss or gradient before training stops."""
+    init_from: str | None = None
+    """A checkpoint (or run) whose weights and tokenizer the run starts from, with a fresh
+    optimizer and schedule: fine-tuning. The model fields come from it."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "accumulate", "eval_every", "checkpoint_every"):
@@ -204,8 +207,14 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, name, value
 
 
-def config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> RunConfig:
-    """Build and validate a RunConfig from parsed TOML/JSON tables plus overrides."""
+def config_from_dict(
+    raw: Mapping[str, Any], overrides: Iterable[str] = (), *, new_run: bool = False
+) -> RunConfig:
+    """Build and validate a RunConfig from parsed TOML/JSON tables plus overrides.
+
+    new_run: the config of a run about to start, whose [model] table a checkpoint named by
+    train.init_from completes (a saved run's config is complete already).
+    """
     from tformer.registry import get_family
 
     if not isinstance(raw, Mapping):
@@ -226,7 +235,12 @@ def config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> R
         section, name, value = parse_override(text)
         tables[section][name] = value
 
-    family_name = tables["model"].pop("family", "gpt")
+    family_name = tables["model"].pop("family", None)
+    if new_run and tables["train"].get("init_from") is not None:
+        family_name, tables["model"] = inherit_model(
+            str(tables["train"]["init_from"]), family_name, tables["model"]
+        )
+    family_name = "gpt" if family_name is None else family_name
     if not isinstance(family_name, str):
         raise TformerError(f"model.family = {family_name!r} must be a string")
     family = get_family(family_name)
@@ -238,8 +252,39 @@ def config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> R
     )
 
 
+def inherit_model(
+    init_from: str, family: Any, given: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """The [model] table of a run that starts from checkpoint `init_from`: the checkpoint's
+    own, with the keys the run gives. A key that would change what the weights mean (or
+    their shapes) must agree with the checkpoint; dropout and the like may change."""
+    from tformer.registry import get_family
+    from tformer.training.checkpoint import read_config, resolve_checkpoint
+
+    path = resolve_checkpoint(init_from)
+    saved = read_config(path)
+    if family is not None and family != saved.family:
+        raise TformerError(
+            f"train.init_from = {init_from}: the checkpoint is a {saved.family} model, the "
+            f"config says model.family = {family!r}"
+        )
+    model = dataclasses.asdict(saved.model)
+    free = get_family(saved.family).model_config.weight_free
+    contradictions = [
+        f"model.{key} = {value!r} (checkpoint: {model[key]!r})"
+        for key, value in given.items()
+        if key in model and key not in free and value != model[key]
+    ]
+    if contradictions:
+        raise TformerError(
+            f"train.init_from = {init_from}: these model fields contradict the checkpoint: "
+            + ", ".join(contradictions)
+        )
+    return saved.family, {**model, **given}
+
+
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
-    """Read a TOML (or a checkpoint's JSON) config file and apply overrides."""
+    """Read a TOML (or a checkpoint's JSON) config file for a new run, and apply overrides."""
     path = Path(path)
     if not path.is_file():
         raise TformerError(f"config file not found: {path}")
@@ -250,4 +295,4 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
         raise TformerError(f"config file {path} is not UTF-8 text") from e
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise TformerError(f"config file {path} does not parse: {e}") from e
-    return config_from_dict(raw, overrides)
+    return config_from_dict(raw, overrides, new_run=True)

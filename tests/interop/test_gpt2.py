@@ -159,3 +159,25 @@ def test_cli_import_generate_export(gpt2_dir, hf_model, hf_tokenizer, tmp_path, 
     assert transformers.GPT2LMHeadModel.from_pretrained(out) is not None
     assert main(["import", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_readme_fine_tuning_example(gpt2_dir, tmp_path, capsys, monkeypatch):
+    """The README's commands, on the tiny model: import, fine-tune on a text file, generate,
+    export."""
+    from .conftest import generated_text
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-text.txt").write_text("\n".join(generated_text(200, seed=1)))
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    config = readme.split("cat > finetune.toml <<'END'\n")[1].split("END\n")[0]
+    config = config.replace("steps = 500", "steps = 4").replace("warmup_steps = 50",
+                                                                "warmup_steps = 1")
+    (tmp_path / "finetune.toml").write_text(config + "eval_every = 2\ncheckpoint_every = 2\n")
+    assert main(["import", str(gpt2_dir), "--out", "runs/gpt2"]) == 0
+    assert main(["train", "finetune.toml", "--out", "runs/gpt2-mine"]) == 0
+    assert main(["generate", "runs/gpt2-mine", "--prompt", "Once upon a time",
+                 "--max-new-tokens", "10"]) == 0
+    assert main(["export", "runs/gpt2-mine", "--out", "gpt2-mine-hf"]) == 0
+    tuned = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2-mine-hf")
+    original = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir)
+    assert not torch.equal(tuned.transformer.wte.weight, original.transformer.wte.weight)

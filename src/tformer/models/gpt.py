@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +28,9 @@ from tformer.layers import (
 
 @dataclass(frozen=True)
 class GPTConfig:
+    weight_free: ClassVar[frozenset[str]] = frozenset({"dropout"})
+    """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
+
     vocab_size: int = 0
     """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
     context: int = 64

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,11 @@ from tformer.layers import (
 
 @dataclass(frozen=True)
 class Seq2SeqConfig:
+    weight_free: ClassVar[frozenset[str]] = frozenset(
+        {"dropout", "attn_dropout", "ff_dropout", "label_smoothing"}
+    )
+    """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
+
     vocab_size: int = 0
     """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
     max_len: int = 256

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,11 @@ from tformer.layers import (
 
 @dataclass(frozen=True)
 class TransformerXLConfig:
+    weight_free: ClassVar[frozenset[str]] = frozenset(
+        {"dropout", "attn_dropout", "mem_len", "eval_mem_len", "clamp_len"}
+    )
+    """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
+
     vocab_size: int = 0
     """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
     context: int = 64

@@ -231,6 +231,15 @@ def load_checkpoint(
     return Checkpoint(path, cfg, model, tokenizer)
 
 
+def initial_weights(init_from: str | None) -> Path | None:
+    """train.init_from as a verified checkpoint directory (none: train from scratch)."""
+    if init_from is None:
+        return None
+    path = resolve_checkpoint(init_from)
+    verify_checkpoint(path)
+    return path
+
+
 def load_trainer_state(path: Path) -> dict[str, Any]:
     return torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=True)
 

@@ -158,15 +158,20 @@ def train(
     # --- set-up: data, model, optimizer, or all of them restored from a checkpoint -------
     tokenizer = None
     state: dict[str, Any] | None = None
+    init = None if resume_from is not None else ckpt.initial_weights(tcfg.init_from)
     if resume_from is not None:
         tokenizer = load_tokenizer(resume_from / ckpt.TOKENIZER)
         state = ckpt.load_trainer_state(resume_from)
+    elif init is not None:
+        tokenizer = load_tokenizer(init / ckpt.TOKENIZER)
     torch.manual_seed(tcfg.seed)
     task = family.task(cfg, tokenizer)
-    cfg = cfg.replace("model", **task.model_fields())
+    if init is None:  # else the model fields are the checkpoint's (config_from_dict)
+        cfg = cfg.replace("model", **task.model_fields())
     model = family.model(cfg.model).to(device)
-    if state is not None:
-        load_model(model, str(resume_from / ckpt.WEIGHTS), device=str(device))
+    if state is not None or init is not None:
+        weights = (resume_from if state is not None else init) / ckpt.WEIGHTS
+        load_model(model, str(weights), device=str(device))
     # Dropout differs between ranks, as it would between the rows of one large batch.
     torch.manual_seed(tcfg.seed + procs.rank)
     train_model = distributed.wrap(model, procs, device, tcfg.parallel)
