@@ -228,14 +228,24 @@ class Seq2Seq(nn.Module):
         nn.init.normal_(self.out_proj.weight, mean=0.0, std=self.cfg.d_model**-0.5)
 
     def _embed(
-        self, embed: nn.Embedding, norm: nn.LayerNorm | None, tokens: Tensor, start: int = 0
+        self,
+        embed: nn.Embedding,
+        norm: nn.LayerNorm | None,
+        tokens: Tensor,
+        start: int = 0,
+        is_real: Tensor | None = None,
     ) -> Tensor:
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        """Scaled embeddings plus positions: start, start + 1, ... or, given is_real, the
+        number of real tokens before each one (so padding shifts nothing)."""
         if start + tokens.shape[1] > self.cfg.max_len:
             raise ValueError(
                 f"{start + tokens.shape[1]} tokens exceed the model's max_len of "
                 f"{self.cfg.max_len}"
             )
+        if is_real is None:
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        else:
+            positions = (is_real.cumsum(1) - 1).clamp(min=0)
         x = embed(tokens)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
@@ -273,15 +283,16 @@ class Seq2Seq(nn.Module):
         cache: from make_cache; tgt then holds only the new tokens after the cached ones,
             and the cross-attention keys/values are computed on the first call only.
         tgt_real: (B, T) True at real target tokens: self-attention then also skips padding
-            keys, so a padded target gives the outputs of the same target unpadded at every
-            position, wherever the padding is (without it, only right padding is safe).
+            keys and positions count real tokens only, so a padded target gives the outputs
+            of the same target unpadded at every real position, wherever the padding is
+            (without it, only right padding is safe).
         """
         start = cache.length if cache is not None else 0
         if start > 0 and tgt.shape[1] > 1:
             raise ValueError("after the first cached step, decode one token at a time")
         if tgt_real is not None and start > 0:
             raise ValueError("tgt_real is for whole targets, not cached steps")
-        x = self._embed(self.tgt_embed, self.tgt_embed_norm, tgt, start)
+        x = self._embed(self.tgt_embed, self.tgt_embed_norm, tgt, start, tgt_real)
         # As float biases, made once here rather than by SDPA in every layer.
         memory_mask = attention_bias(padding_mask(src_real), x.dtype)
         self_mask = None
