@@ -12,9 +12,10 @@ training MFU (model FLOPs per second over the matmul peak) and, for decoding at 
 the fraction of the bandwidth limit (every token reads every weight once).
 
 Rows: GPT training at 4x128 (context 64, batch 12) and 6x384 (context 256, batch 8), the
-same fused AdamW, against GPT2LMHeadModel; greedy generation at the GPT-2-small shape (12 x 768,
+same fused AdamW, against GPT2LMHeadModel; greedy generation with a GPT-2 small (12 x 768,
 vocabulary 50257, 16-token prompt, 128 new tokens) at batch 1 and 8 against
-GPT2LMHeadModel.generate, and tformer's int8 weights against its fp32 ones; beam-4
+GPT2LMHeadModel.generate on the same weights (imported from it, and checked to give the
+same greedy tokens before timing), and tformer's int8 weights against its fp32 ones; beam-4
 translation (d_model 256, 3 + 3 layers, vocabulary 8000, 20-token inputs, 30 output
 tokens) at batch 1 and 16 against MarianMTModel.generate; Transformer-XL training beside
 the GPT of the same size.
@@ -117,6 +118,34 @@ def gpt_pair(n_layer: int, n_head: int, d_model: int, context: int, vocab: int):
         )
     )
     return ours, peer
+
+
+def gpt2_small_imported():
+    """A GPT-2 small (12 x 768, vocabulary 50257, context 1024) with random weights, and the
+    tformer GPT imported from that very model, as `tformer import` converts it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tformer.interop.gpt2 import gpt_from_hf
+
+    peer = GPT2LMHeadModel(
+        GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                   eos_token_id=0)
+    ).eval()
+    ours = gpt_from_hf(peer.config.to_dict(), peer.state_dict(), "GPT2LMHeadModel")
+    return ours, peer
+
+
+def check_same_greedy_tokens(ours, peer, new: int = 24) -> None:
+    """Before timing: both sides must produce the same greedy tokens at batch 1 and 8."""
+    for batch in (1, 8):
+        prompt = torch.randint(0, 1000, (batch, 16), generator=torch.Generator().manual_seed(1))
+        mine = torch.stack(list(generate(ours, prompt, max_new_tokens=new, temperature=0.0)), 1)
+        theirs = peer.generate(prompt, attention_mask=torch.ones_like(prompt),
+                               max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                               pad_token_id=0)[:, prompt.shape[1]:]
+        if not torch.equal(mine, theirs):
+            raise SystemExit(f"gpt-2 small: tformer and GPT2LMHeadModel disagree at batch "
+                             f"{batch}; not timing different work")
 
 
 def training_flops_per_token(model: torch.nn.Module, n_layer: int, d_model: int, T: int) -> float:
@@ -304,8 +333,9 @@ def main() -> None:
             )
 
     if wanted("gpt-generate") or wanted("int8"):
-        fp32, peer = gpt_pair(12, 12, 768, 1024, vocab=50257)
+        fp32, peer = gpt2_small_imported()
         ours = prepack(fp32)  # as `tformer generate` runs it
+        check_same_greedy_tokens(ours, peer)
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
         new = 128
         if wanted("gpt-generate"):

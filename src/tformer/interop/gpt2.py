@@ -147,40 +147,46 @@ def read_tokenizer(src: Path) -> PretrainedBPETokenizer:
     )
 
 
-def import_gpt2(src: Path, dest: Path) -> Path:
-    """A local GPT2LMHeadModel directory -> a tformer GPT checkpoint at `dest`."""
-    from tformer.training.checkpoint import save_checkpoint
-
-    hf = read_hf_config(src)
-    cfg = gpt_config(hf, src)
-    tokenizer = read_tokenizer(src)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise TformerError(
-            f"{src}: the tokenizer has {tokenizer.vocab_size} tokens, the model only "
-            f"{cfg.vocab_size}"
-        )
-    weights = read_hf_weights(src)
+def gpt_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path | str) -> GPT:
+    """A GPT with the weights of a GPT2LMHeadModel, from its config and its tensors (as
+    saved, or its state_dict()). `source` names it in errors."""
+    cfg = gpt_config(hf, Path(source))
     weights = {k.removeprefix("transformer."): v for k, v in weights.items()}
     # Causal-mask buffers that older versions saved with the weights.
     for name in [k for k in weights if k.endswith((".attn.bias", ".attn.masked_bias"))]:
         if weights[name].dtype == torch.bool or weights[name].dim() != 1:
             del weights[name]
     if cfg.tie_embeddings:
-        weights.pop("lm_head.weight", None)  # present when saved untied-but-equal
+        weights.pop("lm_head.weight", None)  # state_dict() lists the tied copy too
     state = {}
     for ours, theirs in _names(cfg.n_layer, cfg.tie_embeddings).items():
-        tensor = take(weights, theirs, src).float()
+        tensor = take(weights, theirs, Path(source)).float()
         state[ours] = tensor.t().contiguous() if _transposed(theirs) else tensor
     if weights:
-        raise TformerError(f"{src}: tensors tformer's GPT has no place for: "
+        raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
                            f"{', '.join(sorted(weights)[:5])}")
     model = GPT(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise AssertionError(f"mapping mismatch: {missing} {unexpected}")
-    run = RunConfig("gpt", cfg, LMDataConfig(), TrainConfig())
-    save_checkpoint(dest, run, model.eval(), tokenizer)
-    log.info("imported %s as a %d-layer GPT into %s", src, cfg.n_layer, dest)
+    return model.eval()
+
+
+def import_gpt2(src: Path, dest: Path) -> Path:
+    """A local GPT2LMHeadModel directory -> a tformer GPT checkpoint at `dest`."""
+    from tformer.training.checkpoint import save_checkpoint
+
+    hf = read_hf_config(src)
+    model = gpt_from_hf(hf, read_hf_weights(src), src)
+    tokenizer = read_tokenizer(src)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise TformerError(
+            f"{src}: the tokenizer has {tokenizer.vocab_size} tokens, the model only "
+            f"{model.cfg.vocab_size}"
+        )
+    run = RunConfig("gpt", model.cfg, LMDataConfig(), TrainConfig())
+    save_checkpoint(dest, run, model, tokenizer)
+    log.info("imported %s as a %d-layer GPT into %s", src, model.cfg.n_layer, dest)
     return dest
 
 
