@@ -21,6 +21,7 @@ from tformer.config import RunConfig, load_config
 from tformer.errors import TformerError
 
 log = logging.getLogger("tformer")
+PENALTY_CHOICES = ("gnmt", "hf")
 
 
 # --- train ------------------------------------------------------------------------------
@@ -209,6 +210,7 @@ def evaluate_command(
     beam: int = 4,
     alpha: float = 0.6,
     int8: bool = False,
+    length_penalty: str = "gnmt",
 ) -> int:
     from tformer.data.corpus import cached_token_ids, read_corpus
     from tformer.registry import get_family
@@ -226,7 +228,8 @@ def evaluate_command(
     cfg = memory_overrides(cfg, loaded.path, mem_len, segment_len)
     if family.kind == "seq2seq":
         return evaluate_translation_command(
-            loaded, data, as_json=as_json, beam=beam, alpha=alpha, batch_size=batch_size or 32
+            loaded, data, as_json=as_json, beam=beam, alpha=alpha, batch_size=batch_size or 32,
+            length_penalty=length_penalty,
         )
     if family.kind != "lm":
         raise TformerError(f"evaluate does not know the {cfg.family} family yet")
@@ -323,6 +326,7 @@ def translate_command(
     batch_size: int = 32,
     device: str = "auto",
     int8: bool = False,
+    length_penalty: str = "gnmt",
 ) -> int:
     from tqdm import tqdm
 
@@ -342,7 +346,8 @@ def translate_command(
         if lines[-1] == "":
             lines.pop()
     options = SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                            n_best=n_best, early_stopping=early_stopping)
+                            n_best=n_best, early_stopping=early_stopping,
+                            length_penalty=length_penalty)
     bar = tqdm(total=len(lines), unit="line", disable=input is None, file=sys.stderr)
     try:
         results = translate(loaded.model, loaded.tokenizer, lines, options,
@@ -363,7 +368,8 @@ def translate_command(
 
 
 def evaluate_translation_command(
-    loaded: Any, data: list[str], *, as_json: bool, beam: int, alpha: float, batch_size: int
+    loaded: Any, data: list[str], *, as_json: bool, beam: int, alpha: float, batch_size: int,
+    length_penalty: str = "gnmt",
 ) -> int:
     from tqdm import tqdm
 
@@ -388,7 +394,8 @@ def evaluate_translation_command(
     try:
         result, _ = evaluate_translation(
             loaded.model, loaded.tokenizer, sources, references,
-            SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a), batch_size=batch_size,
+            SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a,
+                          length_penalty=length_penalty), batch_size=batch_size,
             max_tokens=loaded.cfg.data.max_tokens, progress=bar.update,
         )
     finally:
@@ -478,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--beam", type=int, default=4, help="seq2seq: beam size (1 is greedy)")
     p.add_argument("--alpha", type=float, default=0.6, help="seq2seq: length penalty")
+    p.add_argument("--length-penalty", choices=PENALTY_CHOICES, default="gnmt",
+                   help="seq2seq: gnmt ((5 + length) / 6) ** alpha, or hf: length ** alpha "
+                   "with Hugging Face's stopping rule")
 
     p = sub.add_parser("translate", help="translate lines with a seq2seq model")
     p.add_argument("checkpoint", help="run or checkpoint directory")
@@ -486,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beam", type=int, default=4, help="beam size; 1 is greedy search")
     p.add_argument("--alpha", type=float, default=0.6,
                    help="GNMT length penalty ((5 + length) / 6) ** alpha; 0 is off")
+    p.add_argument("--length-penalty", choices=PENALTY_CHOICES, default="gnmt",
+                   help="hf: length ** alpha and Hugging Face's stopping rule, to reproduce "
+                   "MarianMTModel.generate (with --alpha 1.0)")
     p.add_argument("--max-len-a", type=float, default=None,
                    help="at most a * source tokens + b output tokens (default a: the "
                    "training data's data.max_ratio)")
@@ -555,6 +568,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             beam=args.beam,
             alpha=args.alpha,
             int8=args.int8,
+            length_penalty=args.length_penalty,
         )
     if args.command == "translate":
         return translate_command(
@@ -562,6 +576,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             alpha=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
             n_best=args.n_best, early_stopping=args.early_stopping,
             batch_size=args.batch_size, device=args.device, int8=args.int8,
+            length_penalty=args.length_penalty,
         )
     if args.command == "average":
         return average_command(args.checkpoints, args.out, last=args.last)

@@ -176,6 +176,86 @@ class PretrainedBPETokenizer:
         )
 
 
+class SentencePieceTokenizer:
+    """Marian's tokenization (as Hugging Face's MarianTokenizer does it): a source and a
+    target SentencePiece model whose pieces map to ids through one shared vocabulary
+    (vocab.json; a piece not in it is <unk>). A leading language code such as ">>de<<" is
+    one token. The decoder starts from `bos_id`, which for Marian is the padding token.
+    Sources are encoded with the source model; `decode` detokenizes with the target one.
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(
+        self, source: bytes, target: bytes, vocab: dict[str, int], *, eos: str, unk: str,
+        pad: str, bos_id: int,
+    ) -> None:
+        spm = require_sentencepiece()
+        self.models = {"source": source, "target": target}
+        self.source = spm.SentencePieceProcessor(model_proto=source)
+        self.target = spm.SentencePieceProcessor(model_proto=target)
+        self.vocab = vocab
+        self.pieces = {i: piece for piece, i in vocab.items()}
+        self.names = {"eos": eos, "unk": unk, "pad": pad}
+        for name in (eos, unk, pad):
+            if name not in vocab:
+                raise TformerError(f"the vocabulary has no {name!r} token")
+        self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
+        self.bos_id = bos_id
+        self.special = {self.eos_id, self.unk_id, self.pad_id, bos_id}
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.vocab.values()) + 1
+
+    def encode(self, text: str) -> list[int]:
+        code = []
+        if text.startswith(">>") and (end := text.find("<<")) != -1:
+            code, text = [text[: end + 2]], text[end + 2 :]
+        pieces = code + self.source.encode(text, out_type=str)
+        return [self.vocab.get(p, self.unk_id) for p in pieces]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        pieces = [self.pieces[i] for i in ids if i not in self.special and i in self.pieces]
+        return self.target.decode_pieces(pieces).replace("\u2581", " ").strip()
+
+    def to_json(self) -> str:
+        import base64
+
+        return json.dumps(
+            {
+                "kind": self.kind,
+                **{k: base64.b64encode(v).decode("ascii") for k, v in self.models.items()},
+                "vocab": self.vocab,
+                **self.names,
+                "bos_id": self.bos_id,
+            },
+            ensure_ascii=False,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SentencePieceTokenizer:
+        import base64
+
+        return cls(
+            base64.b64decode(data["source"]), base64.b64decode(data["target"]), data["vocab"],
+            eos=data["eos"], unk=data["unk"], pad=data["pad"], bos_id=data["bos_id"],
+        )
+
+
+def require_sentencepiece():
+    try:
+        import sentencepiece
+    except ImportError:
+        raise TformerError(
+            "Marian models need the sentencepiece package: pip install 'tformer[interop]'"
+        ) from None
+    return sentencepiece
+
+
 def train_tokenizer(
     kind: str, texts: Iterable[str], *, vocab_size: int = 8000, specials: bool = False
 ) -> Tokenizer:
@@ -196,6 +276,8 @@ def tokenizer_from_json(text: str) -> Tokenizer:
         return CharTokenizer(data["chars"], specials=data["specials"])
     from tokenizers import Tokenizer as HFTokenizer
 
+    if data.get("kind") == SentencePieceTokenizer.kind:
+        return SentencePieceTokenizer.from_dict(data)
     if data.get("kind") == PretrainedBPETokenizer.kind:
         return PretrainedBPETokenizer(
             HFTokenizer.from_str(json.dumps(data["tokenizer"])),

@@ -25,7 +25,10 @@ class SearchOptions:
     beam: int = 4
     """1 is greedy search."""
     alpha: float = 0.6
-    """GNMT length penalty exponent; 0 ranks by log-probability alone."""
+    """Length penalty exponent; 0 ranks by log-probability alone."""
+    length_penalty: str = "gnmt"
+    """gnmt: ((5 + length) / 6) ** alpha; hf: length ** alpha, with Hugging Face's rule for
+    when a sentence is finished (to compare with its MarianMTModel.generate)."""
     max_len_a: float = 1.5
     max_len_b: int = 10
     """At most max_len_a * source tokens + max_len_b output tokens."""
@@ -73,13 +76,14 @@ def translate(
         if options.beam == 1:
             found = [[h] for h in greedy_search(
                 model, src, src_real, alpha=options.alpha, max_len_a=options.max_len_a,
-                max_len_b=options.max_len_b, **special,
+                max_len_b=options.max_len_b, penalty=options.length_penalty, **special,
             )]
         else:
             found = beam_search(
                 model, src, src_real, beam=options.beam, alpha=options.alpha,
                 max_len_a=options.max_len_a, max_len_b=options.max_len_b,
-                n_best=options.n_best, early_stopping=options.early_stopping, **special,
+                n_best=options.n_best, early_stopping=options.early_stopping,
+                penalty=options.length_penalty, **special,
             )
         for i, hyps in zip(index, found, strict=True):
             results[i] = [Translation(tokenizer.decode(h.tokens), h.score) for h in hyps]
