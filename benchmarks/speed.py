@@ -28,17 +28,16 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from tformer.decoding.beam import beam_search
 from tformer.decoding.lm import generate
 from tformer.decoding.prepack import PackedLinear, prepack, prepack_available
 from tformer.decoding.quantize import quantize_int8
 from tformer.evaluation.lm import lm_loss
 from tformer.models.gpt import GPT, GPTConfig
-from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
 
 
@@ -212,55 +211,6 @@ def gpt_generate(model, batch: int, new: int, ours: bool):
     )
 
 
-def translation_pair(vocab: int = 8000):
-    from transformers import MarianConfig, MarianMTModel
-
-    ours = Seq2Seq(
-        Seq2SeqConfig(
-            vocab_size=vocab, n_layer=3, n_head=4, d_model=256, d_ff=1024, dropout=0.0, max_len=128
-        )
-    ).eval()
-    peer = MarianMTModel(
-        MarianConfig(
-            vocab_size=vocab,
-            d_model=256,
-            encoder_layers=3,
-            decoder_layers=3,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=1024,
-            decoder_ffn_dim=1024,
-            max_position_embeddings=128,
-            pad_token_id=0,
-            eos_token_id=2,
-            decoder_start_token_id=0,
-            forced_eos_token_id=None,
-        )
-    ).eval()
-    return ours, peer
-
-
-def translate_beam4(model, batch: int, ours: bool):
-    src = torch.randint(3, 8000, (batch, 20))
-    real = torch.ones_like(src, dtype=torch.bool)
-    if ours:
-        return lambda: beam_search(
-            model,
-            src,
-            real,
-            beam=4,
-            bos_id=1,
-            eos_id=2,
-            pad_id=0,
-            alpha=0.6,
-            max_len_a=0.0,
-            max_len_b=30,
-        )
-    return lambda: model.generate(
-        src, attention_mask=real.long(), num_beams=4, max_new_tokens=30, min_new_tokens=30
-    )
-
-
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -278,6 +228,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--translate-len", type=int, default=30,
+                        help="output tokens per sentence in the translation rows")
     parser.add_argument(
         "--only",
         default="",
@@ -377,20 +329,27 @@ def main() -> None:
         del fp32, ours, peer
 
     if wanted("translate"):
-        ours, peer = translation_pair()
-        ours = prepack(ours)  # as `tformer translate` runs it
+        from opus_mt import Sides
+
+        sides = Sides(torch.get_num_threads())
+        L = args.translate_len
         for B in (1, 16):
-            a, b = compare(
-                translate_beam4(ours, B, True), translate_beam4(peer, B, False), B, args.repeats
+            sides.check_same_tokens(B, L)
+            src = sides.sources(B)
+            pairs = (
+                ("fp32", partial(sides.tformer, src, L), partial(sides.ctranslate2, src, L),
+                 "CTranslate2 float32"),
+                ("int8", partial(sides.tformer, src, L, int8=True),
+                 partial(sides.ctranslate2, src, L, int8=True), "CTranslate2 int8"),
+                ("fp32", partial(sides.tformer, src, L), partial(sides.marian, src, L),
+                 "MarianMTModel.generate"),
             )
-            emit(
-                row=f"translate beam4 b{B}",
-                unit="sentences/s",
-                tformer=a,
-                peer=b,
-                peer_name="MarianMTModel.generate",
-                ratio=a / b,
-            )
+            with torch.no_grad():
+                for label, ours, peer, peer_name in pairs:
+                    a, b = compare(ours, peer, B, args.repeats)
+                    emit(row=f"opus-mt beam4 b{B} {label}", unit="sentences/s", tformer=a,
+                         peer=b, peer_name=peer_name, ratio=a / b)
+        del sides
 
     if wanted("txl"):
         L, D, F_, V, T, M, B = 4, 128, 512, 65, 64, 64, 12
