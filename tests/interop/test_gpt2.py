@@ -155,6 +155,10 @@ def test_cli_import_generate_export(gpt2_dir, hf_model, hf_tokenizer, tmp_path, 
     assert text.startswith(hf_tokenizer.decode(expected[0], skip_special_tokens=True))
     assert main(["generate", str(ckpt), "--prompt", PROMPTS[0], "--int8",
                  "--max-new-tokens", "5"]) == 0
+    capsys.readouterr()
+    (tmp_path / "text.txt").write_text("\n".join(TRICKY * 20))
+    assert main(["evaluate", str(ckpt), str(tmp_path / "text.txt"), "--json", "--int8"]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"] > 1
     assert main(["export", str(ckpt), "--out", str(out)]) == 0
     assert transformers.GPT2LMHeadModel.from_pretrained(out) is not None
     assert main(["import", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
@@ -181,3 +185,30 @@ def test_readme_fine_tuning_example(gpt2_dir, tmp_path, capsys, monkeypatch):
     tuned = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2-mine-hf")
     original = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir)
     assert not torch.equal(tuned.transformer.wte.weight, original.transformer.wte.weight)
+
+
+def test_a_gpt_trained_here_exports_with_its_bpe_tokenizer(tmp_path):
+    """A checkpoint of tformer's own (byte-level BPE with <pad>, <s>, </s>) becomes a
+    directory transformers loads: same logits, same token ids."""
+    from tformer.config import config_from_dict
+    from tformer.data.tokenizers import BPETokenizer
+    from tformer.models.gpt import GPT
+    from tformer.training.checkpoint import save_checkpoint
+
+    from .conftest import generated_text, randomise
+
+    tokenizer = BPETokenizer.train(generated_text(200), vocab_size=300)
+    cfg = config_from_dict({"model": {"n_layer": 1, "n_head": 2, "d_model": 16, "context": 128,
+                                      "vocab_size": tokenizer.vocab_size,
+                                      "activation": "gelu_tanh"}})
+    model = GPT(cfg.model).eval()
+    randomise(model)
+    ckpt = save_checkpoint(tmp_path / "ckpt", cfg, model, tokenizer)
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    hf_model = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "\n".join(TRICKY)
+    assert hf_tokenizer(text)["input_ids"] == tokenizer.encode(text)
+    tokens = torch.tensor([tokenizer.encode(TRICKY[0])])
+    with torch.no_grad():
+        assert (hf_model(tokens).logits - model(tokens)).abs().max() <= 1e-5
