@@ -72,6 +72,9 @@ def test_token_ids_match_gpt2_tokenizer(imported, hf_tokenizer, gpt2_dir, tmp_pa
     ours = load_checkpoint(imported).tokenizer
     text = "\n".join(TRICKY) + "\t \t  mixed   \n\n"
     assert ours.encode(text) == hf_tokenizer(text)["input_ids"]
+    documents = "one document.<|endoftext|>Another one."
+    assert ours.encode(documents) == hf_tokenizer(documents)["input_ids"]
+    assert ours.eos_id in ours.encode(documents)
     for line in TRICKY:
         assert ours.encode(line) == hf_tokenizer(line)["input_ids"]
         assert ours.decode(ours.encode(line)) == line
