@@ -247,3 +247,26 @@ def test_an_old_config_without_the_new_keys_keeps_its_meaning(family, model_keys
     assert cfg.model.sinusoid_layout == "interleaved"
     if family == "gpt":
         assert "final_norm.weight" in names and not cfg.model.scale_embeddings
+
+
+def test_transformer_xl_halves_layout_and_output_bias():
+    """Transformer-XL's relative encodings in the [sin | cos] layout are the math loop's
+    table read at distances K-1 ... 0, and its output bias adds to every position's logits."""
+    from tformer.models.transformer_xl import TransformerXL, TransformerXLConfig
+
+    cfg = TransformerXLConfig(vocab_size=11, context=6, mem_len=0, n_layer=1, n_head=2,
+                              d_model=8, sinusoid_layout="halves", output_bias=True,
+                              activation="silu")
+    model = TransformerXL(cfg).eval()
+    randomise(model)
+    table = sinusoid_table(6, 8, "halves")
+    got = model.relative_positions(6, torch.device("cpu")).double()
+    assert torch.allclose(got, table.flip(0), atol=1e-6)
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        with_bias = model(tokens)
+        bias = model.lm_head.bias.clone()
+        model.lm_head.bias.zero_()
+        without = model(tokens)
+    assert torch.allclose(with_bias - without, bias.expand_as(with_bias), atol=1e-6)
+    assert bias.abs().min() > 0
