@@ -40,6 +40,12 @@ def test_token_ids_match_marian_tokenizer(imported, hf):
     ours, (_, tokenizer) = load_checkpoint(imported).tokenizer, hf
     for text in sentences(30) + TRICKY + [">>de<< Kalo miré tu.", "unseen zzz qqq"]:
         assert encode_source(ours, [text])[0] == tokenizer(text)["input_ids"], text
+    targets = ["Bakizé mo trafa.", "Ulso gu lerax ïn!"]
+    from tformer.data.parallel import encode_target
+
+    # Given only targets, MarianTokenizer encodes them (target model) as input_ids.
+    assert encode_target(ours, targets) == tokenizer(text_target=targets)["input_ids"]
+    assert encode_target(ours, targets) != encode_source(ours, targets)
     ids = tokenizer(sentences(5))["input_ids"]
     for row in ids:
         assert ours.decode(row) == tokenizer.decode(row, skip_special_tokens=True)
@@ -142,3 +148,29 @@ def test_missing_sentencepiece_and_odd_configs_are_one_line_errors(marian_dir, t
     monkeypatch.setitem(sys.modules, "sentencepiece", None)
     with pytest.raises(TformerError, match=r"pip install 'tformer\[interop\]'"):
         require_sentencepiece()
+
+
+def test_an_imported_marian_model_fine_tunes(imported, tmp_path):
+    """train.init_from with an imported model: its SentencePiece tokenizer encodes the
+    targets with the target model, and training moves the weights."""
+    from safetensors.torch import load_file
+
+    from tformer.cli import main
+    from tformer.training import checkpoint as ckpt
+
+    from .conftest import TARGET_SYLLABLES
+
+    src, tgt = sentences(60), made_up_language(60, 9, TARGET_SYLLABLES)
+    (tmp_path / "train.src").write_text("\n".join(src) + "\n")
+    (tmp_path / "train.tgt").write_text("\n".join(tgt) + "\n")
+    config = tmp_path / "ft.toml"
+    config.write_text(
+        f'[data]\ntrain_src = "{tmp_path / "train.src"}"\ntrain_tgt = "{tmp_path / "train.tgt"}"\n'
+        f'max_len = 60\nmax_tokens = 300\n[train]\ninit_from = "{imported}"\nsteps = 2\n'
+        f'eval_every = 2\ncheckpoint_every = 2\nwarmup_steps = 1\nlr = 1e-3\n'
+        f'device = "cpu"\n'
+    )
+    assert main(["train", str(config), "--out", str(tmp_path / "run")]) == 0
+    before = load_file(imported / ckpt.WEIGHTS)
+    after = load_file(ckpt.step_dir(tmp_path / "run", 2) / ckpt.WEIGHTS)
+    assert any(not torch.equal(after[n], t) for n, t in before.items())

@@ -119,6 +119,11 @@ def encode_source(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]
     return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(list(texts))]
 
 
+def encode_target(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """As encode_source, with the tokenizer's target side (Marian has one model per side)."""
+    return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_target_batch(list(texts))]
+
+
 @dataclass
 class Seq2SeqBatch:
     src: Tensor
@@ -295,7 +300,7 @@ class ParallelData:
     def _encode(
         self, src: list[str], tgt: list[str], split: str, max_ratio: float
     ) -> tuple[list[list[int]], list[list[int]]]:
-        src_ids, tgt_ids = encode_source(self.tokenizer, src), encode_source(self.tokenizer, tgt)
+        src_ids, tgt_ids = encode_source(self.tokenizer, src), encode_target(self.tokenizer, tgt)
         keep = [
             i for i in range(len(src_ids))
             if keep_pair(len(src_ids[i]), len(tgt_ids[i]), self.cfg.max_len, max_ratio)

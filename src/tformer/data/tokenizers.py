@@ -37,6 +37,11 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
 
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Translation targets: the same as encode_batch, except for tokenizers with a
+        model per side (Marian's)."""
+        ...
+
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def to_json(self) -> str: ...
@@ -70,6 +75,9 @@ class CharTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encode_batch(texts)
 
     def decode(self, ids: Iterable[int]) -> str:
         n = len(self.specials)
@@ -121,6 +129,9 @@ class BPETokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(list(texts))]
 
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encode_batch(texts)
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
@@ -166,6 +177,9 @@ class PretrainedBPETokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encode_batch(texts)
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
@@ -181,7 +195,8 @@ class SentencePieceTokenizer:
     target SentencePiece model whose pieces map to ids through one shared vocabulary
     (vocab.json; a piece not in it is <unk>). A leading language code such as ">>de<<" is
     one token. The decoder starts from `bos_id`, which for Marian is the padding token.
-    Sources are encoded with the source model; `decode` detokenizes with the target one.
+    Sources are encoded with the source model, targets (for training) with the target one,
+    and `decode` detokenizes with the target one.
     """
 
     kind = "sentencepiece"
@@ -209,14 +224,20 @@ class SentencePieceTokenizer:
         return max(self.vocab.values()) + 1
 
     def encode(self, text: str) -> list[int]:
+        return self._encode(text, self.source)
+
+    def _encode(self, text: str, model) -> list[int]:
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:
             code, text = [text[: end + 2]], text[end + 2 :]
-        pieces = code + self.source.encode(text, out_type=str)
+        pieces = code + model.encode(text, out_type=str)
         return [self.vocab.get(p, self.unk_id) for p in pieces]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self._encode(t, self.target) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         pieces = [self.pieces[i] for i in ids if i not in self.special and i in self.pieces]
