@@ -18,10 +18,10 @@ import torch
 
 from tformer import __version__
 from tformer.config import RunConfig, load_config
+from tformer.decoding.beam import PENALTIES
 from tformer.errors import TformerError
 
 log = logging.getLogger("tformer")
-PENALTY_CHOICES = ("gnmt", "hf")
 
 
 # --- train ------------------------------------------------------------------------------
@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--beam", type=int, default=4, help="seq2seq: beam size (1 is greedy)")
     p.add_argument("--alpha", type=float, default=0.6, help="seq2seq: length penalty")
-    p.add_argument("--length-penalty", choices=PENALTY_CHOICES, default="gnmt",
+    p.add_argument("--length-penalty", choices=PENALTIES, default="gnmt",
                    help="seq2seq: gnmt ((5 + length) / 6) ** alpha, or hf: length ** alpha "
                    "with Hugging Face's stopping rule")
 
@@ -496,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beam", type=int, default=4, help="beam size; 1 is greedy search")
     p.add_argument("--alpha", type=float, default=0.6,
                    help="GNMT length penalty ((5 + length) / 6) ** alpha; 0 is off")
-    p.add_argument("--length-penalty", choices=PENALTY_CHOICES, default="gnmt",
+    p.add_argument("--length-penalty", choices=PENALTIES, default="gnmt",
                    help="hf: length ** alpha and Hugging Face's stopping rule, to reproduce "
                    "MarianMTModel.generate (with --alpha 1.0)")
     p.add_argument("--max-len-a", type=float, default=None,

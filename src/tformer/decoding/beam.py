@@ -45,6 +45,8 @@ def length_penalty(length: Tensor | float, alpha: float, penalty: str = "gnmt") 
     """What a hypothesis' log-probability is divided by; `length` counts the EOS token."""
     if penalty == "hf":
         return length**alpha
+    if penalty != "gnmt":
+        raise ValueError(f"length penalty must be one of {PENALTIES}, not {penalty!r}")
     return ((5.0 + length) / 6.0) ** alpha
 
 
