@@ -171,10 +171,10 @@ def inference_model(model: torch.nn.Module, int8: bool) -> torch.nn.Module:
     """The model as decoding runs it: int8 weights if asked, else (fp32 on the CPU) linear
     layers with weights prepacked for the small matmuls of decoding."""
     if int8:
-        from tformer.decoding.quantize import quantize_int8
+        from tformer.kernels.quantize import quantize_int8
 
         return quantize_int8(model)
-    from tformer.decoding.prepack import prepack
+    from tformer.kernels.prepack import prepack
 
     return prepack(model)
 

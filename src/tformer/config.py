@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import types
 import typing
@@ -28,40 +27,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError, did_you_mean, shown
+from tformer.registry import get_family
 
 SECTIONS = ("model", "data", "train")
-
-
-# --- checks used by every config's __post_init__ -------------------------------------------
-
-
-def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
-    choices = tuple(choices)
-    if value not in choices:
-        allowed = " | ".join(str(c) for c in choices)
-        raise TformerError(f"{key} = {value!r} is not allowed; choose one of: {allowed}")
-
-
-def check_range(
-    key: str, value: float | int, low: float | None = None, high: float | None = None
-) -> None:
-    """low <= value <= high, and finite."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise TformerError(f"{key} = {value} must be a finite number")
-    if low is not None and value < low:
-        raise TformerError(f"{key} = {value} must be at least {low}")
-    if high is not None and value > high:
-        raise TformerError(f"{key} = {value} must be at most {high}")
-
-
-def check_heads(prefix: str, d_model: int, n_head: int, d_head: int | None) -> None:
-    """Without an explicit head size, the width must split evenly across the heads."""
-    if d_head is None and d_model % n_head != 0:
-        raise TformerError(
-            f"{prefix}.d_model = {d_model} is not divisible by {prefix}.n_head = {n_head}; "
-            f"pick sizes that divide, or set {prefix}.d_head"
-        )
 
 
 # --- the shared [train] table ------------------------------------------------------------
@@ -206,8 +176,6 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 def config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> RunConfig:
     """Build and validate a RunConfig from parsed TOML/JSON tables plus overrides."""
-    from tformer.registry import get_family
-
     if not isinstance(raw, Mapping):
         raise TformerError("a config must be a table with [model], [data] and [train]")
     for section in raw:

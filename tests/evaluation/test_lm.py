@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tformer.data.tokenizers import CharTokenizer, train_tokenizer
-from tformer.evaluation.lm import evaluate_stream, lm_loss
+from tformer.evaluation.lm import evaluate_stream
+from tformer.evaluation.loss import lm_loss
 from tformer.models.gpt import GPT, GPTConfig
 
 

@@ -6,7 +6,8 @@ from safetensors.torch import load_file
 
 from tformer.config import config_from_dict
 from tformer.data.streams import eval_streams
-from tformer.evaluation.lm import IGNORE_INDEX, lm_loss
+from tformer.data.tokenizers import IGNORE_INDEX
+from tformer.evaluation.loss import lm_loss
 from tformer.models.transformer_xl import Memory
 from tformer.registry import get_family
 from tformer.tasks.transformer_xl import TransformerXLTask, evaluate_text

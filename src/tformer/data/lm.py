@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tformer.config import check_choice, check_range
+from tformer.checks import check_choice, check_range
 from tformer.data.builtin import BUILTIN_LM, python_source
 from tformer.data.corpus import cached_token_ids, read_corpus
 from tformer.data.tokenizers import KINDS, Tokenizer, train_tokenizer

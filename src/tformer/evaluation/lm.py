@@ -1,4 +1,5 @@
-"""Language-model metrics: loss (nats per token), perplexity, bits per character."""
+"""Language-model metrics: loss (nats per token), perplexity, bits per character, over
+independent windows (GPT) or over ordered segments that carry a memory (Transformer-XL)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,13 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.data.lm import LMBatch, sequential_windows
+from tformer.data.streams import eval_streams
 from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
-
-
-def lm_loss(logits: Tensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:
-    """Cross-entropy of (B, T, V) logits against (B, T) targets; IGNORE_INDEX targets
-    (padding) count for nothing."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-        reduction=reduction,
-    )
+from tformer.evaluation.loss import lm_loss
+from tformer.models.transformer_xl import Memory
 
 
 def lm_metrics(total_nll: float, n_tokens: int, n_chars: int) -> dict[str, float]:
@@ -67,3 +61,32 @@ def evaluate_stream(
     return evaluate_batches(
         model, sequential_windows(ids, batch_size, context), tokenizer, max_batches
     )
+
+
+@torch.no_grad()
+def evaluate_segments(
+    model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, segment_len: int, mem_len: int,
+    batch_size: int, max_batches: int = 0,
+) -> dict[str, float]:
+    """Every token of a stream but the first, predicted once by a model with a recurrence
+    memory (Transformer-XL): the stream is read as `batch_size` ordered streams in segments of
+    `segment_len`, each attending over a memory of the last `mem_len` positions.
+
+    The first segment of each stream starts with an empty memory. max_batches: stop after
+    this many segments (0: all).
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    memory = Memory(mem_len, cache_keys=True)
+    total_nll, n_tokens, n_chars = 0.0, 0, 0
+    for i, batch in enumerate(eval_streams(ids, batch_size, segment_len)):
+        if max_batches and i >= max_batches:
+            break
+        batch = batch.to(device)
+        logits = model(batch.tokens, memory=memory)
+        total_nll += float(lm_loss(logits, batch.targets, reduction="sum"))
+        n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+        n_chars += count_chars(batch.targets.cpu(), tokenizer)
+    model.train(was_training)
+    return lm_metrics(total_nll, n_tokens, n_chars)

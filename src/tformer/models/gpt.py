@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tformer.config import check_choice, check_heads, check_range
+from tformer.checks import check_choice, check_heads, check_range
 from tformer.layers import (
     POSITIONS,
     DecoderCache,

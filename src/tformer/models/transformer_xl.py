@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.config import check_choice, check_heads, check_range
+from tformer.checks import check_choice, check_heads, check_range
 from tformer.layers import FeedForward, Residual, attention_bias, lm_mask, sinusoids
 
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch import Tensor, nn
 
-from tformer.config import RunConfig
 from tformer.data.lm import LMBatch, LMData, RandomWindows
 from tformer.data.tokenizers import Tokenizer
-from tformer.evaluation.lm import evaluate_stream, lm_loss
+from tformer.evaluation.lm import evaluate_stream
+from tformer.evaluation.loss import lm_loss
+
+if TYPE_CHECKING:  # the config module reads configs through the registry, which imports tasks
+    from tformer.config import RunConfig
 
 
 class GPTTask:
@@ -40,6 +43,7 @@ class GPTTask:
 def evaluate_text(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0
 ) -> dict[str, float]:
+
     """Loss, perplexity and bits per character over a token stream, in windows of the
     model's context."""
     return evaluate_stream(

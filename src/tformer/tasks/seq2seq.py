@@ -4,11 +4,10 @@ loss for training, plain cross-entropy for validation."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from tformer.config import RunConfig
 from tformer.data.parallel import (
     ParallelData,
     Seq2SeqBatch,
@@ -16,8 +15,11 @@ from tformer.data.parallel import (
 )
 from tformer.data.tokenizers import Tokenizer
 from tformer.errors import TformerError
+from tformer.evaluation.loss import label_smoothed_loss
 from tformer.evaluation.translation import evaluate_loss
-from tformer.models.seq2seq import label_smoothed_loss
+
+if TYPE_CHECKING:  # the config module reads configs through the registry, which imports tasks
+    from tformer.config import RunConfig
 
 
 class Seq2SeqTask:

@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from torch import Tensor, nn
 
-from tformer.config import RunConfig
 from tformer.data.lm import LMData
-from tformer.data.streams import StreamBatch, TrainStreams, eval_streams
-from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
-from tformer.evaluation.lm import count_chars, lm_loss, lm_metrics
+from tformer.data.streams import StreamBatch, TrainStreams
+from tformer.data.tokenizers import Tokenizer
+from tformer.evaluation.lm import evaluate_segments
+from tformer.evaluation.loss import lm_loss
 from tformer.models.transformer_xl import Memory
 from tformer.training.distributed import from_environment
+
+if TYPE_CHECKING:  # the config module reads configs through the registry, which imports tasks
+    from tformer.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -103,29 +105,13 @@ class TransformerXLTask:
         return evaluate_text(model, self.data.val_ids, self.tokenizer, self.cfg, max_batches)
 
 
-@torch.no_grad()
 def evaluate_text(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0
 ) -> dict[str, float]:
-    """Loss, perplexity and bits per character over a token stream, read as
-    train.batch_size ordered streams in segments of model.context, each carrying a memory of
-    model.eval_mem_len (default model.mem_len) positions.
 
-    Every token but the first is predicted once; the first segment of each stream starts
-    with an empty memory. max_batches: stop after this many segments (0: all).
-    """
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    memory = Memory(cfg.model.memory_for_eval, cache_keys=True)
-    total_nll, n_tokens, n_chars = 0.0, 0, 0
-    for i, batch in enumerate(eval_streams(ids, cfg.train.batch_size, cfg.model.context)):
-        if max_batches and i >= max_batches:
-            break
-        batch = batch.to(device)
-        logits = model(batch.tokens, memory=memory)
-        total_nll += float(lm_loss(logits, batch.targets, reduction="sum"))
-        n_tokens += int((batch.targets != IGNORE_INDEX).sum())
-        n_chars += count_chars(batch.targets.cpu(), tokenizer)
-    model.train(was_training)
-    return lm_metrics(total_nll, n_tokens, n_chars)
+    """Metrics over a token stream read as train.batch_size ordered streams in segments of
+    model.context, with a memory of model.eval_mem_len (default model.mem_len) positions."""
+    return evaluate_segments(
+        model, ids, tokenizer, segment_len=cfg.model.context, mem_len=cfg.model.memory_for_eval,
+        batch_size=cfg.train.batch_size, max_batches=max_batches,
+    )

@@ -36,6 +36,7 @@ from torch import nn
 from tformer.config import RunConfig, config_from_dict
 from tformer.data.tokenizers import Tokenizer, load_tokenizer, save_tokenizer
 from tformer.errors import TformerError
+from tformer.registry import get_family
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,6 @@ def load_checkpoint(
 
     family: the family the caller needs; another one is a clear error, not a shape mismatch.
     """
-    from tformer.registry import get_family
-
     path = resolve_checkpoint(path)
     verify_checkpoint(path)
     cfg = read_config(path)

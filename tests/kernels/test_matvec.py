@@ -3,8 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tformer.decoding import matvec
-from tformer.decoding.prepack import PackedLinear, prepack_available
+from tformer.kernels import matvec
+from tformer.kernels.prepack import PackedLinear, prepack_available
 
 native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.decoding import matvec
+from tformer.kernels import matvec
 
 
 class PackedLinear(nn.Module):
