@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tformer import __version__
-from tformer.config import RunConfig, load_config
+from tformer.config import load_config
 from tformer.errors import TformerError
 
 log = logging.getLogger("tformer")
@@ -109,18 +109,19 @@ def generate_command(
     device: str = "auto",
     int8: bool = False,
 ) -> int:
-    from tformer.decoding.lm import generate
-    from tformer.registry import get_family
+    from tformer.registry import families_with, get_family
     from tformer.training.checkpoint import load_checkpoint
     from tformer.training.device import pick_device
 
     check_generation_args(max_new_tokens, temperature, top_k, top_p, num_samples)
     dev = pick_device(device)
     loaded = load_checkpoint(checkpoint, device=dev)
-    if get_family(loaded.cfg.family).kind != "lm":
+    family = get_family(loaded.cfg.family)
+    if family.generate is None:
+        hint = "; use `tformer translate`" if family.translate is not None else ""
         raise TformerError(
-            f"checkpoint {loaded.path} is a {loaded.cfg.family} model; generate needs a "
-            f"language model (gpt or transformer-xl); use `tformer translate`"
+            f"checkpoint {loaded.path} is a {family.name} model; generate needs a language "
+            f"model ({' or '.join(families_with('generate'))}){hint}"
         )
     model, tokenizer = inference_model(loaded.model, int8), loaded.tokenizer
     ids = tokenizer.encode(prompt)
@@ -129,11 +130,11 @@ def generate_command(
             ids = [tokenizer.bos_id]
         else:
             ids = tokenizer.encode("\n")
-    context = model.cfg.context
-    if len(ids) > context and loaded.cfg.family == "gpt":
+    window = family.window(model)
+    if window is not None and len(ids) > window:
         print(
-            f"note: the prompt is {len(ids)} tokens and the model's context is {context}; "
-            f"it reads the last {context}",
+            f"note: the prompt is {len(ids)} tokens and the model's context is {window}; "
+            f"it reads the last {window}",
             file=sys.stderr,
         )
     generator = torch.Generator(device=dev).manual_seed(seed)
@@ -144,7 +145,7 @@ def generate_command(
         sys.stdout.write(prompt)
         new: list[int] = []
         shown = ""
-        for token in generate(
+        for token in family.generate(
             model,
             prompt_ids,
             max_new_tokens=max_new_tokens,
@@ -204,68 +205,53 @@ def evaluate_command(
     as_json: bool = False,
     batch_size: int = 0,
     device: str = "auto",
-    mem_len: int | None = None,
-    segment_len: int | None = None,
-    beam: int = 4,
-    alpha: float = 0.6,
     int8: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> int:
-    from tformer.data.corpus import cached_token_ids, read_corpus
+    """options: the family's own evaluate options that were given (--mem-len as mem_len)."""
+    from tqdm import tqdm
+
     from tformer.registry import get_family
     from tformer.training.checkpoint import load_checkpoint
     from tformer.training.device import pick_device
 
+    options = options or {}
     dev = pick_device(device)
     loaded = load_checkpoint(checkpoint, device=dev)
+    family = get_family(loaded.cfg.family)
+    check_evaluate_options(options, family.name, loaded.path)
     loaded.model = inference_model(loaded.model, int8)
-    cfg, family = loaded.cfg, get_family(loaded.cfg.family)
-    if batch_size < 0:
-        raise TformerError(f"--batch-size {batch_size} must be positive")
-    if batch_size:
-        cfg = cfg.replace("train", batch_size=batch_size)
-    cfg = memory_overrides(cfg, loaded.path, mem_len, segment_len)
-    if family.kind == "seq2seq":
-        return evaluate_translation_command(
-            loaded, data, as_json=as_json, beam=beam, alpha=alpha, batch_size=batch_size or 32
-        )
-    if family.kind != "lm":
-        raise TformerError(f"evaluate does not know the {cfg.family} family yet")
-    if len(data) > 1:
-        raise TformerError("a language model is evaluated on one DATA path (or none)")
-    if data:
-        ids = cached_token_ids(read_corpus(data[0]), loaded.tokenizer)
-        result = family.evaluate_text(loaded.model, ids, loaded.tokenizer, cfg)
-    else:
-        task = family.task(cfg, loaded.tokenizer)
-        result = task.evaluate(loaded.model)
-    print_metrics(result, as_json)
+    bar = tqdm(unit="item", file=sys.stderr, leave=False, disable=None)
+    try:
+        result = family.evaluate(loaded, data, options, batch_size=batch_size,
+                                 progress=bar.update)
+    finally:
+        bar.close()
+    print_metrics(result, as_json, first=family.metrics)
     return 0
 
 
-def memory_overrides(
-    cfg: RunConfig, path: Path, mem_len: int | None, segment_len: int | None
-) -> RunConfig:
-    """--mem-len and --segment-len: the memory and segment length a Transformer-XL is
-    evaluated with (they need not be the trained ones)."""
-    if mem_len is None and segment_len is None:
-        return cfg
-    if not hasattr(cfg.model, "mem_len"):
-        raise TformerError(
-            f"--mem-len and --segment-len apply to transformer-xl checkpoints; {path} is a "
-            f"{cfg.family} model"
-        )
-    if mem_len is not None:
-        if mem_len < 0:
-            raise TformerError(f"--mem-len {mem_len} must be 0 (no memory) or more")
-        cfg = cfg.replace("model", eval_mem_len=mem_len)
-    if segment_len is not None:
-        if segment_len < 1:
-            raise TformerError(f"--segment-len {segment_len} must be at least 1")
-        cfg = cfg.replace("model", context=segment_len)
-    return cfg
+def check_evaluate_options(options: dict[str, Any], family: str, path: Path) -> None:
+    """Refuse options the checkpoint's family does not take, naming those that do."""
+    from tformer.registry import FAMILIES, evaluate_options, get_family
+
+    taken = {o.name for o in get_family(family).eval_options}
+    for option in evaluate_options():
+        if option.name in options and option.name not in taken:
+            takers = [f.name for f in FAMILIES.values()
+                      if option.name in {o.name for o in f.eval_options}]
+            raise TformerError(
+                f"{option.flag} applies to {' and '.join(takers)} checkpoints; {path} is a "
+                f"{family} model"
+            )
 
 
-def print_metrics(result: dict[str, float], as_json: bool) -> None:
+def print_metrics(
+    result: dict[str, Any], as_json: bool, *, first: tuple[str, ...] = ()
+) -> None:
+    """One JSON object, or a table with the keys in `first` at its top."""
+    order = [k for k in first if k in result] + [k for k in result if k not in first]
+    result = {k: result[k] for k in order}
     if as_json:
         print(json.dumps(result))
         return
@@ -275,38 +261,7 @@ def print_metrics(result: dict[str, float], as_json: bool) -> None:
         print(f"{key:<{width}}  {shown}")
 
 
-# --- translation: translate, evaluate, average -----------------------------------------
-
-
-def check_search_args(beam: int, alpha: float, n_best: int, batch_size: int,
-                      max_len_a: float, max_len_b: int) -> None:
-    if beam < 1:
-        raise TformerError(f"--beam {beam} must be at least 1 (1 is greedy search)")
-    if not alpha >= 0:
-        raise TformerError(f"--alpha {alpha} must be 0 (no length penalty) or more")
-    if not 1 <= n_best <= beam:
-        raise TformerError(f"--n-best {n_best} must be between 1 and --beam {beam}")
-    if batch_size < 1:
-        raise TformerError(f"--batch-size {batch_size} must be at least 1")
-    if not max_len_a >= 0 or max_len_b < 0 or (max_len_a == 0 and max_len_b == 0):
-        raise TformerError(
-            f"--max-len-a {max_len_a} and --max-len-b {max_len_b} must be 0 or more, and not "
-            f"both 0"
-        )
-
-
-def load_translation_model(checkpoint: str, device: str):
-    from tformer.registry import get_family
-    from tformer.training.checkpoint import load_checkpoint
-    from tformer.training.device import pick_device
-
-    loaded = load_checkpoint(checkpoint, device=pick_device(device))
-    if get_family(loaded.cfg.family).kind != "seq2seq":
-        raise TformerError(
-            f"checkpoint {loaded.path} is a {loaded.cfg.family} model; translate needs a "
-            f"seq2seq model (use `tformer generate` for language models)"
-        )
-    return loaded
+# --- translate, average ----------------------------------------------------------------
 
 
 def translate_command(
@@ -327,13 +282,20 @@ def translate_command(
     from tqdm import tqdm
 
     from tformer.data.parallel import read_lines
-    from tformer.decoding.translate import SearchOptions, translate
+    from tformer.decoding.translate import check_search_args
+    from tformer.registry import families_with, get_family
+    from tformer.training.checkpoint import load_checkpoint
+    from tformer.training.device import pick_device
 
-    loaded = load_translation_model(checkpoint, device)
+    loaded = load_checkpoint(checkpoint, device=pick_device(device))
+    family = get_family(loaded.cfg.family)
+    if family.translate is None:
+        raise TformerError(
+            f"checkpoint {loaded.path} is a {family.name} model; translate needs a "
+            f"sequence-to-sequence model ({' or '.join(families_with('translate'))}); use "
+            f"`tformer generate` for language models"
+        )
     loaded.model = inference_model(loaded.model, int8)
-    # By default an output may be as long, relative to its source, as training pairs were.
-    if max_len_a is None:
-        max_len_a = loaded.cfg.data.max_ratio
     check_search_args(beam, alpha, n_best, batch_size, max_len_a, max_len_b)
     if input is not None:
         lines = read_lines(input)
@@ -341,12 +303,13 @@ def translate_command(
         lines = sys.stdin.read().split("\n")
         if lines[-1] == "":
             lines.pop()
-    options = SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                            n_best=n_best, early_stopping=early_stopping)
     bar = tqdm(total=len(lines), unit="line", disable=input is None, file=sys.stderr)
     try:
-        results = translate(loaded.model, loaded.tokenizer, lines, options,
-                            batch_size=batch_size, progress=bar.update)
+        results = family.translate(
+            loaded, lines, beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+            n_best=n_best, early_stopping=early_stopping, batch_size=batch_size,
+            progress=bar.update,
+        )
     finally:
         bar.close()
     out = open(output, "w", encoding="utf-8") if output else sys.stdout
@@ -359,41 +322,6 @@ def translate_command(
     finally:
         if output:
             out.close()
-    return 0
-
-
-def evaluate_translation_command(
-    loaded: Any, data: list[str], *, as_json: bool, beam: int, alpha: float, batch_size: int
-) -> int:
-    from tqdm import tqdm
-
-    from tformer.data.parallel import read_pairs
-    from tformer.decoding.translate import SearchOptions
-    from tformer.evaluation.translation import evaluate_translation
-    from tformer.registry import get_family
-
-    max_len_a = loaded.cfg.data.max_ratio
-    check_search_args(beam, alpha, 1, batch_size, max_len_a, 10)
-    if len(data) not in (0, 2):
-        raise TformerError(
-            "a translation model is evaluated on SRC REF (two line-aligned files), or with "
-            "no DATA on its run's validation pairs"
-        )
-    if data:
-        sources, references = read_pairs(data[0], data[1])
-    else:
-        task = get_family(loaded.cfg.family).task(loaded.cfg, loaded.tokenizer)
-        sources, references = task.data.val_text
-    bar = tqdm(total=len(sources), unit="line", file=sys.stderr, leave=False)
-    try:
-        result, _ = evaluate_translation(
-            loaded.model, loaded.tokenizer, sources, references,
-            SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a), batch_size=batch_size,
-            max_tokens=loaded.cfg.data.max_tokens, progress=bar.update,
-        )
-    finally:
-        bar.close()
-    print_metrics(result, as_json)
     return 0
 
 
@@ -423,6 +351,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tformer.registry import evaluate_options
+
     parser = Parser(prog="tformer", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tformer {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
@@ -464,20 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--batch-size", type=int, default=0)
     p.add_argument("--device", default="auto")
-    p.add_argument(
-        "--mem-len",
-        type=int,
-        default=None,
-        help="transformer-xl: memory positions per layer (default: the trained one)",
-    )
-    p.add_argument(
-        "--segment-len",
-        type=int,
-        default=None,
-        help="transformer-xl: tokens per segment (default: model.context)",
-    )
-    p.add_argument("--beam", type=int, default=4, help="seq2seq: beam size (1 is greedy)")
-    p.add_argument("--alpha", type=float, default=0.6, help="seq2seq: length penalty")
+    for option in evaluate_options():  # the families' own options
+        p.add_argument(option.flag, dest=option.name, type=option.type, default=None,
+                       help=option.help)
 
     p = sub.add_parser("translate", help="translate lines with a seq2seq model")
     p.add_argument("checkpoint", help="run or checkpoint directory")
@@ -535,17 +454,20 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             int8=args.int8,
         )
     if args.command == "evaluate":
+        from tformer.registry import evaluate_options
+
         return evaluate_command(
             args.checkpoint,
             args.data,
             as_json=args.json,
             batch_size=args.batch_size,
             device=args.device,
-            mem_len=args.mem_len,
-            segment_len=args.segment_len,
-            beam=args.beam,
-            alpha=args.alpha,
             int8=args.int8,
+            options={
+                o.name: getattr(args, o.name)
+                for o in evaluate_options()
+                if getattr(args, o.name) is not None
+            },
         )
     if args.command == "translate":
         return translate_command(

@@ -16,6 +16,7 @@ from torch import nn
 from tformer.data.parallel import encode_source, pad_right
 from tformer.data.tokenizers import Tokenizer
 from tformer.decoding.beam import beam_search, greedy_search
+from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,28 @@ class SearchOptions:
     """At most max_len_a * source tokens + max_len_b output tokens."""
     n_best: int = 1
     early_stopping: bool = False
+
+
+def check_search_args(
+    beam: int, alpha: float, n_best: int, batch_size: int, max_len_a: float | None,
+    max_len_b: int,
+) -> None:
+    """Search options as a user gives them on the command line, checked by their flags.
+    max_len_a None: the model's default, checked once it is known."""
+    if beam < 1:
+        raise TformerError(f"--beam {beam} must be at least 1 (1 is greedy search)")
+    if not alpha >= 0:
+        raise TformerError(f"--alpha {alpha} must be 0 (no length penalty) or more")
+    if not 1 <= n_best <= beam:
+        raise TformerError(f"--n-best {n_best} must be between 1 and --beam {beam}")
+    if batch_size < 1:
+        raise TformerError(f"--batch-size {batch_size} must be at least 1")
+    a = 1.0 if max_len_a is None else max_len_a
+    if not a >= 0 or max_len_b < 0 or (a == 0 and max_len_b == 0):
+        raise TformerError(
+            f"--max-len-a {max_len_a} and --max-len-b {max_len_b} must be 0 or more, and not "
+            f"both 0"
+        )
 
 
 @dataclass

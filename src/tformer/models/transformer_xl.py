@@ -312,8 +312,6 @@ class TransformerXLBlock(nn.Module):
 class TransformerXL(nn.Module):
     """A Transformer-XL language model: tied embeddings, relative attention, memory."""
 
-    decodes_with_memory = True
-    """tformer.decoding.lm.generate hands this model to the memory-based decoder."""
     reads_linear_weights = ("qkv_proj",)
     """Linear layers whose weight the model slices (the memory's keys and values)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ from tformer.data.lm import LMBatch, LMData, RandomWindows
 from tformer.data.tokenizers import Tokenizer
 from tformer.evaluation.lm import evaluate_stream
 from tformer.evaluation.loss import lm_loss
+from tformer.tasks.lm import evaluate_lm_checkpoint, with_batch_size
 
 if TYPE_CHECKING:  # the config module reads configs through the registry, which imports tasks
     from tformer.config import RunConfig
@@ -50,3 +52,12 @@ def evaluate_text(
         model, ids, tokenizer, context=cfg.model.context, batch_size=cfg.train.batch_size,
         max_batches=max_batches,
     )
+
+
+def evaluate_checkpoint(
+    checkpoint: Any, data: list[str], options: dict[str, Any], *, batch_size: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """The registry's evaluate: metrics over a text file, or the run's validation split."""
+    cfg = with_batch_size(checkpoint.cfg, batch_size)
+    return evaluate_lm_checkpoint(checkpoint, data, cfg, evaluate_text)

@@ -13,6 +13,7 @@ with another number of processes starts with an empty memory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +23,11 @@ from torch import Tensor, nn
 from tformer.data.lm import LMData
 from tformer.data.streams import StreamBatch, TrainStreams
 from tformer.data.tokenizers import Tokenizer
+from tformer.errors import TformerError
 from tformer.evaluation.lm import evaluate_segments
 from tformer.evaluation.loss import lm_loss
 from tformer.models.transformer_xl import Memory
+from tformer.tasks.lm import evaluate_lm_checkpoint, with_batch_size
 from tformer.training.distributed import from_environment
 
 if TYPE_CHECKING:  # the config module reads configs through the registry, which imports tasks
@@ -115,3 +118,25 @@ def evaluate_text(
         model, ids, tokenizer, segment_len=cfg.model.context, mem_len=cfg.model.memory_for_eval,
         batch_size=cfg.train.batch_size, max_batches=max_batches,
     )
+
+
+def evaluate_checkpoint(
+    checkpoint: Any, data: list[str], options: dict[str, Any], *, batch_size: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """The registry's evaluate: metrics over a text file, or the run's validation split.
+
+    options: mem_len and segment_len, the memory and segment length to evaluate with (they
+    need not be the trained ones; Dai et al. 2019 evaluate with a longer memory).
+    """
+    cfg = with_batch_size(checkpoint.cfg, batch_size)
+    mem_len, segment_len = options.get("mem_len"), options.get("segment_len")
+    if mem_len is not None:
+        if mem_len < 0:
+            raise TformerError(f"--mem-len {mem_len} must be 0 (no memory) or more")
+        cfg = cfg.replace("model", eval_mem_len=mem_len)
+    if segment_len is not None:
+        if segment_len < 1:
+            raise TformerError(f"--segment-len {segment_len} must be at least 1")
+        cfg = cfg.replace("model", context=segment_len)
+    return evaluate_lm_checkpoint(checkpoint, data, cfg, evaluate_text)

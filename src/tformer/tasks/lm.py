@@ -1,0 +1,41 @@
+"""What the language-model families share when a checkpoint is evaluated: the token stream
+of a text file, or of the run's own validation split."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from torch import nn
+
+from tformer.data.corpus import cached_token_ids, read_corpus
+from tformer.data.lm import LMData
+from tformer.data.tokenizers import Tokenizer
+from tformer.errors import TformerError
+
+if TYPE_CHECKING:  # the config module reads configs through the registry, which imports tasks
+    from tformer.config import RunConfig
+
+EvaluateText = Callable[[nn.Module, np.ndarray, Tokenizer, "RunConfig"], dict[str, float]]
+
+
+def evaluate_lm_checkpoint(
+    checkpoint: Any, data: list[str], cfg: RunConfig, evaluate_text: EvaluateText
+) -> dict[str, float]:
+    """`evaluate_text` over the text at data[0], or with no data over the validation split
+    of the run `cfg` describes. checkpoint: a tformer.training.checkpoint.Checkpoint."""
+    if len(data) > 1:
+        raise TformerError("a language model is evaluated on one DATA path (or none)")
+    if data:
+        ids = cached_token_ids(read_corpus(data[0]), checkpoint.tokenizer)
+    else:
+        ids = LMData(cfg.data, checkpoint.tokenizer).val_ids
+    return evaluate_text(checkpoint.model, ids, checkpoint.tokenizer, cfg)
+
+
+def with_batch_size(cfg: RunConfig, batch_size: int) -> RunConfig:
+    """The config with train.batch_size = batch_size; 0 keeps the run's."""
+    if batch_size < 0:
+        raise TformerError(f"--batch-size {batch_size} must be positive")
+    return cfg.replace("train", batch_size=batch_size) if batch_size else cfg
