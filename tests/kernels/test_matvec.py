@@ -1,3 +1,9 @@
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,3 +107,158 @@ def test_a_fresh_cache_builds_the_kernel_and_leaves_no_temporary_files(
     assert matvec.load() is not None
     built = sorted(p.name for p in (tmp_path / "tformer").iterdir())
     assert len(built) == 1 and built[0].startswith("matvec-") and built[0].endswith(".so")
+
+
+# --- inputs the kernel cannot read go to torch ------------------------------------------
+
+
+def kernel_calls(monkeypatch) -> list[int]:
+    matvec.load()  # its self-check calls the kernel too
+    calls: list[int] = []
+    real = matvec._call
+    monkeypatch.setattr(matvec, "_call", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@native
+@pytest.mark.parametrize(
+    "case",
+    ["float64 x", "bf16 x", "float64 bias", "transposed weight", "int8 weight, float64 scale",
+     "int8 weight, no scale", "meta device"],
+)
+def test_inputs_the_kernel_cannot_read_get_the_torch_product(monkeypatch, case):
+    x, weight, bias, scale = torch.randn(2, 24), torch.randn(16, 24), torch.randn(16), None
+    if case == "float64 x":
+        x = x.double()
+    elif case == "bf16 x":
+        x = x.bfloat16()
+    elif case == "float64 bias":
+        bias = bias.double()
+    elif case == "transposed weight":
+        weight = torch.randn(24, 16).t()
+    elif case.startswith("int8 weight"):
+        weight = torch.randint(-127, 128, (16, 24), dtype=torch.int8)
+        scale = torch.rand(16, dtype=torch.float64) / 64 if "scale" in case else None
+    elif case == "meta device":  # not the CPU, as a GPU would not be
+        x, weight, bias = x.to("meta"), weight.to("meta"), bias.to("meta")
+    calls = kernel_calls(monkeypatch)
+    got = matvec.matvec(x, weight, bias, scale)
+    assert not calls, "the kernel must not read these"
+    assert got.shape == (2, 16) and got.dtype == x.dtype and got.device == x.device
+    if case == "meta device":
+        return
+    full = weight.double() if scale is None else weight.double() * scale.double()[:, None]
+    want = F.linear(x.double(), full, bias.double())
+    tol = 5e-2 if x.dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@native
+def test_a_mismatched_inner_dimension_is_an_error_not_a_stray_read(monkeypatch):
+    calls = kernel_calls(monkeypatch)
+    with pytest.raises(RuntimeError):
+        matvec.matvec(torch.randn(1, 20), torch.randn(16, 24), None)
+    assert not calls
+
+
+@native
+def test_inputs_it_can_read_still_go_to_the_kernel(monkeypatch):
+    calls = kernel_calls(monkeypatch)
+    matvec.matvec(torch.randn(1, 24), torch.randn(16, 24), torch.randn(16))
+    assert calls == [1]
+
+
+# --- where the kernel is built and loaded from -------------------------------------------
+
+PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void)
+{
+    FILE *f = fopen("%s", "w");
+    if (f) fclose(f);
+}
+"""
+
+
+def plant_library(path, marker, tmp_path):
+    """A library whose constructor creates `marker`: loading it would show."""
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED % marker)
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(path)], check=True)
+
+
+@native
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_a_library_others_may_write_is_never_loaded(monkeypatch, tmp_path, reload_kernel):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    assert matvec.load() is not None
+    (built,) = (cache / "tformer").iterdir()
+    marker = tmp_path / "constructor-ran"
+
+    # A group-writable library in the user's own cache: refused before loading.
+    plant_library(built, marker, tmp_path)
+    os.chmod(built, 0o775)
+    matvec.load.cache_clear()
+    assert matvec.load() is None
+    assert not marker.exists()
+
+    # A world-writable cache directory: the kernel is built privately, what lies there is
+    # never read, and nothing of the private build is left behind.
+    os.chmod(built, 0o755)
+    os.chmod(cache / "tformer", 0o777)
+    matvec.load.cache_clear()
+    temporaries = set(Path(tempfile.gettempdir()).glob("tformer-kernel-*"))
+    assert matvec.load() is not None
+    assert not marker.exists()
+    assert set(Path(tempfile.gettempdir()).glob("tformer-kernel-*")) == temporaries
+
+
+def test_private_means_owned_by_this_user_and_writable_by_no_one_else(tmp_path):
+    folder = tmp_path / "d"
+    folder.mkdir(mode=0o700)
+    matvec.check_private(folder)
+    for mode in (0o770, 0o707, 0o777):
+        os.chmod(folder, mode)
+        with pytest.raises(matvec._Unavailable, match="others may write"):
+            matvec.check_private(folder)
+    os.chmod(folder, 0o700)
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    with pytest.raises(matvec._Unavailable, match="not a plain directory"):
+        matvec.check_private(link)
+    library = folder / "x.so"
+    library.write_bytes(b"")
+    os.chmod(library, 0o755)
+    matvec.check_private(library, directory=False)
+    os.chmod(library, 0o757)
+    with pytest.raises(matvec._Unavailable, match="others may write"):
+        matvec.check_private(library, directory=False)
+
+
+# --- a packed copy never goes stale ------------------------------------------------------
+
+
+@pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
+def test_a_weight_update_is_seen_at_every_batch_size():
+    linear = nn.Linear(32, 24)
+    packed = PackedLinear(linear)
+    x = torch.randn(9, 32)
+
+    def check():
+        with torch.no_grad():
+            for rows in range(1, 10):
+                want = reference(x[:rows], linear.weight, linear.bias)
+                torch.testing.assert_close(packed(x[:rows]).double(), want, atol=1e-4,
+                                           rtol=1e-4)
+
+    check()
+    with torch.no_grad():
+        linear.weight.mul_(-3.0).add_(1.0)  # an in-place update, as an optimizer makes
+    check()
+    linear.load_state_dict({"weight": torch.randn(24, 32), "bias": torch.randn(24)})
+    check()
+    optimizer = torch.optim.SGD(linear.parameters(), lr=1.0)
+    linear(torch.randn(3, 32)).square().sum().backward()
+    optimizer.step()
+    check()
