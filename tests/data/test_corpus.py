@@ -1,6 +1,9 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from tformer.data import corpus
 from tformer.data.corpus import cached_token_ids, read_corpus, read_text
 from tformer.data.tokenizers import CharTokenizer, train_tokenizer
 from tformer.errors import TformerError
@@ -44,13 +47,18 @@ def test_bom_is_dropped(tmp_path):
     assert read_text(path) == "hello"
 
 
-def test_token_cache_is_written_once_and_reused(tmp_path):
+def test_token_cache_is_written_once_and_reused(tmp_path, monkeypatch):
     text = "hello world\n" * 10
     tok = CharTokenizer(text)
     ids = cached_token_ids(text, tok, cache=tmp_path)
     files = list(tmp_path.glob("tokens-*"))
     assert len(files) == 1
-    assert isinstance(ids, np.memmap) or ids.base is not None
+    assert isinstance(ids, np.memmap) and Path(ids.filename) == files[0].resolve()
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("a cached text is not encoded again")
+
+    monkeypatch.setattr(corpus, "encode_long_text", no_encoding)
     again = cached_token_ids(text, tok, cache=tmp_path)
     assert np.array_equal(ids, again) and list(tmp_path.glob("tokens-*")) == files
     assert tok.decode(ids.tolist()) == text

@@ -69,7 +69,7 @@ def test_the_training_memory_carries_over_and_clears_at_a_new_epoch(tiny_corpus)
     batches = task.train_batches(0)
     starts = 0
     with torch.no_grad():
-        for step in range(40):
+        for _ in range(40):
             batch = next(batches)
             if batch.first:
                 starts += 1
@@ -77,7 +77,11 @@ def test_the_training_memory_carries_over_and_clears_at_a_new_epoch(tiny_corpus)
             else:
                 assert task.memory.length == 8
             task.loss(model, batch)
-            assert task.memory.length == 8 and step >= 0
+            assert task.memory.length == 8
+            # The memory holds each layer's input at this segment's 8 positions: the first
+            # layer's is the scaled embedding of the segment's tokens (no dropout here).
+            embedded = model.embed(batch.tokens) * model.embed_scale
+            torch.testing.assert_close(task.memory.states[0], embedded)
     assert starts == 2, "the tiny corpus wraps around once in 40 segments"
 
 
