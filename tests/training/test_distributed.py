@@ -77,9 +77,10 @@ def weights(run_dir):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,parallel",
-    [(family, "ddp") for family in FAMILIES] + [("gpt", "fsdp")],
+    [(family, "ddp") for family in FAMILIES] + [("gpt", "fsdp"), ("transformer-xl", "fsdp")],
 )
 def test_two_processes_match_one(tmp_path, tiny_corpus, family, parallel):
     config = write_config(tmp_path, family, tiny_corpus, parallel)
@@ -91,6 +92,7 @@ def test_two_processes_match_one(tmp_path, tiny_corpus, family, parallel):
         torch.testing.assert_close(two[name], one[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow
 def test_resume_with_another_number_of_processes(tmp_path, tiny_corpus):
     config = write_config(tmp_path, "gpt", tiny_corpus)
     # A constant rate, so that stopping after 2 of 4 steps changes no learning rate.
