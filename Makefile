@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-slow test-gpu bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,16 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# Fast checks; the slow ones (torchrun, kill and resume, torch.compile) have their own target.
 test: lint
 	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+# Needs CUDA (the tests skip themselves without it); benchmarks/gpu.py prints the figures.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
