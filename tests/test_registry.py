@@ -21,6 +21,7 @@ from tformer.decoding.sampling import next_token
 from tformer.errors import TformerError
 from tformer.evaluation.lm import evaluate_stream
 from tformer.evaluation.loss import lm_loss
+from tformer.evaluation.shard import WHOLE
 from tformer.registry import FAMILIES, Family, Option, get_family, register, unregister
 from tformer.training.checkpoint import load_checkpoint
 
@@ -61,13 +62,23 @@ class BigramTask:
             self.data.train_ids, self.cfg.train.batch_size, self.cfg.model.context, seed
         )
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
-        return lm_loss(model(batch.tokens), batch.targets), batch.num_tokens
+    def new_carry(self) -> None:  # windows are independent: nothing goes from step to step
+        return None
 
-    def evaluate(self, model: nn.Module, max_batches: int = 0) -> dict[str, float]:
+    def save_carry(self, carry: None) -> None:
+        return None
+
+    def load_carry(self, saved: Any) -> None:
+        return None
+
+    def loss(self, model: nn.Module, batch: Any, carry: None) -> tuple[torch.Tensor, int, None]:
+        return lm_loss(model(batch.tokens), batch.targets), batch.num_tokens, None
+
+    def evaluate(self, model: nn.Module, max_batches: int = 0, shard=WHOLE) -> dict[str, float]:
         return evaluate_stream(model, self.data.val_ids, self.tokenizer,
                                context=self.cfg.model.context,
-                               batch_size=self.cfg.train.batch_size, max_batches=max_batches)
+                               batch_size=self.cfg.train.batch_size, max_batches=max_batches,
+                               shard=shard)
 
 
 def evaluate_bigram(checkpoint, data, options, *, batch_size=0, progress=None):

@@ -14,6 +14,7 @@ from tformer.data.lm import LMBatch, sequential_windows
 from tformer.data.streams import eval_streams
 from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
 from tformer.evaluation.loss import lm_loss
+from tformer.evaluation.shard import WHOLE, Shard
 from tformer.models.transformer_xl import Memory
 
 
@@ -35,9 +36,11 @@ def count_chars(targets: Tensor, tokenizer: Tokenizer) -> int:
 
 @torch.no_grad()
 def evaluate_batches(
-    model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0
+    model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0,
+    shard: Shard = WHOLE,
 ) -> dict[str, float]:
-    """Summed loss over batches of independent windows (GPT-style models)."""
+    """Summed loss over batches of independent windows (GPT-style models); `shard`: this
+    process's rows of each batch, the sums then added over processes."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -45,35 +48,39 @@ def evaluate_batches(
     for i, batch in enumerate(batches):
         if max_batches and i >= max_batches:
             break
+        batch, counts = shard.rows(batch)
         batch = batch.to(device)
-        total_nll += float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
-        n_tokens += int((batch.targets != IGNORE_INDEX).sum())
-        n_chars += count_chars(batch.targets.cpu(), tokenizer)
+        nll = float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
+        if counts:
+            total_nll += nll
+            n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+            n_chars += count_chars(batch.targets.cpu(), tokenizer)
     model.train(was_training)
-    return lm_metrics(total_nll, n_tokens, n_chars)
+    total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
+    return lm_metrics(total_nll, int(n_tokens), int(n_chars))
 
 
 def evaluate_stream(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, context: int, batch_size: int,
-    max_batches: int = 0,
+    max_batches: int = 0, shard: Shard = WHOLE,
 ) -> dict[str, float]:
     """Every token of a stream but the first, predicted once from windows of `context`."""
     return evaluate_batches(
-        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches
+        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches, shard
     )
 
 
 @torch.no_grad()
 def evaluate_segments(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, segment_len: int, mem_len: int,
-    batch_size: int, max_batches: int = 0,
+    batch_size: int, max_batches: int = 0, shard: Shard = WHOLE,
 ) -> dict[str, float]:
     """Every token of a stream but the first, predicted once by a model with a recurrence
     memory (Transformer-XL): the stream is read as `batch_size` ordered streams in segments of
     `segment_len`, each attending over a memory of the last `mem_len` positions.
 
     The first segment of each stream starts with an empty memory. max_batches: stop after
-    this many segments (0: all).
+    this many segments (0: all). shard: this process's rows (streams) of every segment.
     """
     device = next(model.parameters()).device
     was_training = model.training
@@ -83,10 +90,14 @@ def evaluate_segments(
     for i, batch in enumerate(eval_streams(ids, batch_size, segment_len)):
         if max_batches and i >= max_batches:
             break
+        batch, counts = shard.rows(batch)  # the same streams, and memory rows, every time
         batch = batch.to(device)
         logits = model(batch.tokens, memory=memory)
-        total_nll += float(lm_loss(logits, batch.targets, reduction="sum"))
-        n_tokens += int((batch.targets != IGNORE_INDEX).sum())
-        n_chars += count_chars(batch.targets.cpu(), tokenizer)
+        nll = float(lm_loss(logits, batch.targets, reduction="sum"))
+        if counts:
+            total_nll += nll
+            n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+            n_chars += count_chars(batch.targets.cpu(), tokenizer)
     model.train(was_training)
-    return lm_metrics(total_nll, n_tokens, n_chars)
+    total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
+    return lm_metrics(total_nll, int(n_tokens), int(n_chars))
