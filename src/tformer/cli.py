@@ -236,6 +236,9 @@ def check_evaluate_options(options: dict[str, Any], family: str, path: Path) -> 
     from tformer.registry import FAMILIES, evaluate_options, get_family
 
     taken = {o.name for o in get_family(family).eval_options}
+    unknown = sorted(set(options) - {o.name for o in evaluate_options()})
+    if unknown:
+        raise TformerError(f"evaluate takes no option {unknown[0]!r}")
     for option in evaluate_options():
         if option.name in options and option.name not in taken:
             takers = [f.name for f in FAMILIES.values()
