@@ -66,6 +66,29 @@ def read_text(path: str | Path) -> str:
     return text.removeprefix("\ufeff")
 
 
+def decode_utf8(raw: bytes, what: str) -> str:
+    """Bytes as text, or a one-line error naming `what` and the first bad byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TformerError(
+            f"{what} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        ) from None
+
+
+def check_utf8(text: str, what: str) -> str:
+    """Text that came in through the OS (arguments, environment), which Python decodes
+    with surrogate escapes: reject bytes that were not UTF-8, naming the first one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = text[e.start].encode("utf-8", "surrogateescape")[0]
+        raise TformerError(
+            f"{what} is not UTF-8 text (byte 0x{byte:02x} at character {e.start})"
+        ) from None
+    return text
+
+
 def read_corpus(path: str | Path) -> str:
     """All text of a file or a folder of files, joined by newlines in sorted order."""
     return "\n".join(read_text(p) for p in text_files(path))

@@ -8,6 +8,7 @@ evaluation and checkpoints at fixed intervals. Everything family-specific is beh
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import signal
@@ -48,6 +49,8 @@ class TrainResult:
     best_val_loss: float | None
     skipped_steps: int
     interrupted: bool
+    stop_signal: int | None = None
+    """The signal (SIGINT, SIGTERM) that stopped an interrupted run."""
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -98,11 +101,19 @@ class MetricsLog:
             self._write([], "w")
 
     def _write(self, rows: list[dict[str, Any]], mode: str) -> None:
-        with open(self.path, mode, newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
-            if mode == "w":
-                writer.writeheader()
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=METRIC_FIELDS)
+        if mode == "w":  # a rewrite replaces the file in one rename
+            writer.writeheader()
             writer.writerows(rows)
+            ckpt.write_text(self.path, text.getvalue())
+            return
+        writer.writerows(rows)
+        try:
+            with open(self.path, "a", newline="") as f:
+                f.write(text.getvalue())
+        except OSError as e:
+            raise ckpt.write_error(self.path, e) from None
 
     @staticmethod
     def _complete(row: dict[str, Any], last_step: int) -> bool:
@@ -114,16 +125,23 @@ class MetricsLog:
         self._write([row], "a")
 
 
+class StopRequest(threading.Event):
+    """Set by Ctrl-C or SIGTERM, so the loop can save and stop between steps."""
+
+    signum: int | None = None
+
+
 @contextmanager
-def stop_requests() -> Iterator[threading.Event]:
-    """An event set by Ctrl-C or SIGTERM, so the loop can save and stop between steps."""
-    stop = threading.Event()
+def stop_requests() -> Iterator[StopRequest]:
+    """A StopRequest set by Ctrl-C or SIGTERM, which it records."""
+    stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
     def request_stop(signum: int, frame: Any) -> None:
         log.warning("got %s: saving a checkpoint and stopping", signal.Signals(signum).name)
+        stop.signum = signum
         stop.set()
 
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -176,6 +194,9 @@ def train(
     batches = task.train_batches(tcfg.seed)
 
     step, best_val, skipped = 0, None, 0
+    # What metrics.csv's next row sums up since the last one; saved with each checkpoint, so
+    # a resumed run writes the rows an uninterrupted one would.
+    logged = {"loss_sum": 0.0, "tokens": 0.0, "tokens_since": 0, "elapsed_s": 0.0}
     if state is not None:
         distributed.load_optimizer_state(model, optimizer, state["optimizer"], procs, tcfg.parallel)
         same_layout = len(state["data_per_rank"]) == procs.world_size
@@ -183,6 +204,7 @@ def train(
         if same_layout:
             set_rng_state(state["rng_per_rank"][procs.rank])
         step, best_val, skipped = state["step"], state["best_val_loss"], state["skipped_steps"]
+        logged.update(state.get("logged", {}))
         log.info("resuming %s at step %d", run_dir, step)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -203,6 +225,12 @@ def train(
                 "rng_per_rank": rng_states,
                 "best_val_loss": best_val,
                 "skipped_steps": skipped,
+                "logged": {
+                    "loss_sum": logged_loss,
+                    "tokens": logged_tokens,
+                    "tokens_since": tokens_since,
+                    "elapsed_s": time.perf_counter() - started,
+                },
             }
             to_save = model
             if weights is not None:
@@ -218,7 +246,8 @@ def train(
             result = task.evaluate(model, max_batches=tcfg.eval_batches)
             val += result["loss"]
         val = float(distributed.broadcast_from_main(val, procs))
-        improved = best_val is None or val < best_val
+        # A NaN never compares lower; it must not become the first best either.
+        improved = math.isfinite(val) and (best_val is None or val < best_val)
         if main:
             metrics.add(step=step, split="val", loss=f"{val:.6f}")
             if progress:
@@ -235,10 +264,11 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     interrupted, val_loss, bad_in_a_row = False, None, 0
-    tokens_since, time_since, started = 0, time.perf_counter(), time.perf_counter()
+    tokens_since, time_since = int(logged["tokens_since"]), time.perf_counter()
+    started = time.perf_counter() - logged["elapsed_s"]
     # The logged training loss is the token-weighted mean over the steps since the last
     # log, not one batch's (which swings widely with token-count batches).
-    logged_loss, logged_tokens = 0.0, 0.0
+    logged_loss, logged_tokens = float(logged["loss_sum"]), float(logged["tokens"])
     with stop_requests() as stop:
         while step < tcfg.steps:
             lr = learning_rate(step, tcfg, getattr(cfg.model, "d_model", 512))
@@ -324,4 +354,5 @@ def train(
             if main:
                 ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
     distributed.teardown()
-    return TrainResult(run_dir, step, val_loss, best_val, skipped, interrupted)
+    signum = stop.signum if interrupted else None
+    return TrainResult(run_dir, step, val_loss, best_val, skipped, interrupted, signum)
