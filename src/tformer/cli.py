@@ -236,7 +236,7 @@ def evaluate_command(
     alpha: float = 0.6,
     int8: bool = False,
 ) -> int:
-    from tformer.data.corpus import cached_token_ids, read_corpus
+    from tformer.data.corpus import corpus_token_ids
     from tformer.registry import get_family
     from tformer.training.checkpoint import load_checkpoint
     from tformer.training.device import pick_device
@@ -259,7 +259,7 @@ def evaluate_command(
     if len(data) > 1:
         raise TformerError("a language model is evaluated on one DATA path (or none)")
     if data:
-        ids = cached_token_ids(read_corpus(data[0]), loaded.tokenizer)
+        ids = corpus_token_ids(data[0], loaded.tokenizer)
         result = family.evaluate_text(loaded.model, ids, loaded.tokenizer, cfg)
     else:
         task = family.task(cfg, loaded.tokenizer)
