@@ -403,10 +403,21 @@ def load_checkpoint(
         try:
             return _load(resolved, device, family)
         except TformerError:
-            if resolved.exists() or attempt == READ_ATTEMPTS - 1:
+            moved = not resolved.exists() or _points_to(Path(path)) not in (resolved, None)
+            if not moved or attempt == READ_ATTEMPTS - 1:
                 raise
         time.sleep(0.05 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+def _points_to(path: Path) -> Path | None:
+    """Where `path` leads now, cheaply (no verification): itself or its link's target for
+    a checkpoint, best/'s target for a run; None when that is not known."""
+    if is_checkpoint(path):
+        return path.resolve() if path.is_symlink() else path
+    if (path / BEST).is_symlink():
+        return (path / BEST).resolve()
+    return None
 
 
 def _load(path: Path, device: torch.device | str, family: str | None) -> Checkpoint:
