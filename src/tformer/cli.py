@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import signal
 import sys
 from contextlib import nullcontext
@@ -61,9 +62,7 @@ def train_command(
             cfg = config_from_dict(ckpt.read_config(resume_from).to_dict(), overrides)
             ckpt.check_resumable(run_dir, resume_from, cfg)
         else:
-            if ckpt.step_checkpoints(run_dir) or (run_dir / ckpt.BEST).is_symlink() or (
-                run_dir / ckpt.BEST
-            ).exists():
+            if ckpt.step_checkpoints(run_dir) or os.path.lexists(run_dir / ckpt.BEST):
                 raise TformerError(
                     f"{run_dir} already holds a training run; add --resume to continue it, "
                     f"or choose another --out"
