@@ -160,9 +160,9 @@ def test_a_nan_validation_loss_never_becomes_best(tmp_path, tiny_corpus, monkeyp
     real = GPTTask.evaluate
     calls = {"n": 0}
 
-    def nan_first(self, model, max_batches=0):
+    def nan_first(self, model, **kwargs):
         calls["n"] += 1
-        result = real(self, model, max_batches)
+        result = real(self, model, **kwargs)
         return {k: math.nan for k in result} if calls["n"] == 1 else result
 
     monkeypatch.setattr(GPTTask, "evaluate", nan_first)
@@ -196,7 +196,7 @@ def test_non_finite_logits_are_one_line():
 
 def test_a_non_finite_evaluation_is_one_line(run, capsys, monkeypatch):
     monkeypatch.setattr(
-        GPTTask, "evaluate", lambda self, model, max_batches=0: {"loss": math.nan}
+        GPTTask, "evaluate", lambda self, model, **kwargs: {"loss": math.nan}
     )
     capsys.readouterr()
     assert main(["evaluate", str(run), "--json"]) == 2
