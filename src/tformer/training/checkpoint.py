@@ -402,7 +402,7 @@ def load_checkpoint(
         resolved = resolve_checkpoint(path)
         try:
             return _load(resolved, device, family)
-        except TformerError:
+        except (TformerError, OSError, RuntimeError):
             moved = not resolved.exists() or _points_to(Path(path)) not in (resolved, None)
             if not moved or attempt == READ_ATTEMPTS - 1:
                 raise
@@ -452,7 +452,7 @@ def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     try:
         with safe_open(str(file), framework="pt") as f:
             return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise TformerError(f"checkpoint file {file} is damaged: {e}") from None
 
 
