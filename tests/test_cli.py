@@ -207,3 +207,14 @@ WORDS = [
 def test_no_command_line_gives_a_traceback(tmp_path_factory, monkeypatch, argv):
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
     assert main(argv) in (0, 2)
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(run_dir):
+    # Arguments arrive as bytes; a Latin-1 terminal sends "café" as b"caf\xe9".
+    proc = subprocess.run(
+        [sys.executable, "-m", "tformer", "generate", str(run_dir).encode(), "--prompt",
+         b"caf\xe9"],
+        capture_output=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == b"tformer: error: --prompt is not UTF-8 text (byte 0xe9 at character 3)\n"

@@ -138,3 +138,22 @@ def test_no_override_gives_anything_but_a_clear_error(text):
         config_from_dict({}, [text])
     except TformerError as e:
         assert "\n" not in str(e)
+
+
+@pytest.mark.parametrize("depth", [100, 100000])
+def test_deep_nesting_is_one_line(tmp_path, depth):
+    nested = "[" * depth + "]" * depth
+    path = tmp_path / "deep.toml"
+    path.write_text(f"[model]\nn_layer = {nested}\n")
+    with pytest.raises(TformerError):
+        load_config(path)
+    inline = "{a = " * depth + "1" + "}" * depth
+    path.write_text(f"[data]\npath = {inline}\n")
+    with pytest.raises(TformerError):
+        load_config(path)
+    with pytest.raises(TformerError):
+        config_from_dict({}, [f"model.n_layer={nested}"])
+    json_path = tmp_path / "deep.json"
+    json_path.write_text('{"model": ' + nested + "}")
+    with pytest.raises(TformerError):
+        load_config(json_path)

@@ -10,15 +10,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tformer import __version__
 from tformer.config import load_config
 from tformer.errors import TformerError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tformer.config import RunConfig
 
 log = logging.getLogger("tformer")
 
@@ -29,12 +36,9 @@ log = logging.getLogger("tformer")
 def train_command(
     config: str | None, out: str, overrides: list[str], *, resume: bool = False
 ) -> int:
-    from tqdm import tqdm
-
     from tformer.config import config_from_dict
     from tformer.training import checkpoint as ckpt
     from tformer.training.distributed import from_environment
-    from tformer.training.trainer import train
 
     run_dir = Path(out)
     resume_from = None
@@ -46,23 +50,35 @@ def train_command(
             )
         if not run_dir.is_dir():
             raise TformerError(f"--resume: run directory not found: {run_dir}")
-        resume_from = ckpt.resume_point(run_dir)
-        if resume_from is None:
-            raise TformerError(f"--resume: {run_dir} holds no usable checkpoint")
-        saved = ckpt.read_config(resume_from).to_dict()
-        cfg = config_from_dict(saved, overrides)
     else:
         if config is None:
             raise TformerError("train needs a CONFIG.toml (or --resume to continue RUN_DIR)")
         cfg = load_config(config, overrides)
-        if ckpt.step_checkpoints(run_dir) or (run_dir / ckpt.BEST).exists():
-            raise TformerError(
-                f"{run_dir} already holds a training run; add --resume to continue it, "
-                f"or choose another --out"
-            )
-
-    # Under torchrun, rank 0 speaks for all.
+    # Under torchrun, rank 0 speaks for all and owns the run directory.
     quiet = not from_environment().is_main
+    with nullcontext() if quiet else ckpt.run_lock(run_dir):
+        if resume:
+            resume_from = ckpt.resume_point(run_dir, tidy=not quiet)
+            if resume_from is None:
+                raise TformerError(f"--resume: {run_dir} holds no usable checkpoint")
+            cfg = config_from_dict(ckpt.read_config(resume_from).to_dict(), overrides)
+            ckpt.check_resumable(run_dir, resume_from, cfg)
+        else:
+            if ckpt.step_checkpoints(run_dir) or os.path.lexists(run_dir / ckpt.BEST):
+                raise TformerError(
+                    f"{run_dir} already holds a training run; add --resume to continue it, "
+                    f"or choose another --out"
+                )
+            if not quiet:
+                ckpt.recover_run_dir(run_dir)
+        return _train_and_report(cfg, run_dir, resume_from, quiet)
+
+
+def _train_and_report(cfg: RunConfig, run_dir: Path, resume_from: Path | None, quiet: bool) -> int:
+    from tqdm import tqdm
+
+    from tformer.training.trainer import train
+
     bar = tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True, leave=True, disable=quiet)
     shown: dict[str, str] = {}
 
@@ -82,14 +98,21 @@ def train_command(
         result = train(cfg, run_dir, resume_from=resume_from, progress=progress)
     finally:
         bar.close()
+    # A run stopped by a signal exits as shells expect of one (130 for Ctrl-C, 143 for
+    # SIGTERM), after its checkpoint is saved.
+    code = 128 + result.stop_signal if result.stop_signal else 0
     if quiet:
-        return 0
+        return code
     status = "stopped early" if result.interrupted else "done"
+    if result.stop_signal:
+        status = f"stopped by {signal.Signals(result.stop_signal).name}"
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "-"
     print(f"{status} at step {result.step}: best validation loss {best}; run in {run_dir}")
+    if result.interrupted:
+        print(f"checkpoint saved; continue with: tformer train --resume --out {run_dir}")
     if result.skipped_steps:
         print(f"{result.skipped_steps} steps were skipped for non-finite loss or gradients")
-    return 0
+    return code
 
 
 # --- generate ---------------------------------------------------------------------------
@@ -109,11 +132,15 @@ def generate_command(
     device: str = "auto",
     int8: bool = False,
 ) -> int:
+    import torch
+
+    from tformer.data.corpus import check_utf8
     from tformer.registry import families_with, get_family
     from tformer.training.checkpoint import load_checkpoint
     from tformer.training.device import pick_device
 
     check_generation_args(max_new_tokens, temperature, top_k, top_p, num_samples)
+    check_utf8(prompt, "--prompt")
     dev = pick_device(device)
     loaded = load_checkpoint(checkpoint, device=dev)
     family = get_family(loaded.cfg.family)
@@ -227,6 +254,7 @@ def evaluate_command(
                                  progress=bar.update)
     finally:
         bar.close()
+    check_finite_loss(result, loaded.path)
     print_metrics(result, as_json, first=family.metrics)
     return 0
 
@@ -249,14 +277,33 @@ def check_evaluate_options(options: dict[str, Any], family: str, path: Path) -> 
             )
 
 
+def check_finite_loss(result: dict[str, Any], path: Path) -> None:
+    loss = result.get("loss")
+    if isinstance(loss, float) and not math.isfinite(loss):
+        raise TformerError(
+            f"the model in {path} gives non-finite outputs on this data (loss = {loss}); "
+            f"its figures would mean nothing"
+        )
+
+
 def print_metrics(
     result: dict[str, Any], as_json: bool, *, first: tuple[str, ...] = ()
 ) -> None:
-    """One JSON object, or a table with the keys in `first` at its top."""
+    """A table with the keys in `first` at its top, or one strict JSON object: a figure that
+    is not a finite number (a perplexity too large for a float) is null, and "non_finite"
+    says why."""
     order = [k for k in first if k in result] + [k for k in result if k not in first]
     result = {k: result[k] for k in order}
     if as_json:
-        print(json.dumps(result))
+        clean: dict[str, Any] = dict(result)
+        reasons = {}
+        for key, value in result.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                clean[key] = None
+                reasons[key] = "too large for a float (inf)" if value > 0 else str(value)
+        if reasons:
+            clean["non_finite"] = reasons
+        print(json.dumps(clean, allow_nan=False))
         return
     width = max(len(k) for k in result)
     for key, value in result.items():
@@ -303,7 +350,7 @@ def translate_command(
     if input is not None:
         lines = read_lines(input)
     else:
-        lines = sys.stdin.read().split("\n")
+        lines = read_stdin().split("\n")
         if lines[-1] == "":
             lines.pop()
     bar = tqdm(total=len(lines), unit="line", disable=input is None, file=sys.stderr)
@@ -326,6 +373,16 @@ def translate_command(
         if output:
             out.close()
     return 0
+
+
+def read_stdin() -> str:
+    """Standard input as text; bytes that are not UTF-8 are a one-line error."""
+    from tformer.data.corpus import decode_utf8
+
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # already text, e.g. a StringIO put there by a caller
+        return sys.stdin.read()
+    return decode_utf8(buffer.read(), "standard input")
 
 
 def average_command(checkpoints: list[str], out: str, *, last: int = 0) -> int:
@@ -485,6 +542,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before training's own handler is in place
+        print("tformer: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -502,8 +567,5 @@ def main(argv: list[str] | None = None) -> int:
     except TformerError as e:
         print(f"tformer: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("tformer: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         return 0

@@ -178,6 +178,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError:
+        raise TformerError(f"override {shown(key)}: its value is nested too deeply") from None
     return section, name, value
 
 
@@ -225,4 +227,6 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
         raise TformerError(f"config file {path} is not UTF-8 text") from e
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise TformerError(f"config file {path} does not parse: {e}") from e
+    except RecursionError:
+        raise TformerError(f"config file {path} does not parse: it is nested too deeply") from None
     return config_from_dict(raw, overrides)

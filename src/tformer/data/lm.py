@@ -5,7 +5,7 @@ Shapes: B batch, T context.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from tformer.checks import check_choice, check_range
 from tformer.data.builtin import BUILTIN_LM, python_source
-from tformer.data.corpus import cached_token_ids, read_corpus
+from tformer.data.corpus import corpus_chunks, text_files, token_ids
 from tformer.data.tokenizers import KINDS, Tokenizer, train_tokenizer
 from tformer.errors import TformerError
 
@@ -52,8 +52,13 @@ class LMBatch:
         return self.targets.numel()
 
 
-def load_lm_text(path: str | None) -> str:
-    return python_source() if path in (None, BUILTIN_LM) else read_corpus(path)
+def lm_text_chunks(path: str | None) -> Callable[[], Iterable[str]]:
+    """The corpus as pieces of text, read afresh on each call (it may not fit in memory)."""
+    if path in (None, BUILTIN_LM):
+        text = python_source()
+        return lambda: [text]
+    files = text_files(path)
+    return lambda: corpus_chunks(files)
 
 
 class LMData:
@@ -62,15 +67,15 @@ class LMData:
     def __init__(
         self, cfg: LMDataConfig, tokenizer: Tokenizer | None = None, *, cache: Path | None = None
     ) -> None:
-        text = load_lm_text(cfg.path)
+        chunks = lm_text_chunks(cfg.path)
         if tokenizer is None:
             if cfg.tokenizer == "bpe":
-                lines = text.splitlines(keepends=True)
+                lines = (line for chunk in chunks() for line in chunk.splitlines(keepends=True))
                 tokenizer = train_tokenizer("bpe", lines, vocab_size=cfg.vocab_size)
             else:
-                tokenizer = train_tokenizer("char", [text])
+                tokenizer = train_tokenizer("char", chunks())
         self.tokenizer = tokenizer
-        ids = cached_token_ids(text, tokenizer, cache=cache)
+        ids = token_ids(chunks, tokenizer, cache=cache)
         n_val = int(len(ids) * cfg.val_fraction)
         self.train_ids = ids[: len(ids) - n_val]
         self.val_ids = ids[len(ids) - n_val :]

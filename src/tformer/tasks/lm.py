@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import nn
 
-from tformer.data.corpus import cached_token_ids, read_corpus
+from tformer.data.corpus import corpus_token_ids
 from tformer.data.lm import LMData
 from tformer.data.tokenizers import Tokenizer
 from tformer.errors import TformerError
@@ -28,7 +28,7 @@ def evaluate_lm_checkpoint(
     if len(data) > 1:
         raise TformerError("a language model is evaluated on one DATA path (or none)")
     if data:
-        ids = cached_token_ids(read_corpus(data[0]), checkpoint.tokenizer)
+        ids = corpus_token_ids(data[0], checkpoint.tokenizer)
     else:
         ids = LMData(cfg.data, checkpoint.tokenizer).val_ids
     return evaluate_text(checkpoint.model, ids, checkpoint.tokenizer, cfg)
