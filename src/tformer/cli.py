@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,7 @@ def generate_command(
     use_cache: bool = True,
     device: str = "auto",
     int8: bool = False,
+    threads: int | None = None,
 ) -> int:
     from tformer.decoding.lm import generate
     from tformer.registry import get_family
@@ -122,8 +124,14 @@ def generate_command(
             f"checkpoint {loaded.path} is a {loaded.cfg.family} model; generate needs a "
             f"language model (gpt or transformer-xl); use `tformer translate`"
         )
+    threads = use_threads(threads, loaded.model, loaded.path)
+    description = (
+        f"{loaded.cfg.family}, {describe_model(loaded.model)}{', int8' if int8 else ''}; "
+        f"{describe_device(loaded.model, threads)}"
+    )
     model, tokenizer = inference_model(loaded.model, int8), loaded.tokenizer
     ids = tokenizer.encode(prompt)
+    print(f"generating with {loaded.path} ({description})", file=sys.stderr)
     if not ids:
         if tokenizer.bos_id is not None:
             ids = [tokenizer.bos_id]
@@ -179,6 +187,28 @@ def inference_model(model: torch.nn.Module, int8: bool) -> torch.nn.Module:
     return prepack(model)
 
 
+def use_threads(requested: int | None, model: torch.nn.Module, path: Path) -> int:
+    """Set torch's CPU threads for decoding or evaluation (training.device's rule, or
+    --threads) and return the count."""
+    from tformer.training.device import decoding_threads
+
+    threads = decoding_threads(requested)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def describe_model(model: torch.nn.Module) -> str:
+    n = sum(p.numel() for p in model.parameters())
+    return f"{n / 1e6:.1f}M parameters" if n >= 1e5 else f"{n:,} parameters"
+
+
+def describe_device(model: torch.nn.Module, threads: int) -> str:
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return str(device)
+    return f"cpu, {threads} thread{'s' if threads != 1 else ''}"
+
+
 def check_generation_args(
     max_new_tokens: int, temperature: float, top_k: int, top_p: float, num_samples: int
 ) -> None:
@@ -206,10 +236,13 @@ def evaluate_command(
     device: str = "auto",
     mem_len: int | None = None,
     segment_len: int | None = None,
-    beam: int = 4,
-    alpha: float = 0.6,
+    beam: int | None = None,
+    alpha: float | None = None,
     int8: bool = False,
+    threads: int | None = None,
 ) -> int:
+    from tqdm import tqdm
+
     from tformer.data.corpus import cached_token_ids, read_corpus
     from tformer.registry import get_family
     from tformer.training.checkpoint import load_checkpoint
@@ -217,6 +250,7 @@ def evaluate_command(
 
     dev = pick_device(device)
     loaded = load_checkpoint(checkpoint, device=dev)
+    threads = use_threads(threads, loaded.model, loaded.path)
     loaded.model = inference_model(loaded.model, int8)
     cfg, family = loaded.cfg, get_family(loaded.cfg.family)
     if batch_size < 0:
@@ -224,20 +258,39 @@ def evaluate_command(
     if batch_size:
         cfg = cfg.replace("train", batch_size=batch_size)
     cfg = memory_overrides(cfg, loaded.path, mem_len, segment_len)
+    where = f"{describe_model(loaded.model)}{', int8' if int8 else ''}; " + describe_device(
+        loaded.model, threads
+    )
     if family.kind == "seq2seq":
         return evaluate_translation_command(
-            loaded, data, as_json=as_json, beam=beam, alpha=alpha, batch_size=batch_size or 32
+            loaded, data, as_json=as_json, beam=4 if beam is None else beam,
+            alpha=0.6 if alpha is None else alpha, batch_size=batch_size or 32, where=where,
         )
     if family.kind != "lm":
         raise TformerError(f"evaluate does not know the {cfg.family} family yet")
+    for option, value in (("--beam", beam), ("--alpha", alpha)):
+        if value is not None:
+            raise TformerError(
+                f"{option} applies to translation (seq2seq) checkpoints; {loaded.path} is a "
+                f"{cfg.family} language model"
+            )
     if len(data) > 1:
         raise TformerError("a language model is evaluated on one DATA path (or none)")
     if data:
         ids = cached_token_ids(read_corpus(data[0]), loaded.tokenizer)
-        result = family.evaluate_text(loaded.model, ids, loaded.tokenizer, cfg)
+        source = data[0]
     else:
-        task = family.task(cfg, loaded.tokenizer)
-        result = task.evaluate(loaded.model)
+        ids = family.task(cfg, loaded.tokenizer).data.val_ids
+        source = "the run's validation split"
+    print(f"evaluating {loaded.path} ({cfg.family}, {where}) on {len(ids):,} tokens of "
+          f"{source}", file=sys.stderr)
+    bar = tqdm(total=max(len(ids) - 1, 0), unit="tok", unit_scale=True, file=sys.stderr,
+               leave=False, disable=as_json and not sys.stderr.isatty())
+    try:
+        result = family.evaluate_text(loaded.model, ids, loaded.tokenizer, cfg,
+                                      progress=bar.update)
+    finally:
+        bar.close()
     print_metrics(result, as_json)
     return 0
 
@@ -323,47 +376,79 @@ def translate_command(
     batch_size: int = 32,
     device: str = "auto",
     int8: bool = False,
+    threads: int | None = None,
 ) -> int:
     from tqdm import tqdm
 
     from tformer.data.parallel import read_lines
-    from tformer.decoding.translate import SearchOptions, translate
+    from tformer.decoding.translate import SearchOptions, translate_stream
 
+    # Everything that can fail on the user's arguments fails before any translating.
+    if output is not None:
+        check_output_file(output, "-o", input)
+    if input is not None:
+        lines: Any = read_lines(input)
     loaded = load_translation_model(checkpoint, device)
+    threads = use_threads(threads, loaded.model, loaded.path)
     loaded.model = inference_model(loaded.model, int8)
     # By default an output may be as long, relative to its source, as training pairs were.
     if max_len_a is None:
         max_len_a = loaded.cfg.data.max_ratio
     check_search_args(beam, alpha, n_best, batch_size, max_len_a, max_len_b)
-    if input is not None:
-        lines = read_lines(input)
-    else:
-        lines = sys.stdin.read().split("\n")
-        if lines[-1] == "":
-            lines.pop()
     options = SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                             n_best=n_best, early_stopping=early_stopping)
-    bar = tqdm(total=len(lines), unit="line", disable=input is None, file=sys.stderr)
-    try:
-        results = translate(loaded.model, loaded.tokenizer, lines, options,
-                            batch_size=batch_size, progress=bar.update)
-    finally:
-        bar.close()
+    at_terminal = input is None and sys.stdin.isatty()
+    print(
+        f"translating with {loaded.path} ({describe_model(loaded.model)}; beam {beam}"
+        f"{', int8' if int8 else ''}; {describe_device(loaded.model, threads)})"
+        + ("; type a line and Enter, Ctrl-D to end" if at_terminal else ""),
+        file=sys.stderr,
+    )
+    if input is None:
+        lines = (line.rstrip("\n").removesuffix("\r") for line in sys.stdin)
+    # At a terminal each line as it is typed; otherwise a few batches at a time, so output
+    # flows while input still arrives and a long file shows its progress.
+    chunk = 1 if at_terminal else 4 * batch_size
+    bar = tqdm(total=len(lines) if input is not None else None, unit="line",
+               disable=input is None, file=sys.stderr)
     out = open(output, "w", encoding="utf-8") if output else sys.stdout
     try:
+        results = translate_stream(
+            loaded.model, loaded.tokenizer, lines, options, chunk=chunk, batch_size=batch_size,
+            progress=bar.update, trained_len=loaded.cfg.data.max_len,
+        )
         for i, hyps in enumerate(results):
             for hyp in hyps:
                 # One line per translation, whatever the model produced.
                 text = hyp.text.replace("\n", " ")
                 out.write(f"{i}\t{hyp.score:.4f}\t{text}\n" if n_best > 1 else text + "\n")
+            out.flush()
     finally:
+        bar.close()
         if output:
             out.close()
     return 0
 
 
+def check_output_file(path: str, option: str, *inputs: str | None) -> None:
+    """An output file must be creatable, and not one of the inputs, before work starts."""
+    target = Path(path)
+    if target.is_dir():
+        raise TformerError(f"{option} {path} is a directory; give a file name")
+    parent = target.parent
+    if not parent.is_dir():
+        raise TformerError(f"{option} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise TformerError(f"{option} {path}: not writable")
+    for given in inputs:
+        if given is not None and Path(given).exists() and target.exists():
+            if os.path.samefile(given, target):
+                raise TformerError(f"{option} {path} is the input file; it would be overwritten")
+
+
 def evaluate_translation_command(
-    loaded: Any, data: list[str], *, as_json: bool, beam: int, alpha: float, batch_size: int
+    loaded: Any, data: list[str], *, as_json: bool, beam: int, alpha: float, batch_size: int,
+    where: str = "",
 ) -> int:
     from tqdm import tqdm
 
@@ -384,6 +469,10 @@ def evaluate_translation_command(
     else:
         task = get_family(loaded.cfg.family).task(loaded.cfg, loaded.tokenizer)
         sources, references = task.data.val_text
+    source = " / ".join(data) if data else "the run's validation pairs"
+    print(f"evaluating {loaded.path} ({loaded.cfg.family}, {where}) on {len(sources):,} "
+          f"sentences of {source}: beam "
+          f"{beam}, alpha {alpha}, {batch_size} sentences at a time", file=sys.stderr)
     bar = tqdm(total=len(sources), unit="line", file=sys.stderr, leave=False)
     try:
         result, _ = evaluate_translation(
@@ -393,7 +482,7 @@ def evaluate_translation_command(
         )
     finally:
         bar.close()
-    print_metrics(result, as_json)
+    print_metrics({**result, "beam": beam, "alpha": alpha}, as_json)
     return 0
 
 
@@ -422,13 +511,47 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class CommandParser(Parser):
+    """A subcommand's parser: options and file arguments in any order (`translate CKPT
+    --int8 input.en -o out`), which plain argparse stops reading at the first option that
+    follows a positional. argparse calls parse_known_args for a subcommand; it becomes the
+    intermixed parse, which itself calls parse_known_args twice (hence the guard)."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._intermixing:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """--help gives each option's default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and "default" not in text
+            and not any(default is v for v in (None, False, "", argparse.SUPPRESS))
+        ):
+            text += f" (default: {default})"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="tformer", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tformer {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    for_help = {"formatter_class": DefaultsFormatter}
 
-    p = sub.add_parser("train", help="train a model from a TOML config")
+    p = sub.add_parser("train", **for_help, help="train a model from a TOML config")
     p.add_argument("config", nargs="?", help="CONFIG.toml (omit with --resume)")
     p.add_argument(
         "overrides",
@@ -441,29 +564,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue RUN_DIR from its last checkpoint"
     )
 
-    p = sub.add_parser("generate", help="sample text from a language model")
+    p = sub.add_parser("generate", **for_help, help="sample text from a language model")
     p.add_argument("checkpoint", help="run or checkpoint directory")
-    p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--prompt", default="", help="text to continue (default: none)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to add")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--greedy", action="store_true", help="same as --temperature 0")
-    p.add_argument("--top-k", type=int, default=0, help="0 is off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 is off")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest; 0 is off")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens of this total probability; 1 is off")
+    p.add_argument("--seed", type=int, default=1337, help="random seed of the sampling")
+    p.add_argument("--num-samples", type=int, default=1, help="samples from the same prompt")
     p.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
     p.add_argument("--int8", action="store_true", help="int8 weights (CPU): faster, ~same text")
-    p.add_argument("--device", default="auto")
+    add_device_options(p)
 
-    p = sub.add_parser("evaluate", help="loss, perplexity and bits per character")
+    p = sub.add_parser("evaluate", **for_help, help="loss, perplexity and bits per character")
     p.add_argument("checkpoint", help="run or checkpoint directory")
     p.add_argument(
-        "data", nargs="*", help="LM: a text file or folder (default: the run's validation split)"
+        "data", nargs="*",
+        help="LM: a text file or folder; seq2seq: SRC REF (default: the run's validation split)",
     )
     p.add_argument("--int8", action="store_true", help="int8 weights (CPU), to see their cost")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    p.add_argument("--batch-size", type=int, default=0)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-size", type=int, default=0,
+                   help="sequences at once (default: the run's; seq2seq: 32 sentences)")
     p.add_argument(
         "--mem-len",
         type=int,
@@ -476,10 +601,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="transformer-xl: tokens per segment (default: model.context)",
     )
-    p.add_argument("--beam", type=int, default=4, help="seq2seq: beam size (1 is greedy)")
-    p.add_argument("--alpha", type=float, default=0.6, help="seq2seq: length penalty")
+    p.add_argument("--beam", type=int, default=None,
+                   help="seq2seq: beam size, 1 is greedy (default: 4)")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="seq2seq: length penalty (default: 0.6)")
+    add_device_options(p)
 
-    p = sub.add_parser("translate", help="translate lines with a seq2seq model")
+    p = sub.add_parser("translate", **for_help, help="translate lines with a seq2seq model")
     p.add_argument("checkpoint", help="run or checkpoint directory")
     p.add_argument("input", nargs="?", help="a file of lines (default: stdin)")
     p.add_argument("-o", "--output", help="write here (default: stdout)")
@@ -489,20 +617,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len-a", type=float, default=None,
                    help="at most a * source tokens + b output tokens (default a: the "
                    "training data's data.max_ratio)")
-    p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a")
     p.add_argument("--n-best", type=int, default=1,
                    help="write the N best as 'line<TAB>score<TAB>text'")
     p.add_argument("--early-stopping", action="store_true",
                    help="end a sentence once it has --beam finished hypotheses (faster)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences decoded at once")
     p.add_argument("--int8", action="store_true", help="int8 weights (CPU): faster, ~same text")
-    p.add_argument("--device", default="auto")
+    add_device_options(p)
 
-    p = sub.add_parser("average", help="average the weights of several checkpoints")
+    p = sub.add_parser("average", **for_help, help="average the weights of several checkpoints")
     p.add_argument("checkpoints", nargs="+", help="checkpoint directories, or one run with --last")
-    p.add_argument("--last", type=int, default=0, help="the run's newest N step checkpoints")
+    p.add_argument("--last", type=int, default=0,
+                   help="the run's newest N step checkpoints (0: the CHECKPOINTS given)")
     p.add_argument("--out", required=True, help="the averaged checkpoint's directory")
     return parser
+
+
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (CUDA if present) | cpu | cuda:N")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the decoding rule, see README)")
 
 
 def split_train_args(args: argparse.Namespace, extra: list[str]) -> tuple[str | None, list[str]]:
@@ -533,6 +668,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             use_cache=not args.no_cache,
             device=args.device,
             int8=args.int8,
+            threads=args.threads,
         )
     if args.command == "evaluate":
         return evaluate_command(
@@ -546,6 +682,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             beam=args.beam,
             alpha=args.alpha,
             int8=args.int8,
+            threads=args.threads,
         )
     if args.command == "translate":
         return translate_command(
@@ -553,6 +690,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             alpha=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
             n_best=args.n_best, early_stopping=args.early_stopping,
             batch_size=args.batch_size, device=args.device, int8=args.int8,
+            threads=args.threads,
         )
     if args.command == "average":
         return average_command(args.checkpoints, args.out, last=args.last)
@@ -563,9 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        unknown = [a for a in extra if args.command != "train" or a.startswith("-") or "=" not in a]
-        if unknown:
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # usage errors (code 2), --help and --version (code 0)
         return e.code if isinstance(e.code, int) else 0
     logging.basicConfig(

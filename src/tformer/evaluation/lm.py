@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -41,9 +41,12 @@ def count_chars(targets: Tensor, tokenizer: Tokenizer) -> int:
 
 @torch.no_grad()
 def evaluate_batches(
-    model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0
+    model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
-    """Summed loss over batches of independent windows (GPT-style models)."""
+    """Summed loss over batches of independent windows (GPT-style models).
+
+    progress: called with the number of tokens predicted after each batch."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -53,17 +56,20 @@ def evaluate_batches(
             break
         batch = batch.to(device)
         total_nll += float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
-        n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+        batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
+        n_tokens += batch_tokens
         n_chars += count_chars(batch.targets.cpu(), tokenizer)
+        if progress is not None:
+            progress(batch_tokens)
     model.train(was_training)
     return lm_metrics(total_nll, n_tokens, n_chars)
 
 
 def evaluate_stream(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, context: int, batch_size: int,
-    max_batches: int = 0,
+    max_batches: int = 0, progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Every token of a stream but the first, predicted once from windows of `context`."""
     return evaluate_batches(
-        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches
+        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches, progress
     )

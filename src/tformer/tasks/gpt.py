@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,14 @@ class GPTTask:
 
 
 def evaluate_text(
-    model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0
+    model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Loss, perplexity and bits per character over a token stream, in windows of the
-    model's context."""
-    return evaluate_stream(
+    model's context; with the window it used. progress: called with the tokens of each
+    batch."""
+    result = evaluate_stream(
         model, ids, tokenizer, context=cfg.model.context, batch_size=cfg.train.batch_size,
-        max_batches=max_batches,
+        max_batches=max_batches, progress=progress,
     )
+    return {**result, "context": cfg.model.context}

@@ -13,6 +13,7 @@ with another number of processes starts with an empty memory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,14 +106,17 @@ class TransformerXLTask:
 
 @torch.no_grad()
 def evaluate_text(
-    model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0
+    model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Loss, perplexity and bits per character over a token stream, read as
     train.batch_size ordered streams in segments of model.context, each carrying a memory of
     model.eval_mem_len (default model.mem_len) positions.
 
     Every token but the first is predicted once; the first segment of each stream starts
-    with an empty memory. max_batches: stop after this many segments (0: all).
+    with an empty memory. max_batches: stop after this many segments (0: all). progress:
+    called with the tokens of each batch. The result repeats the segment length, memory
+    and number of streams it read with.
     """
     device = next(model.parameters()).device
     was_training = model.training
@@ -125,7 +129,12 @@ def evaluate_text(
         batch = batch.to(device)
         logits = model(batch.tokens, memory=memory)
         total_nll += float(lm_loss(logits, batch.targets, reduction="sum"))
-        n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+        batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
+        n_tokens += batch_tokens
         n_chars += count_chars(batch.targets.cpu(), tokenizer)
+        if progress is not None:
+            progress(batch_tokens)
     model.train(was_training)
-    return lm_metrics(total_nll, n_tokens, n_chars)
+    settings = {"segment_len": cfg.model.context, "mem_len": cfg.model.memory_for_eval,
+                "streams": min(cfg.train.batch_size, max(len(ids) - 1, 1))}
+    return {**lm_metrics(total_nll, n_tokens, n_chars), **settings}
