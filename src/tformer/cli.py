@@ -50,8 +50,9 @@ def train_command(
         resume_from = ckpt.resume_point(run_dir)
         if resume_from is None:
             raise TformerError(f"--resume: {run_dir} holds no usable checkpoint")
-        saved = ckpt.read_config(resume_from).to_dict()
-        cfg = config_from_dict(saved, overrides)
+        saved = ckpt.read_config(resume_from)
+        cfg = config_from_dict(saved.to_dict(), overrides)
+        check_same_shapes(saved, cfg, resume_from)
     else:
         if config is None:
             raise TformerError("train needs a CONFIG.toml (or --resume to continue RUN_DIR)")
@@ -62,6 +63,8 @@ def train_command(
                 f"or choose another --out"
             )
 
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TformerError(f"--out {run_dir} is a file; a run directory is needed")
     # Under torchrun, rank 0 speaks for all.
     quiet = not from_environment().is_main
     bar = tqdm(total=cfg.train.steps, unit="step", dynamic_ncols=True, leave=True, disable=quiet)
@@ -91,6 +94,50 @@ def train_command(
     if result.skipped_steps:
         print(f"{result.skipped_steps} steps were skipped for non-finite loss or gradients")
     return 0
+
+
+def check_same_shapes(saved: RunConfig, cfg: RunConfig, checkpoint: Path) -> None:
+    """A resumed model keeps its weights' shapes: overrides may change how it trains
+    (dropout, steps, rates), not what it is."""
+    from safetensors import safe_open
+
+    from tformer.registry import get_family
+    from tformer.training import checkpoint as ckpt
+
+    changed = [
+        f"model.{key} {old!r} -> {new!r}"
+        for key, (old, new) in _model_changes(saved, cfg).items()
+    ]
+    if not changed:
+        return
+    with torch.device("meta"):
+        model = get_family(cfg.family).model(cfg.model)
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    with safe_open(str(checkpoint / ckpt.WEIGHTS), "pt") as f:
+        have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    # Tied weights are stored under one of their names: each group of names sharing a
+    # tensor needs one of them in the checkpoint, and every stored name its own shape.
+    if saved.family != cfg.family or any(
+        wanted.get(k) != shape for k, shape in have.items()
+    ) or not all(group & have.keys() for group in _shared_groups(model)):
+        raise TformerError(
+            f"--resume cannot change the model's shape ({', '.join(changed)}): the checkpoint's "
+            f"weights have the saved shapes; start a new run (another --out) to train that model"
+        )
+
+
+def _model_changes(saved: RunConfig, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
+    old, new = saved.to_dict()["model"], cfg.to_dict()["model"]
+    keys = old.keys() | new.keys()
+    return {k: (old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)}
+
+
+def _shared_groups(model: torch.nn.Module) -> list[set[str]]:
+    """The model's state-dict names, grouped by the tensor they name (tied weights)."""
+    groups: dict[int, set[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), set()).add(name)
+    return list(groups.values())
 
 
 # --- generate ---------------------------------------------------------------------------
@@ -494,6 +541,8 @@ def average_command(checkpoints: list[str], out: str, *, last: int = 0) -> int:
         raise TformerError(f"--last {last} must be at least 1")
     paths = checkpoints_to_average(checkpoints, last)
     dest = Path(out)
+    if dest.exists() and not dest.is_dir():
+        raise TformerError(f"--out {dest} is a file; the averaged checkpoint is a directory")
     if dest.exists() and not is_checkpoint(dest) and any(dest.iterdir()):
         raise TformerError(f"--out {dest} exists and is not a checkpoint; choose another --out")
     average_checkpoints(paths, dest)

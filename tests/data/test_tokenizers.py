@@ -63,9 +63,17 @@ def test_bpe_specials_and_save_load(bpe, tmp_path):
 
 
 def test_unknown_kind_and_bad_file(tmp_path):
-    with pytest.raises(TformerError, match="data.tokenizer = 'word'"):
-        train_tokenizer("word", ["x"])
+    with pytest.raises(TformerError, match="data.tokenizer = 'words'"):
+        train_tokenizer("words", ["x"])
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
     with pytest.raises(TformerError, match="cannot read tokenizer"):
         load_tokenizer(bad)
+
+
+def test_word_tokenizer_saves_and_loads(tmp_path):
+    words = train_tokenizer("word", ["a b\nc\n"])
+    save_tokenizer(words, tmp_path / "tokenizer.json")
+    loaded = load_tokenizer(tmp_path / "tokenizer.json")
+    assert loaded.kind == "word" and loaded.encode("c a z\n") == words.encode("c a z\n")
+    assert loaded.decode(loaded.encode("c a z\n")) == "c a <unk>\n"
