@@ -323,5 +323,6 @@ def train(
             save(ckpt.step_dir(run_dir, step))
             if main:
                 ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
+    del train_model  # DDP's reducer holds the process group: it goes before the group
     distributed.teardown()
     return TrainResult(run_dir, step, val_loss, best_val, skipped, interrupted)
