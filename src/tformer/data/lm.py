@@ -96,6 +96,13 @@ class LMData:
                 f"least 2: raise data.val_fraction, or give a validation text as data.val_path"
             )
 
+    def summary(self) -> dict[str, str]:
+        return {
+            "data": f"{len(self.train_ids):,} training and {len(self.val_ids):,} validation "
+            f"tokens ({self.tokenizer.kind})",
+            "loss": "cross-entropy per token (training and validation alike)",
+        }
+
     def model_fields(self) -> dict[str, Any]:
         """What the model config takes from the data."""
         return {"vocab_size": self.tokenizer.vocab_size}

@@ -37,6 +37,10 @@ class GPTTask:
     def evaluate(self, model: nn.Module, max_batches: int = 0) -> dict[str, float]:
         return evaluate_text(model, self.data.val_ids, self.tokenizer, self.cfg, max_batches)
 
+    def summary(self) -> dict[str, str]:
+        """What training reads, for the start-up summary."""
+        return self.data.summary()
+
 
 def evaluate_text(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0,

@@ -50,6 +50,17 @@ class Seq2SeqTask:
         loss = label_smoothed_loss(logits, batch.tgt_out, self.cfg.model.label_smoothing)
         return loss, batch.num_tokens
 
+    def summary(self) -> dict[str, str]:
+        """What training reads, and which loss it shows, for the start-up summary."""
+        data = self.data
+        return {
+            "data": f"{len(data.train_src):,} training pairs "
+            f"({sum(map(len, data.train_tgt)):,} target tokens), {len(data.val_src):,} "
+            f"validation pairs ({self.tokenizer.kind})",
+            "loss": f"training: cross-entropy with label smoothing "
+            f"{self.cfg.model.label_smoothing:g}; validation: without",
+        }
+
     def evaluate(self, model: nn.Module, max_batches: int = 0) -> dict[str, float]:
         return evaluate_loss(
             model, self.data.val_src, self.data.val_tgt, self.tokenizer,

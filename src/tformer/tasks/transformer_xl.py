@@ -103,6 +103,10 @@ class TransformerXLTask:
     def evaluate(self, model: nn.Module, max_batches: int = 0) -> dict[str, float]:
         return evaluate_text(model, self.data.val_ids, self.tokenizer, self.cfg, max_batches)
 
+    def summary(self) -> dict[str, str]:
+        """What training reads, for the start-up summary."""
+        return self.data.summary()
+
 
 @torch.no_grad()
 def evaluate_text(

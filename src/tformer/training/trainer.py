@@ -184,6 +184,15 @@ def train(
             set_rng_state(state["rng_per_rank"][procs.rank])
         step, best_val, skipped = state["step"], state["best_val_loss"], state["skipped_steps"]
         log.info("resuming %s at step %d", run_dir, step)
+    if main and progress:
+        # The summary is optional in a task: a family without it still trains.
+        described = getattr(task, "summary", dict)()
+        progress({"step": step, "start": {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "device": str(device), "threads": torch.get_num_threads(),
+            "processes": procs.world_size, "vocabulary": task.tokenizer.vocab_size,
+            **described,
+        }})
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.write_json(run_dir / ckpt.CONFIG, cfg.to_dict())
