@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from tformer.data.lm import LMBatch, sequential_windows
 from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
+from tformer.evaluation.shard import WHOLE, Shard
 
 
 def lm_loss(logits: Tensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:
@@ -42,11 +43,11 @@ def count_chars(targets: Tensor, tokenizer: Tokenizer) -> int:
 @torch.no_grad()
 def evaluate_batches(
     model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, shard: Shard = WHOLE,
 ) -> dict[str, float]:
-    """Summed loss over batches of independent windows (GPT-style models).
-
-    progress: called with the number of tokens predicted after each batch."""
+    """Summed loss over batches of independent windows (GPT-style models); `shard`: this
+    process's rows of each batch, the sums then added over processes. progress: called with
+    the number of tokens this process predicted after each batch."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -54,22 +55,27 @@ def evaluate_batches(
     for i, batch in enumerate(batches):
         if max_batches and i >= max_batches:
             break
+        batch, counts = shard.rows(batch)
         batch = batch.to(device)
-        total_nll += float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
-        batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
-        n_tokens += batch_tokens
-        n_chars += count_chars(batch.targets.cpu(), tokenizer)
-        if progress is not None:
-            progress(batch_tokens)
+        nll = float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
+        if counts:
+            batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
+            total_nll += nll
+            n_tokens += batch_tokens
+            n_chars += count_chars(batch.targets.cpu(), tokenizer)
+            if progress is not None:
+                progress(batch_tokens)
     model.train(was_training)
-    return lm_metrics(total_nll, n_tokens, n_chars)
+    total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
+    return lm_metrics(total_nll, int(n_tokens), int(n_chars))
 
 
 def evaluate_stream(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, context: int, batch_size: int,
-    max_batches: int = 0, progress: Callable[[int], None] | None = None,
+    max_batches: int = 0, shard: Shard = WHOLE, progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Every token of a stream but the first, predicted once from windows of `context`."""
     return evaluate_batches(
-        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches, progress
+        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches,
+        progress=progress, shard=shard,
     )

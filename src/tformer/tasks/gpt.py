@@ -13,6 +13,7 @@ from tformer.config import RunConfig
 from tformer.data.lm import LMBatch, LMData, RandomWindows
 from tformer.data.tokenizers import Tokenizer
 from tformer.evaluation.lm import evaluate_stream, lm_loss
+from tformer.evaluation.shard import WHOLE, Shard
 
 
 class GPTTask:
@@ -31,11 +32,25 @@ class GPTTask:
             self.data.train_ids, self.cfg.train.batch_size, self.cfg.model.context, seed
         )
 
-    def loss(self, model: nn.Module, batch: LMBatch) -> tuple[Tensor, int]:
-        return lm_loss(model(batch.tokens), batch.targets), batch.num_tokens
+    def loss(self, model: nn.Module, batch: LMBatch, carry: None) -> tuple[Tensor, int, None]:
+        """Windows are independent: nothing is carried from one step to the next."""
+        return lm_loss(model(batch.tokens), batch.targets), batch.num_tokens, None
 
-    def evaluate(self, model: nn.Module, max_batches: int = 0) -> dict[str, float]:
-        return evaluate_text(model, self.data.val_ids, self.tokenizer, self.cfg, max_batches)
+    def new_carry(self) -> None:
+        return None
+
+    def save_carry(self, carry: None) -> None:
+        return None
+
+    def load_carry(self, saved: Any) -> None:
+        return None
+
+    def evaluate(
+        self, model: nn.Module, max_batches: int = 0, shard: Shard = WHOLE
+    ) -> dict[str, float]:
+        return evaluate_text(
+            model, self.data.val_ids, self.tokenizer, self.cfg, max_batches, shard
+        )
 
     def summary(self) -> dict[str, str]:
         """What training reads, for the start-up summary."""
@@ -44,13 +59,13 @@ class GPTTask:
 
 def evaluate_text(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0,
-    progress: Callable[[int], None] | None = None,
+    shard: Shard = WHOLE, progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Loss, perplexity and bits per character over a token stream, in windows of the
     model's context; with the window it used. progress: called with the tokens of each
     batch."""
     result = evaluate_stream(
         model, ids, tokenizer, context=cfg.model.context, batch_size=cfg.train.batch_size,
-        max_batches=max_batches, progress=progress,
+        max_batches=max_batches, shard=shard, progress=progress,
     )
     return {**result, "context": cfg.model.context}
