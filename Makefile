@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test bench lint clean
 
 $(STAMP): pyproject.toml
+	@echo "setting up $(VENV) (PyTorch and this package; a few minutes the first time)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# A CPU build of exactly this torch is on local disk; any other version downloads a CUDA build.
@@ -15,6 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	@echo "make demo: training a small GPT on this Python's standard library source, then sampling from it"
 	$(VENV)/bin/tformer train configs/gpt-builtin.toml --out runs/demo
 	$(VENV)/bin/tformer generate runs/demo --prompt 'def ' --max-new-tokens 300 --num-samples 2
 
