@@ -62,7 +62,8 @@ def translate(
     options = options or SearchOptions()
     device = next(model.parameters()).device
     limit = model.cfg.max_len
-    sources = encode_source(tokenizer, lines)
+    # Blank lines are not encoded (white space may not even be in the vocabulary).
+    sources = encode_source(tokenizer, [line if line.strip() else "" for line in lines])
     results: list[list[Translation]] = [[] for _ in sources]
     too_long = []
     for i, ids in enumerate(sources):
