@@ -3,6 +3,7 @@ commands say about themselves, translation line by line."""
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -185,3 +186,26 @@ def test_translation_at_a_terminal_answers_each_line(s2s):
         if proc.poll() is None:
             proc.kill()
         os.close(controller)
+
+
+def test_training_starts_with_a_summary_and_resumes_its_bar(lm, capsys):
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(lm), "train.steps=4"]) == 0
+    err = capsys.readouterr().err
+    head = err.split("\n")
+    assert head[0] == f"training gpt into {lm}, resumed at step 2"
+    summary = "\n".join(head[:8])
+    for words in ("parameters, vocabulary", "device  cpu, 1 thread", "training and",
+                  "validation tokens", "steps   4 (", "loss    cross-entropy", "time    "):
+        assert words in summary, summary
+    assert "2/4" in err and "0/4" not in err  # the bar goes on from the saved step
+    assert "train_loss=" in err and "val_loss=" in err
+
+
+def test_a_translation_run_names_its_two_losses(s2s, tmp_path, capsys):
+    run = tmp_path / "copy"
+    shutil.copytree(s2s, run)  # the module's run stays as the other tests expect it
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(run), "train.steps=3"]) == 0
+    err = capsys.readouterr().err
+    assert "training: cross-entropy with label smoothing 0.1; validation: without" in err
