@@ -6,22 +6,14 @@ megabytes of real, varied text that every Python installation has.
 
 from __future__ import annotations
 
-import re
 import sysconfig
 from pathlib import Path
 
 BUILTIN_LM = "builtin:python"
-_INDENT = re.compile(r"^ +", re.M)
 
 
 def python_source(max_chars: int = 2_000_000) -> str:
-    """The standard library's top-level modules in name order, up to `max_chars` characters,
-    with each four spaces of indentation written as one tab.
-
-    Indentation is a fifth of the characters of this source; as one tab a level, a small
-    character model counts levels instead of long runs of spaces it loses track of (with
-    spaces, the demo's model wrote ever longer runs of them), and its context holds more
-    code."""
+    """The standard library's top-level modules in name order, up to `max_chars` characters."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     parts: list[str] = []
     total = 0
@@ -30,8 +22,6 @@ def python_source(max_chars: int = 2_000_000) -> str:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        text = _INDENT.sub(lambda m: "\t" * (len(m.group(0)) // 4) + " " * (len(m.group(0)) % 4),
-                           text)
         parts.append(text)
         total += len(text)
         if total >= max_chars:
