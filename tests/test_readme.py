@@ -130,3 +130,12 @@ def test_torchrun_lines_run_tformer_train():
 
         args, extra = build_parser().parse_known_args(words[i + 1 :])
         assert not extra and args.config.endswith(".toml") and args.out
+
+
+@pytest.mark.parametrize("target", ["demo:", "$(STAMP):"])
+def test_make_says_what_it_does_before_any_slow_step(target):
+    """`make demo` speaks within a second: the first command of the demo and of the set-up
+    it may run first is an echo, before Python or pip start."""
+    lines = (ROOT / "Makefile").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(target))
+    assert lines[start + 1].strip().startswith("@echo ")
