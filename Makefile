@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	@echo "make demo: training a small GPT on this Python's standard library source, then sampling from it"
-	$(VENV)/bin/tformer train configs/gpt-builtin.toml --out runs/demo
+	@# A second `make demo` samples from the run the first one trained (rm -r runs/demo to retrain).
+	test -d runs/demo/best || $(VENV)/bin/tformer train configs/gpt-builtin.toml --out runs/demo
 	$(VENV)/bin/tformer generate runs/demo --prompt 'def ' --max-new-tokens 300 --num-samples 2
 
 lint: $(STAMP)
