@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-slow test-gpu bench lint clean
 
 $(STAMP): pyproject.toml
+	@echo "setting up $(VENV) (PyTorch and this package; a few minutes the first time)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# A CPU build of exactly this torch is on local disk; any other version downloads a CUDA build.
@@ -15,7 +16,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tformer train configs/gpt-builtin.toml --out runs/demo
+	@echo "make demo: training a small GPT on this Python's standard library source, then sampling from it"
+	@# A second `make demo` samples from the run the first one trained (rm -r runs/demo to retrain).
+	test -d runs/demo/best || $(VENV)/bin/tformer train configs/gpt-builtin.toml --out runs/demo
 	$(VENV)/bin/tformer generate runs/demo --prompt 'def ' --max-new-tokens 300 --num-samples 2
 
 lint: $(STAMP)

@@ -142,8 +142,8 @@ register(Family(
     evaluate=seq2seq_task.evaluate_checkpoint,
     metrics=("bleu", "chrf", "loss", "exact_match", "sentences"),
     eval_options=(
-        Option("beam", int, "seq2seq: beam size (1 is greedy; default 4)"),
-        Option("alpha", float, "seq2seq: length penalty (default 0.6)"),
+        Option("beam", int, "seq2seq: beam size, 1 is greedy (default: 4)"),
+        Option("alpha", float, "seq2seq: length penalty (default: 0.6)"),
     ),
     translate=seq2seq_task.translate_lines,
 ))

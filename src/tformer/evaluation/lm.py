@@ -4,7 +4,7 @@ independent windows (GPT) or over ordered segments that carry a memory (Transfor
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -37,10 +37,11 @@ def count_chars(targets: Tensor, tokenizer: Tokenizer) -> int:
 @torch.no_grad()
 def evaluate_batches(
     model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0,
-    shard: Shard = WHOLE,
+    progress: Callable[[int], None] | None = None, shard: Shard = WHOLE,
 ) -> dict[str, float]:
     """Summed loss over batches of independent windows (GPT-style models); `shard`: this
-    process's rows of each batch, the sums then added over processes."""
+    process's rows of each batch, the sums then added over processes. progress: called with
+    the number of tokens this process predicted after each batch."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -52,9 +53,12 @@ def evaluate_batches(
         batch = batch.to(device)
         nll = float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
         if counts:
+            batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
             total_nll += nll
-            n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+            n_tokens += batch_tokens
             n_chars += count_chars(batch.targets.cpu(), tokenizer)
+            if progress is not None:
+                progress(batch_tokens)
     model.train(was_training)
     total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
     return lm_metrics(total_nll, int(n_tokens), int(n_chars))
@@ -62,11 +66,12 @@ def evaluate_batches(
 
 def evaluate_stream(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, context: int, batch_size: int,
-    max_batches: int = 0, shard: Shard = WHOLE,
+    max_batches: int = 0, shard: Shard = WHOLE, progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Every token of a stream but the first, predicted once from windows of `context`."""
     return evaluate_batches(
-        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches, shard
+        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches,
+        progress=progress, shard=shard,
     )
 
 
@@ -74,6 +79,7 @@ def evaluate_stream(
 def evaluate_segments(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, segment_len: int, mem_len: int,
     batch_size: int, max_batches: int = 0, shard: Shard = WHOLE,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Every token of a stream but the first, predicted once by a model with a recurrence
     memory (Transformer-XL): the stream is read as `batch_size` ordered streams in segments of
@@ -81,6 +87,7 @@ def evaluate_segments(
 
     The first segment of each stream starts with an empty memory. max_batches: stop after
     this many segments (0: all). shard: this process's rows (streams) of every segment.
+    progress: called with the tokens of each batch.
     """
     device = next(model.parameters()).device
     was_training = model.training
@@ -95,9 +102,12 @@ def evaluate_segments(
         logits = model(batch.tokens, memory=memory)
         nll = float(lm_loss(logits, batch.targets, reduction="sum"))
         if counts:
+            batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
             total_nll += nll
-            n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+            n_tokens += batch_tokens
             n_chars += count_chars(batch.targets.cpu(), tokenizer)
+            if progress is not None:
+                progress(batch_tokens)
     model.train(was_training)
     total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
     return lm_metrics(total_nll, int(n_tokens), int(n_chars))

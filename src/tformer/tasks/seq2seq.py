@@ -59,6 +59,17 @@ class Seq2SeqTask:
         loss = label_smoothed_loss(logits, batch.tgt_out, self.cfg.model.label_smoothing)
         return loss, batch.num_tokens, None
 
+    def summary(self) -> dict[str, str]:
+        """What training reads, and which loss it shows, for the start-up summary."""
+        data = self.data
+        return {
+            "data": f"{len(data.train_src):,} training pairs "
+            f"({sum(map(len, data.train_tgt)):,} target tokens), {len(data.val_src):,} "
+            f"validation pairs ({self.tokenizer.kind})",
+            "loss": f"training: cross-entropy with label smoothing "
+            f"{self.cfg.model.label_smoothing:g}; validation: without",
+        }
+
     def new_carry(self) -> None:
         return None
 
@@ -91,7 +102,8 @@ def translate_lines(
     options = SearchOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                             n_best=n_best, early_stopping=early_stopping)
     return translate(checkpoint.model, checkpoint.tokenizer, lines, options,
-                     batch_size=batch_size, progress=progress)
+                     batch_size=batch_size, progress=progress,
+                     trained_len=checkpoint.cfg.data.max_len)
 
 
 def evaluate_checkpoint(
@@ -118,4 +130,4 @@ def evaluate_checkpoint(
         checkpoint.model, checkpoint.tokenizer, sources, references, search,
         batch_size=batch_size, max_tokens=cfg.data.max_tokens, progress=progress,
     )
-    return result
+    return {**result, "beam": search.beam, "alpha": search.alpha}

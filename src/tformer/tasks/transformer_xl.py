@@ -102,18 +102,26 @@ class TransformerXLTask:
             model, self.data.val_ids, self.tokenizer, self.cfg, max_batches, shard
         )
 
+    def summary(self) -> dict[str, str]:
+        """What training reads, for the start-up summary."""
+        return self.data.summary()
+
 
 def evaluate_text(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0,
-    shard: Shard = WHOLE,
+    shard: Shard = WHOLE, progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Metrics over a token stream read as train.batch_size ordered streams in segments of
     model.context, with a memory of model.eval_mem_len (default model.mem_len) positions;
-    shard: this process's streams."""
-    return evaluate_segments(
+    shard: this process's streams; progress: called with the tokens of each batch. The
+    result repeats the segment length, memory and number of streams it read with."""
+    result = evaluate_segments(
         model, ids, tokenizer, segment_len=cfg.model.context, mem_len=cfg.model.memory_for_eval,
-        batch_size=cfg.train.batch_size, max_batches=max_batches, shard=shard,
+        batch_size=cfg.train.batch_size, max_batches=max_batches, shard=shard, progress=progress,
     )
+    settings = {"segment_len": cfg.model.context, "mem_len": cfg.model.memory_for_eval,
+                "streams": min(cfg.train.batch_size, max(len(ids) - 1, 1))}
+    return {**result, **settings}
 
 
 def evaluate_checkpoint(
@@ -135,4 +143,4 @@ def evaluate_checkpoint(
         if segment_len < 1:
             raise TformerError(f"--segment-len {segment_len} must be at least 1")
         cfg = cfg.replace("model", context=segment_len)
-    return evaluate_lm_checkpoint(checkpoint, data, cfg, evaluate_text)
+    return evaluate_lm_checkpoint(checkpoint, data, cfg, evaluate_text, progress)

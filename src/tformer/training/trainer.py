@@ -222,6 +222,8 @@ def train(
     validation data), rank 0 alone logs and writes.
     """
     run = start_run(cfg, Path(run_dir), resume_from)
+    if run.is_main and progress:
+        progress({"step": run.step, "start": run_summary(run)})
     tcfg = run.cfg.train
     log_window = run.window
     interrupted, val_loss = False, None
@@ -244,6 +246,7 @@ def train(
                 log_window.restart_clock()
         if interrupted:
             save_step_checkpoint(run)
+    run.train_model = run.model  # DDP's reducer holds the process group: it goes first
     distributed.teardown()
     return TrainResult(
         run.run_dir, run.step, val_loss, run.best_val_loss, run.skipped_steps, interrupted,
@@ -252,6 +255,18 @@ def train(
 
 
 # --- set-up ------------------------------------------------------------------------------
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    """What is about to train, for the CLI's start-up summary."""
+    # The task's own description is optional: a family without one still trains.
+    described = getattr(run.task, "summary", dict)()
+    return {
+        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "device": str(run.device), "threads": torch.get_num_threads(),
+        "processes": run.procs.world_size, "vocabulary": run.task.tokenizer.vocab_size,
+        **described,
+    }
 
 
 def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
