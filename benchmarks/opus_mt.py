@@ -78,10 +78,10 @@ class Sides:
         import ctranslate2
         from transformers import MarianMTModel
 
-        from tformer.decoding.prepack import prepack
-        from tformer.decoding.quantize import quantize_int8
         from tformer.interop import read_hf_config, read_hf_weights
         from tformer.interop.marian import seq2seq_from_hf
+        from tformer.kernels.prepack import prepack
+        from tformer.kernels.quantize import quantize_int8
 
         self._tmp = None if work_dir else tempfile.TemporaryDirectory()
         root = Path(work_dir or self._tmp.name)

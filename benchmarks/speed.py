@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from tformer.decoding.lm import generate
-from tformer.decoding.prepack import PackedLinear, prepack, prepack_available
-from tformer.decoding.quantize import quantize_int8
-from tformer.evaluation.lm import lm_loss
+from tformer.evaluation.loss import lm_loss
+from tformer.kernels.prepack import PackedLinear, prepack, prepack_available
+from tformer.kernels.quantize import quantize_int8
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,40 +27,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError, did_you_mean, shown
+from tformer.registry import get_family
+
+Inherit = Callable[[str, Any, dict[str, Any]], tuple[str, dict[str, Any]]]
+"""(train.init_from, the config's model.family or None, its [model] keys) -> the family and
+the complete [model] table (tformer.training.checkpoint.inherit_model)."""
 
 SECTIONS = ("model", "data", "train")
-
-
-# --- checks used by every config's __post_init__ -------------------------------------------
-
-
-def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
-    choices = tuple(choices)
-    if value not in choices:
-        allowed = " | ".join(str(c) for c in choices)
-        raise TformerError(f"{key} = {value!r} is not allowed; choose one of: {allowed}")
-
-
-def check_range(
-    key: str, value: float | int, low: float | None = None, high: float | None = None
-) -> None:
-    """low <= value <= high, and finite."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise TformerError(f"{key} = {value} must be a finite number")
-    if low is not None and value < low:
-        raise TformerError(f"{key} = {value} must be at least {low}")
-    if high is not None and value > high:
-        raise TformerError(f"{key} = {value} must be at most {high}")
-
-
-def check_heads(prefix: str, d_model: int, n_head: int, d_head: int | None) -> None:
-    """Without an explicit head size, the width must split evenly across the heads."""
-    if d_head is None and d_model % n_head != 0:
-        raise TformerError(
-            f"{prefix}.d_model = {d_model} is not divisible by {prefix}.n_head = {n_head}; "
-            f"pick sizes that divide, or set {prefix}.d_head"
-        )
 
 
 # --- the shared [train] table ------------------------------------------------------------
@@ -211,19 +185,20 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError:
+        raise TformerError(f"override {shown(key)}: its value is nested too deeply") from None
     return section, name, value
 
 
 def config_from_dict(
-    raw: Mapping[str, Any], overrides: Iterable[str] = (), *, new_run: bool = False
+    raw: Mapping[str, Any], overrides: Iterable[str] = (), *, inherit: Inherit | None = None
 ) -> RunConfig:
     """Build and validate a RunConfig from parsed TOML/JSON tables plus overrides.
 
-    new_run: the config of a run about to start, whose [model] table a checkpoint named by
-    train.init_from completes (a saved run's config is complete already).
+    inherit: for the config of a run about to start, whose [model] table a checkpoint named
+    by train.init_from completes (tformer.training.checkpoint.inherit_model; a saved run's
+    config is complete already, and is read without it).
     """
-    from tformer.registry import get_family
-
     if not isinstance(raw, Mapping):
         raise TformerError("a config must be a table with [model], [data] and [train]")
     for section in raw:
@@ -243,8 +218,8 @@ def config_from_dict(
         tables[section][name] = value
 
     family_name = tables["model"].pop("family", None)
-    if new_run and tables["train"].get("init_from") is not None:
-        family_name, tables["model"] = inherit_model(
+    if inherit is not None and tables["train"].get("init_from") is not None:
+        family_name, tables["model"] = inherit(
             str(tables["train"]["init_from"]), family_name, tables["model"]
         )
     family_name = "gpt" if family_name is None else family_name
@@ -259,38 +234,9 @@ def config_from_dict(
     )
 
 
-def inherit_model(
-    init_from: str, family: Any, given: dict[str, Any]
-) -> tuple[str, dict[str, Any]]:
-    """The [model] table of a run that starts from checkpoint `init_from`: the checkpoint's
-    own, with the keys the run gives. A key that would change what the weights mean (or
-    their shapes) must agree with the checkpoint; dropout and the like may change."""
-    from tformer.registry import get_family
-    from tformer.training.checkpoint import read_config, resolve_checkpoint
-
-    path = resolve_checkpoint(init_from)
-    saved = read_config(path)
-    if family is not None and family != saved.family:
-        raise TformerError(
-            f"train.init_from = {init_from}: the checkpoint is a {saved.family} model, the "
-            f"config says model.family = {family!r}"
-        )
-    model = dataclasses.asdict(saved.model)
-    free = get_family(saved.family).model_config.weight_free
-    contradictions = [
-        f"model.{key} = {value!r} (checkpoint: {model[key]!r})"
-        for key, value in given.items()
-        if key in model and key not in free and value != model[key]
-    ]
-    if contradictions:
-        raise TformerError(
-            f"train.init_from = {init_from}: these model fields contradict the checkpoint: "
-            + ", ".join(contradictions)
-        )
-    return saved.family, {**model, **given}
-
-
-def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
+def load_config(
+    path: str | Path, overrides: Iterable[str] = (), *, inherit: Inherit | None = None
+) -> RunConfig:
     """Read a TOML (or a checkpoint's JSON) config file for a new run, and apply overrides."""
     path = Path(path)
     if not path.is_file():
@@ -302,4 +248,6 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
         raise TformerError(f"config file {path} is not UTF-8 text") from e
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise TformerError(f"config file {path} does not parse: {e}") from e
-    return config_from_dict(raw, overrides, new_run=True)
+    except RecursionError:
+        raise TformerError(f"config file {path} does not parse: it is nested too deeply") from None
+    return config_from_dict(raw, overrides, inherit=inherit)

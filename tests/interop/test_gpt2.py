@@ -12,7 +12,7 @@ import torch
 from tformer.cli import main
 from tformer.decoding.lm import generate, left_pad
 from tformer.errors import TformerError
-from tformer.interop import export_checkpoint, import_checkpoint
+from tformer.interop.command import export_checkpoint, import_checkpoint
 from tformer.training.checkpoint import load_checkpoint
 
 from .conftest import TRICKY

@@ -9,7 +9,7 @@ import torch
 
 from tformer.data.parallel import encode_source, pad_right
 from tformer.decoding.translate import SearchOptions, translate
-from tformer.interop import import_checkpoint
+from tformer.interop.command import import_checkpoint
 from tformer.training.checkpoint import load_checkpoint
 
 from .conftest import SOURCE_SYLLABLES, TRICKY, made_up_language

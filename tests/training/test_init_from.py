@@ -86,7 +86,7 @@ def test_an_unstated_model_comes_whole_from_the_checkpoint(tmp_path, tiny_corpus
     assert main(["train", str(cfg), "--out", str(base), *tiny, *COMMON]) == 0
     bare = tmp_path / "bare.toml"
     bare.write_text(f'[data]\npath = "{tiny_corpus}"\n[train]\ninit_from = "{base}"\n')
-    inherited = load_config(bare)
+    inherited = load_config(bare, inherit=ckpt.inherit_model)
     assert inherited.model == ckpt.read_config(ckpt.resolve_checkpoint(base)).model
     # A saved config is complete: reading it never goes back to init_from.
     saved = inherited.to_dict()

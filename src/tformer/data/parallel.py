@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tformer.config import check_choice, check_range
+from tformer.checks import check_choice, check_range
 from tformer.data.builtin import BUILTIN_PARALLEL, number_pairs
 from tformer.data.corpus import read_text
 from tformer.data.tokenizers import IGNORE_INDEX, KINDS, Tokenizer, train_tokenizer

@@ -1,7 +1,7 @@
-"""Tokenizers: characters, or byte-level BPE trained with Hugging Face `tokenizers`, or a
-pretrained model's own (GPT-2's byte-level BPE, imported with its weights).
+"""Tokenizers: characters, words, or byte-level BPE trained with Hugging Face `tokenizers`,
+or a pretrained model's own (GPT-2's byte-level BPE, imported with its weights).
 
-All save to one JSON file (tokenizer.json in every checkpoint) and load back from it with
+Each saves to one JSON file (tokenizer.json in every checkpoint) and loads back from it with
 `load_tokenizer`. Special tokens (padding, begin and end of sequence) are handled here and
 nowhere else: ids 0, 1, 2 when a tokenizer trained here has them; a pretrained tokenizer
 names its own.
@@ -22,6 +22,9 @@ IGNORE_INDEX = -100
 SPECIALS = (PAD, BOS, EOS)
 KINDS = ("char", "bpe")
 """The kinds a run can train; a pretrained tokenizer ("gpt2") comes with its checkpoint."""
+LM_KINDS = (*KINDS, "word")
+"""Language models may also read words (translation needs the special tokens)."""
+UNK, LINE_END = "<unk>", "\n"
 
 
 class Tokenizer(Protocol):
@@ -88,6 +91,50 @@ class CharTokenizer:
             {"kind": "char", "specials": bool(self.specials), "chars": self.chars},
             ensure_ascii=False,
         )
+
+
+class WordTokenizer:
+    """Words split on white space, and the end of each line as a token of its own: the
+    convention of the word-level language-model corpora (Penn Treebank, WikiText), whose
+    published perplexities count one token per word and one per line end. Words not seen
+    in training become <unk>. Decoding puts a space before each word but the first of a
+    line, so white space does not come back exactly."""
+
+    kind = "word"
+    pad_id = bos_id = eos_id = None
+
+    def __init__(self, words: Iterable[str]) -> None:
+        self.itos = [UNK, LINE_END] + sorted(set(words) - {UNK, LINE_END})
+        self.stoi = {w: i for i, w in enumerate(self.itos)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        lines = text.split("\n")
+        for i, line in enumerate(lines):
+            ids.extend(self.stoi.get(w, 0) for w in line.split())
+            if i < len(lines) - 1:
+                ids.append(1)
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        parts: list[str] = []
+        for i in ids:
+            word = self.itos[i]
+            if word == LINE_END or not parts or parts[-1] == LINE_END:
+                parts.append(word)
+            else:
+                parts.append(" " + word)
+        return "".join(parts)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "word", "words": self.itos[2:]}, ensure_ascii=False)
 
 
 class BPETokenizer:
@@ -288,13 +335,22 @@ def train_tokenizer(
         return CharTokenizer(chars, specials=specials)
     if kind == "bpe":
         return BPETokenizer.train(texts, vocab_size)
-    raise TformerError(f"data.tokenizer = {kind!r} is not allowed; choose one of: char | bpe")
+    if kind == "word":
+        words: set[str] = set()
+        for text in texts:
+            words.update(text.split())
+        return WordTokenizer(words)
+    raise TformerError(
+        f"data.tokenizer = {kind!r} is not allowed; choose one of: {' | '.join(LM_KINDS)}"
+    )
 
 
 def tokenizer_from_json(text: str) -> Tokenizer:
     data = json.loads(text)
     if data.get("kind") == "char":
         return CharTokenizer(data["chars"], specials=data["specials"])
+    if data.get("kind") == "word":
+        return WordTokenizer(data["words"])
     from tokenizers import Tokenizer as HFTokenizer
 
     if data.get("kind") == SentencePieceTokenizer.kind:

@@ -16,8 +16,8 @@ from tformer.data.parallel import encode_source, encode_target, sorted_batches
 from tformer.data.tokenizers import Tokenizer
 from tformer.decoding.translate import SearchOptions, best_translations
 from tformer.errors import TformerError
+from tformer.evaluation.loss import label_smoothed_loss
 from tformer.evaluation.shard import WHOLE, Shard
-from tformer.models.seq2seq import label_smoothed_loss
 
 
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float | str]:

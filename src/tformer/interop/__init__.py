@@ -1,8 +1,11 @@
-"""Import and export of other libraries' checkpoints, one file per source format.
+"""Import and export of other libraries' checkpoints, one file per source format; this
+module holds what they share (reading a Hugging Face directory), tformer.interop.command
+the entry points.
 
-`import_checkpoint` reads a local Hugging Face model directory, finds its format from
-config.json's `model_type`, and writes a tformer checkpoint directory; `export_checkpoint`
-writes a tformer checkpoint back out in a format another library loads. Nothing is
+`import_checkpoint` (tformer.interop.command) reads a local Hugging Face model directory,
+finds its format from config.json's `model_type`, and writes a tformer checkpoint
+directory; `export_checkpoint` writes a tformer checkpoint back out in a format another
+library loads. Nothing is
 downloaded: every source is a path.
 """
 
@@ -10,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,32 +65,3 @@ def take(weights: dict[str, Tensor], name: str, source: Path) -> Tensor:
         return weights.pop(name)
     except KeyError:
         raise TformerError(f"{source}: the weights have no tensor {name!r}") from None
-
-
-def importers() -> dict[str, Callable[[Path, Path], Path]]:
-    """model_type -> importer(src, dest). Imported lazily: each may need an extra."""
-    from tformer.interop import gpt2, marian
-
-    return {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian}
-
-
-def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
-    """A local Hugging Face model directory -> a tformer checkpoint directory at `dest`."""
-    src, dest = Path(src), Path(dest)
-    model_type = read_hf_config(src).get("model_type")
-    found = importers()
-    if model_type not in found:
-        raise TformerError(
-            f"{src}: model_type {model_type!r} cannot be imported; known: {', '.join(found)}"
-        )
-    return found[model_type](src, dest)
-
-
-def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "gpt2") -> Path:
-    """A tformer checkpoint -> a Hugging Face model directory at `dest`."""
-    from tformer.interop import gpt2
-
-    exporters = {"gpt2": gpt2.export_gpt2}
-    if format not in exporters:
-        raise TformerError(f"--format {format!r} is not known; choose one of: gpt2")
-    return exporters[format](Path(checkpoint), Path(dest))

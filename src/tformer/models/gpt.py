@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from tformer.config import check_choice, check_heads, check_range
+from tformer.checks import check_choice, check_heads, check_range
 from tformer.layers import (
     ACTIVATIONS,
     POSITIONS,

@@ -18,11 +18,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.config import check_choice, check_heads, check_range
-from tformer.data.tokenizers import IGNORE_INDEX
+from tformer.checks import check_choice, check_heads, check_range
 from tformer.layers import (
     ACTIVATIONS,
     SINUSOID_LAYOUTS,
@@ -333,15 +331,3 @@ class Seq2Seq(nn.Module):
         """Distinct parameters (tied matrices count once)."""
         return sum(p.numel() for p in self.parameters())
 
-
-def label_smoothed_loss(
-    logits: Tensor, targets: Tensor, epsilon: float, *, reduction: str = "mean"
-) -> Tensor:
-    """Cross-entropy of (B, T, V) logits against (B, T) targets with label smoothing
-    (Szegedy et al. 2016; Vaswani et al. 2017, sec. 5.4): the target distribution puts
-    1 - epsilon on the right token and spreads epsilon evenly over the vocabulary.
-    IGNORE_INDEX targets (padding) count for nothing; "mean" averages over real tokens."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-        label_smoothing=epsilon, reduction=reduction,
-    )

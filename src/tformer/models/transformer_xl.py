@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.config import check_choice, check_heads, check_range
+from tformer.checks import check_choice, check_heads, check_range
 from tformer.layers import (
     ACTIVATIONS,
     SINUSOID_LAYOUTS,
@@ -316,9 +316,14 @@ class TransformerXLBlock(nn.Module):
 
     def forward(
         self, x: Tensor, memory: Tensor | None, memory_kv: tuple[Tensor, Tensor] | None,
-        pos_k: Tensor, bias: Tensor, u: Tensor, v: Tensor,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """As RelativeAttention.forward: the block's output and its keys and values."""
+        positions: Tensor | None, pos_k: Tensor | None, bias: Tensor, u: Tensor, v: Tensor,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor]:
+        """As RelativeAttention.forward: the block's output, its keys and values, and its
+        position keys: `pos_k` if given, else computed from the (K, D) `positions` here, in
+        the block's own forward, where FSDP has gathered its weights."""
+        if pos_k is None:
+            assert positions is not None
+            pos_k = self.attn.position_keys(positions.to(x.dtype))
         if memory is not None and self.pre_norm:
             # The memory holds un-normalised layer inputs; pre-norm normalises the keys'
             # inputs the same way as the queries' (the paper's code, pre_lnorm).
@@ -332,14 +337,12 @@ class TransformerXLBlock(nn.Module):
 
         x = self.attn_residual(x, attend)
         assert keys_values is not None
-        return self.ff_residual(x, self.ff), keys_values
+        return self.ff_residual(x, self.ff), keys_values, pos_k
 
 
 class TransformerXL(nn.Module):
     """A Transformer-XL language model: tied embeddings, relative attention, memory."""
 
-    decodes_with_memory = True
-    """tformer.decoding.lm.generate hands this model to the memory-based decoder."""
     reads_linear_weights = ("qkv_proj",)
     """Linear layers whose weight the model slices (the memory's keys and values)."""
 
@@ -426,15 +429,14 @@ class TransformerXL(nn.Module):
         layer_inputs, new_keys_values = [], []
         for i, block in enumerate(self.blocks):
             pos_k = cached.get((i, M + T)) if cached is not None else None
-            if pos_k is None:
-                if positions is None:
-                    positions = self.dropout(self.relative_positions(M + T, tokens.device))
-                pos_k = block.attn.position_keys(positions.to(x.dtype))
-                if cached is not None:
-                    cached[(i, M + T)] = pos_k
+            if pos_k is None and positions is None:
+                positions = self.dropout(self.relative_positions(M + T, tokens.device))
             layer_inputs.append(x)
             b = 0 if self.cfg.share_biases else i
-            x, kv = block(x, states[i], keys_values[i], pos_k, bias, self.u[b], self.v[b])
+            x, kv, pos_k = block(x, states[i], keys_values[i], positions, pos_k, bias,
+                                 self.u[b], self.v[b])
+            if cached is not None:
+                cached[(i, M + T)] = pos_k
             new_keys_values.append(kv)
         if memory is not None:
             memory.update(layer_inputs, new_keys_values, is_real)

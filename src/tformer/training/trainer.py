@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import logging
 import math
 import signal
@@ -50,6 +51,8 @@ class TrainResult:
     best_val_loss: float | None
     skipped_steps: int
     interrupted: bool
+    stop_signal: int | None = None
+    """The signal (SIGINT, SIGTERM) that stopped an interrupted run."""
 
 
 def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -110,11 +113,19 @@ class MetricsLog:
             self._write([], "w")
 
     def _write(self, rows: list[dict[str, Any]], mode: str) -> None:
-        with open(self.path, mode, newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
-            if mode == "w":
-                writer.writeheader()
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=METRIC_FIELDS)
+        if mode == "w":  # a rewrite replaces the file in one rename
+            writer.writeheader()
             writer.writerows(rows)
+            ckpt.write_text(self.path, text.getvalue())
+            return
+        writer.writerows(rows)
+        try:
+            with open(self.path, "a", newline="") as f:
+                f.write(text.getvalue())
+        except OSError as e:
+            raise ckpt.write_error(self.path, e) from None
 
     @staticmethod
     def _complete(row: dict[str, Any], last_step: int) -> bool:
@@ -126,16 +137,23 @@ class MetricsLog:
         self._write([row], "a")
 
 
+class StopRequest(threading.Event):
+    """Set by Ctrl-C or SIGTERM, so the loop can save and stop between steps."""
+
+    signum: int | None = None
+
+
 @contextmanager
-def stop_requests() -> Iterator[threading.Event]:
-    """An event set by Ctrl-C or SIGTERM, so the loop can save and stop between steps."""
-    stop = threading.Event()
+def stop_requests() -> Iterator[StopRequest]:
+    """A StopRequest set by Ctrl-C or SIGTERM, which it records."""
+    stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
     def request_stop(signum: int, frame: Any) -> None:
         log.warning("got %s: saving a checkpoint and stopping", signal.Signals(signum).name)
+        stop.signum = signum
         stop.set()
 
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -165,6 +183,8 @@ class Run:
     """What one step hands the next besides the weights (Transformer-XL: its memory)."""
     horizon: Horizon
     metrics: MetricsLog | None
+    window: LogWindow = dataclasses.field(default_factory=lambda: LogWindow())
+    """What metrics.csv's next row sums up; saved, so a resumed run writes the same rows."""
     step: int = 0
     best_val_loss: float | None = None
     skipped_steps: int = 0
@@ -202,8 +222,10 @@ def train(
     validation data), rank 0 alone logs and writes.
     """
     run = start_run(cfg, Path(run_dir), resume_from)
+    if run.is_main and progress:
+        progress({"step": run.step, "start": run_summary(run)})
     tcfg = run.cfg.train
-    log_window = LogWindow()
+    log_window = run.window
     interrupted, val_loss = False, None
     run.model.train()
     with stop_requests() as stop:
@@ -224,13 +246,27 @@ def train(
                 log_window.restart_clock()
         if interrupted:
             save_step_checkpoint(run)
+    run.train_model = run.model  # DDP's reducer holds the process group: it goes first
     distributed.teardown()
     return TrainResult(
-        run.run_dir, run.step, val_loss, run.best_val_loss, run.skipped_steps, interrupted
+        run.run_dir, run.step, val_loss, run.best_val_loss, run.skipped_steps, interrupted,
+        stop.signum if interrupted else None,
     )
 
 
 # --- set-up ------------------------------------------------------------------------------
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    """What is about to train, for the CLI's start-up summary."""
+    # The task's own description is optional: a family without one still trains.
+    described = getattr(run.task, "summary", dict)()
+    return {
+        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "device": str(run.device), "threads": torch.get_num_threads(),
+        "processes": run.procs.world_size, "vocabulary": run.task.tokenizer.vocab_size,
+        **described,
+    }
 
 
 def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
@@ -291,6 +327,7 @@ def restore(run: Run, state: dict[str, Any]) -> None:
         set_rng_state(state["rng_per_rank"][procs.rank])
     run.step, run.best_val_loss = state["step"], state["best_val_loss"]
     run.skipped_steps = state["skipped_steps"]
+    run.window.load_state_dict(state.get("log_window"))
     saved = state.get("horizon", {"steps": state.get("schedule_steps", tcfg.steps)})
     horizon = Horizon(**saved)
     run.horizon = extend(horizon, run.step, tcfg, schedule_width(run.cfg))
@@ -392,6 +429,18 @@ class LogWindow:
             self.loss_sum += result.loss * result.tokens
             self.loss_tokens += result.tokens
 
+    def state_dict(self) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.started
+        return {"loss_sum": self.loss_sum, "loss_tokens": self.loss_tokens,
+                "tokens": self.tokens, "elapsed_s": elapsed}
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        if state is None:  # a checkpoint from before the window was saved
+            return
+        self.loss_sum, self.loss_tokens = state["loss_sum"], state["loss_tokens"]
+        self.tokens = int(state["tokens"])
+        self.started = time.perf_counter() - state["elapsed_s"]
+
     @property
     def mean_loss(self) -> float:
         return self.loss_sum / self.loss_tokens if self.loss_tokens else math.nan
@@ -431,7 +480,8 @@ def validate(run: Run, progress: Progress | None) -> float:
         run.metrics.add(step=run.step, split="val", loss=f"{val:.6f}")
         if progress:
             progress({"step": run.step, "val": result})
-    if run.best_val_loss is None or val < run.best_val_loss:
+    # A NaN never compares lower; it must not become the first best either.
+    if math.isfinite(val) and (run.best_val_loss is None or val < run.best_val_loss):
         run.best_val_loss = val
         save(run, run.run_dir / ckpt.BEST)
     return val
@@ -461,6 +511,7 @@ def save(run: Run, path: Path) -> None:
             "best_val_loss": run.best_val_loss,
             "skipped_steps": run.skipped_steps,
             "horizon": dataclasses.asdict(run.horizon),
+            "log_window": run.window.state_dict(),
         }
         to_save = run.model
         if weights is not None:
