@@ -78,8 +78,12 @@ def run_engine(model, requests, *, max_batch, batched=True, eos_id=None):
 def test_sequences_joining_and_leaving_decode_as_they_would_alone(gpt, monkeypatch):
     compactions = []
     original = SlotPool.compact
-    monkeypatch.setattr(SlotPool, "compact",
-                        lambda self, longest: (compactions.append(longest), original(self, longest)))
+
+    def compact(self, longest):
+        compactions.append(longest)
+        original(self, longest)
+
+    monkeypatch.setattr(SlotPool, "compact", compact)
     torch.manual_seed(3)
     requests = []
     for i in range(10):
