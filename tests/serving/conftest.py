@@ -93,3 +93,10 @@ def gpt_server(gpt_checkpoint):
     server = Server(gpt_checkpoint, "--max-batch", "8", "--max-body-bytes", "4096")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def long_checkpoint(tmp_path_factory) -> Path:
+    """A model with room for long completions, to have requests in flight for a while."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("long") / "long-gpt", {
+        "family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 64, "context": 512})
