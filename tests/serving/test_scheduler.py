@@ -65,8 +65,10 @@ def run_engine(model, requests, *, max_batch, batched=True, eos_id=None):
         for seq, (_, _, at) in zip(seqs, requests, strict=True):
             if at == step:
                 engine.submit([seq])
-        while engine.pending and len(engine.active) < max_batch:
-            engine._join(engine.pending.popleft())
+        joining = []
+        while engine.pending and len(engine.active) + len(joining) < max_batch:
+            joining.append(engine.pending.popleft())
+        engine._join(joining)
         engine._drop_cancelled()
         if engine.active:
             engine._step()
@@ -116,15 +118,15 @@ def test_the_end_of_text_token_ends_a_sequence(gpt):
 def test_compaction_keeps_what_every_row_sees(gpt):
     pool = SlotPool(gpt, capacity=3)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    for p in prompts:
-        pool.prefill(p)
+    pool.prefill(prompts[:1])
+    pool.prefill(prompts[1:])  # two of different lengths at once
     pool.remove(0)  # the last row moves into row 0
     pool.width = 24  # as if the clock had reached the end of the buffer
     before = pool.step([5, 6])
     # The same step from a fresh pool with the rows' prompts read again.
     fresh = SlotPool(gpt, capacity=2)
-    fresh.prefill(prompts[2])
-    fresh.prefill(prompts[1])
+    fresh.prefill([prompts[2]])
+    fresh.prefill([prompts[1]])
     want = fresh.step([5, 6])
     torch.testing.assert_close(before, want, rtol=1e-5, atol=1e-5)
     assert pool.width == 5  # gathered to the longest row (4 prompt + 1 new)
@@ -136,8 +138,7 @@ def test_a_cancelled_sequence_leaves_and_the_others_go_on(gpt):
     seq = Sequence([1, 2], Sampling(10, 0.0), sink)
     other = Collect()
     engine.submit([seq, Sequence([3], Sampling(5, 0.0), other)])
-    for _ in range(2):
-        engine._join(engine.pending.popleft())
+    engine._join([engine.pending.popleft(), engine.pending.popleft()])
     engine._step()
     seq.cancel()
     engine._drop_cancelled()

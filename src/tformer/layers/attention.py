@@ -151,14 +151,14 @@ class DecoderCache:
     def max_len(self) -> int:
         return self.self_attn[0].max_len
 
-    def narrow(self, rows: int, length: int) -> DecoderCache:
-        """A cache over the first `rows` rows of this one, sharing its buffers, at `length`
-        positions: what a pool of decoding slots hands the model for its occupied rows."""
+    def narrow(self, rows: slice, length: int) -> DecoderCache:
+        """A cache over some rows of this one, sharing its buffers, at `length` positions:
+        what a pool of decoding slots hands the model for the rows it decodes."""
         narrowed = DecoderCache(
-            [KVCache.over(c.k[:rows], c.v[:rows], length) for c in self.self_attn]
+            [KVCache.over(c.k[rows], c.v[rows], length) for c in self.self_attn]
         )
         if self.is_real is not None:
-            narrowed.is_real = self.is_real[:rows]
+            narrowed.is_real = self.is_real[rows]
         return narrowed
 
     def reorder(self, index: Tensor) -> None:

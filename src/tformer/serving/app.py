@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -169,9 +170,12 @@ class Choice:
     out to be the start of a stop string or half of a character, so that every piece
     streamed is final: the pieces concatenate to the whole text."""
 
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stops: list[str], *, incremental: bool) -> None:
+        """incremental: keep the text up to date at every token (for a stream, or to find
+        stop strings); else it is decoded once, by `ready(final=True)`."""
         self.tokenizer = tokenizer
         self.stops = stops
+        self.incremental = incremental or bool(stops)
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0
@@ -179,6 +183,8 @@ class Choice:
 
     def add(self, token: int) -> None:
         self.ids.append(token)
+        if not self.incremental:
+            return
         self.text = self.tokenizer.decode(self.ids)
         for stop in self.stops:
             # Search only where a new match can start: the text before was checked.
@@ -189,6 +195,8 @@ class Choice:
 
     def ready(self, final: bool) -> str:
         """The text not sent yet that can be sent now."""
+        if not self.incremental:
+            self.text = self.tokenizer.decode(self.ids)
         end = len(self.text)
         if not final:
             if self.text.endswith("\ufffd"):
@@ -202,6 +210,39 @@ class Choice:
         piece = self.text[self.sent : end]
         self.sent = end
         return piece
+
+
+class Mailbox:
+    """Hands items from the decoding thread to asyncio queues with one wake-up of the event
+    loop per batch of items rather than one per token (a wake-up is a write to a pipe, and
+    a decoding step hands over a token per sequence)."""
+
+    _by_loop: dict[int, Mailbox] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[tuple[asyncio.Queue, Any]] = []
+        self.lock = threading.Lock()
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        box = cls._by_loop.get(id(loop))
+        if box is None or box.loop is not loop:
+            box = cls._by_loop[id(loop)] = cls(loop)
+        return box
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            wake = len(self.items) == 1
+        if wake:
+            self.loop.call_soon_threadsafe(self._hand_out)
+
+    def _hand_out(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 # --- the application --------------------------------------------------------------------
@@ -376,6 +417,7 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
 
 async def complete(body: CompletionRequest, request: Request, engine: LMEngine, tokenizer: Any,
                    model_name: str, limits: Limits) -> JSONResponse | StreamingResponse:
+    mailbox = Mailbox.for_loop(asyncio.get_running_loop())
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if body.max_tokens > limits.max_tokens:
@@ -391,7 +433,6 @@ async def complete(body: CompletionRequest, request: Request, engine: LMEngine, 
                            param="prompt", code="context_length_exceeded")
         encoded.append(ids)
 
-    loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[int, int | None, str | None]] = asyncio.Queue()
     seqs = []
     for p, ids in enumerate(encoded):
@@ -400,7 +441,7 @@ async def complete(body: CompletionRequest, request: Request, engine: LMEngine, 
             seed = None if body.seed is None else body.seed + i
 
             def deliver(token: int | None, reason: str | None, index: int = index) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, (index, token, reason))
+                mailbox.post(events, (index, token, reason))
 
             seqs.append(Sequence(ids, Sampling(body.max_tokens, body.temperature, body.top_k,
                                                body.top_p, seed), deliver))
@@ -410,7 +451,7 @@ async def complete(body: CompletionRequest, request: Request, engine: LMEngine, 
 
     created = int(time.time())
     rid = f"cmpl-{secrets.token_hex(12)}"
-    choices = [Choice(tokenizer, stops) for _ in seqs]
+    choices = [Choice(tokenizer, stops, incremental=body.stream) for _ in seqs]
     reasons: list[str | None] = [None] * len(seqs)
     usage = {"prompt_tokens": sum(len(ids) for ids in encoded) * body.n,
              "completion_tokens": 0, "total_tokens": 0}
@@ -421,7 +462,10 @@ async def complete(body: CompletionRequest, request: Request, engine: LMEngine, 
     async def next_event() -> tuple[int, int | None, str | None]:
         """The next (index, token, reason); a token that ends text at a stop string
         cancels its sequence."""
-        index, token, reason = await events.get()
+        try:
+            index, token, reason = events.get_nowait()
+        except asyncio.QueueEmpty:
+            index, token, reason = await events.get()
         if token is not None:
             choice = choices[index]
             choice.add(token)
@@ -480,6 +524,9 @@ async def complete(body: CompletionRequest, request: Request, engine: LMEngine, 
 
     try:
         while not finished():
+            if not events.empty():
+                await next_event()
+                continue
             try:
                 await asyncio.wait_for(next_event(), timeout=0.5)
             except asyncio.TimeoutError:
@@ -492,6 +539,8 @@ async def complete(body: CompletionRequest, request: Request, engine: LMEngine, 
     if "error" in reasons:
         raise ApiError(500, "decoding failed", type="server_error")
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    for choice in choices:
+        choice.ready(final=True)
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": model_name,
         "choices": [{"index": i, "text": prefix(i) + c.text, "logprobs": None,

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.lm import generate
+from tformer.decoding.lm import generate, left_pad
 from tformer.decoding.sampling import next_token
 from tformer.decoding.translate import SearchOptions, Translation, translate
-from tformer.layers import DecoderCache, KVCache
+from tformer.layers import DecoderCache
 
 log = logging.getLogger(__name__)
 
@@ -132,22 +132,30 @@ class SlotPool:
         self.rows = 0
         self.width = 0
 
-    def prefill(self, prompt: list[int]) -> Tensor:
-        """Read a prompt into the next free row; return its (V,) last-position logits."""
-        row = self.rows
-        assert row < self.capacity, "no free row"
-        P = len(prompt)
+    def prefill(self, prompts: list[list[int]]) -> Tensor:
+        """Read prompts into the next free rows, in one forward pass; return their (k, V)
+        last-position logits.
+
+        The prompts are left-padded to a common length P, so each row's last token sits in
+        column P - 1, where the model's last-position logits are read.
+        """
+        first, k = self.rows, len(prompts)
+        assert first + k <= self.capacity, "not enough free rows"
         device = self.is_real.device
-        cache = DecoderCache(
-            [KVCache.over(c.k[row : row + 1], c.v[row : row + 1], 0) for c in self.pool.self_attn]
-        )
-        ids = torch.tensor([prompt], device=device)
-        logits = self.model(ids, cache=cache, last_only=True)
-        self.is_real[row] = False
-        self.is_real[row, :P] = True
-        self.rows += 1
+        ids, real = left_pad(prompts, pad_id=0)
+        P = ids.shape[1]
+        rows = slice(first, first + k)
+        self.is_real[rows] = False
+        padded = not bool(real.all())
+        cache = self.pool.narrow(rows, 0)
+        if not padded:
+            cache.is_real = None  # one prompt, or equal lengths: the plain causal pass
+        logits = self.model(ids.to(device), real.to(device) if padded else None, cache=cache,
+                            last_only=True)
+        self.is_real[rows, :P] = real.to(device)
+        self.rows += k
         self.width = max(self.width, P)
-        return logits[0, -1]
+        return logits[:, -1]
 
     def step(self, last_tokens: list[int]) -> Tensor:
         """One new token per occupied row -> (n, V) logits for the next ones."""
@@ -158,7 +166,8 @@ class SlotPool:
         device = self.is_real.device
         tokens = torch.tensor(last_tokens, device=device)[:, None]
         real = torch.ones(n, 1, dtype=torch.bool, device=device)
-        logits = self.model(tokens, real, cache=self.pool.narrow(n, self.width), last_only=True)
+        cache = self.pool.narrow(slice(0, n), self.width)
+        logits = self.model(tokens, real, cache=cache, last_only=True)
         self.width += 1
         return logits[:, -1]
 
@@ -277,8 +286,7 @@ class LMEngine:
                     joining.append(self.pending.popleft())
             try:
                 with torch.inference_mode():
-                    for seq in joining:
-                        self._join(seq)
+                    self._join(joining)
                     self._drop_cancelled()
                     if self.active:
                         self._step()
@@ -291,25 +299,34 @@ class LMEngine:
                     self.slots.rows = self.slots.width = 0
                     self.slots.is_real.zero_()
 
-    def _join(self, seq: Sequence) -> None:
-        if seq.cancelled:
-            seq.finish("cancelled")
-            return
-        generator = seq.make_generator(self.device)
+    def _join(self, joining: list[Sequence]) -> None:
+        for seq in joining:
+            if seq.cancelled:
+                seq.finish("cancelled")
+        joining = [seq for seq in joining if not seq.finished]
+        for seq in joining:
+            seq.make_generator(self.device)
         if self.slots is None:
-            opts = seq.sampling
-            seq.stream = generate(
-                self.model, torch.tensor([seq.prompt], device=self.device),
-                max_new_tokens=opts.max_tokens, temperature=opts.temperature,
-                top_k=opts.top_k, top_p=opts.top_p, generator=generator, eos_id=self.eos_id,
-            )
-            self.active.append(seq)
+            for seq in joining:
+                opts = seq.sampling
+                seq.stream = generate(
+                    self.model, torch.tensor([seq.prompt], device=self.device),
+                    max_new_tokens=opts.max_tokens, temperature=opts.temperature,
+                    top_k=opts.top_k, top_p=opts.top_p, generator=seq.generator,
+                    eos_id=self.eos_id,
+                )
+                self.active.append(seq)
             return
-        logits = self.slots.prefill(seq.prompt)
-        self.active.append(seq)
-        token = sample(logits[None], [seq])[0]
-        if self._accept(seq, token):
-            self._leave(len(self.active) - 1)
+        if not joining:
+            return
+        logits = self.slots.prefill([seq.prompt for seq in joining])
+        self.active.extend(joining)
+        tokens = sample(logits, joining)
+        first = len(self.active) - len(joining)
+        done = [first + i for i, (seq, token) in enumerate(zip(joining, tokens, strict=True))
+                if self._accept(seq, token)]
+        for row in reversed(done):
+            self._leave(row)
 
     def _step(self) -> None:
         if self.slots is None:
