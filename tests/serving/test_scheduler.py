@@ -77,7 +77,13 @@ def run_engine(model, requests, *, max_batch, batched=True, eos_id=None):
     return sinks
 
 
-def test_sequences_joining_and_leaving_decode_as_they_would_alone(gpt, monkeypatch):
+@pytest.mark.parametrize(("context", "max_batch"), [(24, 4), (160, 7)])
+def test_sequences_joining_and_leaving_decode_as_they_would_alone(context, max_batch,
+                                                                   monkeypatch):
+    """(24, 4): rows wait for a free one, and long sequences push the clock to the end of
+    the buffer; (160, 7): the buffers grow, in rows and in columns, while sequences run."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=context, n_layer=2, n_head=2,
+                                 d_model=16)))
     compactions = []
     original = SlotPool.compact
 
@@ -91,17 +97,21 @@ def test_sequences_joining_and_leaving_decode_as_they_would_alone(gpt, monkeypat
     for i in range(10):
         prompt = torch.randint(0, 29, (int(torch.randint(1, 12, ())),)).tolist()
         greedy = i % 2 == 0
-        sampling = Sampling(max_tokens=int(torch.randint(1, 24 - len(prompt), ())),
+        longest = min(context, 100) - len(prompt)
+        sampling = Sampling(max_tokens=int(torch.randint(1, longest, ())),
                             temperature=0.0 if greedy else 1.0, top_k=0 if greedy else 7,
                             seed=i)
         requests.append((prompt, sampling, 2 * i))
-    # Four rows for ten sequences: some wait; the long ones push the clock to the end of
-    # the buffer, so rows are gathered into a narrower window along the way.
-    sinks = run_engine(gpt, requests, max_batch=4)
+    grown = []
+    reserve = SlotPool._reserve
+    monkeypatch.setattr(SlotPool, "_reserve", lambda self, rows, columns: (
+        grown.append(rows > self.is_real.shape[0] or columns > self.is_real.shape[1]),
+        reserve(self, rows, columns)))
+    sinks = run_engine(gpt, requests, max_batch=max_batch)
     for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
         assert sink.tokens == alone(gpt, prompt, sampling)
         assert sink.reason == "length"
-    assert compactions
+    assert compactions if context == 24 else sum(grown) >= 2
 
 
 def test_the_end_of_text_token_ends_a_sequence(gpt):

@@ -119,18 +119,42 @@ class SlotPool:
     def __init__(self, model: nn.Module, capacity: int) -> None:
         self.model = model
         self.context = model.cfg.context
-        self.pool: DecoderCache = model.make_cache(capacity, self.context, padded=True)
-        # Unused columns are read (then masked): they must hold finite numbers, since a
-        # masked NaN still spreads through 0 * NaN.
-        for layer in self.pool.self_attn:
-            layer.k.zero_()
-            layer.v.zero_()
-        assert self.pool.is_real is not None
-        self.is_real: Tensor = self.pool.is_real
-        self.is_real.zero_()
         self.capacity = capacity
         self.rows = 0
         self.width = 0
+        # The buffers grow (rows and columns, doubling) as the load asks, up to `capacity`
+        # rows of `context` columns: GPT-2 small at 64 x 1024 would hold 4.8 GB from the
+        # start.
+        self.pool, self.is_real = self._allocate(min(capacity, 4), min(self.context, 64))
+
+    def _allocate(self, rows: int, columns: int) -> tuple[DecoderCache, Tensor]:
+        pool = self.model.make_cache(rows, columns, padded=True)
+        # Unused columns are read (then masked): they must hold finite numbers, since a
+        # masked NaN still spreads through 0 * NaN.
+        for layer in pool.self_attn:
+            layer.k.zero_()
+            layer.v.zero_()
+        assert pool.is_real is not None
+        pool.is_real.zero_()
+        return pool, pool.is_real
+
+    def _reserve(self, rows: int, columns: int) -> None:
+        """Grow the buffers to hold at least `rows` rows of `columns` columns."""
+        have_rows, have_columns = self.is_real.shape
+        if rows <= have_rows and columns <= have_columns:
+            return
+        if rows > have_rows:
+            rows = min(self.capacity, max(rows, 2 * have_rows))
+        if columns > have_columns:
+            columns = min(self.context, max(columns, 2 * have_columns))
+        new_rows, new_columns = max(rows, have_rows), max(columns, have_columns)
+        pool, is_real = self._allocate(new_rows, new_columns)
+        n, W = self.rows, self.width
+        for old, new in zip(self.pool.self_attn, pool.self_attn, strict=True):
+            new.k[:n, :, :W] = old.k[:n, :, :W]
+            new.v[:n, :, :W] = old.v[:n, :, :W]
+        is_real[:n, :W] = self.is_real[:n, :W]
+        self.pool, self.is_real = pool, is_real
 
     def prefill(self, prompts: list[list[int]]) -> Tensor:
         """Read prompts into the next free rows, in one forward pass; return their (k, V)
@@ -144,6 +168,7 @@ class SlotPool:
         device = self.is_real.device
         ids, real = left_pad(prompts, pad_id=0)
         P = ids.shape[1]
+        self._reserve(first + k, max(P, self.width))
         rows = slice(first, first + k)
         self.is_real[rows] = False
         padded = not bool(real.all())
@@ -163,6 +188,7 @@ class SlotPool:
         longest = int(self.is_real[:n].sum(1).max())
         if self.width + 1 > self.context or self.width > 2 * longest + 16:
             self.compact(longest)
+        self._reserve(n, self.width + 1)
         device = self.is_real.device
         tokens = torch.tensor(last_tokens, device=device)[:, None]
         real = torch.ones(n, 1, dtype=torch.bool, device=device)
