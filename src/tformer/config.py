@@ -130,6 +130,13 @@ class RunConfig:
     data: Any
     train: TrainConfig
 
+    def __post_init__(self) -> None:
+        if self.train.schedule == "noam" and not hasattr(self.model, "d_model"):
+            raise TformerError(
+                f"train.schedule = noam scales the rate by model.d_model, which a "
+                f"{self.family} model does not have; choose cosine, linear or constant"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         model = {"family": self.family, **dataclasses.asdict(self.model)}
         return {

@@ -43,8 +43,8 @@ def test_a_crashed_run_resumes_bit_identically_memory_included(tiny_corpus, tmp_
     latest = ckpt.latest_good_checkpoint(tmp_path / "crashed")
     assert latest.name == "step-000002"
     state = ckpt.load_trainer_state(latest)
-    data = state["data_per_rank"][0]
-    assert len(data["memory"]["states"]) == 2, "the memory travels with the cursor"
+    carry = state["carry_per_rank"][0]
+    assert len(carry["memory"]["states"]) == 2, "the memory travels with the checkpoint"
     train(cfg, tmp_path / "crashed", resume_from=latest)
 
     assert train_losses(tmp_path / "crashed") == train_losses(tmp_path / "straight")
@@ -66,18 +66,40 @@ def test_the_training_memory_carries_over_and_clears_at_a_new_epoch(tiny_corpus)
     model = get_family("transformer-xl").model(
         cfg.replace("model", **task.model_fields()).model)
     batches = task.train_batches(0)
-    starts = 0
+    memory, starts = task.new_carry(), 0
     with torch.no_grad():
-        for step in range(40):
+        for _ in range(40):
             batch = next(batches)
+            before = memory
+            _, _, memory = task.loss(model, batch, memory)
+            assert memory.length == 8 and memory is not before
             if batch.first:
                 starts += 1
-                assert task.memory.length == 0, "a new epoch starts with an empty memory"
+                # A new epoch starts with an empty memory: the loss equals a fresh one's.
+                fresh, _, _ = task.loss(model, batch, task.new_carry())
+                stale, _, _ = task.loss(model, batch, before)
+                assert torch.equal(stale, fresh)
             else:
-                assert task.memory.length == 8
-            task.loss(model, batch)
-            assert task.memory.length == 8 and step >= 0
+                # The memory carried in is the one the previous segment left: attending
+                # over it scores this segment differently from an empty memory.
+                fresh, _, _ = task.loss(model, batch, task.new_carry())
+                carried, _, _ = task.loss(model, batch, before)
+                assert not torch.equal(carried, fresh)
     assert starts == 2, "the tiny corpus wraps around once in 40 segments"
+
+
+def test_the_memory_handed_in_is_not_changed(tiny_corpus):
+    cfg = tiny_config(tiny_corpus, "model.dropout=0.0")
+    task = TransformerXLTask(cfg)
+    model = get_family("transformer-xl").model(
+        cfg.replace("model", **task.model_fields()).model)
+    batches = task.train_batches(0)
+    with torch.no_grad():
+        _, _, memory = task.loss(model, next(batches), task.new_carry())
+        kept = [m.clone() for m in memory.states]
+        _, _, after = task.loss(model, next(batches), memory)
+    assert all(torch.equal(a, b) for a, b in zip(memory.states, kept, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(after.states, kept, strict=True))
 
 
 def test_evaluation_equals_a_hand_written_walk(tiny_corpus):
@@ -121,12 +143,11 @@ def test_memory_saved_by_another_process_layout_is_not_restored(tiny_corpus, mon
         cfg.replace("model", **task.model_fields()).model)
     batches = task.train_batches(0)
     with torch.no_grad():
-        task.loss(model, next(batches))
-    state = batches.state_dict()
-    restored = TransformerXLTask(cfg, task.tokenizer).train_batches(0)
-    restored.load_state_dict(state)
-    assert restored.memory.length == 8 and restored.streams.segment == 1
+        _, _, memory = task.loss(model, next(batches), task.new_carry())
+    saved = task.save_carry(memory)
+    restored = TransformerXLTask(cfg, task.tokenizer).load_carry(saved)
+    assert restored.length == 8
+    assert all(torch.equal(a, b) for a, b in zip(restored.states, memory.states, strict=True))
     monkeypatch.setattr(transformer_xl, "process_slot", lambda: (1, 2))
-    elsewhere = TransformerXLTask(cfg, task.tokenizer).train_batches(0)
-    elsewhere.load_state_dict(state)
-    assert elsewhere.memory.length == 0 and elsewhere.streams.segment == 1
+    elsewhere = TransformerXLTask(cfg, task.tokenizer).load_carry(saved)
+    assert elsewhere.length == 0

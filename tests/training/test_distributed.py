@@ -1,6 +1,7 @@
 """Two processes under torchrun (gloo, CPU) train each family to the same parameters as one
 process with the same global batch."""
 
+import csv
 import os
 import subprocess
 import sys
@@ -89,6 +90,13 @@ def test_two_processes_match_one(tmp_path, tiny_corpus, family, parallel):
     assert one.keys() == two.keys()
     for name in one:
         torch.testing.assert_close(two[name], one[name], atol=2e-5, rtol=1e-4, msg=name)
+    # Each process validated its share of the rows; the shares add up to one process's loss.
+    assert val_losses(tmp_path / "two") == pytest.approx(val_losses(tmp_path / "one"), rel=1e-4)
+
+
+def val_losses(run_dir):
+    with open(run_dir / "metrics.csv") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "val"]
 
 
 def test_resume_with_another_number_of_processes(tmp_path, tiny_corpus):

@@ -2,6 +2,7 @@ import csv
 import math
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -91,17 +92,17 @@ def test_non_finite_steps_are_skipped_then_stop_training(tiny_corpus, tmp_path, 
     real_loss = GPTTask.loss
     calls = {"n": 0}
 
-    def sometimes_nan(self, model, batch):
+    def sometimes_nan(self, model, batch, carry):
         calls["n"] += 1
-        loss, n = real_loss(self, model, batch)
-        return (loss * float("nan"), n) if calls["n"] in (3, 5) else (loss, n)
+        loss, n, carry = real_loss(self, model, batch, carry)
+        return (loss * float("nan") if calls["n"] in (3, 5) else loss), n, carry
 
     monkeypatch.setattr(GPTTask, "loss", sometimes_nan)
     result = train(tiny_config(tiny_corpus), tmp_path / "run")
     assert result.skipped_steps == 2 and result.step == 12
 
     monkeypatch.setattr(
-        GPTTask, "loss", lambda self, m, b: (real_loss(self, m, b)[0] * float("inf"), 1)
+        GPTTask, "loss", lambda self, m, b, c: (real_loss(self, m, b, c)[0] * float("inf"), 1, c)
     )
     with pytest.raises(TformerError, match="3 steps in a row had a non-finite loss"):
         train(tiny_config(tiny_corpus, "train.max_bad_steps=3"), tmp_path / "bad")
@@ -129,3 +130,102 @@ def test_ctrl_c_and_sigterm_save_and_stop(tiny_corpus, tmp_path, signum):
 def test_old_checkpoints_are_pruned(tiny_corpus, tmp_path):
     train(tiny_config(tiny_corpus, "train.keep_checkpoints=1"), tmp_path / "run")
     assert [p.name for p in ckpt.step_checkpoints(tmp_path / "run")] == ["step-000012"]
+
+
+def test_weight_decay_falls_on_linear_maps_and_embeddings_only(tiny_corpus):
+    from torch import nn
+
+    from tformer.registry import get_family
+    from tformer.training.trainer import decay_groups, make_optimizer
+
+    cfg = config_from_dict({}, [
+        "model.family=transformer-xl", f"data.path={tiny_corpus}", "model.n_layer=2",
+        "model.d_model=16", "model.n_head=2", "model.d_ff=32", "model.vocab_size=20",
+    ])
+    model = get_family("transformer-xl").model(cfg.model)
+    decayed, kept = decay_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed_names = {names[id(p)] for p in decayed}
+    kept_names = {names[id(p)] for p in kept}
+    # Written out by hand from the model's layout, not from the rule.
+    assert "u" in kept_names and "v" in kept_names, "the global biases are 3-D, yet biases"
+    assert {"embed.weight", "blocks.0.attn.qkv_proj.weight", "blocks.1.ff.down.weight"} <= (
+        decayed_names)
+    assert {"blocks.0.ff.up.bias", "blocks.0.attn_residual.norm.weight"} <= kept_names
+    assert not decayed_names & kept_names
+    assert len(decayed) + len(kept) == len(list(model.parameters()))
+    for name in decayed_names:
+        owner = model.get_submodule(name.rpartition(".")[0])
+        assert isinstance(owner, (nn.Linear, nn.Embedding))
+    optimizer = make_optimizer(model, cfg.train, torch.device("cpu"))
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [cfg.train.weight_decay, 0.0]
+
+
+def test_a_skipped_step_puts_the_transformer_xl_memory_back(tiny_corpus, tmp_path, monkeypatch):
+    from tformer.tasks.transformer_xl import TransformerXLTask
+    from tformer.training.trainer import optimizer_step, start_run
+
+    cfg = config_from_dict({}, [
+        "model.family=transformer-xl", f"data.path={tiny_corpus}", "model.n_layer=1",
+        "model.n_head=2", "model.d_model=16", "model.d_ff=32", "model.context=8",
+        "model.mem_len=8", "train.batch_size=3", "train.device=cpu",
+    ])
+    run = start_run(cfg, tmp_path / "run", None)
+    stop = threading.Event()
+    optimizer_step(run, stop)
+    optimizer_step(run, stop)
+    before = [m.clone() for m in run.carry.states]
+    real_loss = TransformerXLTask.loss
+
+    def nan_loss(self, model, batch, memory):
+        loss, n, memory = real_loss(self, model, batch, memory)
+        return loss * float("nan"), n, memory
+
+    monkeypatch.setattr(TransformerXLTask, "loss", nan_loss)
+    optimizer_step(run, stop)
+    assert run.skipped_steps == 1
+    # The skipped step's forward pass moved the memory on; the step is undone whole.
+    assert all(torch.equal(a, b) for a, b in zip(run.carry.states, before, strict=True))
+    monkeypatch.setattr(TransformerXLTask, "loss", real_loss)
+    optimizer_step(run, stop)
+    assert not all(torch.equal(a, b) for a, b in zip(run.carry.states, before, strict=True))
+
+
+def test_resuming_with_more_steps_continues_the_decay_without_a_jump(tiny_corpus, tmp_path, caplog):
+    cfg = tiny_config(tiny_corpus, "train.schedule=linear")
+    train(cfg, tmp_path / "run")
+    latest = ckpt.latest_good_checkpoint(tmp_path / "run")
+    longer = tiny_config(tiny_corpus, "train.schedule=linear", "train.steps=24")
+    with caplog.at_level("WARNING"):
+        train(longer, tmp_path / "run", resume_from=latest)
+    assert "train.steps changed from 12 to 24" in caplog.text
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rates = [float(r["lr"]) for r in csv.DictReader(f) if r["split"] == "train"]
+    assert len(rates) == 24
+    # Steps 1-12 decayed to min_lr; the resumed run stays there instead of climbing back.
+    assert rates[11] == pytest.approx(3e-4)
+    assert all(r == pytest.approx(3e-4) for r in rates[12:])
+    state = ckpt.load_trainer_state(tmp_path / "run" / "checkpoints" / "step-000024")
+    assert state["horizon"]["steps"] == 24
+
+
+def test_resuming_midway_with_more_steps_decays_from_the_rate_reached(tiny_corpus, tmp_path):
+    cfg = tiny_config(tiny_corpus, "train.schedule=linear")
+
+    def crash(info):
+        if info["step"] == 6:
+            raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "run", progress=crash)
+    latest = ckpt.latest_good_checkpoint(tmp_path / "run")
+    assert latest.name == "step-000004"
+    train(tiny_config(tiny_corpus, "train.schedule=linear", "train.steps=40"),
+          tmp_path / "run", resume_from=latest)
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rates = [float(r["lr"]) for r in csv.DictReader(f) if r["split"] == "train"]
+    assert len(rates) == 40
+    falls = [a - b for a, b in zip(rates[4:], rates[5:], strict=False)]
+    assert all(f > 0 for f in falls) and rates[-1] == pytest.approx(3e-4)
+    assert max(falls) == pytest.approx(min(falls), rel=1e-3), "one straight line to min_lr"
+    assert rates[4] < rates[3], "no jump back up"

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from tformer.data.lm import LMBatch, sequential_windows
 from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
+from tformer.evaluation.shard import WHOLE, Shard
 
 
 def lm_loss(logits: Tensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:
@@ -41,9 +42,11 @@ def count_chars(targets: Tensor, tokenizer: Tokenizer) -> int:
 
 @torch.no_grad()
 def evaluate_batches(
-    model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0
+    model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0,
+    shard: Shard = WHOLE,
 ) -> dict[str, float]:
-    """Summed loss over batches of independent windows (GPT-style models)."""
+    """Summed loss over batches of independent windows (GPT-style models); `shard`: this
+    process's rows of each batch, the sums then added over processes."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -51,19 +54,23 @@ def evaluate_batches(
     for i, batch in enumerate(batches):
         if max_batches and i >= max_batches:
             break
+        batch, counts = shard.rows(batch)
         batch = batch.to(device)
-        total_nll += float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
-        n_tokens += int((batch.targets != IGNORE_INDEX).sum())
-        n_chars += count_chars(batch.targets.cpu(), tokenizer)
+        nll = float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
+        if counts:
+            total_nll += nll
+            n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+            n_chars += count_chars(batch.targets.cpu(), tokenizer)
     model.train(was_training)
-    return lm_metrics(total_nll, n_tokens, n_chars)
+    total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
+    return lm_metrics(total_nll, int(n_tokens), int(n_chars))
 
 
 def evaluate_stream(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, context: int, batch_size: int,
-    max_batches: int = 0,
+    max_batches: int = 0, shard: Shard = WHOLE,
 ) -> dict[str, float]:
     """Every token of a stream but the first, predicted once from windows of `context`."""
     return evaluate_batches(
-        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches
+        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches, shard
     )

@@ -16,6 +16,7 @@ from tformer.data.parallel import encode_source, sorted_batches
 from tformer.data.tokenizers import Tokenizer
 from tformer.decoding.translate import SearchOptions, best_translations
 from tformer.errors import TformerError
+from tformer.evaluation.shard import WHOLE, Shard
 from tformer.models.seq2seq import label_smoothed_loss
 
 
@@ -48,9 +49,11 @@ def evaluate_loss(
     tokenizer: Tokenizer,
     max_tokens: int,
     max_batches: int = 0,
+    shard: Shard = WHOLE,
 ) -> dict[str, float]:
     """Cross-entropy per target token (nats, no label smoothing) of encoded pairs, EOS
-    included, with teacher forcing."""
+    included, with teacher forcing. `shard`: this process's rows of each batch, the sums
+    then added over processes."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -58,12 +61,16 @@ def evaluate_loss(
     for i, batch in enumerate(sorted_batches(src, tgt, tokenizer, max_tokens)):
         if max_batches and i >= max_batches:
             break
+        batch, counts = shard.rows(batch)
         batch = batch.to(device)
         logits = model(batch.src, batch.src_real, batch.tgt_in)
-        total += float(label_smoothed_loss(logits, batch.tgt_out, 0.0, reduction="sum"))
-        n_tokens += batch.num_tokens
+        nll = float(label_smoothed_loss(logits, batch.tgt_out, 0.0, reduction="sum"))
+        if counts:
+            total += nll
+            n_tokens += batch.num_tokens
     model.train(was_training)
-    return {"loss": total / max(n_tokens, 1), "tokens": n_tokens}
+    total, n_tokens = shard.total(total, n_tokens)
+    return {"loss": total / max(n_tokens, 1), "tokens": int(n_tokens)}
 
 
 def evaluate_translation(

@@ -129,6 +129,14 @@ class Memory:
         self.states, self.keys_values, self.is_real = [], [], None
         self.position_keys = {}
 
+    def copy(self) -> Memory:
+        """A memory with the same contents that changes on its own: `update` replaces the
+        remembered tensors and never writes into them, so sharing them is safe."""
+        twin = Memory(self.mem_len, cache_keys=self.cache_keys)
+        twin.states, twin.keys_values = list(self.states), list(self.keys_values)
+        twin.is_real, twin.position_keys = self.is_real, dict(self.position_keys)
+        return twin
+
     def update(
         self, layer_inputs: list[Tensor], keys_values: list[tuple[Tensor, Tensor]],
         is_real: Tensor | None,

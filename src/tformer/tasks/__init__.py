@@ -7,6 +7,11 @@ validation metrics:
     task.tokenizer
     task.model_fields() -> dict            # config fields the data decides (vocab_size)
     task.train_batches(seed) -> iterator   # with state_dict() / load_state_dict() for resume
-    task.loss(model, batch) -> (mean loss tensor, number of target tokens)
-    task.evaluate(model, max_batches=0) -> {"loss": ..., ...}   # on the validation split
+    task.new_carry() -> carry              # what one step hands the next (None for most)
+    task.loss(model, batch, carry) -> (mean loss tensor, number of target tokens, carry)
+    task.save_carry(carry) / task.load_carry(saved)   # the carry in a checkpoint
+    task.evaluate(model, max_batches=0, shard=WHOLE) -> {"loss": ..., ...}  # validation
+
+The carry is an explicit input and output of `loss`, never state inside the task, so the
+trainer can put it back when it skips a step (Transformer-XL's memory is one).
 """

@@ -16,6 +16,7 @@ from tformer.data.parallel import (
 )
 from tformer.data.tokenizers import Tokenizer
 from tformer.errors import TformerError
+from tformer.evaluation.shard import WHOLE, Shard
 from tformer.evaluation.translation import evaluate_loss
 from tformer.models.seq2seq import label_smoothed_loss
 
@@ -45,13 +46,27 @@ class Seq2SeqTask:
             max_tokens=self.cfg.data.max_tokens, seed=seed,
         )
 
-    def loss(self, model: nn.Module, batch: Seq2SeqBatch) -> tuple[Tensor, int]:
+    def loss(
+        self, model: nn.Module, batch: Seq2SeqBatch, carry: None
+    ) -> tuple[Tensor, int, None]:
+        """Pairs are independent: nothing is carried from one step to the next."""
         logits = model(batch.src, batch.src_real, batch.tgt_in)
         loss = label_smoothed_loss(logits, batch.tgt_out, self.cfg.model.label_smoothing)
-        return loss, batch.num_tokens
+        return loss, batch.num_tokens, None
 
-    def evaluate(self, model: nn.Module, max_batches: int = 0) -> dict[str, float]:
+    def new_carry(self) -> None:
+        return None
+
+    def save_carry(self, carry: None) -> None:
+        return None
+
+    def load_carry(self, saved: Any) -> None:
+        return None
+
+    def evaluate(
+        self, model: nn.Module, max_batches: int = 0, shard: Shard = WHOLE
+    ) -> dict[str, float]:
         return evaluate_loss(
             model, self.data.val_src, self.data.val_tgt, self.tokenizer,
-            self.cfg.data.max_tokens, max_batches,
+            self.cfg.data.max_tokens, max_batches, shard,
         )

@@ -8,6 +8,7 @@ evaluation and checkpoints at fixed intervals. Everything family-specific is beh
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 import math
 import signal
@@ -26,11 +27,12 @@ from torch import nn
 from tformer.config import RunConfig, TrainConfig
 from tformer.data.tokenizers import load_tokenizer
 from tformer.errors import TformerError
-from tformer.registry import get_family
+from tformer.evaluation.shard import Shard
+from tformer.registry import Family, get_family
 from tformer.training import checkpoint as ckpt
 from tformer.training import distributed
 from tformer.training.device import autocast
-from tformer.training.schedule import learning_rate
+from tformer.training.schedule import Horizon, extend, learning_rate
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +52,27 @@ class TrainResult:
     interrupted: bool
 
 
+def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(decayed, not decayed): weight decay pulls the weights of linear maps and embeddings
+    towards zero, and nothing else. Biases, norms' gains and shifts, and free-standing
+    parameters such as Transformer-XL's global u and v biases keep theirs (they are biases,
+    whatever their number of dimensions). Decided by the module that owns the parameter."""
+    decayed: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.requires_grad:
+            decayed[id(module.weight)] = module.weight
+    kept = [p for p in model.parameters() if p.requires_grad and id(p) not in decayed]
+    return list(decayed.values()), kept
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only (not biases or norms).
+    """AdamW with weight decay on linear maps and embeddings only (`decay_groups`).
 
     The fused implementation (one kernel over all parameters) on CPU as on GPUs: on CPU it
     updates a 0.8M-parameter model in a sixth of the time of the default per-op one, a tenth
     of a small model's training step (benchmarks/speed.py).
     """
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+    decay, no_decay = decay_groups(model)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -134,6 +146,45 @@ def stop_requests() -> Iterator[threading.Event]:
             signal.signal(s, handler)
 
 
+@dataclass
+class Run:
+    """A training run in progress: the live objects, and the counters a checkpoint saves."""
+
+    cfg: RunConfig
+    run_dir: Path
+    procs: distributed.Processes
+    device: torch.device
+    family: Family
+    task: Any
+    model: nn.Module
+    train_model: nn.Module
+    """What the step runs: the model, or DDP / FSDP / torch.compile around it."""
+    optimizer: torch.optim.Optimizer
+    batches: Any
+    carry: Any
+    """What one step hands the next besides the weights (Transformer-XL: its memory)."""
+    horizon: Horizon
+    metrics: MetricsLog | None
+    step: int = 0
+    best_val_loss: float | None = None
+    skipped_steps: int = 0
+    bad_in_a_row: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.procs.is_main
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean loss per target token of the step (over every rank and micro-batch)."""
+    tokens: int
+    grad_norm: float
+    lr: float
+    stop_requested: bool
+
+
 def train(
     cfg: RunConfig,
     run_dir: str | Path,
@@ -147,17 +198,47 @@ def train(
         (`checkpoint.resume_point(run_dir)` finds the newest good one).
     progress: called with a dict after logged steps and evaluations (the CLI's progress bar).
 
-    Under torchrun every process calls this; rank 0 alone logs, evaluates and saves.
+    Under torchrun every process calls this; all of them evaluate (each its share of the
+    validation data), rank 0 alone logs and writes.
     """
-    run_dir = Path(run_dir)
+    run = start_run(cfg, Path(run_dir), resume_from)
+    tcfg = run.cfg.train
+    log_window = LogWindow()
+    interrupted, val_loss = False, None
+    run.model.train()
+    with stop_requests() as stop:
+        while run.step < tcfg.steps:
+            result = optimizer_step(run, stop)
+            log_window.add(result)
+            last = run.step == tcfg.steps
+            if run.is_main and (run.step % tcfg.log_every == 0 or last):
+                log_training(run, log_window, progress)
+            if run.step % tcfg.eval_every == 0 or last:
+                val_loss = validate(run, progress)
+                log_window.restart_clock()
+            if result.stop_requested:  # every rank stops at the same step
+                interrupted = True
+                break
+            if run.step % tcfg.checkpoint_every == 0 or last:
+                save_step_checkpoint(run)
+                log_window.restart_clock()
+        if interrupted:
+            save_step_checkpoint(run)
+    distributed.teardown()
+    return TrainResult(
+        run.run_dir, run.step, val_loss, run.best_val_loss, run.skipped_steps, interrupted
+    )
+
+
+# --- set-up ------------------------------------------------------------------------------
+
+
+def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
+    """Data, model, optimizer and counters: new, or restored from `resume_from`."""
     tcfg = cfg.train
     family = get_family(cfg.family)
     procs, device = distributed.setup(tcfg.device)
-    main = procs.is_main
-
-    # --- set-up: data, model, optimizer, or all of them restored from a checkpoint -------
-    tokenizer = None
-    state: dict[str, Any] | None = None
+    tokenizer, state = None, None
     if resume_from is not None:
         tokenizer = load_tokenizer(resume_from / ckpt.TOKENIZER)
         state = ckpt.load_trainer_state(resume_from)
@@ -172,156 +253,212 @@ def train(
     train_model = distributed.wrap(model, procs, device, tcfg.parallel)
     if tcfg.compile:
         train_model = torch.compile(train_model)
-    optimizer = make_optimizer(model, tcfg, device)
-    batches = task.train_batches(tcfg.seed)
-
-    step, best_val, skipped = 0, None, 0
+    run = Run(
+        cfg=cfg, run_dir=run_dir, procs=procs, device=device, family=family, task=task,
+        model=model, train_model=train_model, optimizer=make_optimizer(model, tcfg, device),
+        batches=task.train_batches(tcfg.seed), carry=task.new_carry(), horizon=Horizon(tcfg.steps),
+        metrics=None,
+    )
     if state is not None:
-        distributed.load_optimizer_state(model, optimizer, state["optimizer"], procs, tcfg.parallel)
-        same_layout = len(state["data_per_rank"]) == procs.world_size
-        batches.load_state_dict(state["data_per_rank"][procs.rank if same_layout else 0])
-        if same_layout:
-            set_rng_state(state["rng_per_rank"][procs.rank])
-        step, best_val, skipped = state["step"], state["best_val_loss"], state["skipped_steps"]
-        log.info("resuming %s at step %d", run_dir, step)
-    if main:
+        restore(run, state)
+    if run.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.write_json(run_dir / ckpt.CONFIG, cfg.to_dict())
-        metrics = MetricsLog(run_dir, step if state is not None else None)
+        run.metrics = MetricsLog(run_dir, run.step if state is not None else None)
+    return run
 
-    def save(path: Path) -> None:
-        """Every rank takes part (FSDP gathers its shards); rank 0 writes."""
-        weights = distributed.full_state_dict(model, procs, tcfg.parallel)
-        optimizer_state = distributed.optimizer_state(model, optimizer, procs, tcfg.parallel)
-        data_states = distributed.gather_objects(batches.state_dict(), procs)
-        rng_states = distributed.gather_objects(rng_state(), procs)
-        if main:
-            trainer_state = {
-                "step": step,
-                "optimizer": optimizer_state,
-                "data_per_rank": data_states,
-                "rng_per_rank": rng_states,
-                "best_val_loss": best_val,
-                "skipped_steps": skipped,
-            }
-            to_save = model
-            if weights is not None:
-                to_save = family.model(cfg.model)
-                to_save.load_state_dict(weights)
-            ckpt.save_checkpoint(path, cfg, to_save, task.tokenizer, trainer_state)
-        distributed.barrier(procs)
 
-    def evaluate() -> float:
-        nonlocal best_val
-        val = torch.zeros((), device=device)
-        if main or tcfg.parallel == "fsdp":  # FSDP's shards all take part in each forward
-            result = task.evaluate(model, max_batches=tcfg.eval_batches)
-            val += result["loss"]
-        val = float(distributed.broadcast_from_main(val, procs))
-        improved = best_val is None or val < best_val
-        if main:
-            metrics.add(step=step, split="val", loss=f"{val:.6f}")
-            if progress:
-                progress({"step": step, "val": result})
-        if improved:
-            best_val = val
-            save(run_dir / ckpt.BEST)
-        return val
+def restore(run: Run, state: dict[str, Any]) -> None:
+    """Continue from a trainer state exactly: optimizer, data position, carried state, random
+    number generators, counters and the schedule's horizon."""
+    procs, tcfg = run.procs, run.cfg.train
+    distributed.load_optimizer_state(
+        run.model, run.optimizer, state["optimizer"], procs, tcfg.parallel
+    )
+    same_layout = len(state["data_per_rank"]) == procs.world_size
+    data_state = state["data_per_rank"][procs.rank if same_layout else 0]
+    run.batches.load_state_dict(data_state)
+    # Older checkpoints kept the carried state inside the data cursor.
+    carries = state.get("carry_per_rank") or [d for d in state["data_per_rank"]]
+    run.carry = run.task.load_carry(carries[procs.rank if same_layout else 0])
+    if same_layout:
+        set_rng_state(state["rng_per_rank"][procs.rank])
+    run.step, run.best_val_loss = state["step"], state["best_val_loss"]
+    run.skipped_steps = state["skipped_steps"]
+    saved = state.get("horizon", {"steps": state.get("schedule_steps", tcfg.steps)})
+    horizon = Horizon(**saved)
+    run.horizon = extend(horizon, run.step, tcfg, schedule_width(run.cfg))
+    if run.horizon != horizon and run.is_main:
+        log.warning(
+            "train.steps changed from %d to %d: the learning rate decays from its current "
+            "%.3g to train.min_lr = %.3g at step %d", horizon.steps, tcfg.steps,
+            learning_rate(run.step, tcfg, schedule_width(run.cfg), run.horizon), tcfg.min_lr,
+            tcfg.steps,
+        )
+    log.info("resuming %s at step %d", run.run_dir, run.step)
 
-    # --- the loop ------------------------------------------------------------------------
-    # Each micro-batch adds the gradient of its summed token losses; the sum over ranks and
-    # micro-batches is then divided by the global token count, so every token weighs the
-    # same whatever the number of processes or the split into micro-batches.
-    params = [p for p in model.parameters() if p.requires_grad]
-    model.train()
-    interrupted, val_loss, bad_in_a_row = False, None, 0
-    tokens_since, time_since, started = 0, time.perf_counter(), time.perf_counter()
-    # The logged training loss is the token-weighted mean over the steps since the last
-    # log, not one batch's (which swings widely with token-count batches).
-    logged_loss, logged_tokens = 0.0, 0.0
-    with stop_requests() as stop:
-        while step < tcfg.steps:
-            lr = learning_rate(step, tcfg, getattr(cfg.model, "d_model", 512))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
 
-            totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, tokens, stop
-            for micro in range(tcfg.accumulate):
-                batch = distributed.shard(next(batches), procs).to(device)
-                last = micro == tcfg.accumulate - 1
-                with distributed.no_sync(train_model, skip=not last):
-                    with autocast(device, tcfg.precision):
-                        loss, n_tokens = task.loss(train_model, batch)
-                    (loss * n_tokens).backward()
-                totals[0] += loss.detach().double() * n_tokens
-                totals[1] += n_tokens
-            totals[2] = float(stop.is_set())
-            loss_sum, global_tokens, stop_votes = distributed.sum_over_ranks(totals, procs).tolist()
-            tokens_since += int(global_tokens)
-            for p in params:
-                if p.grad is not None:
-                    # DDP averaged over ranks: scale the mean of sums to the global token mean.
-                    p.grad.mul_(procs.world_size / max(global_tokens, 1.0))
-            max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            loss_value = loss_sum / max(global_tokens, 1.0)
-            if math.isfinite(loss_value):
-                logged_loss, logged_tokens = logged_loss + loss_sum, logged_tokens + global_tokens
+def schedule_width(cfg: RunConfig) -> int:
+    """d_model, which scales the noam schedule; the config checks that a noam run has one."""
+    return getattr(cfg.model, "d_model", 0) if cfg.train.schedule == "noam" else 0
 
-            if math.isfinite(loss_value) and math.isfinite(grad_norm):
-                optimizer.step()
-                bad_in_a_row = 0
-            else:
-                skipped += 1
-                bad_in_a_row += 1
-                log.warning("step %d: non-finite loss or gradient, step skipped", step + 1)
-                if bad_in_a_row >= tcfg.max_bad_steps:
-                    raise TformerError(
-                        f"training stopped at step {step + 1}: {bad_in_a_row} steps in a row had "
-                        f"a non-finite loss or gradient (try a lower train.lr); the checkpoints "
-                        f"in {run_dir} are from before"
-                    )
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
 
-            if main and (step % tcfg.log_every == 0 or step == tcfg.steps):
-                elapsed = time.perf_counter() - time_since
-                mean_loss = logged_loss / logged_tokens if logged_tokens else math.nan
-                metrics.add(
-                    step=step,
-                    split="train",
-                    loss=f"{mean_loss:.6f}",
-                    lr=f"{lr:.6g}",
-                    grad_norm=f"{grad_norm:.4f}",
-                    tokens_per_s=f"{tokens_since / elapsed:.1f}",
-                    elapsed_s=f"{time.perf_counter() - started:.1f}",
-                )
-                if progress:
-                    progress(
-                        {
-                            "step": step,
-                            "loss": mean_loss,
-                            "lr": lr,
-                            "tokens_per_s": tokens_since / elapsed,
-                        }
-                    )
-                tokens_since, time_since = 0, time.perf_counter()
-                logged_loss, logged_tokens = 0.0, 0.0
-            if step % tcfg.eval_every == 0 or step == tcfg.steps:
-                val_loss = evaluate()
-                model.train()
-                time_since = time.perf_counter()
-            if stop_votes > 0:  # every rank stops at the same step
-                interrupted = True
-                break
-            if step % tcfg.checkpoint_every == 0 or step == tcfg.steps:
-                save(ckpt.step_dir(run_dir, step))
-                if main:
-                    ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
-                time_since = time.perf_counter()
-        if interrupted:
-            save(ckpt.step_dir(run_dir, step))
-            if main:
-                ckpt.prune_checkpoints(run_dir, tcfg.keep_checkpoints)
-    distributed.teardown()
-    return TrainResult(run_dir, step, val_loss, best_val, skipped, interrupted)
+# --- one optimizer step ------------------------------------------------------------------
+
+
+def optimizer_step(run: Run, stop: threading.Event) -> StepResult:
+    """Forward and backward over `train.accumulate` micro-batches, then one update.
+
+    Each micro-batch adds the gradient of its summed token losses; the sum over ranks and
+    micro-batches is then divided by the global token count, so every token weighs the same
+    whatever the number of processes or the split into micro-batches. A step whose loss or
+    gradient is not finite is skipped whole: no update, and the carried state (Transformer-XL's
+    memory) goes back to what it was before the step.
+    """
+    tcfg, procs = run.cfg.train, run.procs
+    lr = learning_rate(run.step, tcfg, schedule_width(run.cfg), run.horizon)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+
+    carry_before, carry = run.carry, run.carry
+    totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss, tokens, stop
+    for micro in range(tcfg.accumulate):
+        batch = distributed.shard(next(run.batches), procs).to(run.device)
+        with distributed.no_sync(run.train_model, skip=micro < tcfg.accumulate - 1):
+            with autocast(run.device, tcfg.precision):
+                loss, n_tokens, carry = run.task.loss(run.train_model, batch, carry)
+            (loss * n_tokens).backward()
+        totals[0] += loss.detach().double() * n_tokens
+        totals[1] += n_tokens
+    totals[2] = float(stop.is_set())
+    loss_sum, global_tokens, stop_votes = distributed.sum_over_ranks(totals, procs).tolist()
+
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is not None:
+            # DDP averaged over ranks: scale the mean of sums to the global token mean.
+            p.grad.mul_(procs.world_size / max(global_tokens, 1.0))
+    max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    loss_value = loss_sum / max(global_tokens, 1.0)
+    if math.isfinite(loss_value) and math.isfinite(grad_norm):
+        run.optimizer.step()
+        run.carry, run.bad_in_a_row = carry, 0
+    else:
+        run.carry = carry_before
+        run.skipped_steps += 1
+        run.bad_in_a_row += 1
+        log.warning("step %d: non-finite loss or gradient, step skipped", run.step + 1)
+        if run.bad_in_a_row >= tcfg.max_bad_steps:
+            raise TformerError(
+                f"training stopped at step {run.step + 1}: {run.bad_in_a_row} steps in a row "
+                f"had a non-finite loss or gradient (try a lower train.lr); the checkpoints "
+                f"in {run.run_dir} are from before"
+            )
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return StepResult(loss_value, int(global_tokens), grad_norm, lr, stop_votes > 0)
+
+
+# --- logging, validation, checkpoints ----------------------------------------------------
+
+
+class LogWindow:
+    """The steps since the last logged row: their token-weighted mean loss (not one batch's,
+    which swings widely with token-count batches) and their speed, evaluation and checkpoint
+    time left out."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.restart()
+
+    def restart(self) -> None:
+        self.loss_sum, self.loss_tokens, self.tokens = 0.0, 0.0, 0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.since = time.perf_counter()
+
+    def add(self, result: StepResult) -> None:
+        self.last = result
+        self.tokens += result.tokens
+        if math.isfinite(result.loss):
+            self.loss_sum += result.loss * result.tokens
+            self.loss_tokens += result.tokens
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.loss_tokens if self.loss_tokens else math.nan
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.since, 1e-9)
+
+
+def log_training(run: Run, window: LogWindow, progress: Progress | None) -> None:
+    last = window.last
+    run.metrics.add(
+        step=run.step,
+        split="train",
+        loss=f"{window.mean_loss:.6f}",
+        lr=f"{last.lr:.6g}",
+        grad_norm=f"{last.grad_norm:.4f}",
+        tokens_per_s=f"{window.tokens_per_s:.1f}",
+        elapsed_s=f"{time.perf_counter() - window.started:.1f}",
+    )
+    if progress:
+        progress(
+            {"step": run.step, "loss": window.mean_loss, "lr": last.lr,
+             "tokens_per_s": window.tokens_per_s}
+        )
+    window.restart()
+
+
+def validate(run: Run, progress: Progress | None) -> float:
+    """Validation loss of the current weights; a new best is saved to best/."""
+    procs = run.procs
+    shard = Shard(procs.rank, procs.world_size, lambda t: distributed.sum_over_ranks(t, procs))
+    result = run.task.evaluate(run.model, max_batches=run.cfg.train.eval_batches, shard=shard)
+    run.model.train()
+    val = float(result["loss"])
+    if run.is_main:
+        run.metrics.add(step=run.step, split="val", loss=f"{val:.6f}")
+        if progress:
+            progress({"step": run.step, "val": result})
+    if run.best_val_loss is None or val < run.best_val_loss:
+        run.best_val_loss = val
+        save(run, run.run_dir / ckpt.BEST)
+    return val
+
+
+def save_step_checkpoint(run: Run) -> None:
+    save(run, ckpt.step_dir(run.run_dir, run.step))
+    if run.is_main:
+        ckpt.prune_checkpoints(run.run_dir, run.cfg.train.keep_checkpoints)
+
+
+def save(run: Run, path: Path) -> None:
+    """Every rank takes part (FSDP gathers its shards); rank 0 writes."""
+    procs, parallel = run.procs, run.cfg.train.parallel
+    weights = distributed.full_state_dict(run.model, procs, parallel)
+    optimizer_state = distributed.optimizer_state(run.model, run.optimizer, procs, parallel)
+    data_states = distributed.gather_objects(run.batches.state_dict(), procs)
+    carries = distributed.gather_objects(run.task.save_carry(run.carry), procs)
+    rng_states = distributed.gather_objects(rng_state(), procs)
+    if run.is_main:
+        trainer_state = {
+            "step": run.step,
+            "optimizer": optimizer_state,
+            "data_per_rank": data_states,
+            "carry_per_rank": carries,
+            "rng_per_rank": rng_states,
+            "best_val_loss": run.best_val_loss,
+            "skipped_steps": run.skipped_steps,
+            "horizon": dataclasses.asdict(run.horizon),
+        }
+        to_save = run.model
+        if weights is not None:
+            to_save = run.family.model(run.cfg.model)
+            to_save.load_state_dict(weights)
+        ckpt.save_checkpoint(path, run.cfg, to_save, run.task.tokenizer, trainer_state)
+    distributed.barrier(procs)
