@@ -94,8 +94,9 @@ def test_stop_echo_and_a_list_of_prompts(gpt_server):
     assert got["choices"][0]["text"] == "hello" + cut
     assert got["choices"][0]["finish_reason"] == "stop"
     chunks, _ = stream_chunks(gpt_server.url, prompt="hello", max_tokens=30, temperature=0.0,
-                              stop=stop)
-    assert "".join(c["choices"][0]["text"] for c in chunks) == cut
+                              stop=stop, stream_options={"include_usage": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == cut
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 5
 
 
 def test_the_openai_client(gpt_server):

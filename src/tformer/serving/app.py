@@ -148,8 +148,12 @@ class Metrics:
         for name, kind, help_, value in [
             ("generated_tokens_total", "counter", "Tokens generated.", stats.generated_tokens),
             ("decoding_steps_total", "counter", "Batched decoding steps.", stats.steps),
+            ("prefill_passes_total", "counter", "Forward passes reading joining prompts.",
+             stats.prefills),
             ("finished_sequences_total", "counter", "Sequences ended.",
              stats.finished_sequences),
+            ("busy_seconds_total", "counter", "Seconds spent decoding.",
+             round(stats.busy_seconds, 3)),
             ("tokens_per_second", "gauge", "Tokens generated per second, last ~10 s.",
              round(self.tokens_per_second(stats.generated_tokens), 3)),
             ("queue_length", "gauge", "Requests waiting for a batch.", engine.waiting),
@@ -217,19 +221,10 @@ class Mailbox:
     loop per batch of items rather than one per token (a wake-up is a write to a pipe, and
     a decoding step hands over a token per sequence)."""
 
-    _by_loop: dict[int, Mailbox] = {}
-
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.items: list[tuple[asyncio.Queue, Any]] = []
         self.lock = threading.Lock()
-
-    @classmethod
-    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> Mailbox:
-        box = cls._by_loop.get(id(loop))
-        if box is None or box.loop is not loop:
-            box = cls._by_loop[id(loop)] = cls(loop)
-        return box
 
     def post(self, queue: asyncio.Queue, item: Any) -> None:
         with self.lock:
@@ -256,6 +251,7 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.mailbox = Mailbox(asyncio.get_running_loop())
         engine.start()
         yield
         # uvicorn has let the requests in flight finish before it gets here.
@@ -417,136 +413,167 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
 
 async def complete(body: CompletionRequest, request: Request, engine: LMEngine, tokenizer: Any,
                    model_name: str, limits: Limits) -> JSONResponse | StreamingResponse:
-    mailbox = Mailbox.for_loop(asyncio.get_running_loop())
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if body.max_tokens > limits.max_tokens:
-        raise ApiError(400, f"max_tokens {body.max_tokens} is over this server's limit of "
-                       f"{limits.max_tokens}", param="max_tokens")
-    window = engine.max_total_tokens or limits.max_prompt_tokens + body.max_tokens
-    encoded = []
-    for text in prompts:
+    run = Completion(body, engine, tokenizer, model_name, limits, request.app.state.mailbox)
+    if body.stream:
+        return StreamingResponse(run.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await run.whole(request)
+
+
+class Completion:
+    """One completions request: its sequences (n per prompt) in the engine, and the text
+    they make, as one answer or as a stream of chunks."""
+
+    def __init__(self, body: CompletionRequest, engine: LMEngine, tokenizer: Any,
+                 model_name: str, limits: Limits, mailbox: Mailbox) -> None:
+        self.body, self.model_name = body, model_name
+        self.prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        encoded = [self._encode(tokenizer, text, engine, limits) for text in self.prompts]
+
+        self.events: asyncio.Queue[tuple[int, int | None, str | None]] = asyncio.Queue()
+        self.seqs: list[Sequence] = []
+        for ids in encoded:
+            for i in range(body.n):
+                # Choice i of a seeded request draws with seed + i: reproducible, and the
+                # choices differ.
+                seed = None if body.seed is None else body.seed + i
+                sampling = Sampling(body.max_tokens, body.temperature, body.top_k, body.top_p,
+                                    seed)
+                self.seqs.append(Sequence(ids, sampling, self._deliver(len(self.seqs),
+                                                                       mailbox)))
+        if len(self.seqs) > engine.max_waiting:
+            raise ApiError(400, f"{len(self.prompts)} prompts x n = {body.n} make "
+                           f"{len(self.seqs)} sequences; this server queues at most "
+                           f"{engine.max_waiting}", param="n")
+        if not engine.submit(self.seqs):
+            raise ApiError(503, "the server is busy; try again shortly", type="server_error",
+                           code="overloaded",
+                           headers={"Retry-After": str(limits.retry_after_s)})
+
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.submitted = time.perf_counter()
+        self.first_token: float | None = None
+        self.choices = [Choice(tokenizer, stops, incremental=body.stream) for _ in self.seqs]
+        self.reasons: list[str | None] = [None] * len(self.seqs)
+        self.usage = {"prompt_tokens": sum(len(ids) for ids in encoded) * body.n,
+                      "completion_tokens": 0, "total_tokens": 0}
+
+    def _encode(self, tokenizer: Any, text: str, engine: LMEngine, limits: Limits) -> list[int]:
+        body = self.body
+        if body.max_tokens > limits.max_tokens:
+            raise ApiError(400, f"max_tokens {body.max_tokens} is over this server's limit "
+                           f"of {limits.max_tokens}", param="max_tokens")
+        window = engine.max_total_tokens or limits.max_prompt_tokens + body.max_tokens
         ids = encode_prompt(tokenizer, text)
         if len(ids) + body.max_tokens > window:
             raise ApiError(400, f"the prompt is {len(ids)} tokens and max_tokens is "
                            f"{body.max_tokens}; together they may be at most {window}",
                            param="prompt", code="context_length_exceeded")
-        encoded.append(ids)
+        return ids
 
-    events: asyncio.Queue[tuple[int, int | None, str | None]] = asyncio.Queue()
-    seqs = []
-    for p, ids in enumerate(encoded):
-        for i in range(body.n):
-            index = p * body.n + i
-            seed = None if body.seed is None else body.seed + i
+    def _deliver(self, index: int, mailbox: Mailbox):
+        def deliver(token: int | None, reason: str | None) -> None:
+            mailbox.post(self.events, (index, token, reason))
+        return deliver
 
-            def deliver(token: int | None, reason: str | None, index: int = index) -> None:
-                mailbox.post(events, (index, token, reason))
-
-            seqs.append(Sequence(ids, Sampling(body.max_tokens, body.temperature, body.top_k,
-                                               body.top_p, seed), deliver))
-    if not engine.submit(seqs):
-        raise ApiError(503, "the server is busy; try again shortly", type="server_error",
-                       code="overloaded", headers={"Retry-After": str(limits.retry_after_s)})
-
-    created = int(time.time())
-    rid = f"cmpl-{secrets.token_hex(12)}"
-    choices = [Choice(tokenizer, stops, incremental=body.stream) for _ in seqs]
-    reasons: list[str | None] = [None] * len(seqs)
-    usage = {"prompt_tokens": sum(len(ids) for ids in encoded) * body.n,
-             "completion_tokens": 0, "total_tokens": 0}
-
-    def prefix(index: int) -> str:
-        return prompts[index // body.n] if body.echo else ""
-
-    async def next_event() -> tuple[int, int | None, str | None]:
-        """The next (index, token, reason); a token that ends text at a stop string
-        cancels its sequence."""
+    async def _next(self) -> tuple[int, int | None]:
+        """Take in the next (index, token) from the engine; token None means the sequence
+        ended. A token that completes a stop string cancels its sequence."""
         try:
-            index, token, reason = events.get_nowait()
+            index, token, reason = self.events.get_nowait()
         except asyncio.QueueEmpty:
-            index, token, reason = await events.get()
+            index, token, reason = await self.events.get()
+        choice = self.choices[index]
         if token is not None:
-            choice = choices[index]
+            if self.first_token is None:
+                self.first_token = time.perf_counter()
             choice.add(token)
-            if choice.stopped and not seqs[index].cancelled:
-                seqs[index].cancel()
+            if choice.stopped:
+                self.seqs[index].cancel()
         else:
-            usage["completion_tokens"] += len(seqs[index].tokens)
-            reasons[index] = "stop" if choices[index].stopped or reason == "stop" else reason
-        return index, token, reason
+            self.usage["completion_tokens"] += len(self.seqs[index].tokens)
+            self.reasons[index] = "stop" if choice.stopped or reason == "stop" else reason
+        return index, token
 
-    def cancel_all() -> None:
-        for seq in seqs:
+    def _finished(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def _cancel(self) -> None:
+        for seq in self.seqs:
             seq.cancel()
 
-    def finished() -> bool:
-        return all(r is not None for r in reasons)
+    def _echo(self, index: int) -> str:
+        return self.prompts[index // self.body.n] if self.body.echo else ""
 
-    def chunk(index: int, text: str, reason: str | None) -> str:
-        data = {"id": rid, "object": "text_completion", "created": created,
-                "model": model_name, "choices": [{"index": index, "text": text,
-                                                  "logprobs": None, "finish_reason": reason}]}
-        return f"data: {json.dumps(data)}\n\n"
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model_name}
 
-    if body.stream:
-        async def stream() -> AsyncIterator[str]:
-            try:
-                for index in range(len(seqs)):
-                    if prefix(index):
-                        yield chunk(index, prefix(index), None)
-                while not finished():
-                    index, token, reason = await next_event()
-                    choice = choices[index]
-                    if token is not None and not choice.stopped:
-                        piece = choice.ready(final=False)
-                        if piece:
-                            yield chunk(index, piece, None)
-                    elif token is None:
-                        if reasons[index] == "error":
-                            yield ("data: " + json.dumps({"error": {
-                                "message": "decoding failed", "type": "server_error",
-                                "param": None, "code": None}}) + "\n\n")
-                            return
-                        yield chunk(index, choice.ready(final=True), reasons[index])
-                if body.stream_options is not None and body.stream_options.include_usage:
-                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                    data = {"id": rid, "object": "text_completion", "created": created,
-                            "model": model_name, "choices": [], "usage": usage}
-                    yield f"data: {json.dumps(data)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                # The client left (or the stream ended): stop whatever still decodes.
-                cancel_all()
+    def _chunk(self, index: int, text: str, reason: str | None) -> str:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return f"data: {json.dumps({**self._head(), 'choices': [choice]})}\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+    async def stream(self) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per piece of final text, a last chunk per choice with
+        its finish reason, usage if asked, then [DONE]."""
+        try:
+            for index in range(len(self.seqs)):
+                if self._echo(index):
+                    yield self._chunk(index, self._echo(index), None)
+            while not self._finished():
+                index, token = await self._next()
+                choice = self.choices[index]
+                if token is not None and not choice.stopped:
+                    piece = choice.ready(final=False)
+                    if piece:
+                        yield self._chunk(index, piece, None)
+                elif token is None:
+                    if self.reasons[index] == "error":
+                        error = {"message": "decoding failed", "type": "server_error",
+                                 "param": None, "code": None}
+                        yield f"data: {json.dumps({'error': error})}\n\n"
+                        return
+                    yield self._chunk(index, choice.ready(final=True), self.reasons[index])
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                self.usage["total_tokens"] = (self.usage["prompt_tokens"]
+                                              + self.usage["completion_tokens"])
+                last = {**self._head(), "choices": [], "usage": self.usage}
+                yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            # The client left (or the stream ended): stop whatever still decodes.
+            self._cancel()
 
-    try:
-        while not finished():
-            if not events.empty():
-                await next_event()
-                continue
-            try:
-                await asyncio.wait_for(next_event(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    log.info("client left; cancelling %s", rid)
-                    cancel_all()
-                    return JSONResponse({}, status_code=499)
-    finally:
-        cancel_all()
-    if "error" in reasons:
-        raise ApiError(500, "decoding failed", type="server_error")
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    for choice in choices:
-        choice.ready(final=True)
-    return JSONResponse({
-        "id": rid, "object": "text_completion", "created": created, "model": model_name,
-        "choices": [{"index": i, "text": prefix(i) + c.text, "logprobs": None,
-                     "finish_reason": reasons[i]} for i, c in enumerate(choices)],
-        "usage": usage,
-    })
+    async def whole(self, request: Request) -> JSONResponse:
+        """The answer once every choice has ended; a client that leaves before cancels."""
+        try:
+            while not self._finished():
+                if not self.events.empty():
+                    await self._next()
+                    continue
+                try:
+                    await asyncio.wait_for(self._next(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        log.info("client left; cancelling %s", self.id)
+                        return JSONResponse({}, status_code=499)
+        finally:
+            self._cancel()
+        if "error" in self.reasons:
+            raise ApiError(500, "decoding failed", type="server_error")
+        end = time.perf_counter()
+        log.info("%s: first token after %.3f s, done after %.3f s", self.id,
+                 (self.first_token or end) - self.submitted, end - self.submitted)
+        self.usage["total_tokens"] = self.usage["prompt_tokens"] + self.usage["completion_tokens"]
+        choices = []
+        for i, choice in enumerate(self.choices):
+            choice.ready(final=True)
+            choices.append({"index": i, "text": self._echo(i) + choice.text, "logprobs": None,
+                            "finish_reason": self.reasons[i]})
+        return JSONResponse({**self._head(), "choices": choices, "usage": self.usage})
 
 
 # --- translations -----------------------------------------------------------------------

@@ -78,8 +78,11 @@ def serve_command(
         log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     print(f"tformer: serving {name} ({loaded.cfg.family}) at http://{host}:{port}",
           file=sys.stderr, flush=True)
+    # Keep idle connections longer than clients do (httpx and many others drop theirs after
+    # 5 s, uvicorn's default too): else a client may send a request on a connection the
+    # server is closing at that moment, and get a read error.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=None)
+                            timeout_graceful_shutdown=None, timeout_keep_alive=15)
     uvicorn.Server(config).run()
     return 0
 

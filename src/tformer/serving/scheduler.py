@@ -238,7 +238,12 @@ class SlotPool:
 class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
+    """Decoding steps (one token for every sequence in flight)."""
+    prefills: int = 0
+    """Forward passes that read the prompts of joining sequences."""
     finished_sequences: int = 0
+    busy_seconds: float = 0.0
+    """Time spent reading prompts and decoding (the rest the thread waits for work)."""
 
 
 class LMEngine:
@@ -310,6 +315,7 @@ class LMEngine:
                 joining = []
                 while self.pending and len(self.active) + len(joining) < self.max_batch:
                     joining.append(self.pending.popleft())
+            start = time.perf_counter()
             try:
                 with torch.inference_mode():
                     self._join(joining)
@@ -324,6 +330,7 @@ class LMEngine:
                 if self.slots is not None:
                     self.slots.rows = self.slots.width = 0
                     self.slots.is_real.zero_()
+            self.stats.busy_seconds += time.perf_counter() - start
 
     def _join(self, joining: list[Sequence]) -> None:
         for seq in joining:
@@ -346,6 +353,7 @@ class LMEngine:
         if not joining:
             return
         logits = self.slots.prefill([seq.prompt for seq in joining])
+        self.stats.prefills += 1
         self.active.extend(joining)
         tokens = sample(logits, joining)
         first = len(self.active) - len(joining)
