@@ -24,9 +24,11 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 TEXT = "abcdefghijklmnopqrstuvwxyz ,.!?\n"
 
 
-def tiny_checkpoint(dest: Path, model: dict, *, std: float = 0.3, specials: bool = False) -> Path:
-    """A language model with random weights large enough that its logits have no near-ties
-    (greedy results then compare decoding paths, not rounding), saved as a checkpoint."""
+def tiny_checkpoint(dest: Path, model: dict, *, std: float = 0.3, specials: bool = False,
+                    only_matrices: bool = False) -> Path:
+    """A model with random weights large enough that its logits have no near-ties (greedy
+    results then compare decoding paths, not rounding), saved as a checkpoint.
+    only_matrices: leave biases and norms as the model initialised them."""
     tokenizer = CharTokenizer(TEXT, specials=specials)
     cfg = config_from_dict({"model": {**model, "vocab_size": tokenizer.vocab_size},
                             "train": {"device": "cpu"}})
@@ -34,7 +36,8 @@ def tiny_checkpoint(dest: Path, model: dict, *, std: float = 0.3, specials: bool
     net = get_family(cfg.family).model(cfg.model)
     with torch.no_grad():
         for p in net.parameters():
-            p.normal_(0.0, std)
+            if p.dim() >= 2 or not only_matrices:
+                p.normal_(0.0, std)
     return save_checkpoint(dest, cfg, net.eval(), tokenizer)
 
 
