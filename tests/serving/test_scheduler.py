@@ -186,3 +186,14 @@ def test_the_thread_drains_its_queue_on_stop(gpt):
     engine.stop(timeout=30)
     assert [s.reason for s in sinks] == ["length"] * 5
     assert all(s.tokens == alone(gpt, [i + 1], Sampling(4, 0.0)) for i, s in enumerate(sinks))
+
+
+def test_the_translation_queue_is_bounded():
+    from tformer.decoding.translate import SearchOptions
+    from tformer.serving.scheduler import TranslationBatcher, TranslationJob
+
+    batcher = TranslationBatcher(None, None, max_waiting=2)
+    jobs = [TranslationJob(["a"], SearchOptions(), lambda r: None) for _ in range(3)]
+    assert batcher.submit(jobs[0]) and batcher.submit(jobs[1])
+    assert not batcher.submit(jobs[2])
+    assert batcher.waiting == 2

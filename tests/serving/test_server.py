@@ -37,6 +37,14 @@ def test_models_and_health(gpt_server):
     models = httpx.get(gpt_server.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-gpt"]
     assert httpx.get(gpt_server.url + "/health").json()["status"] == "ok"
+    metrics = httpx.get(gpt_server.url + "/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples = [line for line in metrics.text.splitlines() if not line.startswith("#")]
+    names = {line.split("{")[0].split(" ")[0] for line in samples}
+    assert {"tformer_requests_total", "tformer_tokens_per_second",
+            "tformer_queue_length"} <= names
+    for line in samples:  # name{labels} value, the value a number
+        float(line.rsplit(" ", 1)[1])
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0},
