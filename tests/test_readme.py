@@ -111,6 +111,15 @@ def test_every_readme_command_runs(workdir, monkeypatch, capsys):
     for line in COMMANDS:
         if line.startswith("torchrun"):
             continue  # several processes: tests/training/test_distributed.py
+        if "tformer serve" in line:
+            # A server runs until it is stopped: tests/serving starts it for real. Here its
+            # command line must parse.
+            from tformer.cli import build_parser
+
+            words = [w for w in shlex.split(line) if w != "&"]
+            assert build_parser().parse_args(words[words.index("tformer") + 1 :]).command == (
+                "serve")
+            continue
         code = run_line(line, workdir, monkeypatch, capsys)
         assert code == 0, f"{line!r} exited {code}: {capsys.readouterr().err[-2000:]}"
     assert (workdir / "sentences.de").read_text().count("\n") == 3

@@ -734,6 +734,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--int8", action="store_true", help="int8 weights (CPU): faster, ~same text")
     add_device_options(p)
 
+    p = sub.add_parser("serve", **for_help,
+                       help="serve a model over HTTP (OpenAI-style completions, "
+                       "translations)")
+    p.add_argument("checkpoint", help="run or checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--int8", action="store_true", help="int8 weights (CPU)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--name", default=None, help="the model's name in the API (default: the run)")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="sequences queued; past it requests get 503")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--batch-window-ms", type=float, default=10.0,
+                   help="translations arriving this close together share a batch")
+
     p = sub.add_parser("average", **for_help, help="average the weights of several checkpoints")
     p.add_argument("checkpoints", nargs="+", help="checkpoint directories, or one run with --last")
     p.add_argument("--last", type=int, default=0,
@@ -813,6 +830,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             batch_size=args.batch_size, device=args.device, int8=args.int8,
             threads=args.threads,
             length_penalty=args.length_penalty,
+        )
+    if args.command == "serve":
+        from tformer.serving.command import serve_command
+
+        return serve_command(
+            args.checkpoint, host=args.host, port=args.port, api_key=args.api_key,
+            int8=args.int8, device=args.device, name=args.name, max_batch=args.max_batch,
+            max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+            batch_window_ms=args.batch_window_ms,
         )
     if args.command == "average":
         return average_command(args.checkpoints, args.out, last=args.last)
