@@ -18,7 +18,7 @@ import time
 import torch
 
 from tformer.decoding.lm import generate
-from tformer.evaluation.lm import lm_loss
+from tformer.evaluation.loss import lm_loss
 from tformer.models.gpt import GPT, GPTConfig
 
 SIZES = {

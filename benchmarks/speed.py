@@ -12,9 +12,10 @@ training MFU (model FLOPs per second over the matmul peak) and, for decoding at 
 the fraction of the bandwidth limit (every token reads every weight once).
 
 Rows: GPT training at 4x128 (context 64, batch 12) and 6x384 (context 256, batch 8), the
-same fused AdamW, against GPT2LMHeadModel; greedy generation at the GPT-2-small shape (12 x 768,
+same fused AdamW, against GPT2LMHeadModel; greedy generation with a GPT-2 small (12 x 768,
 vocabulary 50257, 16-token prompt, 128 new tokens) at batch 1 and 8 against
-GPT2LMHeadModel.generate, and tformer's int8 weights against its fp32 ones; beam-4
+GPT2LMHeadModel.generate on the same weights (imported from it, and checked to give the
+same greedy tokens before timing), and tformer's int8 weights against its fp32 ones; beam-4
 translation (d_model 256, 3 + 3 layers, vocabulary 8000, 20-token inputs, 30 output
 tokens) at batch 1 and 16 against MarianMTModel.generate; Transformer-XL training beside
 the GPT of the same size.
@@ -27,17 +28,16 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from tformer.decoding.beam import beam_search
 from tformer.decoding.lm import generate
-from tformer.decoding.prepack import PackedLinear, prepack, prepack_available
-from tformer.decoding.quantize import quantize_int8
-from tformer.evaluation.lm import lm_loss
+from tformer.evaluation.loss import lm_loss
+from tformer.kernels.prepack import PackedLinear, prepack, prepack_available
+from tformer.kernels.quantize import quantize_int8
 from tformer.models.gpt import GPT, GPTConfig
-from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
 
 
@@ -119,6 +119,34 @@ def gpt_pair(n_layer: int, n_head: int, d_model: int, context: int, vocab: int):
     return ours, peer
 
 
+def gpt2_small_imported():
+    """A GPT-2 small (12 x 768, vocabulary 50257, context 1024) with random weights, and the
+    tformer GPT imported from that very model, as `tformer import` converts it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tformer.interop.gpt2 import gpt_from_hf
+
+    peer = GPT2LMHeadModel(
+        GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                   eos_token_id=0)
+    ).eval()
+    ours = gpt_from_hf(peer.config.to_dict(), peer.state_dict(), "GPT2LMHeadModel")
+    return ours, peer
+
+
+def check_same_greedy_tokens(ours, peer, new: int = 24) -> None:
+    """Before timing: both sides must produce the same greedy tokens at batch 1 and 8."""
+    for batch in (1, 8):
+        prompt = torch.randint(0, 1000, (batch, 16), generator=torch.Generator().manual_seed(1))
+        mine = torch.stack(list(generate(ours, prompt, max_new_tokens=new, temperature=0.0)), 1)
+        theirs = peer.generate(prompt, attention_mask=torch.ones_like(prompt),
+                               max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                               pad_token_id=0)[:, prompt.shape[1]:]
+        if not torch.equal(mine, theirs):
+            raise SystemExit(f"gpt-2 small: tformer and GPT2LMHeadModel disagree at batch "
+                             f"{batch}; not timing different work")
+
+
 def training_flops_per_token(model: torch.nn.Module, n_layer: int, d_model: int, T: int) -> float:
     """6 N + 12 L T D (Chowdhery et al. 2022, app. B): N counts the weights used in matmuls
     (the tied output projection included, position tables not)."""
@@ -183,55 +211,6 @@ def gpt_generate(model, batch: int, new: int, ours: bool):
     )
 
 
-def translation_pair(vocab: int = 8000):
-    from transformers import MarianConfig, MarianMTModel
-
-    ours = Seq2Seq(
-        Seq2SeqConfig(
-            vocab_size=vocab, n_layer=3, n_head=4, d_model=256, d_ff=1024, dropout=0.0, max_len=128
-        )
-    ).eval()
-    peer = MarianMTModel(
-        MarianConfig(
-            vocab_size=vocab,
-            d_model=256,
-            encoder_layers=3,
-            decoder_layers=3,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=1024,
-            decoder_ffn_dim=1024,
-            max_position_embeddings=128,
-            pad_token_id=0,
-            eos_token_id=2,
-            decoder_start_token_id=0,
-            forced_eos_token_id=None,
-        )
-    ).eval()
-    return ours, peer
-
-
-def translate_beam4(model, batch: int, ours: bool):
-    src = torch.randint(3, 8000, (batch, 20))
-    real = torch.ones_like(src, dtype=torch.bool)
-    if ours:
-        return lambda: beam_search(
-            model,
-            src,
-            real,
-            beam=4,
-            bos_id=1,
-            eos_id=2,
-            pad_id=0,
-            alpha=0.6,
-            max_len_a=0.0,
-            max_len_b=30,
-        )
-    return lambda: model.generate(
-        src, attention_mask=real.long(), num_beams=4, max_new_tokens=30, min_new_tokens=30
-    )
-
-
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -249,6 +228,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--translate-len", type=int, default=30,
+                        help="output tokens per sentence in the translation rows")
     parser.add_argument(
         "--only",
         default="",
@@ -304,8 +285,9 @@ def main() -> None:
             )
 
     if wanted("gpt-generate") or wanted("int8"):
-        fp32, peer = gpt_pair(12, 12, 768, 1024, vocab=50257)
+        fp32, peer = gpt2_small_imported()
         ours = prepack(fp32)  # as `tformer generate` runs it
+        check_same_greedy_tokens(ours, peer)
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
         new = 128
         if wanted("gpt-generate"):
@@ -347,20 +329,27 @@ def main() -> None:
         del fp32, ours, peer
 
     if wanted("translate"):
-        ours, peer = translation_pair()
-        ours = prepack(ours)  # as `tformer translate` runs it
+        from opus_mt import Sides
+
+        sides = Sides(torch.get_num_threads())
+        L = args.translate_len
         for B in (1, 16):
-            a, b = compare(
-                translate_beam4(ours, B, True), translate_beam4(peer, B, False), B, args.repeats
+            sides.check_same_tokens(B, L)
+            src = sides.sources(B)
+            pairs = (
+                ("fp32", partial(sides.tformer, src, L), partial(sides.ctranslate2, src, L),
+                 "CTranslate2 float32"),
+                ("int8", partial(sides.tformer, src, L, int8=True),
+                 partial(sides.ctranslate2, src, L, int8=True), "CTranslate2 int8"),
+                ("fp32", partial(sides.tformer, src, L), partial(sides.marian, src, L),
+                 "MarianMTModel.generate"),
             )
-            emit(
-                row=f"translate beam4 b{B}",
-                unit="sentences/s",
-                tformer=a,
-                peer=b,
-                peer_name="MarianMTModel.generate",
-                ratio=a / b,
-            )
+            with torch.no_grad():
+                for label, ours, peer, peer_name in pairs:
+                    a, b = compare(ours, peer, B, args.repeats)
+                    emit(row=f"opus-mt beam4 b{B} {label}", unit="sentences/s", tformer=a,
+                         peer=b, peer_name=peer_name, ratio=a / b)
+        del sides
 
     if wanted("txl"):
         L, D, F_, V, T, M, B = 4, 128, 512, 65, 64, 64, 12

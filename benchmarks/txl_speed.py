@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tformer.decoding.lm import generate
+from tformer.decoding.transformer_xl import generate_with_memory
 from tformer.layers import attention_bias
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import (
@@ -94,7 +94,9 @@ def generation(model, device: torch.device, new_tokens: int, skip: int = 0):
     prompt = prompt.to(device)
 
     def run() -> float:
-        stream = generate(model, prompt, max_new_tokens=skip + new_tokens, temperature=0.0)
+        stream = generate_with_memory(
+            model, prompt, max_new_tokens=skip + new_tokens, temperature=0.0
+        )
         for _ in range(skip):
             next(stream)
         return timed(device, lambda: sum(1 for _ in stream))

@@ -5,10 +5,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tformer.cli import main
+from tformer.training.checkpoint import load_checkpoint
 
 TINY = """
 [model]
@@ -53,7 +55,7 @@ def test_train_generate_evaluate(run_dir, capsys, tiny_corpus):
         == 0
     )
     first = capsys.readouterr().out
-    assert first.startswith("First") and len(first) > 20
+    assert first.startswith("First") and len(first) == len("First") + 20 + 1  # char tokens
     main(
         [
             "generate",
@@ -76,12 +78,30 @@ def test_train_generate_evaluate(run_dir, capsys, tiny_corpus):
     assert main(["evaluate", str(run_dir), "--json", "--int8"]) == 0
     int8 = json.loads(capsys.readouterr().out)
     assert int8["loss"] == pytest.approx(result["loss"], rel=0.02)
-    assert main(["generate", str(run_dir), "--prompt", "First", "--int8", "--greedy"]) == 0
-    assert capsys.readouterr().out.startswith("First")
+    # Greedy text is the argmax chain of the plain model, computed here a step at a time.
+    loaded = load_checkpoint(run_dir)
+    ids = loaded.tokenizer.encode("First")
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(loaded.model(torch.tensor([ids[-16:]]))[0, -1].argmax()))
+    want = loaded.tokenizer.decode(ids) + "\n"
+    for int8 in ([], ["--int8"]):
+        assert main(["generate", str(run_dir), "--prompt", "First", "--max-new-tokens", "12",
+                     "--greedy", *int8]) == 0
+        got = capsys.readouterr().out
+        if not int8:
+            assert got == want
+        else:  # int8 weights may flip a close call, but not most of them
+            assert sum(a == b for a, b in zip(got, want, strict=True)) >= len(want) - 4
 
     assert main(["evaluate", str(run_dir), str(tiny_corpus)]) == 0
     table = capsys.readouterr().out
-    assert "perplexity" in table and "{" not in table
+    rows = dict(line.split() for line in table.splitlines())
+    assert list(rows)[:3] == ["loss", "perplexity", "bpc"]
+    text_result = main(["evaluate", str(run_dir), str(tiny_corpus), "--json"])
+    assert text_result == 0
+    on_text = json.loads(capsys.readouterr().out)
+    assert float(rows["loss"]) == pytest.approx(on_text["loss"], abs=1e-4)
 
 
 def test_resume_continues_with_more_steps(run_dir, capsys):
@@ -187,3 +207,14 @@ WORDS = [
 def test_no_command_line_gives_a_traceback(tmp_path_factory, monkeypatch, argv):
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
     assert main(argv) in (0, 2)
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(run_dir):
+    # Arguments arrive as bytes; a Latin-1 terminal sends "café" as b"caf\xe9".
+    proc = subprocess.run(
+        [sys.executable, "-m", "tformer", "generate", str(run_dir).encode(), "--prompt",
+         b"caf\xe9"],
+        capture_output=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == b"tformer: error: --prompt is not UTF-8 text (byte 0xe9 at character 3)\n"

@@ -116,3 +116,15 @@ def test_the_data_of_a_trained_run_round_trips_its_tokenizer(run):
     data = ParallelData(loaded.cfg.data, loaded.tokenizer)
     assert data.tokenizer is loaded.tokenizer
     assert loaded.tokenizer.decode(data.val_src[0][:-1]).isdigit()
+
+
+def test_translate_stdin_that_is_not_utf8_is_one_line(run, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"12\n3\xff4\n")))
+    capsys.readouterr()
+    assert main(["translate", str(run)]) == 2
+    err = capsys.readouterr().err
+    # Input is read as it arrives, so the error names the line (after the start-up line).
+    assert err.splitlines()[-1] == (
+        "tformer: error: standard input (line 2) is not UTF-8 text (byte 0xff at offset 1)"
+    )
+    assert "Traceback" not in err

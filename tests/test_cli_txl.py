@@ -86,4 +86,4 @@ def test_memory_options_on_a_gpt_checkpoint_are_refused(tmp_path, tiny_corpus, c
     capsys.readouterr()
     assert main(["evaluate", str(run), "--mem-len", "16"]) == 2
     err = capsys.readouterr().err
-    assert "apply to transformer-xl checkpoints" in err and "gpt model" in err
+    assert "--mem-len applies to transformer-xl checkpoints" in err and "gpt model" in err

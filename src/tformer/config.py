@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,40 +27,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError, did_you_mean, shown
+from tformer.registry import get_family
+
+Inherit = Callable[[str, Any, dict[str, Any]], tuple[str, dict[str, Any]]]
+"""(train.init_from, the config's model.family or None, its [model] keys) -> the family and
+the complete [model] table (tformer.training.checkpoint.inherit_model)."""
 
 SECTIONS = ("model", "data", "train")
-
-
-# --- checks used by every config's __post_init__ -------------------------------------------
-
-
-def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
-    choices = tuple(choices)
-    if value not in choices:
-        allowed = " | ".join(str(c) for c in choices)
-        raise TformerError(f"{key} = {value!r} is not allowed; choose one of: {allowed}")
-
-
-def check_range(
-    key: str, value: float | int, low: float | None = None, high: float | None = None
-) -> None:
-    """low <= value <= high, and finite."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise TformerError(f"{key} = {value} must be a finite number")
-    if low is not None and value < low:
-        raise TformerError(f"{key} = {value} must be at least {low}")
-    if high is not None and value > high:
-        raise TformerError(f"{key} = {value} must be at most {high}")
-
-
-def check_heads(prefix: str, d_model: int, n_head: int, d_head: int | None) -> None:
-    """Without an explicit head size, the width must split evenly across the heads."""
-    if d_head is None and d_model % n_head != 0:
-        raise TformerError(
-            f"{prefix}.d_model = {d_model} is not divisible by {prefix}.n_head = {n_head}; "
-            f"pick sizes that divide, or set {prefix}.d_head"
-        )
 
 
 # --- the shared [train] table ------------------------------------------------------------
@@ -110,6 +84,9 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write the logged scalars as TensorBoard event files in RUN_DIR/tensorboard
     (needs `pip install 'tformer[viz]'`); metrics.csv is written either way."""
+    init_from: str | None = None
+    """A checkpoint (or run) whose weights and tokenizer the run starts from, with a fresh
+    optimizer and schedule: fine-tuning. The model fields come from it."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "accumulate", "eval_every", "checkpoint_every"):
@@ -223,13 +200,20 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError:
+        raise TformerError(f"override {shown(key)}: its value is nested too deeply") from None
     return section, name, value
 
 
-def config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> RunConfig:
-    """Build and validate a RunConfig from parsed TOML/JSON tables plus overrides."""
-    from tformer.registry import get_family
+def config_from_dict(
+    raw: Mapping[str, Any], overrides: Iterable[str] = (), *, inherit: Inherit | None = None
+) -> RunConfig:
+    """Build and validate a RunConfig from parsed TOML/JSON tables plus overrides.
 
+    inherit: for the config of a run about to start, whose [model] table a checkpoint named
+    by train.init_from completes (tformer.training.checkpoint.inherit_model; a saved run's
+    config is complete already, and is read without it).
+    """
     if not isinstance(raw, Mapping):
         raise TformerError("a config must be a table with [model], [data] and [train]")
     for section in raw:
@@ -248,7 +232,12 @@ def config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> R
         section, name, value = parse_override(text)
         tables[section][name] = value
 
-    family_name = tables["model"].pop("family", "gpt")
+    family_name = tables["model"].pop("family", None)
+    if inherit is not None and tables["train"].get("init_from") is not None:
+        family_name, tables["model"] = inherit(
+            str(tables["train"]["init_from"]), family_name, tables["model"]
+        )
+    family_name = "gpt" if family_name is None else family_name
     if not isinstance(family_name, str):
         raise TformerError(f"model.family = {family_name!r} must be a string")
     family = get_family(family_name)
@@ -260,8 +249,10 @@ def config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> R
     )
 
 
-def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
-    """Read a TOML (or a checkpoint's JSON) config file and apply overrides."""
+def load_config(
+    path: str | Path, overrides: Iterable[str] = (), *, inherit: Inherit | None = None
+) -> RunConfig:
+    """Read a TOML (or a checkpoint's JSON) config file for a new run, and apply overrides."""
     path = Path(path)
     if not path.is_file():
         raise TformerError(f"config file not found: {path}")
@@ -272,4 +263,6 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
         raise TformerError(f"config file {path} is not UTF-8 text") from e
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise TformerError(f"config file {path} does not parse: {e}") from e
-    return config_from_dict(raw, overrides)
+    except RecursionError:
+        raise TformerError(f"config file {path} does not parse: it is nested too deeply") from None
+    return config_from_dict(raw, overrides, inherit=inherit)

@@ -34,7 +34,7 @@ def test_split_is_the_tail(tiny_corpus):
 
 
 def test_too_little_data_is_explained():
-    with pytest.raises(TformerError, match="fewer than context"):
+    with pytest.raises(TformerError, match="fewer than model.context"):
         RandomWindows(np.arange(5, dtype=np.uint16), batch_size=2, context=8, seed=0)
 
 
@@ -42,3 +42,32 @@ def test_builtin_corpus_when_no_path():
     data = LMData(LMDataConfig(path=None, val_fraction=0.05))
     assert len(data.train_ids) > 100_000
     assert "def " in data.tokenizer.decode(data.train_ids[:20000].tolist())
+
+
+def test_a_validation_file_of_its_own(tmp_path, tiny_corpus):
+    val = tmp_path / "valid.txt"
+    val.write_text("Speak, speak.\nFirst Citizen:\n", encoding="utf-8")
+    data = LMData(LMDataConfig(path=str(tiny_corpus), val_path=str(val), val_fraction=0.3))
+    text = tiny_corpus.read_text()
+    assert data.tokenizer.decode(data.train_ids.tolist()) == text  # all of path trains
+    assert data.tokenizer.decode(data.val_ids.tolist()) == val.read_text()
+
+
+def test_no_validation_split_names_its_cause(tiny_corpus):
+    with pytest.raises(TformerError, match=r"validation split has 0 tokens \(data.val_fraction "
+                       r"= 0 of .*data.val_path"):
+        LMData(LMDataConfig(path=str(tiny_corpus), val_fraction=0.0))
+
+
+def test_words_and_line_ends_are_the_tokens(tmp_path):
+    """The word-level corpora's convention (PTB, WikiText): one token per white-space word
+    and one per line end; validation words the training text lacks are <unk>."""
+    train, val = tmp_path / "train.txt", tmp_path / "valid.txt"
+    train.write_text("the cat sat\n\nthe  dog ran\n", encoding="utf-8")
+    val.write_text("the bird sat\n", encoding="utf-8")
+    data = LMData(LMDataConfig(path=str(train), val_path=str(val), tokenizer="word"))
+    tok = data.tokenizer
+    assert tok.vocab_size == 2 + 5  # <unk>, line end, and the five words
+    assert len(data.train_ids) == 3 + 1 + 1 + 3 + 1
+    assert tok.decode(data.train_ids.tolist()) == "the cat sat\n\nthe dog ran\n"
+    assert tok.decode(data.val_ids.tolist()) == "the <unk> sat\n"

@@ -63,9 +63,40 @@ def test_bpe_specials_and_save_load(bpe, tmp_path):
 
 
 def test_unknown_kind_and_bad_file(tmp_path):
-    with pytest.raises(TformerError, match="data.tokenizer = 'word'"):
-        train_tokenizer("word", ["x"])
+    with pytest.raises(TformerError, match="data.tokenizer = 'words'"):
+        train_tokenizer("words", ["x"])
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
     with pytest.raises(TformerError, match="cannot read tokenizer"):
         load_tokenizer(bad)
+
+
+def test_word_tokenizer_saves_and_loads(tmp_path):
+    words = train_tokenizer("word", ["a b\nc\n"])
+    save_tokenizer(words, tmp_path / "tokenizer.json")
+    loaded = load_tokenizer(tmp_path / "tokenizer.json")
+    assert loaded.kind == "word" and loaded.encode("c a z\n") == words.encode("c a z\n")
+    assert loaded.decode(loaded.encode("c a z\n")) == "c a <unk>\n"
+
+
+@pytest.mark.parametrize("train, valid, vocab, n_train, n_valid", [
+    ("ptb/ptb.train.txt", "ptb/ptb.valid.txt", 10000, 929589, 73760),
+    ("wikitext-2/wiki.train.tokens", "wikitext-2/wiki.valid.tokens", 33278, 2088628, 217646),
+])
+def test_word_counts_match_the_published_ones(train, valid, vocab, n_train, n_valid):
+    """The vocabulary and token counts of Merity et al. 2016 (Table 1: PTB 10k / 929k / 73k,
+    WikiText-2 33,278 / 2,088,628 / 217,646), so perplexities compare with published ones."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    # The configs' ../shared/data, from a checkout or from a worktree one level deeper.
+    found = [d for d in (root.parent / "shared" / "data", root.parent.parent / "shared" / "data")
+             if (d / train).exists()]
+    if not found:
+        pytest.skip("../shared/data is not here")
+    data = found[0]
+    text = (data / train).read_text(encoding="utf-8")
+    words = train_tokenizer("word", [text])
+    assert words.vocab_size == vocab
+    assert len(words.encode(text)) == n_train
+    assert len(words.encode((data / valid).read_text(encoding="utf-8"))) == n_valid

@@ -194,3 +194,17 @@ def test_beam_logprobs_equal_a_teacher_forced_rescoring(model):
                 logp = torch.log_softmax(model(s, r, tgt_in)[0], dim=-1)
             assert h.logprob == pytest.approx(float(logp.gather(1, target[:, None]).sum()),
                                               abs=1e-3)
+
+
+def test_hugging_face_length_penalty_and_its_stopping_rule():
+    """penalty = "hf": score = log P / |y| ** alpha, |y| counting EOS. After step 2 both
+    beams have finished ([B] and [A]) and the best live one, (A, A) at log 0.21, divided by
+    its current length 2 ** 2, scores below both: Hugging Face's rule stops there, though
+    (A, A, EOS) would score log 0.21 / 3 ** 2 = -0.17 (the GNMT search above finds it)."""
+    [hyps] = beam_search(TableModel(TABLE), SRC, REAL, beam=2, n_best=2, alpha=2.0,
+                         penalty="hf", max_len_a=0.0, max_len_b=4, **SPECIAL)
+    assert [h.tokens for h in hyps] == [[B], [A]]
+    assert [h.score for h in hyps] == pytest.approx([math.log(0.36) / 4, math.log(0.24) / 4])
+    assert length_penalty(3, 2.0, "hf") == 9.0
+    with pytest.raises(ValueError, match="gnmt"):
+        length_penalty(3, 1.0, "fairseq")

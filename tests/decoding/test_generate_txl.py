@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tformer.decoding.lm import generate, left_pad
+from tformer.decoding.lm import left_pad
 from tformer.decoding.transformer_xl import generate_with_memory, read_prompt
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
 
@@ -65,14 +65,6 @@ def test_each_new_token_reads_one_position_over_a_bounded_memory():
     assert [m for _, m in calls[:3]] == [0, 4, 6]
     assert all(t == 1 and m == 6 for t, m in calls[3:])
     assert len(calls) == 3 + 11
-
-
-def test_generic_generate_hands_transformer_xl_to_the_memory_decoder():
-    model = tiny(mem_len=8)
-    prompt = torch.randint(0, V, (2, 7))
-    direct = run(model, prompt, 10, temperature=0.0)
-    via = torch.stack(list(generate(model, prompt, max_new_tokens=10, temperature=0.0)), 1)
-    assert torch.equal(direct, via)
 
 
 def test_left_padded_prompts_generate_what_each_prompt_would_alone():

@@ -51,7 +51,12 @@ def test_generation_stops_at_eos(model):
     eos = int(first[0])
     out = run(model, prompt, max_new_tokens=10, temperature=0.0, eos_id=eos)
     assert out[0].eq(eos).all(), "a finished row repeats eos"
-    assert out.shape[1] <= 10
+    # It stops at the step where the second row too has produced eos, or after 10 tokens.
+    free = run(model, prompt, max_new_tokens=10, temperature=0.0)
+    hits = (free[1] == eos).nonzero()
+    expected = int(hits[0]) + 1 if len(hits) else 10
+    assert out.shape[1] == expected
+    assert torch.equal(out[1], free[1, :expected]), "unfinished rows are unchanged"
 
 
 def test_left_pad():

@@ -4,8 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tformer.data.tokenizers import IGNORE_INDEX
 from tformer.errors import TformerError
-from tformer.models.seq2seq import IGNORE_INDEX, Seq2Seq, Seq2SeqConfig, label_smoothed_loss
+from tformer.evaluation.loss import label_smoothed_loss
+from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
 V = 19
 

@@ -6,7 +6,8 @@ from safetensors.torch import load_file
 
 from tformer.config import config_from_dict
 from tformer.data.streams import eval_streams
-from tformer.evaluation.lm import IGNORE_INDEX, lm_loss
+from tformer.data.tokenizers import IGNORE_INDEX
+from tformer.evaluation.loss import lm_loss
 from tformer.models.transformer_xl import Memory
 from tformer.registry import get_family
 from tformer.tasks.transformer_xl import TransformerXLTask, evaluate_text
@@ -85,6 +86,10 @@ def test_the_training_memory_carries_over_and_clears_at_a_new_epoch(tiny_corpus)
                 fresh, _, _ = task.loss(model, batch, task.new_carry())
                 carried, _, _ = task.loss(model, batch, before)
                 assert not torch.equal(carried, fresh)
+            # The memory left holds each layer's input at this segment's 8 positions: the
+            # first layer's is the scaled embedding of the segment's tokens (no dropout here).
+            embedded = model.embed(batch.tokens) * model.embed_scale
+            torch.testing.assert_close(memory.states[0], embedded)
     assert starts == 2, "the tiny corpus wraps around once in 40 segments"
 
 

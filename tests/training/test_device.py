@@ -7,10 +7,23 @@ from tformer.errors import TformerError
 from tformer.training.device import autocast, pick_device
 
 
-def test_auto_is_cuda_when_present_else_cpu():
-    expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert pick_device("auto").type == expected
-    assert pick_device("cpu").type == "cpu"
+def test_auto_follows_what_torch_sees(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_device("auto") == torch.device("cuda")
+    assert pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("auto") == torch.device("cpu")
+
+
+@pytest.mark.filterwarnings("ignore:User provided device_type")
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_auto_precision_on_a_gpu_is_bf16_where_it_has_bf16(monkeypatch, bf16_units):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_units)
+    context = autocast(torch.device("cuda"), "auto")
+    if bf16_units:
+        assert isinstance(context, torch.autocast) and context.fast_dtype == torch.bfloat16
+    else:
+        assert isinstance(context, contextlib.nullcontext)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -78,9 +78,10 @@ def weights(run_dir):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,parallel",
-    [(family, "ddp") for family in FAMILIES] + [("gpt", "fsdp")],
+    [(family, "ddp") for family in FAMILIES] + [("gpt", "fsdp"), ("transformer-xl", "fsdp")],
 )
 def test_two_processes_match_one(tmp_path, tiny_corpus, family, parallel):
     config = write_config(tmp_path, family, tiny_corpus, parallel)
@@ -99,6 +100,7 @@ def val_losses(run_dir):
         return [float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "val"]
 
 
+@pytest.mark.slow
 def test_resume_with_another_number_of_processes(tmp_path, tiny_corpus):
     config = write_config(tmp_path, "gpt", tiny_corpus)
     # A constant rate, so that stopping after 2 of 4 steps changes no learning rate.

@@ -72,6 +72,7 @@ def config(tmp_path, tiny_corpus):
     return path
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_matches_an_uninterrupted_run(config, tmp_path):
     straight = tmp_path / "straight"
     finish(tformer("train", str(config), "--out", str(straight)))

@@ -5,8 +5,9 @@ Shapes: B batch, T context.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tformer.config import check_choice, check_range
+from tformer.checks import check_choice, check_range
 from tformer.data.builtin import BUILTIN_LM, python_source
-from tformer.data.corpus import cached_token_ids, read_corpus
-from tformer.data.tokenizers import KINDS, Tokenizer, train_tokenizer
+from tformer.data.corpus import corpus_chunks, text_files, token_ids
+from tformer.data.tokenizers import LM_KINDS, Tokenizer, train_tokenizer
 from tformer.errors import TformerError
 
 
@@ -26,13 +27,18 @@ class LMDataConfig:
     path: str | None = None
     """A text file or a folder of them; none uses the built-in corpus."""
     tokenizer: str = "char"
+    """char | bpe | word (white-space words and line ends, as the word-level corpora count
+    them; unseen words become <unk>)."""
     vocab_size: int = 8000
     """BPE only."""
     val_fraction: float = 0.1
-    """The last fraction of the token stream is the validation split."""
+    """The last fraction of the token stream is the validation split (unless val_path)."""
+    val_path: str | None = None
+    """A validation text of its own (the standard corpora ship one): then all of `path`
+    trains and val_fraction is not used."""
 
     def __post_init__(self) -> None:
-        check_choice("data.tokenizer", self.tokenizer, KINDS)
+        check_choice("data.tokenizer", self.tokenizer, LM_KINDS)
         check_range("data.vocab_size", self.vocab_size, low=260)
         check_range("data.val_fraction", self.val_fraction, low=0.0, high=0.5)
 
@@ -52,8 +58,13 @@ class LMBatch:
         return self.targets.numel()
 
 
-def load_lm_text(path: str | None) -> str:
-    return python_source() if path in (None, BUILTIN_LM) else read_corpus(path)
+def lm_text_chunks(path: str | None) -> Callable[[], Iterable[str]]:
+    """The corpus as pieces of text, read afresh on each call (it may not fit in memory)."""
+    if path in (None, BUILTIN_LM):
+        text = python_source()
+        return lambda: [text]
+    files = text_files(path)
+    return lambda: corpus_chunks(files)
 
 
 class LMData:
@@ -62,18 +73,42 @@ class LMData:
     def __init__(
         self, cfg: LMDataConfig, tokenizer: Tokenizer | None = None, *, cache: Path | None = None
     ) -> None:
-        text = load_lm_text(cfg.path)
+        chunks = lm_text_chunks(cfg.path)
+        val_chunks = lm_text_chunks(cfg.val_path) if cfg.val_path is not None else None
         if tokenizer is None:
             if cfg.tokenizer == "bpe":
-                lines = text.splitlines(keepends=True)
+                lines = (line for chunk in chunks() for line in chunk.splitlines(keepends=True))
                 tokenizer = train_tokenizer("bpe", lines, vocab_size=cfg.vocab_size)
-            else:
-                tokenizer = train_tokenizer("char", [text])
+            elif cfg.tokenizer == "char":
+                # Every character of both splits: one the training text lacks cannot be
+                # given a probability at all.
+                texts = chunks() if val_chunks is None else chain(chunks(), val_chunks())
+                tokenizer = train_tokenizer("char", texts)
+            else:  # words: the training text's alone; the others are <unk>
+                tokenizer = train_tokenizer(cfg.tokenizer, chunks())
         self.tokenizer = tokenizer
-        ids = cached_token_ids(text, tokenizer, cache=cache)
-        n_val = int(len(ids) * cfg.val_fraction)
-        self.train_ids = ids[: len(ids) - n_val]
-        self.val_ids = ids[len(ids) - n_val :]
+        ids = token_ids(chunks, tokenizer, cache=cache)
+        if val_chunks is not None:
+            self.train_ids = ids
+            self.val_ids = token_ids(val_chunks, tokenizer, cache=cache)
+            where = f"data.val_path {cfg.val_path}"
+        else:
+            n_val = int(len(ids) * cfg.val_fraction)
+            self.train_ids = ids[: len(ids) - n_val]
+            self.val_ids = ids[len(ids) - n_val :]
+            where = f"data.val_fraction = {cfg.val_fraction:g} of {len(ids):,} tokens"
+        if len(self.val_ids) < 2:
+            raise TformerError(
+                f"the validation split has {len(self.val_ids)} tokens ({where}); it needs at "
+                f"least 2: raise data.val_fraction, or give a validation text as data.val_path"
+            )
+
+    def summary(self) -> dict[str, str]:
+        return {
+            "data": f"{len(self.train_ids):,} training and {len(self.val_ids):,} validation "
+            f"tokens ({self.tokenizer.kind})",
+            "loss": "cross-entropy per token (training and validation alike)",
+        }
 
     def model_fields(self) -> dict[str, Any]:
         """What the model config takes from the data."""
@@ -81,10 +116,15 @@ class LMData:
 
 
 def check_stream_length(ids: np.ndarray, context: int, split: str) -> None:
+    if split == "evaluation" and len(ids) < 2:
+        raise TformerError(
+            f"the text to evaluate has {len(ids)} tokens; at least 2 are needed (one predicted)"
+        )
     if len(ids) < context + 1:
         raise TformerError(
-            f"the {split} split has {len(ids)} tokens, fewer than context + 1 = {context + 1}; "
-            f"use more data, a shorter model.context or a different data.val_fraction"
+            f"the {split} split has {len(ids)} tokens, fewer than model.context + 1 = "
+            f"{context + 1}; use more data, a shorter model.context or another "
+            f"data.val_fraction"
         )
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tformer.config import check_choice, check_range
+from tformer.checks import check_choice, check_range
 from tformer.data.builtin import BUILTIN_PARALLEL, number_pairs
 from tformer.data.corpus import read_text
 from tformer.data.tokenizers import IGNORE_INDEX, KINDS, Tokenizer, train_tokenizer
@@ -124,6 +124,11 @@ def builtin_pairs(cfg: ParallelDataConfig) -> tuple[list[str], list[str]]:
 def encode_source(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids + EOS for each text (the form both sides take)."""
     return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(list(texts))]
+
+
+def encode_target(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """As encode_source, with the tokenizer's target side (Marian has one model per side)."""
+    return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_target_batch(list(texts))]
 
 
 @dataclass
@@ -302,7 +307,7 @@ class ParallelData:
     def _encode(
         self, src: list[str], tgt: list[str], split: str, max_ratio: float
     ) -> tuple[list[list[int]], list[list[int]]]:
-        src_ids, tgt_ids = encode_source(self.tokenizer, src), encode_source(self.tokenizer, tgt)
+        src_ids, tgt_ids = encode_source(self.tokenizer, src), encode_target(self.tokenizer, tgt)
         keep = [
             i for i in range(len(src_ids))
             if keep_pair(len(src_ids[i]), len(tgt_ids[i]), self.cfg.max_len, max_ratio)

@@ -1,8 +1,10 @@
-"""Tokenizers: characters, or byte-level BPE trained with Hugging Face `tokenizers`.
+"""Tokenizers: characters, words, or byte-level BPE trained with Hugging Face `tokenizers`,
+or a pretrained model's own (GPT-2's byte-level BPE, imported with its weights).
 
-Both save to one JSON file (tokenizer.json in every checkpoint) and load back from it with
+Each saves to one JSON file (tokenizer.json in every checkpoint) and loads back from it with
 `load_tokenizer`. Special tokens (padding, begin and end of sequence) are handled here and
-nowhere else: ids 0, 1, 2 when a tokenizer has them.
+nowhere else: ids 0, 1, 2 when a tokenizer trained here has them; a pretrained tokenizer
+names its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ IGNORE_INDEX = -100
 """A target id that counts for nothing in a loss (padding, or past the end of a stream)."""
 SPECIALS = (PAD, BOS, EOS)
 KINDS = ("char", "bpe")
+"""The kinds a run can train; a pretrained tokenizer ("gpt2") comes with its checkpoint."""
+LM_KINDS = (*KINDS, "word")
+"""Language models may also read words (translation needs the special tokens)."""
+UNK, LINE_END = "<unk>", "\n"
 
 
 class Tokenizer(Protocol):
@@ -33,6 +39,11 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Translation targets: the same as encode_batch, except for tokenizers with a
+        model per side (Marian's)."""
+        ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -68,6 +79,9 @@ class CharTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encode_batch(texts)
+
     def decode(self, ids: Iterable[int]) -> str:
         n = len(self.specials)
         return "".join(self.itos[i] for i in ids if i >= n)
@@ -77,6 +91,50 @@ class CharTokenizer:
             {"kind": "char", "specials": bool(self.specials), "chars": self.chars},
             ensure_ascii=False,
         )
+
+
+class WordTokenizer:
+    """Words split on white space, and the end of each line as a token of its own: the
+    convention of the word-level language-model corpora (Penn Treebank, WikiText), whose
+    published perplexities count one token per word and one per line end. Words not seen
+    in training become <unk>. Decoding puts a space before each word but the first of a
+    line, so white space does not come back exactly."""
+
+    kind = "word"
+    pad_id = bos_id = eos_id = None
+
+    def __init__(self, words: Iterable[str]) -> None:
+        self.itos = [UNK, LINE_END] + sorted(set(words) - {UNK, LINE_END})
+        self.stoi = {w: i for i, w in enumerate(self.itos)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        lines = text.split("\n")
+        for i, line in enumerate(lines):
+            ids.extend(self.stoi.get(w, 0) for w in line.split())
+            if i < len(lines) - 1:
+                ids.append(1)
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        parts: list[str] = []
+        for i in ids:
+            word = self.itos[i]
+            if word == LINE_END or not parts or parts[-1] == LINE_END:
+                parts.append(word)
+            else:
+                parts.append(" " + word)
+        return "".join(parts)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "word", "words": self.itos[2:]}, ensure_ascii=False)
 
 
 class BPETokenizer:
@@ -118,11 +176,152 @@ class BPETokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(list(texts))]
 
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encode_batch(texts)
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
     def to_json(self) -> str:
         return self.tok.to_str()
+
+
+class PretrainedBPETokenizer:
+    """A pretrained model's byte-level BPE (GPT-2's), held as a `tokenizers.Tokenizer` with
+    the names of its special tokens. GPT-2 has one, <|endoftext|>, that both begins and
+    ends a document, and no padding token.
+
+    Text that contains a special token's name encodes to that token, as Hugging Face's
+    tokenizer does: a fine-tuning corpus marks its documents' ends with <|endoftext|>.
+    """
+
+    kind = "gpt2"
+
+    def __init__(
+        self, tokenizer, *, bos: str | None, eos: str | None, pad: str | None = None
+    ) -> None:  # tokenizer: a tokenizers.Tokenizer
+        self.tok = tokenizer
+        self.names = {"bos": bos, "eos": eos, "pad": pad}
+        self.bos_id = self._id(bos)
+        self.eos_id = self._id(eos)
+        self.pad_id = self._id(pad)
+
+    def _id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        found = self.tok.token_to_id(token)
+        if found is None:
+            raise TformerError(f"the tokenizer has no token {token!r}")
+        return found
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encode_batch(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"kind": self.kind, **self.names, "tokenizer": json.loads(self.tok.to_str())},
+            ensure_ascii=False,
+        )
+
+
+class SentencePieceTokenizer:
+    """Marian's tokenization (as Hugging Face's MarianTokenizer does it): a source and a
+    target SentencePiece model whose pieces map to ids through one shared vocabulary
+    (vocab.json; a piece not in it is <unk>). A leading language code such as ">>de<<" is
+    one token. The decoder starts from `bos_id`, which for Marian is the padding token.
+    Sources are encoded with the source model, targets (for training) with the target one,
+    and `decode` detokenizes with the target one.
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(
+        self, source: bytes, target: bytes, vocab: dict[str, int], *, eos: str, unk: str,
+        pad: str, bos_id: int,
+    ) -> None:
+        spm = require_sentencepiece()
+        self.models = {"source": source, "target": target}
+        self.source = spm.SentencePieceProcessor(model_proto=source)
+        self.target = spm.SentencePieceProcessor(model_proto=target)
+        self.vocab = vocab
+        self.pieces = {i: piece for piece, i in vocab.items()}
+        self.names = {"eos": eos, "unk": unk, "pad": pad}
+        for name in (eos, unk, pad):
+            if name not in vocab:
+                raise TformerError(f"the vocabulary has no {name!r} token")
+        self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
+        self.bos_id = bos_id
+        self.special = {self.eos_id, self.unk_id, self.pad_id, bos_id}
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.vocab.values()) + 1
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text, self.source)
+
+    def _encode(self, text: str, model) -> list[int]:
+        code = []
+        if text.startswith(">>") and (end := text.find("<<")) != -1:
+            code, text = [text[: end + 2]], text[end + 2 :]
+        pieces = code + model.encode(text, out_type=str)
+        return [self.vocab.get(p, self.unk_id) for p in pieces]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self._encode(t, self.target) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        pieces = [self.pieces[i] for i in ids if i not in self.special and i in self.pieces]
+        return self.target.decode_pieces(pieces).replace("\u2581", " ").strip()
+
+    def to_json(self) -> str:
+        import base64
+
+        return json.dumps(
+            {
+                "kind": self.kind,
+                **{k: base64.b64encode(v).decode("ascii") for k, v in self.models.items()},
+                "vocab": self.vocab,
+                **self.names,
+                "bos_id": self.bos_id,
+            },
+            ensure_ascii=False,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SentencePieceTokenizer:
+        import base64
+
+        return cls(
+            base64.b64decode(data["source"]), base64.b64decode(data["target"]), data["vocab"],
+            eos=data["eos"], unk=data["unk"], pad=data["pad"], bos_id=data["bos_id"],
+        )
+
+
+def require_sentencepiece():
+    try:
+        import sentencepiece
+    except ImportError:
+        raise TformerError(
+            "Marian models need the sentencepiece package: pip install 'tformer[interop]'"
+        ) from None
+    return sentencepiece
 
 
 def train_tokenizer(
@@ -136,15 +335,31 @@ def train_tokenizer(
         return CharTokenizer(chars, specials=specials)
     if kind == "bpe":
         return BPETokenizer.train(texts, vocab_size)
-    raise TformerError(f"data.tokenizer = {kind!r} is not allowed; choose one of: char | bpe")
+    if kind == "word":
+        words: set[str] = set()
+        for text in texts:
+            words.update(text.split())
+        return WordTokenizer(words)
+    raise TformerError(
+        f"data.tokenizer = {kind!r} is not allowed; choose one of: {' | '.join(LM_KINDS)}"
+    )
 
 
 def tokenizer_from_json(text: str) -> Tokenizer:
     data = json.loads(text)
     if data.get("kind") == "char":
         return CharTokenizer(data["chars"], specials=data["specials"])
+    if data.get("kind") == "word":
+        return WordTokenizer(data["words"])
     from tokenizers import Tokenizer as HFTokenizer
 
+    if data.get("kind") == SentencePieceTokenizer.kind:
+        return SentencePieceTokenizer.from_dict(data)
+    if data.get("kind") == PretrainedBPETokenizer.kind:
+        return PretrainedBPETokenizer(
+            HFTokenizer.from_str(json.dumps(data["tokenizer"])),
+            bos=data["bos"], eos=data["eos"], pad=data["pad"],
+        )
     return BPETokenizer(HFTokenizer.from_str(text))
 
 

@@ -13,7 +13,10 @@ V vocabulary.
 
 Scores: a hypothesis y is ranked by log P(y | x) / lp(y) with GNMT's length penalty
 lp(y) = ((5 + |y|) / 6) ** alpha (Wu et al. 2016, eq. 14), |y| counting the EOS token;
-alpha = 0 ranks by log-probability alone.
+alpha = 0 ranks by log-probability alone. penalty = "hf" is the convention of Hugging Face
+and Marian instead: lp(y) = |y| ** alpha, and a sentence ends as Hugging Face's beam search
+ends it (below), and an EOS forced by the length limit costs nothing (its
+forced_eos_token_id), so that its outputs can be compared one to one.
 """
 
 from __future__ import annotations
@@ -35,7 +38,15 @@ class Hypothesis:
     """log P(tokens + EOS | source)."""
 
 
-def length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
+PENALTIES = ("gnmt", "hf")
+
+
+def length_penalty(length: Tensor | float, alpha: float, penalty: str = "gnmt") -> Tensor | float:
+    """What a hypothesis' log-probability is divided by; `length` counts the EOS token."""
+    if penalty == "hf":
+        return length**alpha
+    if penalty != "gnmt":
+        raise ValueError(f"length penalty must be one of {PENALTIES}, not {penalty!r}")
     return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -51,10 +62,14 @@ class _Rules:
     never produced, and a row whose length limit is reached must produce EOS.
 
     max_len (N,): each row's limit (tokens, EOS included); banned: ids never produced.
+    free_forced_eos: an EOS forced by the limit costs nothing (log-probability 0), as
+    Hugging Face's forced_eos_token_id makes it; otherwise it costs log P(EOS).
     """
 
-    def __init__(self, max_len: Tensor, vocab: int, *, eos_id: int, banned: tuple[int, ...]):
+    def __init__(self, max_len: Tensor, vocab: int, *, eos_id: int, banned: tuple[int, ...],
+                 free_forced_eos: bool = False):
         self.max_len = max_len
+        self.free_forced_eos = free_forced_eos
         self.banned = torch.tensor(banned, device=max_len.device)
         self.not_eos = torch.arange(vocab, device=max_len.device) != eos_id
         # No row is at its limit before this step, so the check is skipped until then (one
@@ -68,6 +83,8 @@ class _Rules:
         if step >= self.first_forced:
             must_end = (step >= self.max_len - 1)[:, None]
             logprobs.masked_fill_(must_end & self.not_eos, float("-inf"))
+            if self.free_forced_eos:
+                logprobs.masked_fill_(must_end & ~self.not_eos, 0.0)
         return logprobs
 
 
@@ -85,6 +102,7 @@ def greedy_search(
     max_len_b: int = 10,
     use_cache: bool = True,
     check_every: int = 4,
+    penalty: str = "gnmt",
 ) -> list[Hypothesis]:
     """The most likely next token at each step, for (B, S) sources at once.
 
@@ -102,7 +120,8 @@ def greedy_search(
     logprob = torch.zeros(B, device=src.device)
     length = torch.zeros(B, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
-    rules = _Rules(max_len, model.cfg.vocab_size, eos_id=eos_id, banned=(pad_id, bos_id))
+    rules = _Rules(max_len, model.cfg.vocab_size, eos_id=eos_id, banned=(pad_id, bos_id),
+                   free_forced_eos=penalty == "hf")
     for t in range(steps):
         prefix = tokens[:, t : t + 1] if use_cache else tokens[:, : t + 1]
         logits = model.decode(prefix, memory, src_real, cache=cache)[:, -1]
@@ -115,7 +134,7 @@ def greedy_search(
         done |= ended
         if (t + 1) % check_every == 0 and bool(done.all()):
             break
-    score = logprob / length_penalty(length.float(), alpha)
+    score = logprob / length_penalty(length.float(), alpha, penalty)
     return [
         Hypothesis(tokens[i, 1 : int(length[i])].tolist(), float(score[i]), float(logprob[i]))
         for i in range(B)
@@ -137,6 +156,7 @@ def beam_search(
     max_len_b: int = 10,
     n_best: int = 1,
     early_stopping: bool = False,
+    penalty: str = "gnmt",
 ) -> list[list[Hypothesis]]:
     """Beam search over (B, S) sources at once; the n_best hypotheses of each, best first.
 
@@ -146,6 +166,9 @@ def beam_search(
     no live beam can still beat its n_best-th finished hypothesis, or, with early_stopping,
     as soon as it has K finished ones (fairseq's rule: faster, but on a sharp model K poor
     short hypotheses can end a sentence while a better, longer one is still growing).
+    With penalty = "hf", Hugging Face's rule instead: a sentence ends once it has K finished
+    hypotheses and its best live beam, divided by the penalty of its current length, does
+    not beat the worst of them (a heuristic: with alpha > 0 a longer hypothesis could).
     Finished sentences keep their results while the others go on. The self-attention
     caches follow the surviving beams through one DecoderCache.reorder per step; everything
     else is tensor work on the device, with one check per step whether all sentences are
@@ -178,7 +201,8 @@ def beam_search(
     rank = torch.arange(2 * K, device=device)
     row_offset = torch.arange(B, device=device)[:, None] * K
 
-    rules = _Rules(max_len_beams, V, eos_id=eos_id, banned=(pad_id, bos_id))
+    rules = _Rules(max_len_beams, V, eos_id=eos_id, banned=(pad_id, bos_id),
+                   free_forced_eos=penalty == "hf")
     any_finished = False  # whether any hypothesis has finished yet (known on the host)
 
     for t in range(steps):
@@ -200,7 +224,7 @@ def beam_search(
             ended = tokens.gather(1, parent[:, :K, None].expand(-1, -1, L))
             ended[:, :, t + 1] = token[:, :K]
             normalised = torch.where(
-                new_finished, top[:, :K] / length_penalty(t + 1.0, alpha), -torch.inf
+                new_finished, top[:, :K] / length_penalty(t + 1.0, alpha, penalty), -torch.inf
             )
             finished_score, keep = torch.cat([finished_score, normalised], dim=1).topk(K, dim=1)
             finished_logprob = torch.cat([finished_logprob, top[:, :K]], dim=1).gather(1, keep)
@@ -222,10 +246,16 @@ def beam_search(
         if any_finished:
             if early_stopping:
                 done |= finished_score.isfinite().all(dim=1)
+            elif penalty == "hf":
+                best_live = scores.max(dim=1).values / length_penalty(t + 1.0, alpha, penalty)
+                worst_kept = finished_score[:, K - 1]
+                done |= worst_kept.isfinite() & (best_live <= worst_kept)
             else:
                 # A live beam's log-probability (<= 0) only falls, so its best possible score
                 # divides it by the largest penalty it can still get.
-                best_live = scores.max(dim=1).values / length_penalty(max_len.float(), alpha)
+                best_live = scores.max(dim=1).values / length_penalty(
+                    max_len.float(), alpha, penalty
+                )
                 worst_kept = finished_score[:, n_best - 1]
                 done |= worst_kept.isfinite() & (best_live <= worst_kept)
         at_limit = t >= rules.first_forced

@@ -4,8 +4,9 @@ A model decodes here if it has
     make_cache(batch, max_len, padded=...) -> cache with .length and .max_len
     forward(tokens, is_real, cache=..., last_only=True) -> (B, 1, V) logits
 and a `cfg.context` (the longest window it reads). GPT's cache is a preallocated KV cache.
-A model with `decodes_with_memory` (Transformer-XL) has no fixed window: its memory is the
-cache, and tformer.decoding.transformer_xl generates from it.
+Transformer-XL has no fixed window: its memory is the cache, and
+tformer.decoding.transformer_xl generates from it (each family's registry entry names its
+`generate`).
 
 Shapes: B batch, T prompt length, V vocabulary.
 """
@@ -42,16 +43,6 @@ def generate(
     always see the same tokens and agree exactly. With eos_id, stops once every row has
     produced it (finished rows repeat it).
     """
-    if getattr(model, "decodes_with_memory", False):
-        # Transformer-XL: no fixed window; its memory slides by itself and is the cache.
-        from tformer.decoding.transformer_xl import generate_with_memory
-
-        yield from generate_with_memory(
-            model, prompt, max_new_tokens=max_new_tokens, is_real=is_real,
-            temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
-            use_cache=use_cache, eos_id=eos_id,
-        )
-        return
     B = prompt.shape[0]
     context = model.cfg.context
     padded = is_real is not None

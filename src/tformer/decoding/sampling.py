@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tformer.errors import TformerError
+
 
 def filter_top_k(logits: Tensor, k: int) -> Tensor:
     """Keep the k largest logits per row, -inf elsewhere. topk + scatter keeps exactly k
@@ -40,6 +42,11 @@ def next_token(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """(B, V) logits -> (B,) token ids. temperature 0 is greedy (argmax)."""
+    if not torch.isfinite(logits).all():
+        raise TformerError(
+            "the model's outputs are not finite (NaN or inf logits); its weights or its "
+            "input are broken, and no token can be chosen"
+        )
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = filter_top_p(filter_top_k(logits.float() / temperature, top_k), top_p)

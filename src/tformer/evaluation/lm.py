@@ -1,27 +1,21 @@
-"""Language-model metrics: loss (nats per token), perplexity, bits per character."""
+"""Language-model metrics: loss (nats per token), perplexity, bits per character, over
+independent windows (GPT) or over ordered segments that carry a memory (Transformer-XL)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.data.lm import LMBatch, sequential_windows
+from tformer.data.streams import eval_streams
 from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
+from tformer.evaluation.loss import lm_loss
 from tformer.evaluation.shard import WHOLE, Shard
-
-
-def lm_loss(logits: Tensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:
-    """Cross-entropy of (B, T, V) logits against (B, T) targets; IGNORE_INDEX targets
-    (padding) count for nothing."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-        reduction=reduction,
-    )
+from tformer.models.transformer_xl import Memory
 
 
 def lm_metrics(total_nll: float, n_tokens: int, n_chars: int) -> dict[str, float]:
@@ -43,10 +37,11 @@ def count_chars(targets: Tensor, tokenizer: Tokenizer) -> int:
 @torch.no_grad()
 def evaluate_batches(
     model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0,
-    shard: Shard = WHOLE,
+    progress: Callable[[int], None] | None = None, shard: Shard = WHOLE,
 ) -> dict[str, float]:
     """Summed loss over batches of independent windows (GPT-style models); `shard`: this
-    process's rows of each batch, the sums then added over processes."""
+    process's rows of each batch, the sums then added over processes. progress: called with
+    the number of tokens this process predicted after each batch."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -58,9 +53,12 @@ def evaluate_batches(
         batch = batch.to(device)
         nll = float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
         if counts:
+            batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
             total_nll += nll
-            n_tokens += int((batch.targets != IGNORE_INDEX).sum())
+            n_tokens += batch_tokens
             n_chars += count_chars(batch.targets.cpu(), tokenizer)
+            if progress is not None:
+                progress(batch_tokens)
     model.train(was_training)
     total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
     return lm_metrics(total_nll, int(n_tokens), int(n_chars))
@@ -68,9 +66,48 @@ def evaluate_batches(
 
 def evaluate_stream(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, context: int, batch_size: int,
-    max_batches: int = 0, shard: Shard = WHOLE,
+    max_batches: int = 0, shard: Shard = WHOLE, progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Every token of a stream but the first, predicted once from windows of `context`."""
     return evaluate_batches(
-        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches, shard
+        model, sequential_windows(ids, batch_size, context), tokenizer, max_batches,
+        progress=progress, shard=shard,
     )
+
+
+@torch.no_grad()
+def evaluate_segments(
+    model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, *, segment_len: int, mem_len: int,
+    batch_size: int, max_batches: int = 0, shard: Shard = WHOLE,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """Every token of a stream but the first, predicted once by a model with a recurrence
+    memory (Transformer-XL): the stream is read as `batch_size` ordered streams in segments of
+    `segment_len`, each attending over a memory of the last `mem_len` positions.
+
+    The first segment of each stream starts with an empty memory. max_batches: stop after
+    this many segments (0: all). shard: this process's rows (streams) of every segment.
+    progress: called with the tokens of each batch.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    memory = Memory(mem_len, cache_keys=True)
+    total_nll, n_tokens, n_chars = 0.0, 0, 0
+    for i, batch in enumerate(eval_streams(ids, batch_size, segment_len)):
+        if max_batches and i >= max_batches:
+            break
+        batch, counts = shard.rows(batch)  # the same streams, and memory rows, every time
+        batch = batch.to(device)
+        logits = model(batch.tokens, memory=memory)
+        nll = float(lm_loss(logits, batch.targets, reduction="sum"))
+        if counts:
+            batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
+            total_nll += nll
+            n_tokens += batch_tokens
+            n_chars += count_chars(batch.targets.cpu(), tokenizer)
+            if progress is not None:
+                progress(batch_tokens)
+    model.train(was_training)
+    total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
+    return lm_metrics(total_nll, int(n_tokens), int(n_chars))

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tformer.data.parallel import encode_source, sorted_batches
+from tformer.data.parallel import encode_source, encode_target, sorted_batches
 from tformer.data.tokenizers import Tokenizer
 from tformer.decoding.translate import SearchOptions, best_translations
 from tformer.errors import TformerError
+from tformer.evaluation.loss import label_smoothed_loss
 from tformer.evaluation.shard import WHOLE, Shard
-from tformer.models.seq2seq import label_smoothed_loss
 
 
 def corpus_scores(
@@ -126,7 +126,7 @@ def evaluate_translation(
     scores = corpus_scores(hypotheses, references, lang=lang)
     limit = model.cfg.max_len
     src_ids = [ids[:limit] for ids in encode_source(tokenizer, sources)]
-    tgt_ids = [ids[:limit] for ids in encode_source(tokenizer, references)]
+    tgt_ids = [ids[:limit] for ids in encode_target(tokenizer, references)]
     loss = evaluate_loss(model, src_ids, tgt_ids, tokenizer, max_tokens)
     result.update(bleu=scores["bleu"], chrf=scores["chrf"], bleu_tok=scores["bleu_tok"],
                   loss=loss["loss"], exact_match=scores["exact_match"], sentences=len(sources),

@@ -10,11 +10,18 @@ from tformer.layers.attention import (
     lm_mask,
     padding_mask,
 )
-from tformer.layers.feedforward import FeedForward
-from tformer.layers.position import POSITIONS, LearnedPositions, SinusoidalPositions, sinusoids
+from tformer.layers.feedforward import ACTIVATIONS, FeedForward
+from tformer.layers.position import (
+    POSITIONS,
+    SINUSOID_LAYOUTS,
+    LearnedPositions,
+    SinusoidalPositions,
+    sinusoids,
+)
 from tformer.layers.residual import Residual
 
 __all__ = [
+    "ACTIVATIONS",
     "DecoderCache",
     "POSITIONS",
     "FeedForward",
@@ -22,6 +29,7 @@ __all__ = [
     "LearnedPositions",
     "MultiHeadAttention",
     "Residual",
+    "SINUSOID_LAYOUTS",
     "SinusoidalPositions",
     "StaticKV",
     "attention_bias",

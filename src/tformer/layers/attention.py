@@ -82,6 +82,14 @@ class KVCache:
         self.v = torch.empty(batch, n_head, max_len, d_value, dtype=dtype, device=device)
         self.length = 0
 
+    @classmethod
+    def over(cls, k: Tensor, v: Tensor, length: int) -> KVCache:
+        """A cache whose buffers are the given (B, H, max_len, ·) tensors (views, say, of a
+        larger pool), holding `length` positions already."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.length = k, v, length
+        return cache
+
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
@@ -144,6 +152,16 @@ class DecoderCache:
     @property
     def max_len(self) -> int:
         return self.self_attn[0].max_len
+
+    def narrow(self, rows: slice, length: int) -> DecoderCache:
+        """A cache over some rows of this one, sharing its buffers, at `length` positions:
+        what a pool of decoding slots hands the model for the rows it decodes."""
+        narrowed = DecoderCache(
+            [KVCache.over(c.k[rows], c.v[rows], length) for c in self.self_attn]
+        )
+        if self.is_real is not None:
+            narrowed.is_real = self.is_real[rows]
+        return narrowed
 
     def reorder(self, index: Tensor) -> None:
         for cache in self.self_attn:

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor, nn
 
-ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    # GPT-2's tanh approximation of GELU (Hendrycks & Gimpel 2016, sec. 2), which its
+    # weights were trained with: the exact erf form moves logits by ~1e-3.
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    # SiLU / swish, x * sigmoid(x) (Ramachandran et al. 2017): Marian's activation.
+    "silu": nn.SiLU,
+}
 
 
 class FeedForward(nn.Module):

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from tformer.config import check_choice, check_heads, check_range
+from tformer.checks import check_choice, check_heads, check_range
 from tformer.layers import (
+    ACTIVATIONS,
     POSITIONS,
+    SINUSOID_LAYOUTS,
     DecoderCache,
     FeedForward,
     KVCache,
@@ -25,6 +28,9 @@ from tformer.layers import (
 
 @dataclass(frozen=True)
 class GPTConfig:
+    weight_free: ClassVar[frozenset[str]] = frozenset({"dropout"})
+    """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
+
     vocab_size: int = 0
     """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
     context: int = 64
@@ -43,6 +49,20 @@ class GPTConfig:
     norm: str = "pre"
     tie_embeddings: bool = True
     bias: bool = True
+    """Biases in every linear layer and LayerNorm (attention: unless attn_bias says)."""
+    attn_bias: bool | None = None
+    """Biases in the attention projections; none means the same as `bias`."""
+    output_bias: bool = False
+    """A bias on the projection to the vocabulary."""
+    scale_embeddings: bool = False
+    """Multiply token embeddings by sqrt(d_model) before adding positions (Vaswani et al.
+    2017, sec. 3.4)."""
+    embed_norm: bool = False
+    """A LayerNorm right after token + position embeddings (BERT, BLOOM)."""
+    final_norm: bool = True
+    """Pre-norm: the LayerNorm that closes the stack (GPT-2 has it)."""
+    sinusoid_layout: str = "interleaved"
+    """position = sinusoidal: interleaved sin/cos, or halves ([sin | cos])."""
 
     def __post_init__(self) -> None:
         check_range("model.vocab_size", self.vocab_size, low=0)
@@ -54,9 +74,10 @@ class GPTConfig:
                 check_range(f"model.{key}", getattr(self, key), low=1)
         check_heads("model", self.d_model, self.n_head, self.d_head)
         check_range("model.dropout", self.dropout, low=0.0, high=1.0)
-        check_choice("model.activation", self.activation, ("gelu", "relu"))
+        check_choice("model.activation", self.activation, tuple(ACTIVATIONS))
         check_choice("model.position", self.position, tuple(POSITIONS))
         check_choice("model.norm", self.norm, ("pre", "post"))
+        check_choice("model.sinusoid_layout", self.sinusoid_layout, SINUSOID_LAYOUTS)
 
     @property
     def ff_width(self) -> int:
@@ -74,7 +95,7 @@ class GPTBlock(nn.Module):
             d_head=cfg.d_head,
             d_value=cfg.d_value,
             dropout=cfg.dropout,
-            bias=cfg.bias,
+            bias=cfg.bias if cfg.attn_bias is None else cfg.attn_bias,
         )
         self.ff = FeedForward(
             cfg.d_model,
@@ -107,12 +128,15 @@ class GPT(nn.Module):
             )
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.positions = POSITIONS[cfg.position](cfg.context, cfg.d_model)
+        self.positions = POSITIONS[cfg.position](cfg.context, cfg.d_model, cfg.sinusoid_layout)
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        self.embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layer))
         # Pre-norm leaves the residual stream un-normalised: one LayerNorm closes the stack.
-        self.final_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.norm == "pre" else None
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        closing_norm = cfg.norm == "pre" and cfg.final_norm
+        self.final_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if closing_norm else None
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -191,7 +215,13 @@ class GPT(nn.Module):
         if keys_real is not None or (past > 0 and T > 1):
             mask = lm_mask(keys_real, T, past + T, tokens.device)
 
-        x = self.dropout(self.embed(tokens) + self.positions(positions))
+        x = self.embed(tokens)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        x = x + self.positions(positions)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x = self.dropout(x)
         for i, block in enumerate(self.blocks):
             x = block(x, mask, cache.self_attn[i] if cache is not None else None)
         if last_only:

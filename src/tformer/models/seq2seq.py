@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.config import check_choice, check_heads, check_range
-from tformer.data.tokenizers import IGNORE_INDEX
+from tformer.checks import check_choice, check_heads, check_range
 from tformer.layers import (
+    ACTIVATIONS,
+    SINUSOID_LAYOUTS,
     DecoderCache,
     FeedForward,
     KVCache,
@@ -31,12 +32,18 @@ from tformer.layers import (
     SinusoidalPositions,
     StaticKV,
     attention_bias,
+    lm_mask,
     padding_mask,
 )
 
 
 @dataclass(frozen=True)
 class Seq2SeqConfig:
+    weight_free: ClassVar[frozenset[str]] = frozenset(
+        {"dropout", "attn_dropout", "ff_dropout", "label_smoothing"}
+    )
+    """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
+
     vocab_size: int = 0
     """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
     max_len: int = 256
@@ -68,6 +75,20 @@ class Seq2SeqConfig:
     label_smoothing: float = 0.1
     """epsilon_ls of sec. 5.4."""
     bias: bool = True
+    """Biases in every linear layer and LayerNorm (attention: unless attn_bias says)."""
+    attn_bias: bool | None = None
+    """Biases in the attention projections; none means the same as `bias`."""
+    output_bias: bool = False
+    """A bias on the projection to the vocabulary (Marian's final_logits_bias)."""
+    scale_embeddings: bool = True
+    """Multiply embeddings by sqrt(d_model) before adding positions (sec. 3.4)."""
+    embed_norm: bool = False
+    """A LayerNorm right after embeddings + positions, in both stacks (mBART)."""
+    final_norm: bool = True
+    """Pre-norm: the LayerNorm that closes each stack."""
+    sinusoid_layout: str = "interleaved"
+    """interleaved sin/cos (the paper), or halves ([sin | cos]: tensor2tensor, fairseq,
+    Marian)."""
 
     def __post_init__(self) -> None:
         check_range("model.vocab_size", self.vocab_size, low=0)
@@ -82,8 +103,9 @@ class Seq2SeqConfig:
         check_range("model.attn_dropout", self.attn_dropout, low=0.0, high=1.0)
         check_range("model.ff_dropout", self.ff_dropout, low=0.0, high=1.0)
         check_range("model.label_smoothing", self.label_smoothing, low=0.0, high=1.0)
-        check_choice("model.activation", self.activation, ("relu", "gelu"))
+        check_choice("model.activation", self.activation, tuple(ACTIVATIONS))
         check_choice("model.norm", self.norm, ("pre", "post"))
+        check_choice("model.sinusoid_layout", self.sinusoid_layout, SINUSOID_LAYOUTS)
 
     @property
     def ff_width(self) -> int:
@@ -97,7 +119,8 @@ class Seq2SeqConfig:
 def _attention(cfg: Seq2SeqConfig, *, cross: bool) -> MultiHeadAttention:
     return MultiHeadAttention(
         cfg.d_model, cfg.n_head, d_head=cfg.d_head, d_value=cfg.d_value,
-        dropout=cfg.attn_dropout, bias=cfg.bias, cross=cross,
+        dropout=cfg.attn_dropout, bias=cfg.bias if cfg.attn_bias is None else cfg.attn_bias,
+        cross=cross,
     )
 
 
@@ -146,13 +169,15 @@ class DecoderLayer(nn.Module):
         memory_mask: Tensor,
         self_cache: KVCache | None,
         cross_cache: StaticKV | None,
+        self_mask: Tensor | None = None,
     ) -> Tensor:
         # One new token sees every cached key, so it needs no mask; several tokens (a whole
         # right-padded target, or a first step with an empty cache) read under the causal
-        # mask, and padding at the end is only ever seen by padding queries.
-        is_causal = x.shape[1] > 1
+        # mask, and padding at the end is only ever seen by padding queries. `self_mask`
+        # (causal and key padding) replaces the causal mask when the caller has one.
+        is_causal = self_mask is None and x.shape[1] > 1
         x = self.self_residual(
-            x, lambda h: self.self_attn(h, is_causal=is_causal, cache=self_cache)
+            x, lambda h: self.self_attn(h, mask=self_mask, is_causal=is_causal, cache=self_cache)
         )
         x = self.cross_residual(
             x, lambda h: self.cross_attn(h, memory, mask=memory_mask, cache=cross_cache)
@@ -170,15 +195,18 @@ class Seq2Seq(nn.Module):
         self.cfg = cfg
         self.src_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.tgt_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.positions = SinusoidalPositions(cfg.max_len, cfg.d_model)
+        self.positions = SinusoidalPositions(cfg.max_len, cfg.d_model, cfg.sinusoid_layout)
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        self.src_embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
+        self.tgt_embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layer))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         # Pre-norm leaves each stack's residual stream un-normalised: one LayerNorm closes it.
-        pre = cfg.norm == "pre"
+        pre = cfg.norm == "pre" and cfg.final_norm
         self.encoder_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if pre else None
         self.decoder_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if pre else None
-        self.out_proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.out_proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         self._init_weights()
         if cfg.tie_embeddings:
             self.tgt_embed.weight = self.src_embed.weight
@@ -197,14 +225,31 @@ class Seq2Seq(nn.Module):
             nn.init.normal_(embed.weight, mean=0.0, std=self.cfg.d_model**-0.5)
         nn.init.normal_(self.out_proj.weight, mean=0.0, std=self.cfg.d_model**-0.5)
 
-    def _embed(self, embed: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+    def _embed(
+        self,
+        embed: nn.Embedding,
+        norm: nn.LayerNorm | None,
+        tokens: Tensor,
+        start: int = 0,
+        is_real: Tensor | None = None,
+    ) -> Tensor:
+        """Scaled embeddings plus positions: start, start + 1, ... or, given is_real, the
+        number of real tokens before each one (so padding shifts nothing)."""
         if start + tokens.shape[1] > self.cfg.max_len:
             raise ValueError(
                 f"{start + tokens.shape[1]} tokens exceed the model's max_len of "
                 f"{self.cfg.max_len}"
             )
-        x = embed(tokens) * math.sqrt(self.cfg.d_model) + self.positions(positions)
+        if is_real is None:
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        else:
+            positions = (is_real.cumsum(1) - 1).clamp(min=0)
+        x = embed(tokens)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        x = x + self.positions(positions)
+        if norm is not None:
+            x = norm(x)
         return self.dropout(x)
 
     def encode(self, src: Tensor, src_real: Tensor) -> Tensor:
@@ -213,7 +258,7 @@ class Seq2Seq(nn.Module):
         Padding keys are masked out, so a real position's output does not depend on how
         much padding follows it; outputs at padding positions are meaningless.
         """
-        x = self._embed(self.src_embed, src)
+        x = self._embed(self.src_embed, self.src_embed_norm, src)
         # As a float bias, made once here rather than by SDPA in every layer.
         mask = attention_bias(padding_mask(src_real), x.dtype)
         for layer in self.encoder:
@@ -227,6 +272,7 @@ class Seq2Seq(nn.Module):
         src_real: Tensor,
         *,
         cache: DecoderCache | None = None,
+        tgt_real: Tensor | None = None,
     ) -> Tensor:
         """tgt (B, T) target ids so far (starting with BOS) -> logits (B, T, V).
 
@@ -234,25 +280,37 @@ class Seq2Seq(nn.Module):
             divide B (beams of one sentence share their source, as a view).
         cache: from make_cache; tgt then holds only the new tokens after the cached ones,
             and the cross-attention keys/values are computed on the first call only.
+        tgt_real: (B, T) True at real target tokens: self-attention then also skips padding
+            keys and positions count real tokens only, so a padded target gives the outputs
+            of the same target unpadded at every real position, wherever the padding is
+            (without it, only right padding is safe).
         """
         start = cache.length if cache is not None else 0
         if start > 0 and tgt.shape[1] > 1:
             raise ValueError("after the first cached step, decode one token at a time")
-        x = self._embed(self.tgt_embed, tgt, start)
-        # As a float bias, made once here rather than by SDPA in every layer.
+        if tgt_real is not None and start > 0:
+            raise ValueError("tgt_real is for whole targets, not cached steps")
+        x = self._embed(self.tgt_embed, self.tgt_embed_norm, tgt, start, tgt_real)
+        # As float biases, made once here rather than by SDPA in every layer.
         memory_mask = attention_bias(padding_mask(src_real), x.dtype)
+        self_mask = None
+        if tgt_real is not None:
+            self_mask = attention_bias(lm_mask(tgt_real, tgt.shape[1], tgt.shape[1], tgt.device),
+                                       x.dtype)
         for i, layer in enumerate(self.decoder):
             self_cache = cache.self_attn[i] if cache is not None else None
             cross_cache = cache.cross_attn[i] if cache is not None else None
-            x = layer(x, memory, memory_mask, self_cache, cross_cache)
+            x = layer(x, memory, memory_mask, self_cache, cross_cache, self_mask)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         return self.out_proj(x)
 
-    def forward(self, src: Tensor, src_real: Tensor, tgt: Tensor) -> Tensor:
-        """Teacher forcing: (B, S) source, (B, S) its mask, (B, T) target inputs ->
-        (B, T, V) logits."""
-        return self.decode(tgt, self.encode(src, src_real), src_real)
+    def forward(
+        self, src: Tensor, src_real: Tensor, tgt: Tensor, tgt_real: Tensor | None = None
+    ) -> Tensor:
+        """Teacher forcing: (B, S) source, (B, S) its mask, (B, T) target inputs (and
+        optionally their mask, see `decode`) -> (B, T, V) logits."""
+        return self.decode(tgt, self.encode(src, src_real), src_real, tgt_real=tgt_real)
 
     def make_cache(self, batch: int, max_len: int) -> DecoderCache:
         """An empty cache for `batch` target sequences of up to `max_len` tokens: a KV cache
@@ -273,15 +331,3 @@ class Seq2Seq(nn.Module):
         """Distinct parameters (tied matrices count once)."""
         return sum(p.numel() for p in self.parameters())
 
-
-def label_smoothed_loss(
-    logits: Tensor, targets: Tensor, epsilon: float, *, reduction: str = "mean"
-) -> Tensor:
-    """Cross-entropy of (B, T, V) logits against (B, T) targets with label smoothing
-    (Szegedy et al. 2016; Vaswani et al. 2017, sec. 5.4): the target distribution puts
-    1 - epsilon on the right token and spreads epsilon evenly over the vocabulary.
-    IGNORE_INDEX targets (padding) count for nothing; "mean" averages over real tokens."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-        label_smoothing=epsilon, reduction=reduction,
-    )

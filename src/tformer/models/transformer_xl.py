@@ -14,18 +14,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.config import check_choice, check_heads, check_range
-from tformer.layers import FeedForward, Residual, attention_bias, lm_mask, sinusoids
+from tformer.checks import check_choice, check_heads, check_range
+from tformer.layers import (
+    ACTIVATIONS,
+    SINUSOID_LAYOUTS,
+    FeedForward,
+    Residual,
+    attention_bias,
+    lm_mask,
+    sinusoids,
+)
 
 
 @dataclass(frozen=True)
 class TransformerXLConfig:
+    weight_free: ClassVar[frozenset[str]] = frozenset(
+        {"dropout", "attn_dropout", "mem_len", "eval_mem_len", "clamp_len"}
+    )
+    """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
+
     vocab_size: int = 0
     """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
     context: int = 64
@@ -54,6 +67,10 @@ class TransformerXLConfig:
     tie_embeddings: bool = True
     bias: bool = True
     """Biases in the feed-forward layers and the layer norms."""
+    sinusoid_layout: str = "interleaved"
+    """interleaved sin/cos, or halves ([sin | cos], the layout of the paper's own code)."""
+    output_bias: bool = False
+    """A bias on the projection to the vocabulary (the paper's code has one)."""
 
     def __post_init__(self) -> None:
         check_range("model.vocab_size", self.vocab_size, low=0)
@@ -68,8 +85,9 @@ class TransformerXLConfig:
         check_heads("model", self.d_model, self.n_head, self.d_head)
         check_range("model.dropout", self.dropout, low=0.0, high=1.0)
         check_range("model.attn_dropout", self.attn_dropout, low=0.0, high=1.0)
-        check_choice("model.activation", self.activation, ("relu", "gelu"))
+        check_choice("model.activation", self.activation, tuple(ACTIVATIONS))
         check_choice("model.norm", self.norm, ("post", "pre"))
+        check_choice("model.sinusoid_layout", self.sinusoid_layout, SINUSOID_LAYOUTS)
 
     @property
     def ff_width(self) -> int:
@@ -304,9 +322,14 @@ class TransformerXLBlock(nn.Module):
 
     def forward(
         self, x: Tensor, memory: Tensor | None, memory_kv: tuple[Tensor, Tensor] | None,
-        pos_k: Tensor, bias: Tensor, u: Tensor, v: Tensor,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """As RelativeAttention.forward: the block's output and its keys and values."""
+        positions: Tensor | None, pos_k: Tensor | None, bias: Tensor, u: Tensor, v: Tensor,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor]:
+        """As RelativeAttention.forward: the block's output, its keys and values, and its
+        position keys: `pos_k` if given, else computed from the (K, D) `positions` here, in
+        the block's own forward, where FSDP has gathered its weights."""
+        if pos_k is None:
+            assert positions is not None
+            pos_k = self.attn.position_keys(positions.to(x.dtype))
         if memory is not None and self.pre_norm:
             # The memory holds un-normalised layer inputs; pre-norm normalises the keys'
             # inputs the same way as the queries' (the paper's code, pre_lnorm).
@@ -320,14 +343,12 @@ class TransformerXLBlock(nn.Module):
 
         x = self.attn_residual(x, attend)
         assert keys_values is not None
-        return self.ff_residual(x, self.ff), keys_values
+        return self.ff_residual(x, self.ff), keys_values, pos_k
 
 
 class TransformerXL(nn.Module):
     """A Transformer-XL language model: tied embeddings, relative attention, memory."""
 
-    decodes_with_memory = True
-    """tformer.decoding.lm.generate hands this model to the memory-based decoder."""
     reads_linear_weights = ("qkv_proj",)
     """Linear layers whose weight the model slices (the memory's keys and values)."""
 
@@ -346,7 +367,7 @@ class TransformerXL(nn.Module):
         self.v = nn.Parameter(torch.empty(n_biases, cfg.n_head, cfg.head_size))
         self.blocks = nn.ModuleList(TransformerXLBlock(cfg) for _ in range(cfg.n_layer))
         self.final_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.norm == "pre" else None
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -367,7 +388,7 @@ class TransformerXL(nn.Module):
         distances = torch.arange(k_len - 1, -1, -1, device=device)
         if self.cfg.clamp_len > 0:
             distances = distances.clamp(max=self.cfg.clamp_len)
-        return sinusoids(distances, self.cfg.d_model)
+        return sinusoids(distances, self.cfg.d_model, self.cfg.sinusoid_layout)
 
     def forward(
         self,
@@ -414,15 +435,14 @@ class TransformerXL(nn.Module):
         layer_inputs, new_keys_values = [], []
         for i, block in enumerate(self.blocks):
             pos_k = cached.get((i, M + T)) if cached is not None else None
-            if pos_k is None:
-                if positions is None:
-                    positions = self.dropout(self.relative_positions(M + T, tokens.device))
-                pos_k = block.attn.position_keys(positions.to(x.dtype))
-                if cached is not None:
-                    cached[(i, M + T)] = pos_k
+            if pos_k is None and positions is None:
+                positions = self.dropout(self.relative_positions(M + T, tokens.device))
             layer_inputs.append(x)
             b = 0 if self.cfg.share_biases else i
-            x, kv = block(x, states[i], keys_values[i], pos_k, bias, self.u[b], self.v[b])
+            x, kv, pos_k = block(x, states[i], keys_values[i], positions, pos_k, bias,
+                                 self.u[b], self.v[b])
+            if cached is not None:
+                cached[(i, M + T)] = pos_k
             new_keys_values.append(kv)
         if memory is not None:
             memory.update(layer_inputs, new_keys_values, is_real)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch import Tensor, nn
 
-from tformer.config import RunConfig
 from tformer.data.lm import LMBatch, LMData, RandomWindows
 from tformer.data.tokenizers import Tokenizer
-from tformer.evaluation.lm import evaluate_stream, lm_loss
+from tformer.evaluation.lm import evaluate_stream
+from tformer.evaluation.loss import lm_loss
 from tformer.evaluation.shard import WHOLE, Shard
+from tformer.tasks.lm import evaluate_lm_checkpoint, with_batch_size
+
+if TYPE_CHECKING:  # the config module reads configs through the registry, which imports tasks
+    from tformer.config import RunConfig
 
 
 class GPTTask:
@@ -51,14 +56,29 @@ class GPTTask:
             model, self.data.val_ids, self.tokenizer, self.cfg, max_batches, shard
         )
 
+    def summary(self) -> dict[str, str]:
+        """What training reads, for the start-up summary."""
+        return self.data.summary()
+
 
 def evaluate_text(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0,
-    shard: Shard = WHOLE,
+    shard: Shard = WHOLE, progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Loss, perplexity and bits per character over a token stream, in windows of the
-    model's context."""
-    return evaluate_stream(
+    model's context; with the window it used. progress: called with the tokens of each
+    batch."""
+    result = evaluate_stream(
         model, ids, tokenizer, context=cfg.model.context, batch_size=cfg.train.batch_size,
-        max_batches=max_batches, shard=shard,
+        max_batches=max_batches, shard=shard, progress=progress,
     )
+    return {**result, "context": cfg.model.context}
+
+
+def evaluate_checkpoint(
+    checkpoint: Any, data: list[str], options: dict[str, Any], *, batch_size: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """The registry's evaluate: metrics over a text file, or the run's validation split."""
+    cfg = with_batch_size(checkpoint.cfg, batch_size)
+    return evaluate_lm_checkpoint(checkpoint, data, cfg, evaluate_text, progress)

@@ -13,21 +13,26 @@ processes starts with an empty memory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from torch import Tensor, nn
 
-from tformer.config import RunConfig
 from tformer.data.lm import LMData
-from tformer.data.streams import StreamBatch, TrainStreams, eval_streams
-from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
-from tformer.evaluation.lm import count_chars, lm_loss, lm_metrics
+from tformer.data.streams import StreamBatch, TrainStreams
+from tformer.data.tokenizers import Tokenizer
+from tformer.errors import TformerError
+from tformer.evaluation.lm import evaluate_segments
+from tformer.evaluation.loss import lm_loss
 from tformer.evaluation.shard import WHOLE, Shard
 from tformer.models.transformer_xl import Memory
+from tformer.tasks.lm import evaluate_lm_checkpoint, with_batch_size
 from tformer.training.distributed import from_environment
+
+if TYPE_CHECKING:  # the config module reads configs through the registry, which imports tasks
+    from tformer.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,35 +102,45 @@ class TransformerXLTask:
             model, self.data.val_ids, self.tokenizer, self.cfg, max_batches, shard
         )
 
+    def summary(self) -> dict[str, str]:
+        """What training reads, for the start-up summary."""
+        return self.data.summary()
 
-@torch.no_grad()
+
 def evaluate_text(
     model: nn.Module, ids: np.ndarray, tokenizer: Tokenizer, cfg: RunConfig, max_batches: int = 0,
-    shard: Shard = WHOLE,
+    shard: Shard = WHOLE, progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
-    """Loss, perplexity and bits per character over a token stream, read as
-    train.batch_size ordered streams in segments of model.context, each carrying a memory of
-    model.eval_mem_len (default model.mem_len) positions.
+    """Metrics over a token stream read as train.batch_size ordered streams in segments of
+    model.context, with a memory of model.eval_mem_len (default model.mem_len) positions;
+    shard: this process's streams; progress: called with the tokens of each batch. The
+    result repeats the segment length, memory and number of streams it read with."""
+    result = evaluate_segments(
+        model, ids, tokenizer, segment_len=cfg.model.context, mem_len=cfg.model.memory_for_eval,
+        batch_size=cfg.train.batch_size, max_batches=max_batches, shard=shard, progress=progress,
+    )
+    settings = {"segment_len": cfg.model.context, "mem_len": cfg.model.memory_for_eval,
+                "streams": min(cfg.train.batch_size, max(len(ids) - 1, 1))}
+    return {**result, **settings}
 
-    Every token but the first is predicted once; the first segment of each stream starts
-    with an empty memory. max_batches: stop after this many segments (0: all).
+
+def evaluate_checkpoint(
+    checkpoint: Any, data: list[str], options: dict[str, Any], *, batch_size: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """The registry's evaluate: metrics over a text file, or the run's validation split.
+
+    options: mem_len and segment_len, the memory and segment length to evaluate with (they
+    need not be the trained ones; Dai et al. 2019 evaluate with a longer memory).
     """
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    memory = Memory(cfg.model.memory_for_eval, cache_keys=True)
-    total_nll, n_tokens, n_chars = 0.0, 0, 0
-    for i, batch in enumerate(eval_streams(ids, cfg.train.batch_size, cfg.model.context)):
-        if max_batches and i >= max_batches:
-            break
-        batch, counts = shard.rows(batch)  # the same streams, and memory rows, every time
-        batch = batch.to(device)
-        logits = model(batch.tokens, memory=memory)
-        nll = float(lm_loss(logits, batch.targets, reduction="sum"))
-        if counts:
-            total_nll += nll
-            n_tokens += int((batch.targets != IGNORE_INDEX).sum())
-            n_chars += count_chars(batch.targets.cpu(), tokenizer)
-    model.train(was_training)
-    total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
-    return lm_metrics(total_nll, int(n_tokens), int(n_chars))
+    cfg = with_batch_size(checkpoint.cfg, batch_size)
+    mem_len, segment_len = options.get("mem_len"), options.get("segment_len")
+    if mem_len is not None:
+        if mem_len < 0:
+            raise TformerError(f"--mem-len {mem_len} must be 0 (no memory) or more")
+        cfg = cfg.replace("model", eval_mem_len=mem_len)
+    if segment_len is not None:
+        if segment_len < 1:
+            raise TformerError(f"--segment-len {segment_len} must be at least 1")
+        cfg = cfg.replace("model", context=segment_len)
+    return evaluate_lm_checkpoint(checkpoint, data, cfg, evaluate_text, progress)

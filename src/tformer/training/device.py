@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -35,3 +36,33 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def busy_cores() -> int:
+    """Processes running or waiting for a CPU right now, this one not counted: the fourth
+    field of /proc/loadavg ("running/total"), an instantaneous count, where the load
+    averages lag by a minute. 0 where it cannot be read."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(running - 1, 0)
+
+
+def decoding_threads(requested: int | None = None) -> int:
+    """CPU threads for decoding and evaluation: `requested` if given, else one per core that
+    nothing else is using, and at least one.
+
+    On a core another process wants, torch's threads wait on each other at every operation:
+    decoding with two threads on two cores beside one busy process took twice as long per
+    token as one thread (benchmarks/threads.py), and the gain of a second free core is
+    smaller than that loss. OMP_NUM_THREADS, when set, is the user's own choice and wins."""
+    if requested is not None:
+        if requested < 1:
+            raise TformerError(f"--threads {requested} must be at least 1")
+        return requested
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(int(os.environ["OMP_NUM_THREADS"]), 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max((cores or 1) - busy_cores(), 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,7 +68,15 @@ def setup(device_name: str) -> tuple[Processes, torch.device]:
 
 
 def teardown() -> None:
+    """Leave the process group in the order that lets every rank exit cleanly: DDP wrappers
+    (whose reducers hold the group and its pending gloo work) collected first (the caller
+    drops its references before calling), then a barrier, so that no rank closes its
+    connections while another still waits on a message from it, then the group. A rank that
+    closed first could make the other abort at exit with "terminate called without an
+    active exception"."""
+    gc.collect()
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import logging
 import math
 import signal
@@ -57,6 +58,8 @@ class TrainResult:
     interrupted: bool
     stopped_early: bool = False
     """train.patience evaluations passed without a better train.best_metric."""
+    stop_signal: int | None = None
+    """The signal (SIGINT, SIGTERM) that stopped an interrupted run."""
 
 
 def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -122,11 +125,19 @@ class MetricsLog:
             self._write([], "w")
 
     def _write(self, rows: list[dict[str, Any]], mode: str) -> None:
-        with open(self.path, mode, newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
-            if mode == "w":
-                writer.writeheader()
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=METRIC_FIELDS)
+        if mode == "w":  # a rewrite replaces the file in one rename
+            writer.writeheader()
             writer.writerows(rows)
+            ckpt.write_text(self.path, text.getvalue())
+            return
+        writer.writerows(rows)
+        try:
+            with open(self.path, "a", newline="") as f:
+                f.write(text.getvalue())
+        except OSError as e:
+            raise ckpt.write_error(self.path, e) from None
 
     @staticmethod
     def _complete(row: dict[str, Any], last_step: int) -> bool:
@@ -144,16 +155,23 @@ class MetricsLog:
             self.tensorboard.close()
 
 
+class StopRequest(threading.Event):
+    """Set by Ctrl-C or SIGTERM, so the loop can save and stop between steps."""
+
+    signum: int | None = None
+
+
 @contextmanager
-def stop_requests() -> Iterator[threading.Event]:
-    """An event set by Ctrl-C or SIGTERM, so the loop can save and stop between steps."""
-    stop = threading.Event()
+def stop_requests() -> Iterator[StopRequest]:
+    """A StopRequest set by Ctrl-C or SIGTERM, which it records."""
+    stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
     def request_stop(signum: int, frame: Any) -> None:
         log.warning("got %s: saving a checkpoint and stopping", signal.Signals(signum).name)
+        stop.signum = signum
         stop.set()
 
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -183,6 +201,8 @@ class Run:
     """What one step hands the next besides the weights (Transformer-XL: its memory)."""
     horizon: Horizon
     metrics: MetricsLog | None
+    window: LogWindow = dataclasses.field(default_factory=lambda: LogWindow())
+    """What metrics.csv's next row sums up; saved, so a resumed run writes the same rows."""
     step: int = 0
     best_val: float | None = None
     """The best validation value of train.best_metric so far."""
@@ -224,8 +244,10 @@ def train(
     validation data), rank 0 alone logs and writes.
     """
     run = start_run(cfg, Path(run_dir), resume_from)
+    if run.is_main and progress:
+        progress({"step": run.step, "start": run_summary(run)})
     tcfg = run.cfg.train
-    log_window = LogWindow()
+    log_window = run.window
     interrupted, stopped_early, val_loss = False, False, None
     run.model.train()
     with stop_requests() as stop:
@@ -253,36 +275,55 @@ def train(
             save_step_checkpoint(run)
     if run.is_main:
         run.metrics.close()
+    run.train_model = run.model  # DDP's reducer holds the process group: it goes first
     distributed.teardown()
     return TrainResult(
         run.run_dir, run.step, val_loss, run.best_val, run.skipped_steps, interrupted,
-        stopped_early,
+        stopped_early, stop.signum if interrupted else None,
     )
 
 
 # --- set-up ------------------------------------------------------------------------------
 
 
+def run_summary(run: Run) -> dict[str, Any]:
+    """What is about to train, for the CLI's start-up summary."""
+    # The task's own description is optional: a family without one still trains.
+    described = getattr(run.task, "summary", dict)()
+    return {
+        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "device": str(run.device), "threads": torch.get_num_threads(),
+        "processes": run.procs.world_size, "vocabulary": run.task.tokenizer.vocab_size,
+        **described,
+    }
+
+
 def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
     """Data, model, optimizer and counters: new, or restored from `resume_from`."""
     tcfg = cfg.train
     family = get_family(cfg.family)
-    if tcfg.best_metric not in family.metrics:
+    if tcfg.best_metric not in family.val_metrics:
         raise TformerError(
             f"train.best_metric = {tcfg.best_metric!r}: the {cfg.family} family measures "
-            f"{' | '.join(family.metrics)} on its validation split"
+            f"{' | '.join(family.val_metrics)} on its validation split"
         )
     procs, device = distributed.setup(tcfg.device)
     tokenizer, state = None, None
+    # Fine-tuning: weights and tokenizer from train.init_from, optimizer and schedule fresh.
+    init = None if resume_from is not None else ckpt.initial_weights(tcfg.init_from)
     if resume_from is not None:
         tokenizer = load_tokenizer(resume_from / ckpt.TOKENIZER)
         state = ckpt.load_trainer_state(resume_from)
+    elif init is not None:
+        tokenizer = load_tokenizer(init / ckpt.TOKENIZER)
     torch.manual_seed(tcfg.seed)
     task = family.task(cfg, tokenizer)
-    cfg = cfg.replace("model", **task.model_fields())
+    if init is None:  # else the model fields are the checkpoint's (config_from_dict)
+        cfg = cfg.replace("model", **task.model_fields())
     model = family.model(cfg.model).to(device)
-    if state is not None:
-        load_model(model, str(resume_from / ckpt.WEIGHTS), device=str(device))
+    if state is not None or init is not None:
+        weights = (resume_from if state is not None else init) / ckpt.WEIGHTS
+        load_model(model, str(weights), device=str(device))
     # Dropout differs between ranks, as it would between the rows of one large batch.
     torch.manual_seed(tcfg.seed + procs.rank)
     train_model = distributed.wrap(model, procs, device, tcfg.parallel)
@@ -322,6 +363,7 @@ def restore(run: Run, state: dict[str, Any]) -> None:
         set_rng_state(state["rng_per_rank"][procs.rank])
     run.step, run.skipped_steps = state["step"], state["skipped_steps"]
     run.tokens_seen = state.get("tokens_seen", 0)
+    run.window.load_state_dict(state.get("log_window"))
     if state.get("best_metric", "loss") == tcfg.best_metric:
         run.best_val = state.get("best_val", state.get("best_val_loss"))
         run.evals_without_gain = state.get("evals_without_gain", 0)
@@ -430,6 +472,18 @@ class LogWindow:
             self.loss_sum += result.loss * result.tokens
             self.loss_tokens += result.tokens
 
+    def state_dict(self) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.started
+        return {"loss_sum": self.loss_sum, "loss_tokens": self.loss_tokens,
+                "tokens": self.tokens, "elapsed_s": elapsed}
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        if state is None:  # a checkpoint from before the window was saved
+            return
+        self.loss_sum, self.loss_tokens = state["loss_sum"], state["loss_tokens"]
+        self.tokens = int(state["tokens"])
+        self.started = time.perf_counter() - state["elapsed_s"]
+
     @property
     def mean_loss(self) -> float:
         return self.loss_sum / self.loss_tokens if self.loss_tokens else math.nan
@@ -475,7 +529,10 @@ def validate(run: Run, progress: Progress | None) -> float:
     if tcfg.best_metric in result:  # every rank has the same result
         value = float(result[tcfg.best_metric])
         higher = HIGHER_IS_BETTER[tcfg.best_metric]
-        if run.best_val is None or (value > run.best_val if higher else value < run.best_val):
+        # A NaN never compares better; it must not become the first best either.
+        if math.isfinite(value) and (
+            run.best_val is None or (value > run.best_val if higher else value < run.best_val)
+        ):
             run.best_val, run.evals_without_gain = value, 0
             save(run, run.run_dir / ckpt.BEST)
         else:
@@ -510,6 +567,7 @@ def save(run: Run, path: Path) -> None:
             "tokens_seen": run.tokens_seen,
             "evals_without_gain": run.evals_without_gain,
             "horizon": dataclasses.asdict(run.horizon),
+            "log_window": run.window.state_dict(),
         }
         to_save = run.model
         if weights is not None:

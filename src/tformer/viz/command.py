@@ -48,7 +48,8 @@ def attention_command(
     path = check_figure_path(out)
     loaded = load_checkpoint(checkpoint)
     family = get_family(loaded.cfg.family)
-    wanted = "--source" if family.kind == "seq2seq" else "--text"
+    # A family that translates reads a source sentence; a language model, a text.
+    wanted = "--source" if family.translate is not None else "--text"
     given = "--source" if source is not None else "--text"
     if given != wanted:
         raise TformerError(

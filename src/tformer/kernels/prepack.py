@@ -12,7 +12,9 @@ kernel (matvec.py) is faster still, and PackedLinear uses it where it is availab
 The reordered copy is made once, when decoding starts: `prepack(model)` returns a model
 whose nn.Linear layers hold their weight in both layouts (the original stays, shared, for
 code that reads `.weight`). It is for inference only: the reordered weight has no
-gradient and does not follow later changes to the original, so pack again after training.
+gradient. A change to the original weight (an optimizer step, load_state_dict) is seen at
+the next call, which packs again: one to four rows read the live weight, more rows the
+reordered copy, and both must give the same product.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.decoding import matvec
+from tformer.kernels import matvec
 
 
 class PackedLinear(nn.Module):
@@ -43,12 +45,17 @@ class PackedLinear(nn.Module):
         # The second argument is the number of rows oneDNN should expect; any number works.
         # Packed for 64, the kernels ran as fast at 1 to 8 rows as packed for exactly those,
         # and packed for 1 they lost half their speed at 4 rows and more.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
-        self.native = (
-            matvec.load() is not None
-            and self.weight.is_contiguous()
-            and (self.bias is None or self.bias.is_contiguous())
-        )
+        self._pack()
+        self.native = matvec.load() is not None
+
+    def _pack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        self.packed_from = self._weight_version()
+
+    def _weight_version(self) -> tuple[int, int]:
+        """Changes whenever the weight does: torch counts in-place writes to a tensor, and a
+        new tensor has another address."""
+        return self.weight.data_ptr(), self.weight._version
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
@@ -57,6 +64,8 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if self.native and 0 < x.numel() <= matvec.MAX_ROWS * self.in_features:
             return matvec.matvec(x, self.weight, self.bias)
+        if self.packed_from != self._weight_version():
+            self._pack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

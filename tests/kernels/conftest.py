@@ -1,6 +1,6 @@
 import pytest
 
-from tformer.decoding import matvec
+from tformer.kernels import matvec
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from torch import nn
 
 from tformer.decoding.beam import beam_search
 from tformer.decoding.lm import generate
-from tformer.decoding.prepack import PackedLinear, prepack, prepack_available
 from tformer.decoding.transformer_xl import generate_with_memory
+from tformer.kernels.prepack import PackedLinear, prepack, prepack_available
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from tformer.models.transformer_xl import TransformerXL, TransformerXLConfig

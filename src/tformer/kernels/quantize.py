@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.decoding import matvec
-from tformer.decoding.prepack import PackedLinear, prepack_available, swap_linears
 from tformer.errors import TformerError
+from tformer.kernels import matvec
+from tformer.kernels.prepack import PackedLinear, prepack_available, swap_linears
 
 
 class Int8Linear(nn.Module):

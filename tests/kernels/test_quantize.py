@@ -3,9 +3,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tformer.decoding import matvec
 from tformer.decoding.lm import generate
-from tformer.decoding.quantize import Int8Linear, quantize_int8
+from tformer.kernels import matvec
+from tformer.kernels.quantize import Int8Linear, quantize_int8
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
 

@@ -1,0 +1,192 @@
+"""Load on `tformer serve`: 1, 4, 16 and 64 concurrent clients against a GPT-2-small-shaped
+model (random weights), beside offline batched `generate` at the same batch.
+
+Each client sends --requests completions one after another (a --prompt-tokens prompt,
+--max-tokens greedy tokens). Reported per level: completion tokens per second over the
+whole run, the p50 and p99 request latency, failed requests, and offline tokens per second
+for one batch of that many prompts decoded by tformer.decoding.lm.generate (same model, same
+prepacked weights, prompt reading included on both sides). The two sides alternate
+--repeats times; the table shows medians, and the ratio of each pair.
+
+    python benchmarks/serve_load.py                 # GPT-2 small: 12 x 768, context 1024
+    python benchmarks/serve_load.py --layers 4 --clients 1 4 16   # a smaller run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from tformer.config import config_from_dict  # noqa: E402
+from tformer.data.tokenizers import CharTokenizer  # noqa: E402
+from tformer.decoding.lm import generate  # noqa: E402
+from tformer.models.gpt import GPT  # noqa: E402
+from tformer.serving.command import inference_model  # noqa: E402
+from tformer.training.checkpoint import save_checkpoint  # noqa: E402
+
+FIRST_CHAR = 0x100  # one character per token id, so that any id decodes
+
+
+def build_checkpoint(dest: Path, *, layers: int, d_model: int, heads: int, vocab: int,
+                     context: int) -> tuple[Path, GPT, CharTokenizer]:
+    tokenizer = CharTokenizer(chr(FIRST_CHAR + i) for i in range(vocab))
+    cfg = config_from_dict({"model": {"family": "gpt", "n_layer": layers, "d_model": d_model,
+                                      "n_head": heads, "context": context,
+                                      "vocab_size": tokenizer.vocab_size},
+                            "train": {"device": "cpu"}})
+    torch.manual_seed(0)
+    model = GPT(cfg.model).eval()
+    return save_checkpoint(dest, cfg, model, tokenizer), model, tokenizer
+
+
+def prompt_text(i: int, length: int, vocab: int) -> str:
+    g = torch.Generator().manual_seed(i)
+    return "".join(chr(FIRST_CHAR + int(t)) for t in torch.randint(0, vocab, (length,),
+                                                                     generator=g))
+
+
+def offline_tokens_per_s(model, tokenizer, batch: int, prompt_tokens: int, max_tokens: int,
+                         vocab: int) -> float:
+    prompts = torch.tensor([tokenizer.encode(prompt_text(i, prompt_tokens, vocab))
+                            for i in range(batch)])
+    start = time.perf_counter()
+    n = sum(1 for _ in generate(model, prompts, max_new_tokens=max_tokens, temperature=0.0))
+    return batch * n / (time.perf_counter() - start)
+
+
+async def load(url: str, clients: int, requests: int, prompt_tokens: int, max_tokens: int,
+               vocab: int) -> dict[str, float]:
+    latencies: list[float] = []
+    failed = 0
+    tokens = 0
+    reasons: dict[str, int] = {}
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        async def client(c: int) -> None:
+            nonlocal failed, tokens
+            for r in range(requests):
+                body = {"prompt": prompt_text(c * requests + r, prompt_tokens, vocab),
+                        "max_tokens": max_tokens, "temperature": 0}
+                t0 = time.perf_counter()
+                try:
+                    resp = await http.post("/v1/completions", json=body)
+                except httpx.HTTPError as e:
+                    failed += 1
+                    reasons[type(e).__name__] = reasons.get(type(e).__name__, 0) + 1
+                    continue
+                if resp.status_code != 200:
+                    failed += 1
+                    why = f"{resp.status_code} {resp.text[:200]}"
+                    reasons[why] = reasons.get(why, 0) + 1
+                    continue
+                latencies.append(time.perf_counter() - t0)
+                tokens += resp.json()["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        wall = time.perf_counter() - start
+    for why, n in reasons.items():
+        print(f"  {n} failed: {why}", file=sys.stderr)
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0
+    return {"tokens_per_s": tokens / wall, "p50": statistics.median(latencies or [0]),
+            "p99": p99, "failed": failed, "done": len(latencies)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--requests", type=int, default=2, help="per client")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--d-model", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="server and offline runs alternate this many times; medians")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt, model, tokenizer = build_checkpoint(
+            Path(tmp) / "gpt2-small-random", layers=args.layers, d_model=args.d_model,
+            heads=args.heads, vocab=args.vocab, context=args.context)
+        fast = inference_model(model, int8=False)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tformer", "serve", str(ckpt), "--port", str(port),
+             "--device", "cpu", "--max-batch", str(max(args.clients)),
+             "--max-waiting", str(4 * max(args.clients))], env=env)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("the server did not start")
+                time.sleep(0.2)
+            print(f"model: {args.layers} layers x {args.d_model}, {args.heads} heads, vocab "
+                  f"{args.vocab}; {args.requests} requests per client of {args.prompt_tokens} "
+                  f"prompt + {args.max_tokens} new tokens; torch threads "
+                  f"{torch.get_num_threads()}")
+            print(f"{'clients':>7} {'server tok/s':>12} {'offline tok/s':>13} {'ratio':>6} "
+                  f"{'p50 s':>7} {'p99 s':>7} {'failed':>6}")
+            # Warm both sides up once.
+            asyncio.run(load(url, 1, 1, args.prompt_tokens, 4, args.vocab))
+            offline_tokens_per_s(fast, tokenizer, 1, args.prompt_tokens, 4, args.vocab)
+            for clients in args.clients:
+                # Alternate the two sides so that a busy moment of a shared machine lands
+                # on both; report medians.
+                runs, offline = [], []
+                for _ in range(args.repeats):
+                    runs.append(asyncio.run(load(url, clients, args.requests,
+                                                 args.prompt_tokens, args.max_tokens,
+                                                 args.vocab)))
+                    offline.append(offline_tokens_per_s(fast, tokenizer, clients,
+                                                        args.prompt_tokens, args.max_tokens,
+                                                        args.vocab))
+                served = {key: statistics.median(r[key] for r in runs)
+                          for key in ("tokens_per_s", "p50", "p99")}
+                print("  " + " ".join(
+                    line for line in httpx.get(url + "/metrics").text.splitlines()
+                    if line.startswith(("tformer_decoding_steps_total",
+                                        "tformer_prefill_passes_total"))), file=sys.stderr)
+                ratios = [r["tokens_per_s"] / o for r, o in zip(runs, offline, strict=True)]
+                failed = sum(r["failed"] for r in runs)
+                print(f"{clients:>7} {served['tokens_per_s']:>12.1f} "
+                      f"{statistics.median(offline):>13.1f} {statistics.median(ratios):>6.2f} "
+                      f"{served['p50']:>7.2f} {served['p99']:>7.2f} {failed:>6}   "
+                      f"ratios {' '.join(f'{x:.2f}' for x in ratios)}", flush=True)
+        finally:
+            server.terminate()
+            server.wait(120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The training and validation losses of every family, in one place.
+
+Shapes: B batch, T target length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from tformer.data.tokenizers import IGNORE_INDEX
+
+
+def lm_loss(logits: Tensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of (B, T, V) logits against (B, T) targets; IGNORE_INDEX targets
+    (padding) count for nothing."""
+    return label_smoothed_loss(logits, targets, 0.0, reduction=reduction)
+
+
+def label_smoothed_loss(
+    logits: Tensor, targets: Tensor, epsilon: float, *, reduction: str = "mean"
+) -> Tensor:
+    """Cross-entropy of (B, T, V) logits against (B, T) targets with label smoothing
+    (Szegedy et al. 2016; Vaswani et al. 2017, sec. 5.4): the target distribution puts
+    1 - epsilon on the right token and spreads epsilon evenly over the vocabulary.
+    IGNORE_INDEX targets (padding) count for nothing; "mean" averages over real tokens.
+    The sum is taken in fp32 whatever the logits' dtype (bf16 autocast)."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+        label_smoothing=epsilon, reduction=reduction,
+    )

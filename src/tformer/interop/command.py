@@ -1,0 +1,54 @@
+"""`tformer import` and `tformer export`, and the functions behind them: the formats are
+found here (each format's module imports tformer.interop's shared readers, never this)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tformer.errors import TformerError
+from tformer.interop import read_hf_config
+
+
+def importers() -> dict[str, Callable[[Path, Path], Path]]:
+    """model_type -> importer(src, dest). Imported lazily: each may need an extra."""
+    from tformer.interop import gpt2, marian
+
+    return {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian}
+
+
+def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
+    """A local Hugging Face model directory -> a tformer checkpoint directory at `dest`."""
+    src, dest = Path(src), Path(dest)
+    model_type = read_hf_config(src).get("model_type")
+    found = importers()
+    if model_type not in found:
+        raise TformerError(
+            f"{src}: model_type {model_type!r} cannot be imported; known: {', '.join(found)}"
+        )
+    return found[model_type](src, dest)
+
+
+def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "gpt2") -> Path:
+    """A tformer checkpoint -> a Hugging Face model directory at `dest`."""
+    from tformer.interop import gpt2
+
+    exporters = {"gpt2": gpt2.export_gpt2}
+    if format not in exporters:
+        raise TformerError(f"--format {format!r} is not known; choose one of: gpt2")
+    return exporters[format](Path(checkpoint), Path(dest))
+
+
+def import_command(source: str, out: str) -> int:
+    dest = Path(out)
+    if dest.exists() and any(dest.iterdir()):
+        raise TformerError(f"--out {dest} exists and is not empty; choose another directory")
+    import_checkpoint(source, dest)
+    print(f"imported {source} into {dest}")
+    return 0
+
+
+def export_command(checkpoint: str, out: str, *, format: str = "gpt2") -> int:
+    export_checkpoint(checkpoint, out, format)
+    print(f"exported {checkpoint} as {format} into {out}")
+    return 0

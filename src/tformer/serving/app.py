@@ -1,0 +1,633 @@
+"""The HTTP routes: OpenAI-style completions for language models, translations for seq2seq
+models, health and Prometheus metrics; with the limits and the errors of a public server.
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so that
+clients written for OpenAI's API report them as they would report OpenAI's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tformer.decoding.translate import SearchOptions
+from tformer.errors import TformerError
+from tformer.serving.scheduler import (
+    LMEngine,
+    Sampling,
+    Sequence,
+    TranslationBatcher,
+    TranslationJob,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int = 4096
+    """For models without a fixed window; a KV-cache model's context is its own limit."""
+    max_tokens: int = 2048
+    max_lines: int = 256
+    """Lines in one translation request."""
+    retry_after_s: int = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# --- request bodies ---------------------------------------------------------------------
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class CompletionRequest(Strict):
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not 1 <= len(value) <= 64:
+            raise ValueError("a list of prompts holds 1 to 64 strings")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop holds up to 4 non-empty strings")
+        return value
+
+
+class TranslationRequest(Strict):
+    model: str | None = None
+    input: list[str]
+    beam: int = Field(4, ge=1, le=16)
+    alpha: float = Field(0.6, ge=0.0, le=10.0)
+    max_len_a: float = Field(1.5, ge=0.0, le=10.0)
+    max_len_b: int = Field(10, ge=0, le=1024)
+    n_best: int = Field(1, ge=1)
+    scores: bool = False
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+
+class Metrics:
+    """Counters in the Prometheus text format (version 0.0.4)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.started = time.monotonic()
+        self._recent: list[tuple[float, int]] = []
+
+    def count(self, route: str, status: int) -> None:
+        self.requests[route, status] = self.requests.get((route, status), 0) + 1
+
+    def tokens_per_second(self, total: int) -> float:
+        """Generated tokens per second over the last ten seconds or so."""
+        now = time.monotonic()
+        self._recent.append((now, total))
+        self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
+        t0, n0 = self._recent[0]
+        if now - t0 < 1.0:  # too short a window to say: the average since start
+            t0, n0 = self.started, 0
+        return (total - n0) / (now - t0) if now > t0 else 0.0
+
+    def render(self, engine: LMEngine | TranslationBatcher) -> str:
+        lines = ["# HELP tformer_requests_total HTTP requests by route and status.",
+                 "# TYPE tformer_requests_total counter"]
+        for (route, status), n in sorted(self.requests.items()):
+            lines.append(f'tformer_requests_total{{route="{route}",status="{status}"}} {n}')
+        stats = engine.stats
+        for name, kind, help_, value in [
+            ("generated_tokens_total", "counter", "Tokens generated.", stats.generated_tokens),
+            ("decoding_steps_total", "counter", "Batched decoding steps.", stats.steps),
+            ("prefill_passes_total", "counter", "Forward passes reading joining prompts.",
+             stats.prefills),
+            ("finished_sequences_total", "counter", "Sequences ended.",
+             stats.finished_sequences),
+            ("busy_seconds_total", "counter", "Seconds spent decoding.",
+             round(stats.busy_seconds, 3)),
+            ("tokens_per_second", "gauge", "Tokens generated per second, last ~10 s.",
+             round(self.tokens_per_second(stats.generated_tokens), 3)),
+            ("queue_length", "gauge", "Requests waiting for a batch.", engine.waiting),
+            ("running_sequences", "gauge", "Sequences being decoded.", engine.running),
+            ("uptime_seconds", "gauge", "Seconds since start.",
+             round(time.monotonic() - self.started, 3)),
+        ]:
+            lines += [f"# HELP tformer_{name} {help_}", f"# TYPE tformer_{name} {kind}",
+                      f"tformer_{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+# --- text of one choice -----------------------------------------------------------------
+
+
+class Choice:
+    """Turns a sequence's tokens into text as they come, holding back what may still turn
+    out to be the start of a stop string or half of a character, so that every piece
+    streamed is final: the pieces concatenate to the whole text."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], *, incremental: bool) -> None:
+        """incremental: keep the text up to date at every token (for a stream, or to find
+        stop strings); else it is decoded once, by `ready(final=True)`."""
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.incremental = incremental or bool(stops)
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        if not self.incremental:
+            return
+        self.text = self.tokenizer.decode(self.ids)
+        for stop in self.stops:
+            # Search only where a new match can start: the text before was checked.
+            at = self.text.find(stop, max(0, self.sent - len(stop)))
+            if at >= 0:
+                self.text = self.text[:at]
+                self.stopped = True
+
+    def ready(self, final: bool) -> str:
+        """The text not sent yet that can be sent now."""
+        if not self.incremental:
+            self.text = self.tokenizer.decode(self.ids)
+        end = len(self.text)
+        if not final:
+            if self.text.endswith("\ufffd"):
+                end -= 1
+            for stop in self.stops:
+                for k in range(min(len(stop) - 1, end), 0, -1):
+                    if self.text[:end].endswith(stop[:k]):
+                        end -= k
+                        break
+        end = max(end, self.sent)
+        piece = self.text[self.sent : end]
+        self.sent = end
+        return piece
+
+
+class Mailbox:
+    """Hands items from the decoding thread to asyncio queues with one wake-up of the event
+    loop per batch of items rather than one per token (a wake-up is a write to a pipe, and
+    a decoding step hands over a token per sequence)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[tuple[asyncio.Queue, Any]] = []
+        self.lock = threading.Lock()
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            wake = len(self.items) == 1
+        if wake:
+            self.loop.call_soon_threadsafe(self._hand_out)
+
+    def _hand_out(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+# --- the application --------------------------------------------------------------------
+
+
+def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_name: str,
+               kind: str, api_key: str | None = None, limits: Limits | None = None) -> FastAPI:
+    """kind: 'lm' serves /v1/completions, 'seq2seq' serves /v1/translations."""
+    limits = limits or Limits()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.mailbox = Mailbox(asyncio.get_running_loop())
+        engine.start()
+        yield
+        # uvicorn has let the requests in flight finish before it gets here.
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="tformer", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            message, param = "the body is not valid JSON", None
+        elif first.get("type") == "extra_forbidden":
+            message, param = f"unknown field {'.'.join(loc)!r}", ".".join(loc)
+        else:
+            param = ".".join(loc) or None
+            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return ApiError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                       metrics=metrics)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_name, "waiting": engine.waiting,
+                "running": engine.running}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(engine),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                             "created": int(metrics.started),
+                                             "owned_by": "tformer"}]}
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves "
+                           f"{model_name!r}", param="model", code="model_not_found")
+
+    if kind == "lm":
+        assert isinstance(engine, LMEngine)
+
+        @app.post("/v1/completions", response_model=None)
+        async def completions(body: CompletionRequest,
+                              request: Request) -> JSONResponse | StreamingResponse:
+            check_model(body.model)
+            return await complete(body, request, engine, tokenizer, model_name, limits)
+    else:
+        assert isinstance(engine, TranslationBatcher)
+
+        @app.post("/v1/translations")
+        async def translations(body: TranslationRequest, request: Request) -> JSONResponse:
+            check_model(body.model)
+            return await translate_lines(body, request, engine, model_name, limits)
+
+    return app
+
+
+KNOWN_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/translations")
+
+
+class Guard:
+    """ASGI middleware in front of every route: the bearer-token check, the body-size limit
+    (Content-Length, and bytes counted as they arrive for a chunked body) and the request
+    counts. Written for ASGI directly so that streamed responses and the client's
+    disconnect pass through untouched."""
+
+    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int,
+                 metrics: Metrics) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = [0]
+
+        async def counted_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            inner_receive = await self._check(scope, receive)
+            await self.app(scope, inner_receive, counted_send)
+        except ApiError as exc:
+            await exc.response()(scope, receive, counted_send)
+        self.metrics.count(path if path in KNOWN_ROUTES else "other", status[0])
+
+    async def _check(self, scope: dict, receive: Any) -> Any:
+        """Raise ApiError for a request to refuse; else a `receive` that replays the body."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            given = headers.get("authorization", "").encode()
+            if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                               code="invalid_api_key")
+        too_large = ApiError(413, f"the body is over {self.max_body_bytes} bytes",
+                             code="body_too_large")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            raise too_large
+        if scope["method"] != "POST":
+            return receive
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return receive  # the client left: let the route see it
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                raise too_large
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        return replay
+
+
+# --- completions ------------------------------------------------------------------------
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    try:
+        ids = tokenizer.encode(text)
+    except TformerError as e:
+        raise ApiError(400, f"prompt: {e}", param="prompt") from None
+    if ids:
+        return ids
+    # Nothing to condition on: start from the start of text, as `tformer generate` does.
+    return [tokenizer.bos_id] if tokenizer.bos_id is not None else tokenizer.encode("\n")
+
+
+async def complete(body: CompletionRequest, request: Request, engine: LMEngine, tokenizer: Any,
+                   model_name: str, limits: Limits) -> JSONResponse | StreamingResponse:
+    run = Completion(body, engine, tokenizer, model_name, limits, request.app.state.mailbox)
+    if body.stream:
+        return StreamingResponse(run.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await run.whole(request)
+
+
+class Completion:
+    """One completions request: its sequences (n per prompt) in the engine, and the text
+    they make, as one answer or as a stream of chunks."""
+
+    def __init__(self, body: CompletionRequest, engine: LMEngine, tokenizer: Any,
+                 model_name: str, limits: Limits, mailbox: Mailbox) -> None:
+        self.body, self.model_name = body, model_name
+        self.prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        encoded = [self._encode(tokenizer, text, engine, limits) for text in self.prompts]
+
+        self.events: asyncio.Queue[tuple[int, int | None, str | None]] = asyncio.Queue()
+        self.seqs: list[Sequence] = []
+        for ids in encoded:
+            for i in range(body.n):
+                # Choice i of a seeded request draws with seed + i: reproducible, and the
+                # choices differ.
+                seed = None if body.seed is None else body.seed + i
+                sampling = Sampling(body.max_tokens, body.temperature, body.top_k, body.top_p,
+                                    seed)
+                self.seqs.append(Sequence(ids, sampling, self._deliver(len(self.seqs),
+                                                                       mailbox)))
+        if len(self.seqs) > engine.max_waiting:
+            raise ApiError(400, f"{len(self.prompts)} prompts x n = {body.n} make "
+                           f"{len(self.seqs)} sequences; this server queues at most "
+                           f"{engine.max_waiting}", param="n")
+        if not engine.submit(self.seqs):
+            raise ApiError(503, "the server is busy; try again shortly", type="server_error",
+                           code="overloaded",
+                           headers={"Retry-After": str(limits.retry_after_s)})
+
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.submitted = time.perf_counter()
+        self.first_token: float | None = None
+        self.choices = [Choice(tokenizer, stops, incremental=body.stream) for _ in self.seqs]
+        self.reasons: list[str | None] = [None] * len(self.seqs)
+        self.usage = {"prompt_tokens": sum(len(ids) for ids in encoded) * body.n,
+                      "completion_tokens": 0, "total_tokens": 0}
+
+    def _encode(self, tokenizer: Any, text: str, engine: LMEngine, limits: Limits) -> list[int]:
+        body = self.body
+        if body.max_tokens > limits.max_tokens:
+            raise ApiError(400, f"max_tokens {body.max_tokens} is over this server's limit "
+                           f"of {limits.max_tokens}", param="max_tokens")
+        window = engine.max_total_tokens or limits.max_prompt_tokens + body.max_tokens
+        ids = encode_prompt(tokenizer, text)
+        if len(ids) + body.max_tokens > window:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens and max_tokens is "
+                           f"{body.max_tokens}; together they may be at most {window}",
+                           param="prompt", code="context_length_exceeded")
+        return ids
+
+    def _deliver(self, index: int, mailbox: Mailbox):
+        def deliver(token: int | None, reason: str | None) -> None:
+            mailbox.post(self.events, (index, token, reason))
+        return deliver
+
+    async def _next(self) -> tuple[int, int | None]:
+        """Take in the next (index, token) from the engine; token None means the sequence
+        ended. A token that completes a stop string cancels its sequence."""
+        try:
+            index, token, reason = self.events.get_nowait()
+        except asyncio.QueueEmpty:
+            index, token, reason = await self.events.get()
+        choice = self.choices[index]
+        if token is not None:
+            if self.first_token is None:
+                self.first_token = time.perf_counter()
+            choice.add(token)
+            if choice.stopped:
+                self.seqs[index].cancel()
+        else:
+            self.usage["completion_tokens"] += len(self.seqs[index].tokens)
+            self.reasons[index] = "stop" if choice.stopped or reason == "stop" else reason
+        return index, token
+
+    def _finished(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def _cancel(self) -> None:
+        for seq in self.seqs:
+            seq.cancel()
+
+    def _echo(self, index: int) -> str:
+        return self.prompts[index // self.body.n] if self.body.echo else ""
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model_name}
+
+    def _chunk(self, index: int, text: str, reason: str | None) -> str:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return f"data: {json.dumps({**self._head(), 'choices': [choice]})}\n\n"
+
+    async def stream(self) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per piece of final text, a last chunk per choice with
+        its finish reason, usage if asked, then [DONE]."""
+        try:
+            for index in range(len(self.seqs)):
+                if self._echo(index):
+                    yield self._chunk(index, self._echo(index), None)
+            while not self._finished():
+                index, token = await self._next()
+                choice = self.choices[index]
+                if token is not None and not choice.stopped:
+                    piece = choice.ready(final=False)
+                    if piece:
+                        yield self._chunk(index, piece, None)
+                elif token is None:
+                    if self.reasons[index] == "error":
+                        error = {"message": "decoding failed", "type": "server_error",
+                                 "param": None, "code": None}
+                        yield f"data: {json.dumps({'error': error})}\n\n"
+                        return
+                    yield self._chunk(index, choice.ready(final=True), self.reasons[index])
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                self.usage["total_tokens"] = (self.usage["prompt_tokens"]
+                                              + self.usage["completion_tokens"])
+                last = {**self._head(), "choices": [], "usage": self.usage}
+                yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            # The client left (or the stream ended): stop whatever still decodes.
+            self._cancel()
+
+    async def whole(self, request: Request) -> JSONResponse:
+        """The answer once every choice has ended; a client that leaves before cancels."""
+        try:
+            while not self._finished():
+                if not self.events.empty():
+                    await self._next()
+                    continue
+                try:
+                    await asyncio.wait_for(self._next(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        log.info("client left; cancelling %s", self.id)
+                        return JSONResponse({}, status_code=499)
+        finally:
+            self._cancel()
+        if "error" in self.reasons:
+            raise ApiError(500, "decoding failed", type="server_error")
+        end = time.perf_counter()
+        log.info("%s: first token after %.3f s, done after %.3f s", self.id,
+                 (self.first_token or end) - self.submitted, end - self.submitted)
+        self.usage["total_tokens"] = self.usage["prompt_tokens"] + self.usage["completion_tokens"]
+        choices = []
+        for i, choice in enumerate(self.choices):
+            choice.ready(final=True)
+            choices.append({"index": i, "text": self._echo(i) + choice.text, "logprobs": None,
+                            "finish_reason": self.reasons[i]})
+        return JSONResponse({**self._head(), "choices": choices, "usage": self.usage})
+
+
+# --- translations -----------------------------------------------------------------------
+
+
+async def translate_lines(body: TranslationRequest, request: Request,
+                          engine: TranslationBatcher, model_name: str,
+                          limits: Limits) -> JSONResponse:
+    if not 1 <= len(body.input) <= limits.max_lines:
+        raise ApiError(400, f"input holds {len(body.input)} lines; send 1 to "
+                       f"{limits.max_lines}", param="input")
+    if body.n_best > body.beam:
+        raise ApiError(400, f"n_best {body.n_best} may not exceed beam {body.beam}",
+                       param="n_best")
+    if body.max_len_a == 0 and body.max_len_b == 0:
+        raise ApiError(400, "max_len_a and max_len_b may not both be 0", param="max_len_b")
+    limit = engine.model.cfg.max_len
+    for i, line in enumerate(body.input):
+        try:
+            n = len(engine.tokenizer.encode(line))
+        except TformerError as e:
+            raise ApiError(400, f"input line {i}: {e}", param="input") from None
+        if n + 1 > limit:
+            raise ApiError(400, f"input line {i} is {n} tokens; the model reads at most "
+                           f"{limit - 1}", param="input", code="context_length_exceeded")
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def done(results: Any) -> None:
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(results))
+
+    options = SearchOptions(beam=body.beam, alpha=body.alpha, max_len_a=body.max_len_a,
+                            max_len_b=body.max_len_b, n_best=body.n_best)
+    job = TranslationJob(list(body.input), options, done)
+    if not engine.submit(job):
+        raise ApiError(503, "the server is busy; try again shortly", type="server_error",
+                       code="overloaded", headers={"Retry-After": str(limits.retry_after_s)})
+    while True:
+        try:
+            results = await asyncio.wait_for(asyncio.shield(future), timeout=0.5)
+            break
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancelled = True
+                return JSONResponse({}, status_code=499)
+    if results is None:
+        raise ApiError(500, "translation failed", type="server_error")
+    data = []
+    for i, hyps in enumerate(results):
+        item: dict[str, Any] = {"index": i, "text": hyps[0].text}
+        if body.scores:
+            item["score"] = hyps[0].score
+        if body.n_best > 1:
+            item["n_best"] = [{"text": h.text, **({"score": h.score} if body.scores else {})}
+                              for h in hyps]
+        data.append(item)
+    return JSONResponse({"object": "translation", "model": model_name, "data": data})

@@ -1,0 +1,113 @@
+"""`tformer serve CKPT`: load a checkpoint and serve it over HTTP until SIGINT or SIGTERM,
+which let the requests in flight finish first."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from tformer.errors import TformerError
+
+log = logging.getLogger(__name__)
+
+
+def require_serving_packages() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise TformerError(
+            f"serving needs {e.name}, which is not installed: pip install 'tformer[serve]'"
+        ) from None
+
+
+def serve_command(
+    checkpoint: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    int8: bool = False,
+    device: str = "auto",
+    name: str | None = None,
+    max_batch: int = 16,
+    max_waiting: int = 64,
+    max_body_bytes: int = 1 << 20,
+    batch_window_ms: float = 10.0,
+) -> int:
+    require_serving_packages()
+    import uvicorn
+
+    from tformer.registry import get_family
+    from tformer.serving.app import Limits, create_app
+    from tformer.serving.scheduler import LMEngine, TranslationBatcher
+    from tformer.training.checkpoint import load_checkpoint
+    from tformer.training.device import pick_device
+
+    if not 1 <= port <= 65535:
+        raise TformerError(f"--port {port} must be between 1 and 65535")
+    if max_batch < 1 or max_waiting < 1:
+        raise TformerError(f"--max-batch {max_batch} and --max-waiting {max_waiting} must be "
+                           f"at least 1")
+    if max_body_bytes < 1024:
+        raise TformerError(f"--max-body-bytes {max_body_bytes} must be at least 1024")
+    if batch_window_ms < 0:
+        raise TformerError(f"--batch-window-ms {batch_window_ms} must be 0 or more")
+    if api_key is not None and not api_key:
+        raise TformerError("--api-key must not be empty")
+
+    loaded = load_checkpoint(checkpoint, device=pick_device(device))
+    family = get_family(loaded.cfg.family)
+    if family.generate is None and family.translate is None:
+        raise TformerError(f"the {family.name} family neither generates nor translates")
+    kind = "lm" if family.generate is not None else "seq2seq"
+    model = inference_model(loaded.model, int8)
+    tokenizer = loaded.tokenizer
+    name = name or model_name(loaded.path)
+    if kind == "lm":
+        # A model that offers a KV cache (tformer.decoding.lm's protocol) decodes by
+        # continuous batching; one whose memory is its cache decodes one sequence per slot.
+        batched = callable(getattr(model, "make_cache", None))
+        engine: LMEngine | TranslationBatcher = LMEngine(
+            model, eos_id=tokenizer.eos_id, max_batch=max_batch, max_waiting=max_waiting,
+            batched=batched, generate=family.generate)
+    else:
+        engine = TranslationBatcher(model, tokenizer, window=batch_window_ms / 1000,
+                                    batch_size=max(max_batch, 32), max_waiting=max_waiting)
+    app = create_app(engine, tokenizer, model_name=name, kind=kind, api_key=api_key,
+                     limits=Limits(max_body_bytes=max_body_bytes))
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
+    print(f"tformer: serving {name} ({loaded.cfg.family}) at http://{host}:{port}",
+          file=sys.stderr, flush=True)
+    # Keep idle connections longer than clients do (httpx and many others drop theirs after
+    # 5 s, uvicorn's default too): else a client may send a request on a connection the
+    # server is closing at that moment, and get a read error.
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=None, timeout_keep_alive=15)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def inference_model(model, int8: bool):
+    """The model as decoding runs it: weight-only int8 if asked, else prepacked weights
+    (fp32 on the CPU; unchanged elsewhere)."""
+    if int8:
+        from tformer.kernels.quantize import quantize_int8
+
+        return quantize_int8(model)
+    from tformer.kernels.prepack import prepack
+
+    return prepack(model)
+
+
+def model_name(path: Path) -> str:
+    """The run's directory name: a checkpoint inside a run (best/, checkpoints/step-N/) is
+    named after the run."""
+    path = Path(path).resolve()
+    if path.name == "best":
+        return path.parent.name
+    if path.parent.name == "checkpoints":
+        return path.parent.parent.name
+    return path.name

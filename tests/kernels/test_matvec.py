@@ -1,0 +1,264 @@
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tformer.kernels import matvec
+from tformer.kernels.prepack import PackedLinear, prepack_available
+
+native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+
+
+def reference(x, weight, bias):
+    """The product in float64: a float32 kernel must sit within rounding of it."""
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "n, k",
+    [
+        (1, 8),  # fewer rows of W than a block
+        (11, 21),  # a remainder of rows of W and of the inner dimension
+        (64, 7),  # an inner dimension shorter than one vector
+        (768, 256),
+        (1000, 1024),  # enough work for both threads
+    ],
+)
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_kernel_computes_the_linear_product(rows, n, k, bias):
+    x, weight = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    got = matvec.matvec(x, weight, b)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), reference(x, weight, b), atol=1e-4, rtol=1e-5)
+
+
+@native
+def test_the_kernel_keeps_the_leading_dimensions_and_reads_strided_inputs():
+    weight, b = torch.randn(40, 24), torch.randn(40)
+    x = torch.randn(6, 2, 24)
+    for view in (x[:2, 0], x[1:3].transpose(0, 1), x[::3]):
+        assert not view.is_contiguous()
+        got = matvec.matvec(view, weight, b)
+        assert got.shape == (*view.shape[:-1], 40)
+        torch.testing.assert_close(got.double(), reference(view, weight, b), atol=1e-4, rtol=1e-5)
+
+
+@native
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it():
+    # Batched and one-at-a-time decoding then agree exactly while the kernel serves both.
+    weight, b = torch.randn(101, 300), torch.randn(101)
+    x = torch.randn(4, 300)
+    alone = torch.cat([matvec.matvec(x[i : i + 1], weight, b) for i in range(4)])
+    for rows in (2, 3, 4):
+        assert torch.equal(matvec.matvec(x[:rows], weight, b), alone[:rows])
+    assert torch.equal(matvec.matvec(x.flip(0), weight, b), alone.flip(0))
+
+
+@native
+@pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
+def test_a_packed_linear_sends_up_to_four_rows_through_the_kernel(monkeypatch):
+    linear = nn.Linear(32, 48)
+    packed = PackedLinear(linear)
+    assert packed.native
+    calls = []
+    real = matvec.matvec
+    monkeypatch.setattr(matvec, "matvec", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        for shape in [(1, 32), (4, 32), (2, 2, 32), (5, 32), (3, 3, 32)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 3  # the 5- and 9-row products went to oneDNN
+
+
+def test_without_a_compiler_decoding_keeps_to_the_library_kernels(
+    monkeypatch, tmp_path, reload_kernel
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert matvec.load() is None
+    if prepack_available():
+        linear = nn.Linear(16, 8)
+        packed = PackedLinear(linear)
+        assert not packed.native
+        x = torch.randn(1, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_the_environment_can_turn_the_kernel_off(monkeypatch, reload_kernel):
+    monkeypatch.setenv("TFORMER_NATIVE", "0")
+    assert matvec.load() is None
+
+
+@native
+def test_a_fresh_cache_builds_the_kernel_and_leaves_no_temporary_files(
+    monkeypatch, tmp_path, reload_kernel
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert matvec.load() is not None
+    built = sorted(p.name for p in (tmp_path / "tformer").iterdir())
+    assert len(built) == 1 and built[0].startswith("matvec-") and built[0].endswith(".so")
+
+
+# --- inputs the kernel cannot read go to torch ------------------------------------------
+
+
+def kernel_calls(monkeypatch) -> list[int]:
+    matvec.load()  # its self-check calls the kernel too
+    calls: list[int] = []
+    real = matvec._call
+    monkeypatch.setattr(matvec, "_call", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@native
+@pytest.mark.parametrize(
+    "case",
+    ["float64 x", "bf16 x", "float64 bias", "transposed weight", "int8 weight, float64 scale",
+     "int8 weight, no scale", "meta device"],
+)
+def test_inputs_the_kernel_cannot_read_get_the_torch_product(monkeypatch, case):
+    x, weight, bias, scale = torch.randn(2, 24), torch.randn(16, 24), torch.randn(16), None
+    if case == "float64 x":
+        x = x.double()
+    elif case == "bf16 x":
+        x = x.bfloat16()
+    elif case == "float64 bias":
+        bias = bias.double()
+    elif case == "transposed weight":
+        weight = torch.randn(24, 16).t()
+    elif case.startswith("int8 weight"):
+        weight = torch.randint(-127, 128, (16, 24), dtype=torch.int8)
+        scale = torch.rand(16, dtype=torch.float64) / 64 if "scale" in case else None
+    elif case == "meta device":  # not the CPU, as a GPU would not be
+        x, weight, bias = x.to("meta"), weight.to("meta"), bias.to("meta")
+    calls = kernel_calls(monkeypatch)
+    got = matvec.matvec(x, weight, bias, scale)
+    assert not calls, "the kernel must not read these"
+    assert got.shape == (2, 16) and got.dtype == x.dtype and got.device == x.device
+    if case == "meta device":
+        return
+    full = weight.double() if scale is None else weight.double() * scale.double()[:, None]
+    want = F.linear(x.double(), full, bias.double())
+    tol = 5e-2 if x.dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@native
+def test_a_mismatched_inner_dimension_is_an_error_not_a_stray_read(monkeypatch):
+    calls = kernel_calls(monkeypatch)
+    with pytest.raises(RuntimeError):
+        matvec.matvec(torch.randn(1, 20), torch.randn(16, 24), None)
+    assert not calls
+
+
+@native
+def test_inputs_it_can_read_still_go_to_the_kernel(monkeypatch):
+    calls = kernel_calls(monkeypatch)
+    matvec.matvec(torch.randn(1, 24), torch.randn(16, 24), torch.randn(16))
+    assert calls == [1]
+
+
+# --- where the kernel is built and loaded from -------------------------------------------
+
+PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void)
+{
+    FILE *f = fopen("%s", "w");
+    if (f) fclose(f);
+}
+"""
+
+
+def plant_library(path, marker, tmp_path):
+    """A library whose constructor creates `marker`: loading it would show."""
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED % marker)
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(path)], check=True)
+
+
+@native
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_a_library_others_may_write_is_never_loaded(monkeypatch, tmp_path, reload_kernel):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    assert matvec.load() is not None
+    (built,) = (cache / "tformer").iterdir()
+    marker = tmp_path / "constructor-ran"
+
+    # A group-writable library in the user's own cache: refused before loading.
+    plant_library(built, marker, tmp_path)
+    os.chmod(built, 0o775)
+    matvec.load.cache_clear()
+    assert matvec.load() is None
+    assert not marker.exists()
+
+    # A world-writable cache directory: the kernel is built privately, what lies there is
+    # never read, and nothing of the private build is left behind.
+    os.chmod(built, 0o755)
+    os.chmod(cache / "tformer", 0o777)
+    matvec.load.cache_clear()
+    temporaries = set(Path(tempfile.gettempdir()).glob("tformer-kernel-*"))
+    assert matvec.load() is not None
+    assert not marker.exists()
+    assert set(Path(tempfile.gettempdir()).glob("tformer-kernel-*")) == temporaries
+
+
+def test_private_means_owned_by_this_user_and_writable_by_no_one_else(tmp_path):
+    folder = tmp_path / "d"
+    folder.mkdir(mode=0o700)
+    matvec.check_private(folder)
+    for mode in (0o770, 0o707, 0o777):
+        os.chmod(folder, mode)
+        with pytest.raises(matvec._Unavailable, match="others may write"):
+            matvec.check_private(folder)
+    os.chmod(folder, 0o700)
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    with pytest.raises(matvec._Unavailable, match="not a plain directory"):
+        matvec.check_private(link)
+    library = folder / "x.so"
+    library.write_bytes(b"")
+    os.chmod(library, 0o755)
+    matvec.check_private(library, directory=False)
+    os.chmod(library, 0o757)
+    with pytest.raises(matvec._Unavailable, match="others may write"):
+        matvec.check_private(library, directory=False)
+
+
+# --- a packed copy never goes stale ------------------------------------------------------
+
+
+@pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
+def test_a_weight_update_is_seen_at_every_batch_size():
+    linear = nn.Linear(32, 24)
+    packed = PackedLinear(linear)
+    x = torch.randn(9, 32)
+
+    def check():
+        with torch.no_grad():
+            for rows in range(1, 10):
+                want = reference(x[:rows], linear.weight, linear.bias)
+                torch.testing.assert_close(packed(x[:rows]).double(), want, atol=1e-4,
+                                           rtol=1e-4)
+
+    check()
+    with torch.no_grad():
+        linear.weight.mul_(-3.0).add_(1.0)  # an in-place update, as an optimizer makes
+    check()
+    linear.load_state_dict({"weight": torch.randn(24, 32), "bias": torch.randn(24)})
+    check()
+    optimizer = torch.optim.SGD(linear.parameters(), lr=1.0)
+    linear(torch.randn(3, 32)).square().sum().backward()
+    optimizer.step()
+    check()

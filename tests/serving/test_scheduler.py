@@ -1,0 +1,205 @@
+"""Continuous batching against decoding one sequence at a time with the library's
+`generate`: the same tokens, whenever a sequence joins or leaves."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tformer.models.gpt import GPT, GPTConfig
+from tformer.models.transformer_xl import TransformerXL, TransformerXLConfig
+from tformer.registry import get_family
+from tformer.serving.scheduler import LMEngine, Sampling, Sequence, SlotPool
+
+
+def decisive(model: torch.nn.Module, *, only_matrices: bool = False) -> torch.nn.Module:
+    """Random weights large enough that the logits have no near-ties: greedy decoding then
+    compares token streams, not rounding. only_matrices: keep biases and norms as they
+    were initialised."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 or not only_matrices:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+@pytest.fixture
+def gpt() -> GPT:
+    return decisive(GPT(GPTConfig(vocab_size=29, context=24, n_layer=2, n_head=2, d_model=16)))
+
+
+def decoder_of(model):
+    """How the library decodes this model alone: its family's generate."""
+    return get_family("transformer-xl" if isinstance(model, TransformerXL) else "gpt").generate
+
+
+def alone(model, prompt, sampling: Sampling, eos_id=None) -> list[int]:
+    gen = torch.Generator().manual_seed(sampling.seed or 0)
+    out = []
+    decode = decoder_of(model)
+    for token in decode(model, torch.tensor([prompt]), max_new_tokens=sampling.max_tokens,
+                        temperature=sampling.temperature, top_k=sampling.top_k,
+                        top_p=sampling.top_p, generator=gen, eos_id=eos_id):
+        if int(token[0]) == eos_id:
+            break
+        out.append(int(token[0]))
+    return out
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.reason: str | None = None
+        self.event = threading.Event()
+
+    def __call__(self, token, reason) -> None:
+        if token is not None:
+            self.tokens.append(token)
+        else:
+            self.reason = reason
+            self.event.set()
+
+
+def run_engine(model, requests, *, max_batch, batched=True, eos_id=None):
+    """Step an engine by hand: request i joins before step `requests[i][2]`."""
+    engine = LMEngine(model, eos_id=eos_id, max_batch=max_batch, max_waiting=100,
+                      batched=batched, generate=decoder_of(model))
+    sinks = [Collect() for _ in requests]
+    seqs = [Sequence(p, s, sink) for (p, s, _), sink in zip(requests, sinks, strict=True)]
+    step = 0
+    while any(sink.reason is None for sink in sinks):
+        for seq, (_, _, at) in zip(seqs, requests, strict=True):
+            if at == step:
+                engine.submit([seq])
+        joining = []
+        while engine.pending and len(engine.active) + len(joining) < max_batch:
+            joining.append(engine.pending.popleft())
+        engine._join(joining)
+        engine._drop_cancelled()
+        if engine.active:
+            engine._step()
+        step += 1
+        assert step < 500
+    return sinks
+
+
+@pytest.mark.parametrize(("context", "max_batch"), [(24, 4), (160, 7)])
+def test_sequences_joining_and_leaving_decode_as_they_would_alone(context, max_batch,
+                                                                   monkeypatch):
+    """(24, 4): rows wait for a free one, and long sequences push the clock to the end of
+    the buffer; (160, 7): the buffers grow, in rows and in columns, while sequences run."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=context, n_layer=2, n_head=2,
+                                 d_model=16)))
+    compactions = []
+    original = SlotPool.compact
+
+    def compact(self, longest):
+        compactions.append(longest)
+        original(self, longest)
+
+    monkeypatch.setattr(SlotPool, "compact", compact)
+    torch.manual_seed(3)
+    requests = []
+    for i in range(10):
+        prompt = torch.randint(0, 29, (int(torch.randint(1, 12, ())),)).tolist()
+        greedy = i % 2 == 0
+        longest = min(context, 100) - len(prompt)
+        sampling = Sampling(max_tokens=int(torch.randint(1, longest, ())),
+                            temperature=0.0 if greedy else 1.0, top_k=0 if greedy else 7,
+                            seed=i)
+        requests.append((prompt, sampling, 2 * i))
+    grown = []
+    reserve = SlotPool._reserve
+    monkeypatch.setattr(SlotPool, "_reserve", lambda self, rows, columns: (
+        grown.append(rows > self.is_real.shape[0] or columns > self.is_real.shape[1]),
+        reserve(self, rows, columns)))
+    sinks = run_engine(gpt, requests, max_batch=max_batch)
+    for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
+        assert sink.tokens == alone(gpt, prompt, sampling)
+        assert sink.reason == "length"
+    assert compactions if context == 24 else sum(grown) >= 2
+
+
+def test_the_end_of_text_token_ends_a_sequence(gpt):
+    prompt = [1, 2, 3]
+    first = alone(gpt, prompt, Sampling(max_tokens=6, temperature=0.0))
+    eos = first[3]
+    want = first[: first.index(eos)]
+    sinks = run_engine(gpt, [(prompt, Sampling(6, 0.0), 0), ([4, 5], Sampling(9, 0.0), 0)],
+                       max_batch=2, eos_id=eos)
+    assert sinks[0].tokens == want and sinks[0].reason == "stop"
+    assert sinks[1].tokens == alone(gpt, [4, 5], Sampling(9, 0.0), eos_id=eos)
+
+
+def test_compaction_keeps_what_every_row_sees(gpt):
+    pool = SlotPool(gpt, capacity=3)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    pool.prefill(prompts[:1])
+    pool.prefill(prompts[1:])  # two of different lengths at once
+    pool.remove(0)  # the last row moves into row 0
+    pool.width = 24  # as if the clock had reached the end of the buffer
+    before = pool.step([5, 6])
+    # The same step from a fresh pool with the rows' prompts read again.
+    fresh = SlotPool(gpt, capacity=2)
+    fresh.prefill([prompts[2]])
+    fresh.prefill([prompts[1]])
+    want = fresh.step([5, 6])
+    torch.testing.assert_close(before, want, rtol=1e-5, atol=1e-5)
+    assert pool.width == 5  # gathered to the longest row (4 prompt + 1 new)
+
+
+def test_a_cancelled_sequence_leaves_and_the_others_go_on(gpt):
+    sink = Collect()
+    engine = LMEngine(gpt, eos_id=None, max_batch=4, max_waiting=8, batched=True)
+    seq = Sequence([1, 2], Sampling(10, 0.0), sink)
+    other = Collect()
+    engine.submit([seq, Sequence([3], Sampling(5, 0.0), other)])
+    engine._join([engine.pending.popleft(), engine.pending.popleft()])
+    engine._step()
+    seq.cancel()
+    engine._drop_cancelled()
+    engine._step()
+    assert sink.reason == "cancelled" and len(sink.tokens) == 2
+    assert len(engine.active) == 1 and engine.slots.rows == 1
+
+
+def test_the_queue_is_bounded(gpt):
+    engine = LMEngine(gpt, eos_id=None, max_batch=1, max_waiting=2, batched=True)
+    assert engine.submit([Sequence([1], Sampling(2), Collect()) for _ in range(2)])
+    assert not engine.submit([Sequence([1], Sampling(2), Collect())])
+
+
+def test_a_memory_model_decodes_one_sequence_per_slot():
+    cfg = TransformerXLConfig(vocab_size=29, context=4, mem_len=6, n_layer=2, n_head=2,
+                              d_model=16, d_ff=32)
+    model = decisive(TransformerXL(cfg), only_matrices=True)
+    requests = [([1, 2, 3, 4, 5], Sampling(8, 0.0), 0), ([6], Sampling(12, 1.0, seed=4), 1),
+                ([7, 8], Sampling(10, 0.0), 1), ([9, 10, 11], Sampling(6, 0.0), 3)]
+    sinks = run_engine(model, requests, max_batch=2, batched=False)
+    for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
+        assert sink.tokens == alone(model, prompt, sampling)
+    greedy = [tuple(sinks[i].tokens[:6]) for i in (0, 2, 3)]
+    assert len(set(greedy)) == 3  # the text depends on the prompt
+
+
+def test_the_thread_drains_its_queue_on_stop(gpt):
+    engine = LMEngine(gpt, eos_id=None, max_batch=2, max_waiting=8, batched=True)
+    sinks = [Collect() for _ in range(5)]
+    engine.submit([Sequence([i + 1], Sampling(4, 0.0), s) for i, s in enumerate(sinks)])
+    engine.start()
+    engine.stop(timeout=30)
+    assert [s.reason for s in sinks] == ["length"] * 5
+    assert all(s.tokens == alone(gpt, [i + 1], Sampling(4, 0.0)) for i, s in enumerate(sinks))
+
+
+def test_the_translation_queue_is_bounded():
+    from tformer.decoding.translate import SearchOptions
+    from tformer.serving.scheduler import TranslationBatcher, TranslationJob
+
+    batcher = TranslationBatcher(None, None, max_waiting=2)
+    jobs = [TranslationJob(["a"], SearchOptions(), lambda r: None) for _ in range(3)]
+    assert batcher.submit(jobs[0]) and batcher.submit(jobs[1])
+    assert not batcher.submit(jobs[2])
+    assert batcher.waiting == 2

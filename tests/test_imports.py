@@ -1,0 +1,125 @@
+"""The import graph of the package, read from the source with ast: imports run one way
+(no cycle, not even through an import inside a function), the validators are a leaf, and
+only the registry names the families."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "tformer"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imported(node: ast.AST) -> list[str]:
+    """The tformer modules an import statement loads when it runs."""
+    names: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        # `from a.b import c` loads a.b, and a.b.c too when c is a module.
+        names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    found = []
+    for name in names:
+        if name in MODULES:
+            # Importing a.b.c runs the __init__ of a and a.b first.
+            parts = name.split(".")
+            found += [".".join(parts[:i]) for i in range(2, len(parts) + 1)]
+    return [m for m in found if m in MODULES]
+
+
+def edges(name: str) -> set[str]:
+    """Every tformer module `name` imports, at the top or inside a function; imports under
+    `if TYPE_CHECKING:` never run and are left out."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        out.update(imported(node))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    out.discard(name)
+    return out
+
+
+GRAPH = {name: edges(name) for name in MODULES}
+
+
+def find_cycle() -> list[str] | None:
+    """A cycle of imports as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := walk(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(GRAPH):
+        if node not in state and (cycle := walk(node)):
+            return cycle
+    return None
+
+
+def test_the_graph_is_read_from_real_imports():
+    # A check that the parser sees imports at all, including those inside functions.
+    assert "tformer.registry" in GRAPH["tformer.config"]
+    assert "tformer.kernels.prepack" in GRAPH["tformer.cli"]
+    assert "tformer.layers" in GRAPH["tformer.models.gpt"]
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    GRAPH["tformer.checks"].add("tformer.config")
+    try:
+        cycle = find_cycle()
+    finally:
+        GRAPH["tformer.checks"].discard("tformer.config")
+    assert cycle is not None and cycle[0] == cycle[-1] and "tformer.checks" in cycle
+
+
+def test_imports_have_no_cycle():
+    assert find_cycle() is None
+
+
+def test_the_validators_are_a_leaf():
+    assert GRAPH["tformer.checks"] == {"tformer.errors"}
+    assert GRAPH["tformer.errors"] == set()
+
+
+def test_only_the_registry_imports_the_families():
+    family_modules = {m for m in MODULES if m.startswith(("tformer.tasks.", "tformer.models."))}
+    for name in ("tformer.cli", "tformer.config", "tformer.training.checkpoint",
+                 "tformer.training.trainer", "tformer.decoding.lm"):
+        assert not GRAPH[name] & family_modules, name
+    importers = {m for m, deps in GRAPH.items() if deps & {"tformer.tasks.gpt",
+                                                           "tformer.tasks.seq2seq",
+                                                           "tformer.tasks.transformer_xl"}}
+    assert importers == {"tformer.registry"}

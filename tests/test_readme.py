@@ -1,0 +1,152 @@
+"""Every `tformer` command line in README.md's code blocks runs as written, on small runs.
+
+The lines are read from the README itself, so the README cannot drift from the code: a
+renamed option, or an order of arguments the parser does not take, fails here. Each line
+runs with the same words; only the sizes are shrunk by overrides appended to `train`
+(train.steps=4 and a tiny model), and the run directories and files it names are made in a
+temporary directory first. torchrun lines are checked for their tformer part only.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tformer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.n_layer=1", "model.n_head=2", "model.d_model=16", "model.d_ff=32",
+         "train.steps=4", "train.eval_every=2", "train.checkpoint_every=1",
+         "train.keep_checkpoints=6", "train.warmup_steps=1", "train.log_every=1",
+         "train.device=cpu"]
+# The README's data, in small: what its commands read besides the configs.
+SEQ2SEQ_DATA = ["data.train_src={tmp}/train.en", "data.train_tgt={tmp}/train.de",
+                "data.val_src={tmp}/val.en", "data.val_tgt={tmp}/val.de",
+                "data.tokenizer=char", "data.max_tokens=300"]
+LM_DATA = ["data.path={tmp}/corpus.txt", "model.context=16", "train.batch_size=4"]
+
+
+def readme_commands() -> list[str]:
+    """The tformer command lines of README.md's sh blocks, continuation lines joined."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S):
+        block = block.replace("\\\n", " ")
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if "tformer" in words:
+                commands.append(shlex.join(words))
+    return commands
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_has_commands_for_every_subcommand():
+    used = {shlex.split(c)[shlex.split(c).index("tformer") + 1] for c in COMMANDS}
+    assert used >= {"train", "generate", "evaluate", "translate", "average"}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("readme")
+    text = "ROMEO:\nBefore we proceed any further, hear me speak.\n" * 40
+    (tmp / "corpus.txt").write_text(text, encoding="utf-8")
+    (tmp / "other-text.txt").write_text(text[:600], encoding="utf-8")
+    en = [str(n) for n in range(1, 60)]
+    de = [f"z{n}" for n in range(1, 60)]
+    # The sentence the README draws a translation model's attention for, in its vocabulary.
+    train_en, train_de = [*en, "A man rides a bike."], [*de, "Ein Mann fährt Fahrrad."]
+    for name, lines in (("train.en", train_en), ("train.de", train_de), ("val.en", en[:5]),
+                        ("val.de", de[:5]), ("sentences.en", en[:3]), ("input.en", en[:3]),
+                        ("test.en", en[:4]), ("test.de", de[:4])):
+        (tmp / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return tmp
+
+
+def run_line(line: str, tmp: Path, monkeypatch, capsys) -> int:
+    """Run one README line through main(), in `tmp`, with its redirections."""
+    words = shlex.split(line)
+    words = words[words.index("tformer") + 1 :]
+    stdin = stdout = None
+    if "<" in words:
+        i = words.index("<")
+        stdin = (tmp / words[i + 1]).read_text(encoding="utf-8")
+        del words[i : i + 2]
+    if ">" in words:
+        i = words.index(">")
+        stdout = tmp / words[i + 1]
+        del words[i : i + 2]
+    if words[0] == "train" and "--resume" not in words:
+        config = load_small_config(words[1])
+        words += SMALL + [w.format(tmp=tmp) for w in config]
+    # "train for longer" means a few steps more here.
+    words = ["train.steps=6" if w.startswith("train.steps=") else w for w in words]
+    monkeypatch.chdir(tmp)
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin or ""))
+    capsys.readouterr()
+    code = main(words)
+    if stdout is not None:
+        stdout.write_text(capsys.readouterr().out, encoding="utf-8")
+    return code
+
+
+def load_small_config(path: str) -> list[str]:
+    """The overrides that point a README config at the small data."""
+    text = (ROOT / path).read_text(encoding="utf-8")
+    return SEQ2SEQ_DATA if 'family = "seq2seq"' in text else LM_DATA
+
+
+def test_every_readme_command_runs(workdir, monkeypatch, capsys):
+    """In README order: trainings come before the commands that read their runs."""
+    (workdir / "configs").mkdir(exist_ok=True)
+    for config in (ROOT / "configs").glob("*.toml"):
+        (workdir / "configs" / config.name).write_text(config.read_text(encoding="utf-8"))
+    # The Transformer-XL run the README evaluates with other memory lengths.
+    assert main(["train", str(ROOT / "configs" / "txl-shakespeare-char.toml"), "--out",
+                 str(workdir / "runs" / "txl"), *SMALL,
+                 *[w.format(tmp=workdir) for w in LM_DATA], "model.mem_len=8"]) == 0
+    for line in COMMANDS:
+        if line.startswith("torchrun"):
+            continue  # several processes: tests/training/test_distributed.py
+        if "tformer serve" in line:
+            # A server runs until it is stopped: tests/serving starts it for real. Here its
+            # command line must parse.
+            from tformer.cli import build_parser
+
+            words = [w for w in shlex.split(line) if w != "&"]
+            assert build_parser().parse_args(words[words.index("tformer") + 1 :]).command == (
+                "serve")
+            continue
+        code = run_line(line, workdir, monkeypatch, capsys)
+        assert code == 0, f"{line!r} exited {code}: {capsys.readouterr().err[-2000:]}"
+    assert (workdir / "sentences.de").read_text().count("\n") == 3
+    assert (workdir / "output.de").read_text().count("\n") == 3
+    assert (workdir / "runs" / "multi30k" / "averaged" / "model.safetensors").exists()
+
+
+def test_torchrun_lines_run_tformer_train():
+    lines = [c for c in COMMANDS if c.startswith("torchrun")]
+    assert lines
+    for line in lines:
+        words = shlex.split(line)
+        i = words.index("tformer")
+        assert words[i - 1] == "-m" and words[i + 1] == "train"
+        # Its arguments parse as a train command line.
+        from tformer.cli import build_parser
+
+        args, extra = build_parser().parse_known_args(words[i + 1 :])
+        assert not extra and args.config.endswith(".toml") and args.out
+
+
+@pytest.mark.parametrize("target", ["demo:", "$(STAMP):"])
+def test_make_says_what_it_does_before_any_slow_step(target):
+    """`make demo` speaks within a second: the first command of the demo and of the set-up
+    it may run first is an echo, before Python or pip start."""
+    lines = (ROOT / "Makefile").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(target))
+    assert lines[start + 1].strip().startswith("@echo ")
