@@ -22,7 +22,7 @@ def test_every_shipped_config_builds_its_model_and_takes_a_training_step(path, t
     # The model as shipped; the data from the built-in corpus (fields naming files unset),
     # a tiny batch, and one step.
     files = [f.name for f in dataclasses.fields(cfg.data)
-             if f.name == "path" or f.name.endswith(("_src", "_tgt"))]
+             if f.name in ("path", "val_path") or f.name.endswith(("_src", "_tgt"))]
     cfg = cfg.replace("data", **dict.fromkeys(files))
     if hasattr(cfg.data, "max_tokens"):  # batches by token count, of built-in pairs
         cfg = cfg.replace("data", max_tokens=200, builtin_pairs=300)
