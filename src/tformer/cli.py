@@ -150,7 +150,6 @@ def check_same_shapes(saved: RunConfig, cfg: RunConfig, checkpoint: Path) -> Non
     """A resumed model keeps its weights' shapes: overrides may change how it trains
     (dropout, steps, rates), not what it is."""
     import torch
-    from safetensors import safe_open
 
     from tformer.registry import get_family
     from tformer.training import checkpoint as ckpt
@@ -164,8 +163,7 @@ def check_same_shapes(saved: RunConfig, cfg: RunConfig, checkpoint: Path) -> Non
     with torch.device("meta"):
         model = get_family(cfg.family).model(cfg.model)
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    with safe_open(str(checkpoint / ckpt.WEIGHTS), "pt") as f:
-        have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    have = ckpt.weight_shapes(checkpoint)
     # Tied weights are stored under one of their names: each group of names sharing a
     # tensor needs one of them in the checkpoint, and every stored name its own shape.
     if saved.family != cfg.family or any(
