@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.data.lm import LMBatch, sequential_windows
-from tformer.data.streams import eval_streams
+from tformer.data.streams import StreamBatch, eval_streams
 from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
 from tformer.evaluation.loss import lm_loss
 from tformer.evaluation.shard import WHOLE, Shard
@@ -36,22 +36,26 @@ def count_chars(targets: Tensor, tokenizer: Tokenizer) -> int:
 
 @torch.no_grad()
 def evaluate_batches(
-    model: nn.Module, batches: Iterable[LMBatch], tokenizer: Tokenizer, max_batches: int = 0,
-    progress: Callable[[int], None] | None = None, shard: Shard = WHOLE,
+    model: nn.Module, batches: Iterable[LMBatch | StreamBatch], tokenizer: Tokenizer,
+    max_batches: int = 0, progress: Callable[[int], None] | None = None, shard: Shard = WHOLE,
+    forward: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, float]:
-    """Summed loss over batches of independent windows (GPT-style models); `shard`: this
-    process's rows of each batch, the sums then added over processes. progress: called with
-    the number of tokens this process predicted after each batch."""
+    """Summed loss over batches (by default of independent windows, GPT-style models);
+    `shard`: this process's rows of each batch, the sums then added over processes.
+    progress: called with the number of tokens this process predicted after each batch.
+    forward: (B, T) tokens -> logits, when the model needs more than the tokens (a memory);
+    default: model(tokens)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    forward = forward or model
     total_nll, n_tokens, n_chars = 0.0, 0, 0
     for i, batch in enumerate(batches):
         if max_batches and i >= max_batches:
             break
-        batch, counts = shard.rows(batch)
+        batch, counts = shard.rows(batch)  # the same rows every time (memory rows too)
         batch = batch.to(device)
-        nll = float(lm_loss(model(batch.tokens), batch.targets, reduction="sum"))
+        nll = float(lm_loss(forward(batch.tokens), batch.targets, reduction="sum"))
         if counts:
             batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
             total_nll += nll
@@ -89,25 +93,8 @@ def evaluate_segments(
     this many segments (0: all). shard: this process's rows (streams) of every segment.
     progress: called with the tokens of each batch.
     """
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     memory = Memory(mem_len, cache_keys=True)
-    total_nll, n_tokens, n_chars = 0.0, 0, 0
-    for i, batch in enumerate(eval_streams(ids, batch_size, segment_len)):
-        if max_batches and i >= max_batches:
-            break
-        batch, counts = shard.rows(batch)  # the same streams, and memory rows, every time
-        batch = batch.to(device)
-        logits = model(batch.tokens, memory=memory)
-        nll = float(lm_loss(logits, batch.targets, reduction="sum"))
-        if counts:
-            batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
-            total_nll += nll
-            n_tokens += batch_tokens
-            n_chars += count_chars(batch.targets.cpu(), tokenizer)
-            if progress is not None:
-                progress(batch_tokens)
-    model.train(was_training)
-    total_nll, n_tokens, n_chars = shard.total(total_nll, n_tokens, n_chars)
-    return lm_metrics(total_nll, int(n_tokens), int(n_chars))
+    return evaluate_batches(
+        model, eval_streams(ids, batch_size, segment_len), tokenizer, max_batches,
+        progress=progress, shard=shard, forward=lambda tokens: model(tokens, memory=memory),
+    )
