@@ -762,6 +762,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", **for_help, help="plot the loss, learning rate and speed of runs")
     p.add_argument("runs", nargs="+", help="run directories (each with its metrics.csv)")
     p.add_argument("-o", "--output", required=True, help="FILE.png (or .pdf, .svg)")
+    p.add_argument("--x", choices=("step", "time"), default="step",
+                   help="horizontal axis: the step, or hours since the run started")
 
     p = sub.add_parser("info", **for_help,
                        help="a checkpoint's config, parameters, FLOPs and memory")
@@ -864,7 +866,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "plot":
         from tformer.viz.command import plot_command
 
-        return plot_command(args.runs, args.output)
+        return plot_command(args.runs, args.output, args.x)
     if args.command == "info":
         from tformer.viz.command import info_command
 

@@ -77,3 +77,23 @@ def test_without_matplotlib_the_error_says_what_to_install(runs, monkeypatch, ca
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert main(["plot", str(runs["a"]), "-o", str(tmp_path / "x.png")]) == 2
     assert "needs the matplotlib package: pip install 'tformer[viz]'" in capsys.readouterr().err
+
+
+def test_the_time_axis_puts_each_row_at_the_hours_the_run_had_taken(runs):
+    # Validation rows carry no time of their own: they sit where training was at their step.
+    with open(runs["seq2seq"] / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    train = [r for r in rows if r["split"] == "train"]
+    hours = {float(r["step"]): float(r["elapsed_s"]) / 3600 for r in train}
+    axes = panels(plot_runs([runs["seq2seq"]], x="time"))
+    assert axes["validation BLEU (greedy)"].get_xlabel() == "hours since the start"
+    assert list(axes["learning rate"].lines[0].get_xdata()) == pytest.approx(
+        [hours[float(r["step"])] for r in train])
+    bleu_steps = [float(r["step"]) for r in rows if r["split"] == "val" and r["bleu"]]
+    assert set(bleu_steps) <= set(hours)
+    assert list(axes["validation BLEU (greedy)"].lines[0].get_xdata()) == pytest.approx(
+        [hours[s] for s in bleu_steps])
+    # The tokens-seen panel keeps its axis.
+    assert axes["loss against data"].get_xlabel() == "tokens seen"
+    with pytest.raises(TformerError, match="--x days is not known"):
+        plot_runs([runs["seq2seq"]], x="days")

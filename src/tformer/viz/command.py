@@ -20,11 +20,11 @@ def check_figure_path(out: str) -> Path:
     return path
 
 
-def plot_command(runs: list[str], out: str) -> int:
+def plot_command(runs: list[str], out: str, x: str = "step") -> int:
     from tformer.viz.plot import plot_runs
 
     path = check_figure_path(out)
-    plot_runs(runs).savefig(path, dpi=100)
+    plot_runs(runs, x).savefig(path, dpi=100)
     print(f"wrote {path}")
     return 0
 

@@ -2,6 +2,9 @@
 
 Panels: training and validation loss against steps and against tokens seen, the learning
 rate, training speed, and (where a translation run measured them) validation BLEU and chrF.
+All but the tokens-seen panel share one horizontal axis: the step, or (x = "time") the
+hours since the run started, evaluations included, which is how runs of different speeds
+compare fairly.
 Each run has one colour in every panel; training is a solid line, validation a dashed one
 with a marker per evaluation.
 """
@@ -65,38 +68,54 @@ def run_names(runs: list[str | Path]) -> list[str]:
     return names
 
 
-def tokens_at(curves: Curves, steps: list[float]) -> list[float]:
-    """Tokens seen at each step, interpolated from the training rows' running count."""
+def at_steps(curves: Curves, column: str, steps: list[float]) -> list[float]:
+    """A training column that grows with the step (tokens, elapsed_s) at each of `steps`,
+    interpolated between the training rows, from 0 at step 0."""
     import numpy as np
 
-    known = [(s, t) for s, t in zip(curves.train["step"], curves.train["tokens"], strict=True)
-             if math.isfinite(t)]
+    known = [(s, v) for s, v in zip(curves.train["step"], curves.train.get(column, []),
+                                    strict=False) if math.isfinite(v)]
     if not known:
         return [math.nan] * len(steps)
     x, y = zip(*known, strict=True)
-    return list(np.interp(steps, x, y, left=0.0))
+    return list(np.interp(steps, (0.0, *x), (0.0, *y)))
 
 
-def plot_runs(runs: list[str | Path]) -> Any:
-    """A matplotlib Figure of the runs' curves (see the module docstring)."""
+X_AXES = {"step": "step", "time": "hours since the start"}
+"""plot_runs's choices of horizontal axis, and their labels."""
+
+
+def x_values(curves: Curves, steps: list[float], x: str) -> list[float]:
+    """Where the rows of `steps` go on the horizontal axis `x`."""
+    if x == "time":
+        return [seconds / 3600 for seconds in at_steps(curves, "elapsed_s", steps)]
+    return list(steps)
+
+
+def plot_runs(runs: list[str | Path], x: str = "step") -> Any:
+    """A matplotlib Figure of the runs' curves (see the module docstring). x: the horizontal
+    axis, "step" or "time"."""
     require("matplotlib")
     from matplotlib.figure import Figure
 
     if not runs:
         raise TformerError("plot needs at least one run directory")
+    if x not in X_AXES:
+        raise TformerError(f"--x {x} is not known; choose one of: {' | '.join(X_AXES)}")
     all_curves = [read_curves(r, n) for r, n in zip(runs, run_names(runs), strict=True)]
     show_bleu = any(c.has("val", "bleu") for c in all_curves)
     panels = ["loss_step", "loss_tokens", "lr", "speed"] + (["bleu", "chrf"] if show_bleu else [])
     n_cols = 3 if show_bleu else 2
     fig = Figure(figsize=(5.0 * n_cols, 7.5), layout="constrained")
     axes = dict(zip(panels, fig.subplots(2, n_cols).flatten(), strict=True))
+    xlabel = X_AXES[x]
     labels = {
-        "loss_step": ("step", "loss (nats/token)", "loss"),
+        "loss_step": (xlabel, "loss (nats/token)", "loss"),
         "loss_tokens": ("tokens seen", "loss (nats/token)", "loss against data"),
-        "lr": ("step", "learning rate", "learning rate"),
-        "speed": ("step", "training tokens/s", "speed"),
-        "bleu": ("step", "BLEU", "validation BLEU (greedy)"),
-        "chrf": ("step", "chrF", "validation chrF (greedy)"),
+        "lr": (xlabel, "learning rate", "learning rate"),
+        "speed": (xlabel, "training tokens/s", "speed"),
+        "bleu": (xlabel, "BLEU", "validation BLEU (greedy)"),
+        "chrf": (xlabel, "chrF", "validation chrF (greedy)"),
     }
     for key, (xlabel, ylabel, title) in labels.items():
         if key in axes:
@@ -106,27 +125,29 @@ def plot_runs(runs: list[str | Path]) -> Any:
     colours = [f"C{i % 10}" for i in range(len(all_curves))]
     for curves, colour in zip(all_curves, colours, strict=True):
         train, val = curves.train, curves.val
+        train_x = x_values(curves, train.get("step", []), x)
+        val_x = x_values(curves, val.get("step", []), x)
         solid = {"color": colour, "linewidth": 1.2}
         dashed = {"color": colour, "linestyle": "--", "marker": "o", "markersize": 3}
         if curves.has("train", "loss"):
-            axes["loss_step"].plot(train["step"], train["loss"], label=curves.name, **solid)
+            axes["loss_step"].plot(train_x, train["loss"], label=curves.name, **solid)
             if curves.has("train", "tokens"):
                 axes["loss_tokens"].plot(train["tokens"], train["loss"], label=curves.name,
                                          **solid)
         if curves.has("val", "loss"):
-            axes["loss_step"].plot(val["step"], val["loss"], **dashed)
+            axes["loss_step"].plot(val_x, val["loss"], **dashed)
             if curves.has("train", "tokens"):
-                axes["loss_tokens"].plot(tokens_at(curves, val["step"]), val["loss"], **dashed)
+                axes["loss_tokens"].plot(at_steps(curves, "tokens", val["step"]), val["loss"], **dashed)
         if curves.has("train", "lr"):
-            axes["lr"].plot(train["step"], train["lr"], label=curves.name, **solid)
+            axes["lr"].plot(train_x, train["lr"], label=curves.name, **solid)
         if curves.has("train", "tokens_per_s"):
-            axes["speed"].plot(train["step"], train["tokens_per_s"], label=curves.name, **solid)
+            axes["speed"].plot(train_x, train["tokens_per_s"], label=curves.name, **solid)
         for metric in ("bleu", "chrf"):
             if metric in axes and curves.has("val", metric):
-                steps, values = zip(
-                    *[(s, v) for s, v in zip(val["step"], val[metric], strict=True)
+                where, values = zip(
+                    *[(at, v) for at, v in zip(val_x, val[metric], strict=True)
                       if math.isfinite(v)], strict=True)
-                axes[metric].plot(steps, values, label=curves.name, **dashed)
+                axes[metric].plot(where, values, label=curves.name, **dashed)
 
     # One legend for the runs, one for what the line styles mean.
     from matplotlib.lines import Line2D
