@@ -137,7 +137,8 @@ def plot_runs(runs: list[str | Path], x: str = "step") -> Any:
         if curves.has("val", "loss"):
             axes["loss_step"].plot(val_x, val["loss"], **dashed)
             if curves.has("train", "tokens"):
-                axes["loss_tokens"].plot(at_steps(curves, "tokens", val["step"]), val["loss"], **dashed)
+                val_tokens = at_steps(curves, "tokens", val["step"])
+                axes["loss_tokens"].plot(val_tokens, val["loss"], **dashed)
         if curves.has("train", "lr"):
             axes["lr"].plot(train_x, train["lr"], label=curves.name, **solid)
         if curves.has("train", "tokens_per_s"):
