@@ -70,7 +70,7 @@ def latest(run: Path) -> Path:
 
 def decode(args: argparse.Namespace) -> None:
     """One change at a time on val: which checkpoint (last, best by validation BLEU, the
-    average of the last 5 or 10), then the beam size, then the length penalty."""
+    average of the last 5 or 10), then the beam size, then the length penalty (GNMT's)."""
     for run in map(Path, args.runs):
         print(f"\n{run} on val (1,014 sentences)\n\n{HEADER}")
         t = args.threads
@@ -80,12 +80,9 @@ def decode(args: argparse.Namespace) -> None:
         for name, checkpoint in checkpoints.items():
             print(row(f"{name}, greedy", scores(checkpoint, "val", 1, 0.0, t)), flush=True)
         chosen = checkpoints["average of last 10"]
-        for beam in (4, 5, 8):
-            print(row(f"average of last 10, beam {beam}, alpha 0.6",
-                      scores(chosen, "val", beam, 0.6, t)), flush=True)
-        for alpha in (0.0, 1.0, 1.5):
-            print(row(f"average of last 10, beam 5, alpha {alpha}",
-                      scores(chosen, "val", 5, alpha, t)), flush=True)
+        for beam, alpha in ((4, 0.6), (5, 0.6), (5, 1.0)):
+            print(row(f"average of last 10, beam {beam}, alpha {alpha}",
+                      scores(chosen, "val", beam, alpha, t)), flush=True)
 
 
 def test(args: argparse.Namespace) -> None:
