@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tformer.training.checkpoint import step_checkpoints
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "multi30k"
 TFORMER = [sys.executable, "-m", "tformer"]
@@ -62,7 +64,7 @@ def averaged(run: Path, last: int, threads: int) -> Path:
 
 
 def latest(run: Path) -> Path:
-    steps = sorted((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
+    steps = step_checkpoints(run)
     if not steps:
         sys.exit(f"{run} has no step checkpoints")
     return steps[-1]

@@ -25,6 +25,7 @@ from tformer import __version__
 from tformer.config import load_config
 from tformer.decoding.beam import PENALTIES
 from tformer.errors import TformerError
+from tformer.viz.plot import X_AXES
 
 if TYPE_CHECKING:
     import torch
@@ -762,7 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", **for_help, help="plot the loss, learning rate and speed of runs")
     p.add_argument("runs", nargs="+", help="run directories (each with its metrics.csv)")
     p.add_argument("-o", "--output", required=True, help="FILE.png (or .pdf, .svg)")
-    p.add_argument("--x", choices=("step", "time"), default="step",
+    p.add_argument("--x", choices=tuple(X_AXES), default="step",
                    help="horizontal axis: the step, or hours since the run started")
 
     p = sub.add_parser("info", **for_help,

@@ -108,14 +108,14 @@ def plot_runs(runs: list[str | Path], x: str = "step") -> Any:
     n_cols = 3 if show_bleu else 2
     fig = Figure(figsize=(5.0 * n_cols, 7.5), layout="constrained")
     axes = dict(zip(panels, fig.subplots(2, n_cols).flatten(), strict=True))
-    xlabel = X_AXES[x]
+    shared = X_AXES[x]
     labels = {
-        "loss_step": (xlabel, "loss (nats/token)", "loss"),
+        "loss_step": (shared, "loss (nats/token)", "loss"),
         "loss_tokens": ("tokens seen", "loss (nats/token)", "loss against data"),
-        "lr": (xlabel, "learning rate", "learning rate"),
-        "speed": (xlabel, "training tokens/s", "speed"),
-        "bleu": (xlabel, "BLEU", "validation BLEU (greedy)"),
-        "chrf": (xlabel, "chrF", "validation chrF (greedy)"),
+        "lr": (shared, "learning rate", "learning rate"),
+        "speed": (shared, "training tokens/s", "speed"),
+        "bleu": (shared, "BLEU", "validation BLEU (greedy)"),
+        "chrf": (shared, "chrF", "validation chrF (greedy)"),
     }
     for key, (xlabel, ylabel, title) in labels.items():
         if key in axes:
