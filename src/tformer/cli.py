@@ -25,6 +25,7 @@ from tformer import __version__
 from tformer.config import load_config
 from tformer.decoding.beam import PENALTIES
 from tformer.errors import TformerError
+from tformer.kernels import inference_model
 from tformer.viz.plot import X_AXES
 
 if TYPE_CHECKING:
@@ -325,18 +326,6 @@ def generate_command(
         sys.stdout.write(tokenizer.decode(new)[len(shown) :] + "\n")
         sys.stdout.flush()
     return 0
-
-
-def inference_model(model: torch.nn.Module, int8: bool) -> torch.nn.Module:
-    """The model as decoding runs it: int8 weights if asked, else (fp32 on the CPU) linear
-    layers with weights prepacked for the small matmuls of decoding."""
-    if int8:
-        from tformer.kernels.quantize import quantize_int8
-
-        return quantize_int8(model)
-    from tformer.kernels.prepack import prepack
-
-    return prepack(model)
 
 
 def use_threads(requested: int | None, model: torch.nn.Module, path: Path) -> int:

@@ -5,11 +5,10 @@ from torch import nn
 
 from tformer.decoding.lm import generate
 from tformer.kernels import matvec
+from tformer.kernels.matvec import quantize_rows
 from tformer.kernels.quantize import Int8Linear, quantize_int8
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
-
-native = pytest.mark.skipif(matvec.load() is None, reason="the int8 kernel is not built here")
 
 
 @pytest.fixture
@@ -28,14 +27,13 @@ def test_int8_logits_stay_close_and_the_original_is_untouched(model):
     tokens = torch.randint(0, 61, (3, 20))
     full, quantized = model(tokens), int8(tokens)
     assert not torch.equal(full, quantized), "the weights really are int8"
-    # Per-row int8 weights: errors well below the logits' spread.
+    # Int8 weights and activations, one scale per row: errors well below the logits' spread.
     assert (full - quantized).abs().max() < 0.2 * full.std()
     assert full.argmax(-1).eq(quantized.argmax(-1)).float().mean() > 0.9
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@native
-def test_with_the_kernel_every_linear_layer_is_weight_only_int8(model):
+def test_every_linear_layer_becomes_int8(model):
     int8 = quantize_int8(model)
     linears = [m for m in int8.modules() if isinstance(m, (nn.Linear, Int8Linear))]
     assert linears and all(isinstance(m, Int8Linear) for m in linears)
@@ -44,20 +42,68 @@ def test_with_the_kernel_every_linear_layer_is_weight_only_int8(model):
     assert int8.blocks[0].attn.qkv_proj.bias is model.blocks[0].attn.qkv_proj.bias
 
 
-@native
+def test_rows_are_rounded_to_int8_with_one_scale_each():
+    x = torch.randn(5, 40) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0])[:, None]
+    x[3] = 0.0
+    xq, scale = quantize_rows(x)
+    assert xq.dtype == torch.int8 and scale.shape == (5,)
+    assert xq[[0, 1, 2, 4]].abs().amax(1).eq(127).all()  # each row's largest maps to 127
+    assert xq[3].eq(0).all() and scale[3] == 1.0  # an all-zero row
+    # Rounding to the nearest level moves a value by at most half a level.
+    assert ((xq.float() * scale[:, None] - x).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
 @pytest.mark.parametrize("shape", [(1, 40), (3, 40), (2, 3, 40), (37, 40)])
-def test_an_int8_linear_computes_the_product_with_its_rounded_weights(shape):
+def test_an_int8_linear_computes_the_product_of_its_rounded_inputs_and_weights(shape):
     linear = nn.Linear(40, 27)
     int8 = Int8Linear(linear)
-    # Rounding to the nearest of 255 levels moves a weight by at most half a level.
     error = (int8.weight - linear.weight).abs()
     assert (error <= int8.scale[:, None] / 2 + 1e-7).all()
-    assert int8.qweight.abs().amax(1).eq(127).all()  # each row's largest weight maps to 127
     x = torch.randn(*shape)
     with torch.no_grad():
         got = int8(x)
-    want = F.linear(x.double(), int8.weight.double(), linear.bias.double())
+    assert got.shape == (*shape[:-1], 27)
+    xq, xscale = quantize_rows(x.reshape(-1, 40))
+    rounded = (xq.double() * xscale.double()[:, None]).view(shape)
+    want = F.linear(rounded, int8.weight.double(), linear.bias.double())
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [16, 40, 300])
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(k):
+    # One row, a decoding step's few (the kernel) and many (torch._int_mm) give the same
+    # bits: batched and one-at-a-time decoding agree exactly.
+    int8 = Int8Linear(nn.Linear(k, 131))
+    x = torch.randn(40, k)
+    with torch.no_grad():
+        alone = torch.cat([int8(x[i : i + 1]) for i in range(40)])
+        for rows in (2, 4, matvec.INT8_MAX_ROWS, matvec.INT8_MAX_ROWS + 1, 40):
+            assert torch.equal(int8(x[:rows]), alone[:rows]), rows
+        assert torch.equal(int8(x.flip(0)), alone.flip(0))
+
+
+def test_int8_rounding_and_products_get_the_same_bits_without_the_kernel(
+    monkeypatch, reload_kernel
+):
+    int8 = Int8Linear(nn.Linear(40, 27))
+    x = torch.randn(3, 40) * torch.tensor([1e-4, 1.0, 1e4])[:, None]
+    with torch.no_grad():
+        with_kernel, rounded = int8(x), quantize_rows(x)
+        monkeypatch.setenv("TFORMER_NATIVE", "0")
+        matvec.load.cache_clear()
+        assert matvec.load() is None
+        assert torch.equal(int8(x), with_kernel)
+        assert all(map(torch.equal, quantize_rows(x), rounded))
+
+
+def test_the_int8_product_refuses_what_it_cannot_read():
+    q, scale = torch.randint(-127, 128, (8, 16), dtype=torch.int8), torch.rand(8)
+    x = torch.randn(2, 16)
+    for args in [(x.double(), q, scale, None), (x, q.float(), scale, None),
+                 (x, q[:, :8], scale, None), (x, q.t(), scale, None),
+                 (x, q, scale.double(), None), (x, q, scale, torch.rand(7))]:
+        with pytest.raises(ValueError, match="linear_int8 takes"):
+            matvec.linear_int8(*args)
 
 
 def test_an_all_zero_row_stays_zero():
@@ -99,16 +145,15 @@ def test_an_int8_transformer_xl_evaluates_with_its_memory():
     assert transformer_xl_loss(quantize_int8(model), tokens) == pytest.approx(full, rel=0.02)
 
 
-def test_without_the_kernel_int8_falls_back_to_dynamic_quantization(model, without_kernel):
+def test_without_the_kernel_int8_models_still_run(model, without_kernel):
     int8 = quantize_int8(model)
-    assert "quantized" in type(int8.blocks[0].attn.qkv_proj).__module__
+    assert isinstance(int8.blocks[0].attn.qkv_proj, Int8Linear)
     tokens = torch.randint(0, 61, (3, 20))
     assert (model(tokens) - int8(tokens)).abs().max() < 0.2 * model(tokens).std()
     cfg = TransformerXLConfig(vocab_size=23, context=4, mem_len=8, n_layer=2, n_head=2,
                               d_model=16)
     xl = TransformerXL(cfg).eval()
     tokens = torch.randint(0, 23, (2, 13))
-    # The fallback leaves the projection whose weight Transformer-XL slices in fp32.
     assert transformer_xl_loss(quantize_int8(xl), tokens) == pytest.approx(
         transformer_xl_loss(xl, tokens), rel=0.02
     )

@@ -1,19 +1,24 @@
-/* y = x W^T + b for the few rows of a decoding step (x: m x k, W: n x k, y: m x n; fp32
- * activations, row-major, contiguous), with W in fp32 or in int8 with one scale per row.
- * x86 with AVX2 and FMA; threads over the rows of W with OpenMP.
+/* Products for the few rows of a decoding step, x86 with AVX2 and FMA, threaded over the
+ * rows of W with OpenMP; all matrices row-major and contiguous.
+ *
+ *   fp32: y = x W^T + b, x (m x k) and W (n x k) in fp32.
+ *   int8: y = (X Q^T) * (xscale xscale-column times wscale row) + b, X (m x k) and Q (n x k) in
+ *         int8 with one fp32 scale per row of each: activations and weights both rounded to
+ *         8 bits (quantize.py), the products summed exactly in 32-bit integers.
  *
  * With a few rows of x the product is a stream through W: every weight is read once per
  * group of up to four rows and used for each. The kernel keeps those rows of x in the L1
- * cache, loads 8 weights of each of R rows of W at a time, and keeps rows x R sums of 8
- * lanes in registers (at most 12 of the 16 AVX2 registers, so nothing spills). Int8
- * weights are widened to floats in registers: a quarter of the bytes to read, the same
- * arithmetic (weight-only quantization: x stays fp32).
+ * cache, loads a vector of weights of each of R rows of W at a time, and keeps rows x R
+ * sums in registers (at most 12 of the 16 AVX2 registers, so nothing spills).
  *
  * Each output is summed in the same order whatever m is and wherever its row falls, so a
- * row's result does not depend on the rows batched with it.
+ * row's result does not depend on the rows batched with it. Int8 sums are exact, so they
+ * equal any other exact sum bit for bit: torch._int_mm's for many rows, in particular.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline float sum_lanes(__m256 v)
 {
@@ -23,27 +28,19 @@ static inline float sum_lanes(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* Eight consecutive weights as floats: fp32 weights are loaded as they are, int8 ones
- * widened to 32-bit integers and converted. */
-static inline __attribute__((always_inline)) __m256 load8(const void *w, long at, const int int8)
+static inline int32_t sum_lanes_i32(__m256i v)
 {
-    if (int8)
-        return _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + at))));
-    return _mm256_loadu_ps((const float *)w + at);
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
 }
 
-static inline __attribute__((always_inline)) float weight(const void *w, long at, const int int8)
-{
-    return int8 ? (float)((const int8_t *)w)[at] : ((const float *)w)[at];
-}
-
-/* Outputs [r0, r0 + R) of all M rows. M, R and int8 are constants at every call, so the
- * compiler unrolls the loops over them and the sums stay in registers. An int8 row of W is
- * summed in integers-as-floats and scaled once at the end. */
-static inline __attribute__((always_inline)) void rows_of_w(
-    const float *x, const void *w, const float *scale, const float *b, float *y,
-    long n, long k, long r0, const int M, const int R, const int int8)
+/* Outputs [r0, r0 + R) of all M rows, fp32. M and R are constants at every call, so the
+ * compiler unrolls the loops over them and the sums stay in registers. */
+static inline __attribute__((always_inline)) void f32_rows_of_w(
+    const float *x, const float *w, const float *b, float *y,
+    long n, long k, long r0, const int M, const int R)
 {
     __m256 acc[4][4];
     const long k8 = k & ~7L;
@@ -52,18 +49,11 @@ static inline __attribute__((always_inline)) void rows_of_w(
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             acc[i][r] = _mm256_setzero_ps();
-    /* Int8 rows are short (768 bytes at k = 768) and take longer to compute per byte; the
-     * hardware prefetcher falls behind them. Fetching the next block of rows while this
-     * one is summed, at the same pace, took the int8 kernel from 14 to 25 G weights/s over
-     * the matrices of GPT-2 small (fp32 weights ran slower with it, so they go without). */
-    const int8_t *next = (const int8_t *)w + (r0 + R) * k;
     for (long j = 0; j < k8; j += 8) {
         __m256 wv[4];
-        if (int8)
-            _mm_prefetch((const char *)(next + j * R), _MM_HINT_T0);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            wv[r] = load8(w, (r0 + r) * k + j, int8);
+            wv[r] = _mm256_loadu_ps(w + (r0 + r) * k + j);
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
             const __m256 xv = _mm256_loadu_ps(x + i * k + j);
@@ -78,62 +68,178 @@ static inline __attribute__((always_inline)) void rows_of_w(
         for (int r = 0; r < R; r++) {
             float s = sum_lanes(acc[i][r]);
             for (long j = k8; j < k; j++) /* k not a multiple of 8 */
-                s += weight(w, (r0 + r) * k + j, int8) * x[i * k + j];
-            if (int8)
-                s *= scale[r0 + r];
+                s += w[(r0 + r) * k + j] * x[i * k + j];
             y[i * n + r0 + r] = b ? s + b[r0 + r] : s;
+        }
+}
+
+/* The same for int8 rows of x and of W. Sixteen int8 values of each are widened to 16-bit
+ * integers, and _mm256_madd_epi16 multiplies them and adds neighbouring pairs into eight
+ * 32-bit sums: no rounding and, below 2^31 / 127^2 = 133,000 terms, no overflow. (The
+ * faster unsigned-by-signed _mm256_maddubs_epi16 saturates its 16-bit pair sums, so it is
+ * not exact.) The scaling is the same sequence of fp32 operations as int8_linear's torch
+ * path: (float) sum * (xscale[i] * wscale[j]), then + b[j]; -ffp-contract=off keeps the
+ * compiler from fusing the last two into one FMA, which rounds once instead of twice. */
+static inline __attribute__((always_inline)) void i8_rows_of_w(
+    const int8_t *x, const float *xscale, const int8_t *w, const float *wscale,
+    const float *b, float *y, long n, long k, long r0, const int M, const int R)
+{
+    __m256i acc[4][4];
+    const long k16 = k & ~15L;
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[i][r] = _mm256_setzero_si256();
+    /* Int8 rows are short (512 bytes at k = 512) and the hardware prefetcher falls behind
+     * them: fetch the next block of rows while this one is summed, at the same pace. */
+    const int8_t *next = w + (r0 + R) * k;
+    for (long j = 0; j < k16; j += 16) {
+        __m256i wv[4];
+        _mm_prefetch((const char *)(next + j * R), _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (r0 + r) * k + j)));
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            const __m256i xv =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + i * k + j)));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(wv[r], xv));
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            int32_t s = sum_lanes_i32(acc[i][r]);
+            for (long j = k16; j < k; j++) /* k not a multiple of 16 */
+                s += (int32_t)w[(r0 + r) * k + j] * (int32_t)x[i * k + j];
+            const float v = (float)s * (xscale[i] * wscale[r0 + r]);
+            y[i * n + r0 + r] = b ? v + b[r0 + r] : v;
         }
 }
 
 /* R rows of W per step: 4 keep four streams of weights in flight for one or two rows of x;
  * with three or four rows of x, 3 is the most that fits the registers. Measured on a
  * 768 x 50257 matrix, wider blocks than these ran slower. */
-#define PRODUCT(M, R, INT8, NAME)                                                          \
-    static void NAME(const float *x, const void *w, const float *scale, const float *b,   \
-                     float *y, long n, long k, int threads)                               \
-    {                                                                                     \
-        const long blocks = n / R;                                                        \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)") \
-        for (long q = 0; q < blocks; q++)                                                 \
-            rows_of_w(x, w, scale, b, y, n, k, q * R, M, R, INT8);                        \
-        for (long r0 = blocks * R; r0 < n; r0++)                                          \
-            rows_of_w(x, w, scale, b, y, n, k, r0, M, 1, INT8);                           \
+#define F32_PRODUCT(M, R, NAME)                                                            \
+    static void NAME(const float *x, const float *w, const float *b, float *y, long n,     \
+                     long k, int threads)                                                  \
+    {                                                                                      \
+        const long blocks = n / R;                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")  \
+        for (long q = 0; q < blocks; q++)                                                  \
+            f32_rows_of_w(x, w, b, y, n, k, q * R, M, R);                                  \
+        for (long r0 = blocks * R; r0 < n; r0++)                                           \
+            f32_rows_of_w(x, w, b, y, n, k, r0, M, 1);                                     \
     }
-PRODUCT(1, 4, 0, f32_1)
-PRODUCT(2, 4, 0, f32_2)
-PRODUCT(3, 3, 0, f32_3)
-PRODUCT(4, 3, 0, f32_4)
-PRODUCT(1, 4, 1, i8_1)
-PRODUCT(2, 4, 1, i8_2)
-PRODUCT(3, 3, 1, i8_3)
-PRODUCT(4, 3, 1, i8_4)
-
-typedef void (*product)(const float *, const void *, const float *, const float *, float *,
-                        long, long, int);
-
-/* Any number of rows, four at a time: each group streams W once. */
-static void rows_in_fours(const product by_rows[4], const float *x, const void *w,
-                          const float *scale, const float *b, float *y,
-                          long m, long n, long k, int threads)
-{
-    for (long i = 0; i < m; i += 4) {
-        const long rows = m - i < 4 ? m - i : 4;
-        by_rows[rows - 1](x + i * k, w, scale, b, y + i * n, n, k, threads);
+#define I8_PRODUCT(M, R, NAME)                                                             \
+    static void NAME(const int8_t *x, const float *xs, const int8_t *w, const float *ws,  \
+                     const float *b, float *y, long n, long k, int threads)                \
+    {                                                                                      \
+        const long blocks = n / R;                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")  \
+        for (long q = 0; q < blocks; q++)                                                  \
+            i8_rows_of_w(x, xs, w, ws, b, y, n, k, q * R, M, R);                           \
+        for (long r0 = blocks * R; r0 < n; r0++)                                           \
+            i8_rows_of_w(x, xs, w, ws, b, y, n, k, r0, M, 1);                              \
     }
-}
+F32_PRODUCT(1, 4, f32_1)
+F32_PRODUCT(2, 4, f32_2)
+F32_PRODUCT(3, 3, f32_3)
+F32_PRODUCT(4, 3, f32_4)
+I8_PRODUCT(1, 4, i8_1)
+I8_PRODUCT(2, 4, i8_2)
+I8_PRODUCT(3, 3, i8_3)
+I8_PRODUCT(4, 3, i8_4)
 
-/* y (m x n) = x (m x k) W^T + b, W fp32 (n x k). b may be NULL. */
+typedef void (*f32_product)(const float *, const float *, const float *, float *, long,
+                            long, int);
+typedef void (*i8_product)(const int8_t *, const float *, const int8_t *, const float *,
+                           const float *, float *, long, long, int);
+
+/* y (m x n) = x (m x k) W^T + b, W fp32 (n x k). b may be NULL. Any number of rows, four
+ * at a time: each group streams W once. */
 void tformer_matvec(const float *x, const float *w, const float *b, float *y,
                     long m, long n, long k, int threads)
 {
-    static const product f32[4] = {f32_1, f32_2, f32_3, f32_4};
-    rows_in_fours(f32, x, w, NULL, b, y, m, n, k, threads);
+    static const f32_product by_rows[4] = {f32_1, f32_2, f32_3, f32_4};
+    for (long i = 0; i < m; i += 4) {
+        const long rows = m - i < 4 ? m - i : 4;
+        by_rows[rows - 1](x + i * k, w, b, y + i * n, n, k, threads);
+    }
 }
 
-/* y = x (diag(scale) Q)^T + b with Q int8 (n x k) and one fp32 scale per row of Q. */
-void tformer_matvec_int8(const float *x, const int8_t *q, const float *scale, const float *b,
-                         float *y, long m, long n, long k, int threads)
+/* y = (X Q^T) * (xscale wscale^T) + b with X (m x k) and Q (n x k) int8, xscale (m) and
+ * wscale (n) fp32. b may be NULL. */
+void tformer_matvec_int8(const int8_t *x, const float *xscale, const int8_t *q,
+                         const float *wscale, const float *b, float *y,
+                         long m, long n, long k, int threads)
 {
-    static const product i8[4] = {i8_1, i8_2, i8_3, i8_4};
-    rows_in_fours(i8, x, q, scale, b, y, m, n, k, threads);
+    static const i8_product by_rows[4] = {i8_1, i8_2, i8_3, i8_4};
+    for (long i = 0; i < m; i += 4) {
+        const long rows = m - i < 4 ? m - i : 4;
+        by_rows[rows - 1](x + i * k, xscale + i, q, wscale, b, y + i * n, n, k, threads);
+    }
+}
+
+/* The rows of x (m x k, fp32) in int8 with one scale each, the same numbers as
+ * quantize_rows's torch formula: scale = max |x| / 127 (1 for an all-zero row), then
+ * x / scale rounded half to even and clamped to [-127, 127]. Each step rounds as torch's
+ * does (a true division, no reciprocal), so the two agree bit for bit. */
+void tformer_quantize_rows(const float *x, int8_t *xq, float *scale, long m, long k)
+{
+    const long k8 = k & ~7L;
+    const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f),
+                 hi = _mm256_set1_ps(127.0f);
+    for (long i = 0; i < m; i++) {
+        const float *row = x + i * k;
+        int8_t *out = xq + i * k;
+        __m256 mx = _mm256_setzero_ps();
+        for (long j = 0; j < k8; j += 8)
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + j)));
+        float lanes[8], amax = 0.0f;
+        _mm256_storeu_ps(lanes, mx);
+        for (int l = 0; l < 8; l++)
+            amax = lanes[l] > amax ? lanes[l] : amax;
+        for (long j = k8; j < k; j++)
+            amax = fabsf(row[j]) > amax ? fabsf(row[j]) : amax;
+        float s = amax / 127.0f;
+        if (!(s > 0.0f))
+            s = 1.0f;
+        scale[i] = s;
+        const __m256 sv = _mm256_set1_ps(s);
+        for (long j = 0; j < k8; j += 8) {
+            __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + j), sv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i n = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+            const __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(n),
+                                                _mm256_extracti128_si256(n, 1));
+            _mm_storel_epi64((__m128i *)(out + j), _mm_packs_epi16(n16, n16));
+        }
+        for (long j = k8; j < k; j++) {
+            const float v = nearbyintf(row[j] / s);
+            out[j] = (int8_t)(v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v);
+        }
+    }
+}
+
+/* y = x W^T + b for an Int8Linear and a few rows of fp32 x: x rounded to int8 rows as
+ * tformer_quantize_rows does, then tformer_matvec_int8. Returns 0, or -1 where it could not
+ * allocate the rounded rows. */
+int tformer_linear_int8(const float *x, const int8_t *q, const float *wscale, const float *b,
+                        float *y, long m, long n, long k, int threads)
+{
+    int8_t *xq = malloc((size_t)(m * k));
+    float *xscale = malloc((size_t)m * sizeof(float));
+    const int ok = xq && xscale;
+    if (ok) {
+        tformer_quantize_rows(x, xq, xscale, m, k);
+        tformer_matvec_int8(xq, xscale, q, wscale, b, y, m, n, k, threads);
+    }
+    free(xq);
+    free(xscale);
+    return ok ? 0 : -1;
 }

@@ -1,13 +1,13 @@
-"""Hand-written kernels for the products of a few rows that decoding makes, with fp32 or
-int8 weights.
+"""Hand-written kernels for the products of a few rows that decoding makes, in fp32 or
+int8.
 
 At batch 1 a GPT decoding step multiplies one row by every weight matrix, and beam search
 at batch 1 multiplies four. The library kernels are built for larger products: oneDNN's
 prepacked one (prepack.py) streams a 768 x 3072 matrix at some 21 GB/s against the 28-31
 GB/s that a plain sum reads, and every call costs it ~30 us however small the matrix, a
 third of a beam step at d_model 256. `matvec.c` streams the weights at about the sum's rate
-and costs ~5 us a call (benchmarks/speed.py measures both effects end to end). The same
-kernel reads int8 weights with one scale per row (quantize.py), a quarter of the bytes.
+and costs ~5 us a call (benchmarks/speed.py measures both effects end to end). Its int8
+product (quantize.py) reads a quarter of the bytes and sums in exact 32-bit integers.
 
 The C source ships with the package and is compiled on first use with the system's C
 compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
@@ -17,8 +17,8 @@ nobody else may write to, and only a library file with the same properties; wher
 cache directory fails that test, a private temporary directory serves this process (and is
 removed once the library is loaded). Where none of this can happen (no compiler, not x86-64
 Linux with AVX2 and FMA, `TFORMER_NATIVE=0` in the environment) `load()` returns None:
-fp32 decoding keeps to oneDNN, with the same results up to float rounding, and `--int8`
-to PyTorch's dynamic quantization.
+fp32 decoding keeps to oneDNN, with the same results up to float rounding, and int8 to
+torch._int_mm, with the same results bit for bit.
 
 The kernel threads with OpenMP. Linked after torch (whose Linux builds use GNU OpenMP), it
 resolves to the runtime torch already loaded and shares its threads; it uses
@@ -49,9 +49,12 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 4
 """PackedLinear sends products of up to this many rows here. The kernel takes any number,
 four at a time, but from about eight rows on oneDNN's matrix-matrix kernels catch up."""
+INT8_MAX_ROWS = 8
+"""linear_int8 sends products of up to this many rows to the kernel, more to oneDNN's int8
+matrix product (torch._int_mm), which is faster from about there (benchmarks/int8_rows.py)."""
 _SOURCE = Path(__file__).with_name("matvec.c")
 _PRIVATE_PREFIX = "tformer-kernel-"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 @functools.cache
@@ -96,18 +99,29 @@ def _load() -> ctypes.CDLL:
             shutil.rmtree(directory, ignore_errors=True)  # a loaded library stays mapped
     lib.tformer_matvec.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.tformer_matvec.restype = None
-    lib.tformer_matvec_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.tformer_matvec_int8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.tformer_matvec_int8.restype = None
+    lib.tformer_quantize_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
+    lib.tformer_quantize_rows.restype = None
+    lib.tformer_linear_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.tformer_linear_int8.restype = ctypes.c_int
     # A last check that the build computes what it should, on every path of the kernel:
-    # 1 to 5 rows, a remainder of rows of W, and a remainder of the inner dimension.
-    w, b = torch.randint(-127, 128, (11, 21), dtype=torch.int8), torch.randn(11)
-    scale = torch.rand(11) / 64  # products of order 1
-    dequantized = w.float() * scale[:, None]
+    # 1 to 5 rows (one of them all zero), a remainder of rows of W, and a remainder of the
+    # inner dimension (of 8 for fp32, 16 for int8). Int8 rounding and products must equal
+    # torch's bit for bit.
+    w, b = torch.randn(11, 37), torch.randn(11)
+    q, wscale = _torch_quantize_rows(w)
     for m in range(1, 6):
-        x = torch.randn(m, 21)
-        want = F.linear(x, dequantized, b)
-        fp32, int8 = _call(lib, x, dequantized, None, b), _call(lib, x, w, scale, b)
-        if not (torch.allclose(fp32, want, atol=1e-4) and torch.allclose(int8, want, atol=1e-4)):
+        x = torch.randn(m, 37) * torch.logspace(-3, 3, m)[:, None]
+        x[m // 2] = 0.0
+        xq, xscale = _call_quantize(lib, x)
+        fp32 = _call(lib, x, w, b)
+        int8 = _call_int8(lib, xq, xscale, q, wscale, b)
+        want_q = _torch_quantize_rows(x)
+        if not (torch.allclose(fp32, F.linear(x, w, b), atol=1e-4)
+                and torch.equal(xq, want_q[0]) and torch.equal(xscale, want_q[1])
+                and torch.equal(int8, int8_reference(xq, xscale, q, wscale, b))
+                and torch.equal(_call_linear_int8(lib, x, q, wscale, b), int8)):
             raise _Unavailable(f"{library} computed a wrong product")
     return lib
 
@@ -158,51 +172,123 @@ def _compile(compiler: str, library: Path) -> None:
             os.unlink(tmp)
 
 
-def _call(
-    lib: ctypes.CDLL, x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None
-) -> Tensor:
+def _call(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     m, (n, k) = x.shape[0], weight.shape
     y = x.new_empty(m, n)
-    bias_ptr = None if bias is None else bias.data_ptr()
-    threads = torch.get_num_threads()
-    if scale is None:
-        lib.tformer_matvec(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
-                           threads)
-    else:
-        lib.tformer_matvec_int8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), bias_ptr,
-                                y.data_ptr(), m, n, k, threads)
+    lib.tformer_matvec(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                       y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
 
 
-def fits_kernel(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None) -> bool:
-    """Whether the kernel can compute this product: it reads raw pointers as fp32 (int8
-    weights with fp32 scales) in row-major order, so any other dtype, device, layout or shape
-    would give garbage or write past the output."""
+def _call_int8(
+    lib: ctypes.CDLL, xq: Tensor, xscale: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None
+) -> Tensor:
+    m, (n, k) = xq.shape[0], q.shape
+    y = xscale.new_empty(m, n)
+    lib.tformer_matvec_int8(xq.data_ptr(), xscale.data_ptr(), q.data_ptr(), wscale.data_ptr(),
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                            torch.get_num_threads())
+    return y
+
+
+def _call_quantize(lib: ctypes.CDLL, x: Tensor) -> tuple[Tensor, Tensor]:
+    m, k = x.shape
+    xq, xscale = x.new_empty(m, k, dtype=torch.int8), x.new_empty(m)
+    lib.tformer_quantize_rows(x.data_ptr(), xq.data_ptr(), xscale.data_ptr(), m, k)
+    return xq, xscale
+
+
+def _call_linear_int8(
+    lib: ctypes.CDLL, x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None
+) -> Tensor:
+    m, (n, k) = x.shape[0], q.shape
+    y = x.new_empty(m, n)
+    if lib.tformer_linear_int8(x.data_ptr(), q.data_ptr(), wscale.data_ptr(),
+                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                               torch.get_num_threads()):
+        raise MemoryError(f"no memory for {m} x {k} int8 rows")
+    return y
+
+
+def _torch_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    scale = x.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (M, K) fp32 as int8 rows with one fp32 scale per row, x[i] ~ xq[i] * scale[i]:
+    scale = max |x[i]| / 127 (1 for an all-zero row), xq[i] = x[i] / scale rounded half to
+    even. Through the kernel where it is built (one call instead of five torch operations),
+    with the same bits as torch's formula."""
+    lib = load()
+    if lib is None or not (x.dtype == torch.float32 and x.device.type == "cpu"
+                           and x.dim() == 2 and x.is_contiguous()):
+        return _torch_quantize_rows(x)
+    return _call_quantize(lib, x)
+
+
+def int8_reference(
+    xq: Tensor, xscale: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """(xq q^T) * (xscale wscale^T) + bias through torch: the integer product is exact
+    (torch._int_mm sums in 32 bits), then the same fp32 operations, in the same order, as
+    the kernel's. Any number of rows; oneDNN makes it fast from about eight."""
+    y = torch._int_mm(xq, q.t()).float().mul_(xscale[:, None] * wscale)
+    return y if bias is None else y.add_(bias)
+
+
+def fits_kernel(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether the kernel can compute this product: it reads raw pointers as fp32 in
+    row-major order, so any other dtype, device, layout or shape would give garbage or
+    write past the output."""
     n, k = weight.shape if weight.dim() == 2 else (-1, -1)
-    vectors = [t for t in (bias, scale) if t is not None]
     return (
         x.dtype == torch.float32
         and x.shape[-1:] == (k,)
-        and weight.dtype == (torch.float32 if scale is None else torch.int8)
+        and weight.dtype == torch.float32
         and weight.is_contiguous()
-        and all(t.dtype == torch.float32 and t.shape == (n,) and t.is_contiguous()
-                for t in vectors)
-        and all(t.device.type == "cpu" for t in (x, weight, *vectors))
+        and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
+                              and bias.is_contiguous()))
+        and all(t.device.type == "cpu" for t in (x, weight, bias) if t is not None)
     )
 
 
-def matvec(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None = None) -> Tensor:
-    """F.linear(x, weight, bias) through the kernel, or with int8 weights and `scale`,
-    F.linear(x, weight * scale[:, None], bias).
+def matvec(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear(x, weight, bias) through the kernel.
 
-    x: (..., K) fp32; weight: (N, K), fp32 or int8, contiguous; scale, bias: (N,) fp32,
-    contiguous, or None; all on the CPU. Any number of rows, but fastest for 1 to MAX_ROWS.
-    Inputs the kernel cannot read (another dtype, device or layout), or no kernel, get the
-    same product from torch instead.
+    x: (..., K) fp32; weight: (N, K) fp32, contiguous; bias: (N,) fp32, contiguous, or
+    None; all on the CPU. Any number of rows, but fastest for 1 to MAX_ROWS. Inputs the
+    kernel cannot read (another dtype, device or layout), or no kernel, get the same product
+    from torch instead.
     """
     lib = load()
-    if lib is None or not fits_kernel(x, weight, bias, scale):
-        full = weight if scale is None else weight.to(scale.dtype) * scale[:, None]
-        return F.linear(x, full.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    if lib is None or not fits_kernel(x, weight, bias):
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return _call(lib, rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
+    return _call(lib, rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_int8(x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None) -> Tensor:
+    """y = x W^T + b with x's rows and W rounded to int8 (quantize_rows; W as q and wscale):
+    (xq q^T) * (xscale wscale^T) + bias, summed exactly. Up to INT8_MAX_ROWS rows (a
+    decoding step's) go through the kernel, rounding included; more, or all where there is
+    no kernel, through torch._int_mm. Both give the same bits.
+
+    x: (M, K) fp32; q: (N, K) int8 and wscale: (N,) fp32, contiguous; bias: (N,) fp32 or
+    None; all on the CPU (Int8Linear holds its tensors so).
+    """
+    (m, k), (n, k_q) = x.shape, q.shape
+    # Checked on every call, so kept to a few comparisons: the kernel reads raw pointers.
+    if not (x.dtype == wscale.dtype == torch.float32 and q.dtype == torch.int8 and k == k_q
+            and wscale.shape == (n,) and q.is_contiguous() and wscale.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
+                                  and bias.is_contiguous()))
+            and x.device.type == q.device.type == "cpu"):
+        raise ValueError(f"linear_int8 takes fp32 {m} x K rows and an int8 N x K matrix with "
+                         f"fp32 scales and bias on the CPU; got {x.dtype} {tuple(x.shape)} and "
+                         f"{q.dtype} {tuple(q.shape)}")
+    lib = load()
+    if lib is None or m > INT8_MAX_ROWS:
+        return int8_reference(*quantize_rows(x.contiguous()), q, wscale, bias)
+    return _call_linear_int8(lib, x.contiguous(), q, wscale, bias)

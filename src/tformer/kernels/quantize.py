@@ -1,20 +1,25 @@
-"""Int8 weights for CPU decoding.
+"""Int8 linear layers for CPU inference.
 
-Every nn.Linear becomes an int8 one: weights rounded to int8 with one fp32 scale per output
-row (symmetric, the largest weight of a row maps to 127), activations kept in fp32. At
-batch 1 a decoding step reads every weight once, so a quarter of the bytes is most of the
-speed-up. Embedding tables stay fp32 (a step reads only one row of them).
+Every nn.Linear becomes an int8 one. Its weight is rounded to int8 once, with one fp32
+scale per output row (symmetric: the largest weight of a row maps to 127). At each call the
+input is rounded the same way, one scale per row (per token), and the product of the two
+int8 matrices is summed exactly in 32-bit integers, then scaled back to fp32:
 
-The products run in matvec's kernel, which widens the int8 weights to floats in registers.
-Where that kernel cannot be built (see matvec.py), PyTorch's dynamic quantization does the
-job instead: the same int8 weights per row, but it also rounds the activations to 8 bits
-for each product, so its results differ a little more from fp32.
+    y[i, j] = (sum_k xq[i, k] q[j, k]) * (xscale[i] * wscale[j]) + b[j]
+
+At batch 1 a decoding step reads every weight once, so a quarter of the bytes is most of
+the speed-up; with many rows (beam search over a batch, scoring whole sequences) the
+integer product does twice the work of fp32's per instruction. Embedding tables stay fp32
+(a step reads only one row of them).
+
+A row's result depends on that row alone (its scale is its own and the sums are exact), so
+batched and one-at-a-time decoding agree bit for bit, whichever kernel computes the
+product: matvec's for the few rows of a decoding step, oneDNN's (torch._int_mm) for more
+and wherever matvec's kernel cannot be built (kernels/matvec.py does the rounding and the
+products).
 """
 
 from __future__ import annotations
-
-import copy
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -26,22 +31,18 @@ from tformer.kernels.prepack import PackedLinear, prepack_available, swap_linear
 
 
 class Int8Linear(nn.Module):
-    """y = x (diag(scale) W_int8)^T + b: weight-only int8, for inference on the CPU.
+    """y = x W^T + b with W and, at each call, x rounded to int8 (see the module's text),
+    for inference on the CPU.
 
     x: (..., in_features) fp32 -> (..., out_features). Made from an nn.Linear, whose weight
-    it rounds and stores; the bias is shared with it. Products of any number of rows go
-    through matvec's kernel, which reads the int8 weights as they are: with many rows it
-    runs at ~90 GFLOP/s here, ahead of widening the weight to fp32 for F.linear up to at
-    least 256 rows (GPT-2 small's matrices).
+    it rounds and stores; the bias is shared with it.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1) / 127
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row
-        self.register_buffer("qweight", torch.round(weight / scale[:, None]).to(torch.int8))
+        qweight, scale = matvec.quantize_rows(linear.weight.detach().float().contiguous())
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = linear.bias
 
@@ -52,11 +53,12 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype != torch.float32 or matvec.load() is None:
-            # Not what decoding runs (the kernel takes fp32, and is switched off only by
-            # tests), but correct.
+        if x.dtype != torch.float32 or x.device.type != "cpu" or self.scale.dtype != x.dtype:
+            # Not what inference runs (the int8 products are for fp32 on the CPU), but correct.
             return F.linear(x, self.weight.to(x.dtype), self.bias)
-        return matvec.matvec(x, self.qweight, self.bias, self.scale)
+        y = matvec.linear_int8(x.reshape(-1, self.in_features), self.qweight, self.scale,
+                               self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -71,27 +73,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     if next(model.parameters()).device.type != "cpu":
         raise TformerError("--int8 runs on the CPU; pass --device cpu")
     skip = set(getattr(model, "int8_skip", ()))
-    if matvec.load() is None:
-        return _dynamic_int8(model, skip)
     fp32 = PackedLinear if prepack_available() else (lambda linear: linear)
     return swap_linears(
         model, lambda name, linear: fp32(linear) if name in skip else Int8Linear(linear)
     )
-
-
-def _dynamic_int8(model: nn.Module, skip: set[str]) -> nn.Module:
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    # Its quantized layers have no `weight` tensor: leave alone those whose weight the
-    # model reads itself.
-    skip = skip | set(getattr(model, "reads_linear_weights", ()))
-    spec = {
-        name: per_channel_dynamic_qconfig
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in skip
-    }
-    with warnings.catch_warnings():
-        # torch.ao.quantization announces its move to torchao; it still does this job well.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        return quantize_dynamic(copy.deepcopy(model).eval(), spec, dtype=torch.qint8)

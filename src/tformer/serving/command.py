@@ -39,6 +39,7 @@ def serve_command(
     require_serving_packages()
     import uvicorn
 
+    from tformer.kernels import inference_model
     from tformer.registry import get_family
     from tformer.serving.app import Limits, create_app
     from tformer.serving.scheduler import LMEngine, TranslationBatcher
@@ -88,18 +89,6 @@ def serve_command(
                             timeout_graceful_shutdown=None, timeout_keep_alive=15)
     uvicorn.Server(config).run()
     return 0
-
-
-def inference_model(model, int8: bool):
-    """The model as decoding runs it: weight-only int8 if asked, else prepacked weights
-    (fp32 on the CPU; unchanged elsewhere)."""
-    if int8:
-        from tformer.kernels.quantize import quantize_int8
-
-        return quantize_int8(model)
-    from tformer.kernels.prepack import prepack
-
-    return prepack(model)
 
 
 def model_name(path: Path) -> str:

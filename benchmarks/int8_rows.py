@@ -1,0 +1,95 @@
+"""Where the int8 product should change kernels: one linear layer at 1 to 64 rows, fp32
+beside int8, and int8 through each of its two kernels.
+
+    OMP_NUM_THREADS=1 python benchmarks/int8_rows.py [--repeats 7] [--threads 1]
+
+Columns, per shape and number of rows (a decoding step multiplies batch x beam rows):
+- fp32: PackedLinear, what fp32 decoding runs (matvec's kernel up to 4 rows, oneDNN's
+  prepacked product beyond);
+- int8: Int8Linear as it dispatches (rounding the rows to int8 included);
+- kernel / _int_mm: the int8 product (rounding the rows included) through matvec's
+  kernel and through torch._int_mm (oneDNN), whatever the number of rows. They give the
+  same bits, so the faster should serve: matvec.INT8_MAX_ROWS is where _int_mm takes over.
+All in alternation, median of the repeats; the ratios compare columns of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+import torch
+from torch import nn
+
+from tformer.kernels import matvec
+from tformer.kernels.matvec import quantize_rows
+from tformer.kernels.prepack import PackedLinear
+from tformer.kernels.quantize import Int8Linear
+
+SHAPES = {  # name: (in_features, out_features)
+    "opus-mt ffn in (512 -> 2048)": (512, 2048),
+    "opus-mt ffn out (2048 -> 512)": (2048, 512),
+    "opus-mt output (512 -> 58101)": (512, 58101),
+    "gpt-2 ffn in (768 -> 3072)": (768, 3072),
+}
+ROWS = (1, 4, 8, 12, 16, 32, 64)
+
+
+def int8_mm(x, q, wscale, bias):
+    """linear_int8's path for many rows: rounding, then torch._int_mm."""
+    return matvec.int8_reference(*quantize_rows(x), q, wscale, bias)
+
+
+def timed(fn, calls: int) -> float:
+    """Milliseconds a call, over `calls` calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lib = matvec.load()
+    if lib is None:
+        raise SystemExit("the decoding kernel is not built here; nothing to compare")
+    print(f"{args.threads} thread(s), median of {args.repeats} rounds in alternation; "
+          f"INT8_MAX_ROWS = {matvec.INT8_MAX_ROWS}\n")
+    print("| shape | rows | fp32 ms | int8 ms | fp32 / int8 | kernel ms | _int_mm ms "
+          "| _int_mm / kernel |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, (k, n) in SHAPES.items():
+            linear = nn.Linear(k, n)
+            fp32, int8 = PackedLinear(linear), Int8Linear(linear)
+            calls = max(1, int(2e7 // (k * n)))
+            for rows in ROWS:
+                x = torch.randn(rows, k)
+                weights = (int8.qweight, int8.scale, linear.bias)
+                sides = {
+                    "fp32": partial(fp32, x),
+                    "int8": partial(int8, x),
+                    "kernel": partial(matvec._call_linear_int8, lib, x, *weights),
+                    "_int_mm": partial(int8_mm, x, *weights),
+                }
+                for fn in sides.values():  # warm-up
+                    fn()
+                times: dict[str, list[float]] = {side: [] for side in sides}
+                for _ in range(args.repeats):  # alternate, so load hits every side alike
+                    for side, fn in sides.items():
+                        times[side].append(timed(fn, calls))
+                t = {side: statistics.median(v) for side, v in times.items()}
+                print(f"| {name} | {rows} | {t['fp32']:.3f} | {t['int8']:.3f} "
+                      f"| {t['fp32'] / t['int8']:.2f}x | {t['kernel']:.3f} "
+                      f"| {t['_int_mm']:.3f} | {t['_int_mm'] / t['kernel']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
