@@ -57,6 +57,20 @@ def test_bleu_is_logged_every_n_evaluations_and_equals_evaluate(tmp_path, capsys
     assert float(rows[-1]["bleu"]) == pytest.approx(result["bleu"], abs=1e-4)
 
 
+def test_a_resumed_run_measures_bleu_at_the_same_steps(tmp_path, monkeypatch):
+    monkeypatch.setattr(Seq2SeqTask, "translation_scores",
+                        lambda self, model: {"bleu": 1.0, "chrf": 1.0})
+    run = tmp_path / "run"
+    # Stopped after the third evaluation (step 6), then resumed to step 8.
+    train(config("data.val_bleu_every=2", "train.steps=6", "train.checkpoint_every=6"), run)
+    resume_from = ckpt.step_dir(run, 6)
+    train(ckpt.read_config(resume_from).replace("train", steps=8), run,
+          resume_from=resume_from)
+    rows = val_rows(run)
+    assert [r["step"] for r in rows] == ["2", "4", "6", "8"]
+    assert [bool(r["bleu"]) for r in rows] == [False, True, False, True]
+
+
 def test_best_and_early_stopping_follow_bleu(tmp_path, monkeypatch):
     """With scripted BLEU scores (a tiny model's are all 0), best/ is the evaluation with
     the highest, and training stops once `patience` evaluations have not beaten it."""

@@ -49,7 +49,6 @@ class Seq2SeqTask:
                 f"train.best_metric = {cfg.train.best_metric!r} needs data.val_bleu_every of "
                 f"1 or more, to measure it during training"
             )
-        self.evaluations = 0
 
     def model_fields(self) -> dict[str, Any]:
         return self.data.model_fields()
@@ -89,15 +88,14 @@ class Seq2SeqTask:
         return None
 
     def evaluate(
-        self, model: nn.Module, max_batches: int = 0, shard: Shard = WHOLE
+        self, model: nn.Module, max_batches: int = 0, shard: Shard = WHOLE, index: int = 0
     ) -> dict[str, float]:
         result = evaluate_loss(
             model, self.data.val_src, self.data.val_tgt, self.tokenizer,
             self.cfg.data.max_tokens, max_batches, shard,
         )
-        self.evaluations += 1
         every = self.cfg.data.val_bleu_every
-        if every and self.evaluations % every == 0:
+        if every and index and index % every == 0:
             # Every process translates the same sentences and gets the same scores.
             result.update(self.translation_scores(model))
         return result

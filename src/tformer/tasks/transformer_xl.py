@@ -96,7 +96,7 @@ class TransformerXLTask:
         return memory
 
     def evaluate(
-        self, model: nn.Module, max_batches: int = 0, shard: Shard = WHOLE
+        self, model: nn.Module, max_batches: int = 0, shard: Shard = WHOLE, index: int = 0
     ) -> dict[str, float]:
         return evaluate_text(
             model, self.data.val_ids, self.tokenizer, self.cfg, max_batches, shard

@@ -518,7 +518,10 @@ def validate(run: Run, progress: Progress | None) -> float:
     beats the best so far, the weights are saved to best/."""
     procs, tcfg = run.procs, run.cfg.train
     shard = Shard(procs.rank, procs.world_size, lambda t: distributed.sum_over_ranks(t, procs))
-    result = run.task.evaluate(run.model, max_batches=tcfg.eval_batches, shard=shard)
+    # Numbered by the step, not counted, so that a resumed run evaluates as it would have.
+    index = -(-run.step // tcfg.eval_every)
+    result = run.task.evaluate(run.model, max_batches=tcfg.eval_batches, shard=shard,
+                               index=index)
     run.model.train()
     val = float(result["loss"])
     if run.is_main:
