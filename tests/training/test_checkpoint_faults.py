@@ -141,6 +141,19 @@ def test_tensors_of_the_wrong_shape_are_named(run):
     assert main(["generate", str(best), "--max-new-tokens", "2"]) == 2
 
 
+def test_a_missing_tensor_is_named(run):
+    best = (run / "best").resolve()
+    cfg = ckpt.read_config(best)
+    deeper = get_family("gpt").model(cfg.replace("model", n_layer=cfg.model.n_layer + 1).model)
+    model = get_family("gpt").model(cfg.model)
+    save_model(model, str(best / ckpt.WEIGHTS))
+    rewrite_manifest(best)
+    ckpt.load_checkpoint(best)  # complete: loads
+    # The checkpoint as the config of a deeper model reads it: a whole layer is missing.
+    with pytest.raises(TformerError, match=r"lacks blocks\.\d+\..*, a tensor of its config"):
+        ckpt.check_weight_shapes(best, deeper)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
 def test_resume_falls_back_past_a_trainer_state_that_does_not_load(run, damage):
     newest = ckpt.step_checkpoints(run)[-1]

@@ -456,9 +456,11 @@ def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def check_weight_shapes(path: Path, model: nn.Module) -> None:
-    """Every stored tensor must be one the model has, with its shape."""
+    """Every stored tensor must be one the model has, with its shape, and every tensor of
+    the model must be stored (tied weights once, under any of their names)."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    for name, shape in weight_shapes(path).items():
+    stored = weight_shapes(path)
+    for name, shape in stored.items():
         if name not in expected:
             raise TformerError(
                 f"checkpoint file {Path(path) / WEIGHTS} holds a tensor {shown(name)} that "
@@ -469,6 +471,20 @@ def check_weight_shapes(path: Path, model: nn.Module) -> None:
                 f"checkpoint file {Path(path) / WEIGHTS}: {name} has shape {list(shape)}, "
                 f"its config says {list(expected[name])}"
             )
+    for names in shared_groups(model):
+        if not names & stored.keys():
+            raise TformerError(
+                f"checkpoint file {Path(path) / WEIGHTS} lacks {shown(min(names))}, a tensor "
+                f"of its config's model"
+            )
+
+
+def shared_groups(model: nn.Module) -> list[set[str]]:
+    """The model's state-dict names, grouped by the tensor they name (tied weights)."""
+    groups: dict[int, set[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), set()).add(name)
+    return list(groups.values())
 
 
 def inherit_model(
