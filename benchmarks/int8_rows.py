@@ -37,9 +37,9 @@ SHAPES = {  # name: (in_features, out_features)
 ROWS = (1, 4, 8, 12, 16, 32, 64)
 
 
-def int8_mm(x, q, wscale, bias):
-    """linear_int8's path for many rows: rounding, then torch._int_mm."""
-    return matvec.int8_reference(*quantize_rows(x), q, wscale, bias)
+def int8_mm(lib, x, q, wscale, bias):
+    """linear_int8's path for many rows: rounding, torch._int_mm, scaling."""
+    return matvec._int_mm_scaled(lib, *quantize_rows(x), q, wscale, bias)
 
 
 def timed(fn, calls: int) -> float:
@@ -77,7 +77,7 @@ def main() -> None:
                     "fp32": partial(fp32, x),
                     "int8": partial(int8, x),
                     "kernel": partial(matvec._call_linear_int8, lib, x, *weights),
-                    "_int_mm": partial(int8_mm, x, *weights),
+                    "_int_mm": partial(int8_mm, lib, x, *weights),
                 }
                 for fn in sides.values():  # warm-up
                     fn()

@@ -105,6 +105,8 @@ def _load() -> ctypes.CDLL:
     lib.tformer_quantize_rows.restype = None
     lib.tformer_linear_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.tformer_linear_int8.restype = ctypes.c_int
+    lib.tformer_scale_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
+    lib.tformer_scale_int8.restype = None
     # A last check that the build computes what it should, on every path of the kernel:
     # 1 to 5 rows (one of them all zero), a remainder of rows of W, and a remainder of the
     # inner dimension (of 8 for fp32, 16 for int8). Int8 rounding and products must equal
@@ -112,16 +114,19 @@ def _load() -> ctypes.CDLL:
     w, b = torch.randn(11, 37), torch.randn(11)
     q, wscale = _torch_quantize_rows(w)
     for m in range(1, 6):
-        x = torch.randn(m, 37) * torch.logspace(-3, 3, m)[:, None]
-        x[m // 2] = 0.0
-        xq, xscale = _call_quantize(lib, x)
-        fp32 = _call(lib, x, w, b)
+        x = torch.randn(m, 37)
+        rows = x * torch.logspace(-3, 3, m)[:, None]  # rows of every size for the rounding
+        rows[m // 2] = 0.0
+        xq, xscale = _call_quantize(lib, rows)
         int8 = _call_int8(lib, xq, xscale, q, wscale, b)
-        want_q = _torch_quantize_rows(x)
-        if not (torch.allclose(fp32, F.linear(x, w, b), atol=1e-4)
+        want_q = _torch_quantize_rows(rows)
+        if not (torch.allclose(_call(lib, x, w, b), F.linear(x, w, b), atol=1e-4)
                 and torch.equal(xq, want_q[0]) and torch.equal(xscale, want_q[1])
                 and torch.equal(int8, int8_reference(xq, xscale, q, wscale, b))
-                and torch.equal(_call_linear_int8(lib, x, q, wscale, b), int8)):
+                and torch.equal(_call_linear_int8(lib, rows, q, wscale, b), int8)
+                and torch.equal(_int_mm_scaled(lib, xq, xscale, q, wscale, b), int8)
+                and torch.equal(_int_mm_scaled(lib, xq, xscale, q, wscale, None),
+                                int8_reference(xq, xscale, q, wscale, None))):
             raise _Unavailable(f"{library} computed a wrong product")
     return lib
 
@@ -210,6 +215,19 @@ def _call_linear_int8(
     return y
 
 
+def _int_mm_scaled(
+    lib: ctypes.CDLL, xq: Tensor, xscale: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """int8_reference's product, the scaling done by the kernel: one pass over the sums,
+    in place, instead of torch's four."""
+    acc = torch._int_mm(xq, q.t()).contiguous()
+    m, n = acc.shape
+    lib.tformer_scale_int8(acc.data_ptr(), xscale.data_ptr(), wscale.data_ptr(),
+                           None if bias is None else bias.data_ptr(), m, n,
+                           torch.get_num_threads())
+    return acc.view(torch.float32)
+
+
 def _torch_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     scale = x.abs().amax(dim=1) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -273,7 +291,8 @@ def linear_int8(x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None) -> Te
     """y = x W^T + b with x's rows and W rounded to int8 (quantize_rows; W as q and wscale):
     (xq q^T) * (xscale wscale^T) + bias, summed exactly. Up to INT8_MAX_ROWS rows (a
     decoding step's) go through the kernel, rounding included; more, or all where there is
-    no kernel, through torch._int_mm. Both give the same bits.
+    no kernel, through torch._int_mm (the kernel rounding and scaling where it can). All
+    give the same bits.
 
     x: (M, K) fp32; q: (N, K) int8 and wscale: (N,) fp32, contiguous; bias: (N,) fp32 or
     None; all on the CPU (Int8Linear holds its tensors so).
@@ -288,7 +307,9 @@ def linear_int8(x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None) -> Te
         raise ValueError(f"linear_int8 takes fp32 {m} x K rows and an int8 N x K matrix with "
                          f"fp32 scales and bias on the CPU; got {x.dtype} {tuple(x.shape)} and "
                          f"{q.dtype} {tuple(q.shape)}")
-    lib = load()
-    if lib is None or m > INT8_MAX_ROWS:
-        return int8_reference(*quantize_rows(x.contiguous()), q, wscale, bias)
-    return _call_linear_int8(lib, x.contiguous(), q, wscale, bias)
+    lib, x = load(), x.contiguous()
+    if lib is None:
+        return int8_reference(*_torch_quantize_rows(x), q, wscale, bias)
+    if m > INT8_MAX_ROWS:
+        return _int_mm_scaled(lib, *_call_quantize(lib, x), q, wscale, bias)
+    return _call_linear_int8(lib, x, q, wscale, bias)
