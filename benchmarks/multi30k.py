@@ -6,6 +6,9 @@
     .venv/bin/python benchmarks/multi30k.py speed old=OLD.toml new=configs/seq2seq-multi30k.toml
     # the chosen checkpoint and search on test2016, once
     .venv/bin/python benchmarks/multi30k.py test runs/multi30k/averaged --beam 5 --alpha 1.0
+    # training choices one at a time, each with several seeds, two runs at a time
+    .venv/bin/python benchmarks/multi30k.py ablate --out runs/ablate --seeds 1 2 \
+        base dropout-0.1=model.dropout=0.1 noam=train.schedule=noam,train.warmup_steps=4000
 
 Every choice is made on val.{en,de}; test2016 is read only by `test`. Scores are sacreBLEU's
 defaults (cased, detokenized, 13a), chrF, and the Multi30k literature's BLEU (Moses-tokenized,
@@ -23,8 +26,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import IO
 
-from tformer.training.checkpoint import step_checkpoints
+from tformer.config import load_config
+from tformer.training.checkpoint import step_checkpoints, step_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "multi30k"
@@ -126,6 +131,56 @@ def speed(args: argparse.Namespace) -> None:
               f"{median / base:.2f}x |")
 
 
+def ablate(args: argparse.Namespace) -> None:
+    """Train the config once per variant and seed (each variant: NAME or NAME=KEY=VALUE[,...],
+    overrides of the config), `jobs` runs at a time with one thread each, then score each
+    run's last checkpoint greedily on val. A run already finished is not trained again; an
+    interrupted one resumes."""
+    out = Path(args.out)
+    variants = {spec.split("=", 1)[0]: spec.split("=", 1)[1].split(",") if "=" in spec else []
+                for spec in args.variants}
+    runs = {(name, seed): out / f"{name}-seed{seed}" for name in variants for seed in args.seeds}
+    overrides = {name: [*args.common, *changes] for name, changes in variants.items()}
+    final = {name: load_config(args.config, o).train.steps for name, o in overrides.items()}
+    pending = [(name, seed) for (name, seed), run in runs.items()
+               if not step_dir(run, final[name]).is_dir()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    active: list[tuple[subprocess.Popen, Path, IO]] = []
+    while pending or active:
+        while pending and len(active) < args.jobs:
+            name, seed = pending.pop(0)
+            run = runs[name, seed]
+            resume = ["--resume"] if step_checkpoints(run) else []
+            cmd = [*TFORMER, "train", args.config, "--out", str(run), *resume,
+                   f"train.seed={seed}", *overrides[name]]
+            out.mkdir(parents=True, exist_ok=True)
+            log = open(out / f"{run.name}.log", "a")
+            print(f"training {run.name}: tformer {' '.join(cmd[3:])}", flush=True)
+            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            active.append((proc, run, log))
+        proc, run, log = active.pop(0)
+        code = proc.wait()
+        log.close()
+        if code != 0:
+            sys.exit(f"training {run} failed; see {out / (run.name + '.log')}")
+    print("\nlast checkpoint of each run, greedy, on val\n\n"
+          "| variant | seed | BLEU | BLEU (tok, lc) | chrF | hours |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: |")
+    bleu: dict[str, list[float]] = {name: [] for name in variants}
+    for (name, seed), run in runs.items():
+        result = scores(latest(run), "val", 1, 0.0, args.threads)
+        with open(run / "metrics.csv", newline="") as f:
+            hours = max(float(r["elapsed_s"] or 0) for r in csv.DictReader(f)) / 3600
+        bleu[name].append(result["bleu"])
+        print(f"| {name} | {seed} | {result['bleu']:.2f} | {result['bleu_tok']:.2f} | "
+              f"{result['chrf']:.2f} | {hours:.2f} |", flush=True)
+    first = next(iter(bleu))
+    print(f"\n| variant | mean BLEU | vs {first} |\n| --- | ---: | ---: |")
+    for name, values in bleu.items():
+        mean = statistics.mean(values)
+        print(f"| {name} | {mean:.2f} | {mean - statistics.mean(bleu[first]):+.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -140,8 +195,17 @@ def main() -> None:
     p.add_argument("configs", nargs="+", help="NAME=CONFIG.toml")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rounds", type=int, default=3)
+    p = sub.add_parser("ablate")
+    p.add_argument("variants", nargs="+", help="NAME or NAME=KEY=VALUE[,KEY=VALUE...]")
+    p.add_argument("--out", required=True, help="a directory for the runs and their logs")
+    p.add_argument("--config", default="configs/seq2seq-multi30k.toml")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    p.add_argument("--common", nargs="*", default=[],
+                   help="KEY=VALUE overrides for every run (a shorter train.steps, say); "
+                        "end the list with --")
     args = parser.parse_args()
-    {"decode": decode, "test": test, "speed": speed}[args.command](args)
+    {"decode": decode, "test": test, "speed": speed, "ablate": ablate}[args.command](args)
 
 
 if __name__ == "__main__":
