@@ -74,7 +74,8 @@ class BigramTask:
     def loss(self, model: nn.Module, batch: Any, carry: None) -> tuple[torch.Tensor, int, None]:
         return lm_loss(model(batch.tokens), batch.targets), batch.num_tokens, None
 
-    def evaluate(self, model: nn.Module, max_batches: int = 0, shard=WHOLE) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, max_batches: int = 0, shard=WHOLE,
+                 index: int = 0) -> dict[str, float]:
         return evaluate_stream(model, self.data.val_ids, self.tokenizer,
                                context=self.cfg.model.context,
                                batch_size=self.cfg.train.batch_size, max_batches=max_batches,

@@ -25,7 +25,6 @@ from tformer import __version__
 from tformer.config import load_config
 from tformer.decoding.beam import PENALTIES
 from tformer.errors import TformerError
-from tformer.kernels import inference_model
 from tformer.viz.plot import X_AXES
 
 if TYPE_CHECKING:
@@ -274,6 +273,8 @@ def generate_command(
         f"{loaded.cfg.family}, {describe_model(loaded.model)}{', int8' if int8 else ''}; "
         f"{describe_device(loaded.model, threads)}"
     )
+    from tformer.kernels.quantize import inference_model
+
     model, tokenizer = inference_model(loaded.model, int8), loaded.tokenizer
     ids = tokenizer.encode(prompt)
     print(f"generating with {loaded.path} ({description})", file=sys.stderr)
@@ -389,6 +390,8 @@ def evaluate_command(
     where = f"{describe_model(loaded.model)}{', int8' if int8 else ''}; " + describe_device(
         loaded.model, threads
     )
+    from tformer.kernels.quantize import inference_model
+
     loaded.model = inference_model(loaded.model, int8)
     source = " and ".join(data) if data else "the run's validation split"
     said: list[str] = []
@@ -515,6 +518,8 @@ def translate_command(
             f"`tformer generate` for language models"
         )
     threads = use_threads(threads, loaded.model, loaded.path)
+    from tformer.kernels.quantize import inference_model
+
     loaded.model = inference_model(loaded.model, int8)
     check_search_args(beam, alpha, n_best, batch_size, max_len_a, max_len_b)
     at_terminal = input is None and sys.stdin.isatty()

@@ -12,11 +12,12 @@ the speed-up; with many rows (beam search over a batch, scoring whole sequences)
 integer product does twice the work of fp32's per instruction. Embedding tables stay fp32
 (a step reads only one row of them).
 
-A row's result depends on that row alone (its scale is its own and the sums are exact), so
-batched and one-at-a-time decoding agree bit for bit, whichever kernel computes the
-product: matvec's for the few rows of a decoding step, oneDNN's (torch._int_mm) for more
+A row's result depends on that row alone (its scale is its own and the sums are exact),
+bit for bit, whichever kernel computes the product: matvec's for the few rows of a
+decoding step, oneDNN's (torch._int_mm) for more
 and wherever matvec's kernel cannot be built (kernels/matvec.py does the rounding and the
-products).
+products). Batched decoding can still differ from one sentence at a time where attention
+over padding rounds differently and that moves an input across a rounding step.
 """
 
 from __future__ import annotations
@@ -77,3 +78,14 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     return swap_linears(
         model, lambda name, linear: fp32(linear) if name in skip else Int8Linear(linear)
     )
+
+
+def inference_model(model: nn.Module, int8: bool) -> nn.Module:
+    """The model as decoding, evaluation and serving run it: int8 linear layers if asked,
+    else (fp32 on the CPU) linear layers with weights prepacked for the small matmuls of
+    decoding; unchanged elsewhere."""
+    if int8:
+        return quantize_int8(model)
+    from tformer.kernels.prepack import prepack
+
+    return prepack(model)

@@ -39,7 +39,7 @@ def serve_command(
     require_serving_packages()
     import uvicorn
 
-    from tformer.kernels import inference_model
+    from tformer.kernels.quantize import inference_model
     from tformer.registry import get_family
     from tformer.serving.app import Limits, create_app
     from tformer.serving.scheduler import LMEngine, TranslationBatcher
