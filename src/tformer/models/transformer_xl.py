@@ -349,9 +349,6 @@ class TransformerXLBlock(nn.Module):
 class TransformerXL(nn.Module):
     """A Transformer-XL language model: tied embeddings, relative attention, memory."""
 
-    reads_linear_weights = ("qkv_proj",)
-    """Linear layers whose weight the model slices (the memory's keys and values)."""
-
     def __init__(self, cfg: TransformerXLConfig) -> None:
         super().__init__()
         if cfg.vocab_size < 1:
