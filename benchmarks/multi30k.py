@@ -1,7 +1,7 @@
 """Multi30k en -> de: what each choice buys, measured the way a user would, through the CLI.
 
     # decoding choices on the validation split: checkpoint averaging, beam size, length penalty
-    .venv/bin/python benchmarks/multi30k.py decode runs/multi30k [RUN ...]
+    .venv/bin/python benchmarks/multi30k.py decode runs/multi30k [RUN ...] [--searches 5:1.0 ...]
     # training speed of two configs, in target tokens/s, timed in alternation in one run
     .venv/bin/python benchmarks/multi30k.py speed old=OLD.toml new=configs/seq2seq-multi30k.toml
     # the chosen checkpoint and search on test2016, once
@@ -77,7 +77,8 @@ def latest(run: Path) -> Path:
 
 def decode(args: argparse.Namespace) -> None:
     """One change at a time on val: which checkpoint (last, best by validation BLEU, the
-    average of the last 5 or 10), then the beam size, then the length penalty (GNMT's)."""
+    average of the last 5 or 10), then, on the average of 10, each BEAM:ALPHA of `searches`
+    (GNMT's length penalty)."""
     for run in map(Path, args.runs):
         print(f"\n{run} on val (1,014 sentences)\n\n{HEADER}")
         t = args.threads
@@ -87,7 +88,8 @@ def decode(args: argparse.Namespace) -> None:
         for name, checkpoint in checkpoints.items():
             print(row(f"{name}, greedy", scores(checkpoint, "val", 1, 0.0, t)), flush=True)
         chosen = checkpoints["average of last 10"]
-        for beam, alpha in ((4, 0.6), (5, 0.6), (5, 1.0)):
+        for search in args.searches:
+            beam, alpha = int(search.split(":")[0]), float(search.split(":")[1])
             print(row(f"average of last 10, beam {beam}, alpha {alpha}",
                       scores(chosen, "val", beam, alpha, t)), flush=True)
 
@@ -187,6 +189,8 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("decode")
     p.add_argument("runs", nargs="+")
+    p.add_argument("--searches", nargs="+", default=["4:0.6", "5:0.6", "5:1.0"],
+                   help="BEAM:ALPHA searches to score the average of the last 10 with")
     p = sub.add_parser("test")
     p.add_argument("checkpoint")
     p.add_argument("--beam", type=int, default=5)
