@@ -3,7 +3,7 @@
 The lines are read from the README itself, so the README cannot drift from the code: a
 renamed option, or an order of arguments the parser does not take, fails here. Each line
 runs with the same words; only the sizes are shrunk by overrides appended to `train`
-(train.steps=4 and a tiny model), and the run directories and files it names are made in a
+(train.steps=10 and a tiny model), and the run directories and files it names are made in a
 temporary directory first. torchrun lines are checked for their tformer part only.
 """
 
@@ -20,8 +20,8 @@ from tformer.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.n_layer=1", "model.n_head=2", "model.d_model=16", "model.d_ff=32",
-         "train.steps=4", "train.eval_every=2", "train.checkpoint_every=1",
-         "train.keep_checkpoints=6", "train.warmup_steps=1", "train.log_every=1",
+         "train.steps=10", "train.eval_every=5", "train.checkpoint_every=1",
+         "train.keep_checkpoints=10", "train.warmup_steps=1", "train.log_every=1",
          "train.device=cpu"]
 # The README's data, in small: what its commands read besides the configs.
 SEQ2SEQ_DATA = ["data.train_src={tmp}/train.en", "data.train_tgt={tmp}/train.de",
@@ -81,11 +81,12 @@ def run_line(line: str, tmp: Path, monkeypatch, capsys) -> int:
         i = words.index(">")
         stdout = tmp / words[i + 1]
         del words[i : i + 2]
+    # A README step count means SMALL's 10 steps here (enough checkpoints for `average
+    # --last 10`), and "train for longer" two more.
+    words = ["train.steps=12" if w.startswith("train.steps=") else w for w in words]
     if words[0] == "train" and "--resume" not in words:
         config = load_small_config(words[1])
         words += SMALL + [w.format(tmp=tmp) for w in config]
-    # "train for longer" means a few steps more here.
-    words = ["train.steps=6" if w.startswith("train.steps=") else w for w in words]
     monkeypatch.chdir(tmp)
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin or ""))
     capsys.readouterr()
