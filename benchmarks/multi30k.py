@@ -88,8 +88,7 @@ def decode(args: argparse.Namespace) -> None:
         for name, checkpoint in checkpoints.items():
             print(row(f"{name}, greedy", scores(checkpoint, "val", 1, 0.0, t)), flush=True)
         chosen = checkpoints["average of last 10"]
-        for search in args.searches:
-            beam, alpha = int(search.split(":")[0]), float(search.split(":")[1])
+        for beam, alpha in args.searches:
             print(row(f"average of last 10, beam {beam}, alpha {alpha}",
                       scores(chosen, "val", beam, alpha, t)), flush=True)
 
@@ -183,13 +182,22 @@ def ablate(args: argparse.Namespace) -> None:
         print(f"| {name} | {mean:.2f} | {mean - statistics.mean(bleu[first]):+.2f} |")
 
 
+def search(text: str) -> tuple[int, float]:
+    """BEAM:ALPHA, as --searches takes it."""
+    try:
+        beam, alpha = text.split(":")
+        return int(beam), float(alpha)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BEAM:ALPHA (5:1.0, say)") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("decode")
     p.add_argument("runs", nargs="+")
-    p.add_argument("--searches", nargs="+", default=["4:0.6", "5:0.6", "5:1.0"],
+    p.add_argument("--searches", nargs="+", type=search, default=[(4, 0.6), (5, 0.6), (5, 1.0)],
                    help="BEAM:ALPHA searches to score the average of the last 10 with")
     p = sub.add_parser("test")
     p.add_argument("checkpoint")
