@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from tformer.data.parallel import (
     ParallelDataConfig,
     TokenBatches,
     batch_by_tokens,
+    encode_source,
     make_batch,
     read_pairs,
 )
@@ -108,6 +111,72 @@ def test_resuming_from_the_state_gives_the_same_batches():
     for want in expected:
         got = next(resumed)
         assert torch.equal(got.src, want.src) and torch.equal(got.tgt_out, want.tgt_out)
+
+
+@pytest.fixture
+def dropout_data(tmp_path):
+    words = "a man in a blue shirt is playing the guitar on a street near two dogs".split()
+    rng = np.random.default_rng(3)
+    src = [" ".join(rng.choice(words, size=rng.integers(3, 12))) for _ in range(300)]
+    tgt = [s.upper() for s in src]
+    cfg = ParallelDataConfig(
+        train_src=str(write(tmp_path / "t.en", src)), train_tgt=str(write(tmp_path / "t.de", tgt)),
+        val_fraction=0.1, vocab_size=320, bpe_dropout=0.2, max_len=40, max_tokens=300,
+    )
+    return ParallelData(cfg)
+
+
+def test_bpe_dropout_segments_the_training_pairs_afresh_each_epoch(dropout_data):
+    data = dropout_data
+    first, again, second = data.resegment(0, 0), data.resegment(0, 0), data.resegment(0, 1)
+    assert first == again and first != second and first != data.resegment(1, 0)
+    for src, tgt in (first, second):
+        assert [data.tokenizer.decode(ids) for ids in src] == data.train_text[0]
+        assert [data.tokenizer.decode(ids) for ids in tgt] == data.train_text[1]
+        assert all(ids[-1] == data.tokenizer.eos_id for ids in src + tgt)
+        assert sum(map(len, src)) > sum(map(len, data.train_src))
+        # Longer than max_len: the sentence keeps its one deterministic segmentation.
+        assert max(map(len, src + tgt)) <= data.cfg.max_len
+    # Validation is never resegmented.
+    assert data.val_src == encode_source(data.tokenizer, data.val_text[0])
+
+
+def test_bpe_dropout_sentences_past_max_len_keep_their_segmentation(dropout_data):
+    data = dropout_data
+    fixed = max(len(ids) for ids in data.train_tgt)
+    data.cfg = dataclasses.replace(data.cfg, max_len=fixed)
+    _, tgt = data.resegment(0, 0)
+    kept = [t for t, f in zip(tgt, data.train_tgt, strict=True) if t == f]
+    assert max(map(len, tgt)) <= fixed
+    assert any(len(t) == fixed for t in kept), "the longest would have grown"
+
+
+def test_resuming_mid_epoch_with_bpe_dropout_gives_the_same_batches(dropout_data):
+    data = dropout_data
+
+    def batches():
+        return TokenBatches(data.train_src, data.train_tgt, data.tokenizer, max_tokens=300,
+                            seed=5, resegment=data.resegment)
+
+    run = batches()
+    first_epoch = [next(run) for _ in range(len(run))]
+    assert sum(b.num_tokens for b in first_epoch) == sum(map(len, data.resegment(5, 0)[1]))
+    for _ in range(3):
+        next(run)
+    state = run.state_dict()
+    expected = [next(run) for _ in range(4)]
+    resumed = batches()
+    resumed.load_state_dict(state)
+    for want in expected:
+        got = next(resumed)
+        assert torch.equal(got.src, want.src) and torch.equal(got.tgt_out, want.tgt_out)
+
+
+def test_bpe_dropout_needs_a_bpe_tokenizer(tmp_path):
+    with pytest.raises(TformerError, match='data.bpe_dropout = 0.1 needs data.tokenizer = "bpe"'):
+        ParallelDataConfig(tokenizer="char", bpe_dropout=0.1)
+    with pytest.raises(TformerError, match="data.bpe_dropout = 1.0 must be at most 0.99"):
+        ParallelDataConfig(bpe_dropout=1.0)
 
 
 def test_filtering_by_length_and_ratio(tmp_path):

@@ -1,3 +1,6 @@
+import random
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -6,6 +9,8 @@ from tformer.data.tokenizers import (
     BOS,
     EOS,
     PAD,
+    BPEDropout,
+    BPETokenizer,
     CharTokenizer,
     load_tokenizer,
     save_tokenizer,
@@ -37,6 +42,43 @@ def test_char_round_trip_of_any_text(text):
 @settings(max_examples=200, deadline=None)
 def test_bpe_round_trip_of_any_text(bpe, text):
     assert bpe.decode(bpe.encode(text)) == text
+
+
+@given(st.text())
+@settings(max_examples=200, deadline=None)
+def test_bpe_dropout_of_zero_is_the_tokenizers_own_encoding(bpe, text):
+    assert BPEDropout(bpe, 0.0).encode(text, random.Random(0)) == bpe.encode(text)
+
+
+def test_bpe_dropout_gives_finer_segmentations_of_the_same_text(bpe):
+    lines = SAMPLE.splitlines() * 20
+    dropout = BPEDropout(bpe, 0.1)
+    sampled = dropout.encode_batch(lines, random.Random(1))
+    assert [bpe.decode(ids) for ids in sampled] == lines
+    assert sum(map(len, sampled)) > sum(map(len, bpe.encode_batch(lines)))
+    assert len({tuple(ids) for ids in sampled[:: len(SAMPLE.splitlines())]}) > 1
+    assert dropout.encode_batch(lines, random.Random(1)) == sampled, "the seed decides"
+
+
+def test_bpe_dropout_skips_each_merge_with_probability_p():
+    """The word "abc", merges (a b) then (ab c): the first merge is skipped with probability
+    p, which ends the loop (no other pair merges), and otherwise the second one is: so
+    a|b|c, ab|c and abc come out with probabilities p, (1 - p) p and (1 - p)^2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate([PAD, BOS, EOS, *alphabet, "ab", "abc"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b"), ("ab", "c")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    bpe = BPETokenizer(tok)
+    assert bpe.encode("abc") == [vocab["abc"]]
+    p, n = 0.3, 6000
+    dropout, rng = BPEDropout(bpe, p), random.Random(2)
+    counts = Counter(len(dropout.encode("abc", rng)) for _ in range(n))
+    for pieces, expected in [(3, p), (2, (1 - p) * p), (1, (1 - p) ** 2)]:
+        # Binomial standard deviations are below 0.0065 here: 0.03 is 4.6 of them.
+        assert counts[pieces] / n == pytest.approx(expected, abs=0.03)
 
 
 def test_char_tokenizer_names_unseen_characters():

@@ -47,10 +47,16 @@ def test_a_tiny_model_learns_the_builtin_task(tmp_path, one_thread):
     assert exact >= 0.95, list(zip(sources, hypotheses, strict=True))[:10]
 
 
-def test_training_resumes_bit_exactly(tmp_path, one_thread):
+@pytest.mark.parametrize("data", [
+    {},
+    # About four batches an epoch: the stop falls in the second epoch, whose segmentation
+    # the resumed run must draw again.
+    {"tokenizer": "bpe", "vocab_size": 300, "bpe_dropout": 0.1},
+], ids=["char", "bpe-dropout"])
+def test_training_resumes_bit_exactly(tmp_path, one_thread, data):
     """10 steps straight equal 6 steps, a stop, and 4 more from the checkpoint."""
-    straight = train(builtin_config(10, builtin_pairs=200), tmp_path / "a")
-    cfg = builtin_config(10, builtin_pairs=200)
+    straight = train(builtin_config(10, builtin_pairs=200, **data), tmp_path / "a")
+    cfg = builtin_config(10, builtin_pairs=200, **data)
     train(cfg.replace("train", steps=6, checkpoint_every=6), tmp_path / "b")
     from tformer.training import checkpoint as ckpt
 

@@ -11,7 +11,8 @@ special tokens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,14 @@ from torch import Tensor
 from tformer.checks import check_choice, check_range
 from tformer.data.builtin import BUILTIN_PARALLEL, number_pairs
 from tformer.data.corpus import read_text
-from tformer.data.tokenizers import IGNORE_INDEX, KINDS, Tokenizer, train_tokenizer
+from tformer.data.tokenizers import (
+    IGNORE_INDEX,
+    KINDS,
+    BPEDropout,
+    BPETokenizer,
+    Tokenizer,
+    train_tokenizer,
+)
 from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
@@ -44,6 +52,10 @@ class ParallelDataConfig:
     embeddings need); char: characters of both sides."""
     vocab_size: int = 8000
     """BPE only."""
+    bpe_dropout: float = 0.0
+    """BPE only: train on a fresh segmentation of the pairs every epoch, each merge skipped
+    with this probability (BPE-dropout; Provilkov et al. 2020 use 0.1). Validation and
+    decoding use the one deterministic segmentation. 0 segments once."""
     max_tokens: int = 4000
     """Tokens per training batch, padding included: sentences x the longest source or
     target in the batch (this replaces train.batch_size)."""
@@ -76,6 +88,12 @@ class ParallelDataConfig:
         check_range("data.val_fraction", self.val_fraction, low=0.0, high=0.5)
         check_choice("data.tokenizer", self.tokenizer, KINDS)
         check_range("data.vocab_size", self.vocab_size, low=260)
+        check_range("data.bpe_dropout", self.bpe_dropout, low=0.0, high=0.99)
+        if self.bpe_dropout > 0 and self.tokenizer != "bpe":
+            raise TformerError(
+                f"data.bpe_dropout = {self.bpe_dropout} needs data.tokenizer = \"bpe\", "
+                f"not {self.tokenizer!r}"
+            )
         check_range("data.max_tokens", self.max_tokens, low=1)
         check_range("data.max_len", self.max_len, low=2)
         check_range("data.max_ratio", self.max_ratio, low=1.0)
@@ -198,6 +216,9 @@ class TokenBatches:
     equal lengths stay in random order, cut into batches of at most max_tokens, and the
     batches shuffled. The epoch's batches follow from (seed, epoch) alone, so the state is
     just (epoch, cursor) and resuming continues with the exact same batches.
+
+    `resegment(seed, epoch)`, if given, encodes the pairs afresh for each epoch (BPE-dropout),
+    also as a function of (seed, epoch) alone.
     """
 
     def __init__(
@@ -208,16 +229,24 @@ class TokenBatches:
         *,
         max_tokens: int,
         seed: int,
+        resegment: Callable[[int, int], tuple[list[list[int]], list[list[int]]]] | None = None,
     ) -> None:
         if not src:
             raise TformerError("no training pairs are left after filtering by data.max_len "
                                "and data.max_ratio")
-        self.src, self.tgt, self.tokenizer = src, tgt, tokenizer
+        self.fixed, self.resegment, self.tokenizer = (src, tgt), resegment, tokenizer
         self.max_tokens, self.seed = max_tokens, seed
-        self.src_len = np.array([len(s) for s in src])
-        self.tgt_len = np.array([len(t) for t in tgt])
-        self.epoch, self.cursor = 0, 0
-        self._batches = self._epoch_batches(0)
+        self._start_epoch(0)
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch, self.cursor = epoch, 0
+        if self.resegment is None:
+            self.src, self.tgt = self.fixed
+        else:
+            self.src, self.tgt = self.resegment(self.seed, epoch)
+        self.src_len = np.array([len(s) for s in self.src])
+        self.tgt_len = np.array([len(t) for t in self.tgt])
+        self._batches = self._epoch_batches(epoch)
 
     def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
         rng = np.random.default_rng([self.seed, epoch])
@@ -235,8 +264,7 @@ class TokenBatches:
 
     def __next__(self) -> Seq2SeqBatch:
         if self.cursor >= len(self._batches):
-            self.epoch, self.cursor = self.epoch + 1, 0
-            self._batches = self._epoch_batches(self.epoch)
+            self._start_epoch(self.epoch + 1)
         index = self._batches[self.cursor]
         self.cursor += 1
         return make_batch([self.src[i] for i in index], [self.tgt[i] for i in index],
@@ -246,8 +274,9 @@ class TokenBatches:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._batches = self._epoch_batches(self.epoch)
+        if int(state["epoch"]) != self.epoch:
+            self._start_epoch(int(state["epoch"]))
+        self.cursor = int(state["cursor"])
 
 
 def sorted_batches(
@@ -298,15 +327,39 @@ class ParallelData:
         if None in (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id):
             raise TformerError("a translation tokenizer needs <pad>, <s> and </s> tokens")
         self.tokenizer = tokenizer
-        self.train_src, self.train_tgt = self._encode(src, tgt, "training", cfg.max_ratio)
+        self.dropout: BPEDropout | None = None
+        if cfg.bpe_dropout > 0:
+            if not isinstance(tokenizer, BPETokenizer):
+                raise TformerError(
+                    f"data.bpe_dropout needs a byte-level BPE trained by tformer; this run's "
+                    f"tokenizer is {tokenizer.kind!r}"
+                )
+            self.dropout = BPEDropout(tokenizer, cfg.bpe_dropout)
+        self.train_src, self.train_tgt, kept = self._encode(src, tgt, "training", cfg.max_ratio)
+        self.train_text = ([src[i] for i in kept], [tgt[i] for i in kept])
         # Validation keeps its odd pairs (its loss should be the loss on the real split);
         # only lengths the model cannot hold are left out.
-        self.val_src, self.val_tgt = self._encode(val_src, val_tgt, "validation", float("inf"))
+        self.val_src, self.val_tgt, _ = self._encode(val_src, val_tgt, "validation",
+                                                     float("inf"))
         self.val_text = (val_src, val_tgt)
+
+    def resegment(self, seed: int, epoch: int) -> tuple[list[list[int]], list[list[int]]]:
+        """The training pairs in the BPE-dropout segmentation of (seed, epoch). A sentence
+        that comes out longer than data.max_len keeps its deterministic segmentation."""
+        if self.dropout is None:
+            raise TformerError("data.bpe_dropout is 0: the pairs have one segmentation")
+        rng = random.Random(f"bpe-dropout {seed} {epoch}")
+        eos, limit, dropout = self.tokenizer.eos_id, self.cfg.max_len, self.dropout
+
+        def side(texts: list[str], fixed: list[list[int]]) -> list[list[int]]:
+            sampled = [ids + [eos] for ids in dropout.encode_batch(texts, rng)]
+            return [s if len(s) <= limit else f for s, f in zip(sampled, fixed, strict=True)]
+
+        return side(self.train_text[0], self.train_src), side(self.train_text[1], self.train_tgt)
 
     def _encode(
         self, src: list[str], tgt: list[str], split: str, max_ratio: float
-    ) -> tuple[list[list[int]], list[list[int]]]:
+    ) -> tuple[list[list[int]], list[list[int]], list[int]]:
         src_ids, tgt_ids = encode_source(self.tokenizer, src), encode_target(self.tokenizer, tgt)
         keep = [
             i for i in range(len(src_ids))
@@ -319,7 +372,7 @@ class ParallelData:
         elif len(keep) < len(src_ids):
             log.info("%s: %d of %d pairs left out by max_len %d and max_ratio %g", split,
                      len(src_ids) - len(keep), len(src_ids), self.cfg.max_len, max_ratio)
-        return [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
+        return [src_ids[i] for i in keep], [tgt_ids[i] for i in keep], keep
 
     def model_fields(self) -> dict[str, Any]:
         return {"vocab_size": self.tokenizer.vocab_size}

@@ -10,6 +10,7 @@ names its own.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -184,6 +185,62 @@ class BPETokenizer:
 
     def to_json(self) -> str:
         return self.tok.to_str()
+
+
+class BPEDropout:
+    """BPE-dropout (Provilkov et al., 2020, "BPE-Dropout: Simple and Effective Subword
+    Regularization"): the merge loop of a trained BPE in which every applicable merge is
+    skipped with probability p at each step, so that a word comes out in one of its many
+    segmentations into the vocabulary's own tokens, more often a finer one. Trained on a
+    fresh segmentation every epoch, a translation model sees rare words in their parts and
+    the parts in many words. Only training reads it; decoding uses the tokenizer's one
+    segmentation.
+
+    Each step merges the lowest-ranked pair that survives its draw (the leftmost of equal
+    ones); with p = 0 that is exactly the tokenizer's own encoding. Hugging Face's BPE has a
+    dropout option too, but its draws cannot be seeded from Python, and a resumed run must
+    see the same segmentations again: the draws here come from the `random.Random` passed in.
+    """
+
+    def __init__(self, tokenizer: BPETokenizer, p: float) -> None:
+        model = json.loads(tokenizer.tok.to_str())["model"]
+        if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix") or \
+                model.get("ignore_merges"):
+            raise TformerError("BPE-dropout reads only the plain byte-level BPE trained here")
+        self.p = p
+        self.vocab: dict[str, int] = model["vocab"]
+        # Merges are saved as "a b" by older versions of `tokenizers`, as ["a", "b"] by newer.
+        self.rank = {
+            tuple(m.split(" ") if isinstance(m, str) else m): i
+            for i, m in enumerate(model["merges"])
+        }
+        self.pre_tokenize = tokenizer.tok.pre_tokenizer.pre_tokenize_str
+
+    def segment(self, word: str, rng: random.Random) -> list[str]:
+        """One word (a pre-tokenized piece, in byte-level characters) -> its tokens."""
+        parts = list(word)
+        while len(parts) > 1:
+            best, at = len(self.rank), -1
+            for i in range(len(parts) - 1):
+                rank = self.rank.get((parts[i], parts[i + 1]), best)
+                # A draw only decides anything for a merge that would beat the best so far,
+                # so only those draw: the same distribution, fewer calls.
+                if rank < best and (self.p == 0 or rng.random() >= self.p):
+                    best, at = rank, i
+            if at < 0:
+                break
+            parts[at : at + 2] = [parts[at] + parts[at + 1]]
+        return parts
+
+    def encode(self, text: str, rng: random.Random) -> list[int]:
+        return [
+            self.vocab[token]
+            for word, _ in self.pre_tokenize(text)
+            for token in self.segment(word, rng)
+        ]
+
+    def encode_batch(self, texts: Sequence[str], rng: random.Random) -> list[list[int]]:
+        return [self.encode(text, rng) for text in texts]
 
 
 class PretrainedBPETokenizer:

@@ -57,6 +57,7 @@ class Seq2SeqTask:
         return TokenBatches(
             self.data.train_src, self.data.train_tgt, self.tokenizer,
             max_tokens=self.cfg.data.max_tokens, seed=seed,
+            resegment=None if self.data.dropout is None else self.data.resegment,
         )
 
     def loss(
@@ -73,7 +74,8 @@ class Seq2SeqTask:
         return {
             "data": f"{len(data.train_src):,} training pairs "
             f"({sum(map(len, data.train_tgt)):,} target tokens), {len(data.val_src):,} "
-            f"validation pairs ({self.tokenizer.kind})",
+            f"validation pairs ({self.tokenizer.kind}"
+            + (f", BPE-dropout {data.cfg.bpe_dropout:g} in training)" if data.dropout else ")"),
             "loss": f"training: cross-entropy with label smoothing "
             f"{self.cfg.model.label_smoothing:g}; validation: without",
         }
