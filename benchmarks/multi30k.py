@@ -25,10 +25,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import IO
 
 from tformer.config import load_config
+from tformer.data.parallel import ParallelData
 from tformer.training.checkpoint import step_checkpoints, step_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,10 +105,25 @@ def test(args: argparse.Namespace) -> None:
                 print(f"  {key}: {result.get(key)}")
 
 
+def epoch_cost(path: str) -> tuple[int, float]:
+    """Target tokens in one training epoch of the config (EOS included, padding not), and
+    the seconds it takes to segment the epoch afresh (BPE-dropout; 0 without)."""
+    cfg = load_config(path)
+    data = ParallelData(cfg.data)
+    if data.dropout is None:
+        return sum(map(len, data.train_tgt)), 0.0
+    start = time.perf_counter()
+    _, tgt = data.resegment(cfg.train.seed, 0)
+    return sum(map(len, tgt)), time.perf_counter() - start
+
+
 def speed(args: argparse.Namespace) -> None:
     """Target tokens/s of each config over `steps` steps, in alternation, `rounds` times; the
-    first logged window of each run (start-up) is left out."""
+    first logged window of each run (start-up) is left out. Epochs an hour follow from them
+    and each config's tokens an epoch: BPE-dropout cuts the same pairs into more tokens, and
+    segments them afresh each epoch, which the steps timed here do not include."""
     configs = dict(spec.split("=", 1) for spec in args.configs)
+    costs = {name: epoch_cost(path) for name, path in configs.items()}
     measured: dict[str, list[float]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -124,12 +141,15 @@ def speed(args: argparse.Namespace) -> None:
     first = next(iter(measured))
     print(f"\n{args.steps} steps a run, {args.rounds} rounds in alternation, "
           f"{args.threads} thread(s); median target tokens/s\n")
-    print("| config | target tokens/s | rounds | ratio |\n| --- | ---: | --- | ---: |")
+    print("| config | target tokens/s | rounds | ratio | tokens an epoch | segmenting an "
+          "epoch | epochs an hour |\n| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     base = statistics.median(measured[first])
     for name, values in measured.items():
         median = statistics.median(values)
+        tokens, segmenting = costs[name]
         print(f"| {name} | {median:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | "
-              f"{median / base:.2f}x |")
+              f"{median / base:.2f}x | {tokens:,} | {segmenting:.1f} s | "
+              f"{3600 / (tokens / median + segmenting):.1f} |")
 
 
 def ablate(args: argparse.Namespace) -> None:
