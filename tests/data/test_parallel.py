@@ -141,6 +141,13 @@ def test_bpe_dropout_segments_the_training_pairs_afresh_each_epoch(dropout_data)
     assert data.val_src == encode_source(data.tokenizer, data.val_text[0])
 
 
+def test_bpe_dropout_of_the_source_alone_keeps_the_targets(dropout_data):
+    data = dropout_data
+    data.cfg = dataclasses.replace(data.cfg, bpe_dropout_sides="source")
+    src, tgt = data.resegment(0, 0)
+    assert tgt == data.train_tgt and src == data.resegment(0, 0)[0] != data.train_src
+
+
 def test_bpe_dropout_sentences_past_max_len_keep_their_segmentation(dropout_data):
     data = dropout_data
     fixed = max(len(ids) for ids in data.train_tgt)
@@ -177,6 +184,8 @@ def test_bpe_dropout_needs_a_bpe_tokenizer(tmp_path):
         ParallelDataConfig(tokenizer="char", bpe_dropout=0.1)
     with pytest.raises(TformerError, match="data.bpe_dropout = 1.0 must be at most 0.99"):
         ParallelDataConfig(bpe_dropout=1.0)
+    with pytest.raises(TformerError, match="data.bpe_dropout_sides = 'target'"):
+        ParallelDataConfig(bpe_dropout=0.1, bpe_dropout_sides="target")
 
 
 def test_filtering_by_length_and_ratio(tmp_path):

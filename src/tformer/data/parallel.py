@@ -56,6 +56,9 @@ class ParallelDataConfig:
     """BPE only: train on a fresh segmentation of the pairs every epoch, each merge skipped
     with this probability (BPE-dropout; Provilkov et al. 2020 use 0.1). Validation and
     decoding use the one deterministic segmentation. 0 segments once."""
+    bpe_dropout_sides: str = "both"
+    """Which sides of the training pairs BPE-dropout resegments: both, or the source alone
+    (the decoder then learns the one segmentation that decoding produces)."""
     max_tokens: int = 4000
     """Tokens per training batch, padding included: sentences x the longest source or
     target in the batch (this replaces train.batch_size)."""
@@ -89,6 +92,7 @@ class ParallelDataConfig:
         check_choice("data.tokenizer", self.tokenizer, KINDS)
         check_range("data.vocab_size", self.vocab_size, low=260)
         check_range("data.bpe_dropout", self.bpe_dropout, low=0.0, high=0.99)
+        check_choice("data.bpe_dropout_sides", self.bpe_dropout_sides, ("both", "source"))
         if self.bpe_dropout > 0 and self.tokenizer != "bpe":
             raise TformerError(
                 f"data.bpe_dropout = {self.bpe_dropout} needs data.tokenizer = \"bpe\", "
@@ -355,7 +359,10 @@ class ParallelData:
             sampled = [ids + [eos] for ids in dropout.encode_batch(texts, rng)]
             return [s if len(s) <= limit else f for s, f in zip(sampled, fixed, strict=True)]
 
-        return side(self.train_text[0], self.train_src), side(self.train_text[1], self.train_tgt)
+        src = side(self.train_text[0], self.train_src)
+        if self.cfg.bpe_dropout_sides == "source":
+            return src, self.train_tgt
+        return src, side(self.train_text[1], self.train_tgt)
 
     def _encode(
         self, src: list[str], tgt: list[str], split: str, max_ratio: float

@@ -70,12 +70,15 @@ class Seq2SeqTask:
 
     def summary(self) -> dict[str, str]:
         """What training reads, and which loss it shows, for the start-up summary."""
-        data = self.data
+        data, cfg = self.data, self.cfg.data
+        segmentation = ""
+        if data.dropout is not None:
+            sides = "both sides" if cfg.bpe_dropout_sides == "both" else "the sources"
+            segmentation = f", BPE-dropout {cfg.bpe_dropout:g} on {sides} in training"
         return {
             "data": f"{len(data.train_src):,} training pairs "
             f"({sum(map(len, data.train_tgt)):,} target tokens), {len(data.val_src):,} "
-            f"validation pairs ({self.tokenizer.kind}"
-            + (f", BPE-dropout {data.cfg.bpe_dropout:g} in training)" if data.dropout else ")"),
+            f"validation pairs ({self.tokenizer.kind}{segmentation})",
             "loss": f"training: cross-entropy with label smoothing "
             f"{self.cfg.model.label_smoothing:g}; validation: without",
         }
