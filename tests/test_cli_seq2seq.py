@@ -77,6 +77,36 @@ def test_evaluate_reports_bleu_chrf_and_loss(run, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["sentences"] == 10
 
 
+def test_an_ensemble_translates_and_evaluates(run, tmp_path, capsys):
+    src, ref = tmp_path / "s.txt", tmp_path / "r.txt"
+    src.write_text("347\n12\n5\n", encoding="utf-8")
+    ref.write_text("dreihundertsiebenundvierzig\nzwölf\nfünf\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["translate", str(run), str(src), "--beam", "3"]) == 0
+    alone = capsys.readouterr().out
+    # The mean of a distribution and itself is that distribution.
+    assert main(["translate", str(run), str(src), "--beam", "3", "--ensemble", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == alone and "+ 1 more as an ensemble" in captured.err
+    step2 = run / "checkpoints" / "step-000002"
+    assert main(["evaluate", str(run), str(src), str(ref), "--json", "--ensemble", str(step2),
+                 "--ensemble", str(run)]) == 0
+    assert {"bleu", "chrf", "loss"} <= set(json.loads(capsys.readouterr().out))
+    assert main(["translate", str(run), str(src), "--int8", "--ensemble", str(step2)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+def test_an_ensemble_needs_one_tokenizer(run, tmp_path, capsys):
+    other = tmp_path / "bpe"
+    assert main(["train", str(ROOT / "configs" / "seq2seq-builtin.toml"), "--out", str(other),
+                 *TINY, "train.steps=2", "data.tokenizer=bpe", "data.vocab_size=280"]) == 0
+    (tmp_path / "s.txt").write_text("1\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["translate", str(run), str(tmp_path / "s.txt"), "--ensemble", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "its tokenizer is not" in err and err.count("\n") == 1
+
+
 def test_average_of_two_checkpoints_is_their_mean(run, tmp_path, capsys):
     out = tmp_path / "avg"
     assert main(["average", str(run), "--last", "2", "--out", str(out)]) == 0

@@ -373,8 +373,10 @@ def evaluate_command(
     int8: bool = False,
     options: dict[str, Any] | None = None,
     threads: int | None = None,
+    ensemble: list[str] | None = None,
 ) -> int:
-    """options: the family's own evaluate options that were given (--mem-len as mem_len)."""
+    """options: the family's own evaluate options that were given (--mem-len as mem_len);
+    ensemble: translation checkpoints to decode together with `checkpoint`."""
     from tqdm import tqdm
 
     from tformer.registry import get_family
@@ -386,6 +388,9 @@ def evaluate_command(
     loaded = load_checkpoint(checkpoint, device=dev)
     family = get_family(loaded.cfg.family)
     check_evaluate_options(options, family.name, loaded.path)
+    ensemble = ensemble or []
+    if ensemble:
+        join_ensemble(loaded, ensemble, dev)
     threads = use_threads(threads, loaded.model, loaded.path)
     where = f"{describe_model(loaded.model)}{', int8' if int8 else ''}; " + describe_device(
         loaded.model, threads
@@ -400,8 +405,8 @@ def evaluate_command(
         """Once the data has been read (bad data is an error line of its own)."""
         if not said:
             said.append(source)
-            print(f"evaluating {loaded.path} ({family.name}, {where}) on {source}",
-                  file=sys.stderr)
+            print(f"evaluating {loaded.path}{ensemble_note(ensemble)} ({family.name}, {where}) "
+                  f"on {source}", file=sys.stderr)
 
     # A bar on a terminal only; the family says what its evaluate counts (tokens, lines).
     bar = tqdm(unit=family.progress_unit, unit_scale=True, file=sys.stderr, leave=False,
@@ -477,6 +482,31 @@ def print_metrics(
 # --- translate, average ----------------------------------------------------------------
 
 
+def join_ensemble(loaded: Any, others: list[str], device: Any) -> None:
+    """Make `loaded` decode together with the checkpoints `others`, as one ensemble (the
+    mean of their next-token distributions, tformer.decoding.ensemble). They must be
+    translation models with the same tokenizer; `loaded` gives the run's settings."""
+    from tformer.decoding.ensemble import Ensemble
+    from tformer.registry import get_family
+    from tformer.training.checkpoint import load_checkpoint
+
+    if get_family(loaded.cfg.family).translate is None:
+        raise TformerError(f"--ensemble needs translation models; {loaded.path} is a "
+                           f"{loaded.cfg.family} model")
+    members = [loaded.model]
+    for path in others:
+        other = load_checkpoint(path, device=device, family=loaded.cfg.family)
+        if other.tokenizer.to_json() != loaded.tokenizer.to_json():
+            raise TformerError(f"--ensemble {path}: its tokenizer is not {loaded.path}'s; the "
+                               f"models of an ensemble must share one")
+        members.append(other.model)
+    loaded.model = Ensemble(members)
+
+
+def ensemble_note(others: list[str]) -> str:
+    return f" + {len(others)} more as an ensemble" if others else ""
+
+
 def translate_command(
     checkpoint: str,
     *,
@@ -493,6 +523,7 @@ def translate_command(
     int8: bool = False,
     threads: int | None = None,
     length_penalty: str = "gnmt",
+    ensemble: list[str] | None = None,
 ) -> int:
     from tqdm import tqdm
 
@@ -509,7 +540,8 @@ def translate_command(
     if output is not None:
         check_output_file(output, "-o", input)
     lines: Any = read_lines(input) if input is not None else stdin_lines()
-    loaded = load_checkpoint(checkpoint, device=pick_device(device))
+    dev = pick_device(device)
+    loaded = load_checkpoint(checkpoint, device=dev)
     family = get_family(loaded.cfg.family)
     if family.translate is None:
         raise TformerError(
@@ -517,6 +549,9 @@ def translate_command(
             f"sequence-to-sequence model ({' or '.join(families_with('translate'))}); use "
             f"`tformer generate` for language models"
         )
+    ensemble = ensemble or []
+    if ensemble:
+        join_ensemble(loaded, ensemble, dev)
     threads = use_threads(threads, loaded.model, loaded.path)
     from tformer.kernels.quantize import inference_model
 
@@ -524,7 +559,8 @@ def translate_command(
     check_search_args(beam, alpha, n_best, batch_size, max_len_a, max_len_b)
     at_terminal = input is None and sys.stdin.isatty()
     print(
-        f"translating with {loaded.path} ({describe_model(loaded.model)}; beam {beam}"
+        f"translating with {loaded.path}{ensemble_note(ensemble)} "
+        f"({describe_model(loaded.model)}; beam {beam}"
         f"{', int8' if int8 else ''}; {describe_device(loaded.model, threads)})"
         + ("; type a line and Enter, Ctrl-D to end" if at_terminal else ""),
         file=sys.stderr,
@@ -696,6 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--batch-size", type=int, default=0,
                    help="sequences at once (default: the run's; seq2seq: 32 sentences)")
+    add_ensemble_option(p)
     add_device_options(p)
     for option in evaluate_options():  # the families' own options
         p.add_argument(option.flag, dest=option.name, type=option.type, default=None,
@@ -721,6 +758,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end a sentence once it has --beam finished hypotheses (faster)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences decoded at once")
     p.add_argument("--int8", action="store_true", help="int8 weights (CPU): faster, ~same text")
+    add_ensemble_option(p)
     add_device_options(p)
 
     p = sub.add_parser("serve", **for_help,
@@ -777,6 +815,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_ensemble_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ensemble", action="append", metavar="CHECKPOINT", default=None,
+                   help="translation: decode with this checkpoint too, the mean of the models' "
+                   "distributions (repeat for more)")
+
+
 def add_device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA if present) | cpu | cuda:N")
     p.add_argument("--threads", type=int, default=None,
@@ -829,6 +873,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 if getattr(args, o.name) is not None
             },
             threads=args.threads,
+            ensemble=args.ensemble,
         )
     if args.command == "translate":
         return translate_command(
@@ -838,6 +883,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             batch_size=args.batch_size, device=args.device, int8=args.int8,
             threads=args.threads,
             length_penalty=args.length_penalty,
+            ensemble=args.ensemble,
         )
     if args.command == "serve":
         from tformer.serving.command import serve_command
