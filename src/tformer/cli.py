@@ -389,8 +389,7 @@ def evaluate_command(
     family = get_family(loaded.cfg.family)
     check_evaluate_options(options, family.name, loaded.path)
     ensemble = ensemble or []
-    if ensemble:
-        join_ensemble(loaded, ensemble, dev)
+    join_ensemble(loaded, ensemble, dev)
     threads = use_threads(threads, loaded.model, loaded.path)
     where = f"{describe_model(loaded.model)}{', int8' if int8 else ''}; " + describe_device(
         loaded.model, threads
@@ -485,7 +484,10 @@ def print_metrics(
 def join_ensemble(loaded: Any, others: list[str], device: Any) -> None:
     """Make `loaded` decode together with the checkpoints `others`, as one ensemble (the
     mean of their next-token distributions, tformer.decoding.ensemble). They must be
-    translation models with the same tokenizer; `loaded` gives the run's settings."""
+    translation models with the same tokenizer; `loaded` gives the run's settings. No
+    others: nothing changes."""
+    if not others:
+        return
     from tformer.decoding.ensemble import Ensemble
     from tformer.registry import get_family
     from tformer.training.checkpoint import load_checkpoint
@@ -550,8 +552,7 @@ def translate_command(
             f"`tformer generate` for language models"
         )
     ensemble = ensemble or []
-    if ensemble:
-        join_ensemble(loaded, ensemble, dev)
+    join_ensemble(loaded, ensemble, dev)
     threads = use_threads(threads, loaded.model, loaded.path)
     from tformer.kernels.quantize import inference_model
 
