@@ -4,7 +4,7 @@ length filtering, and batches by token count.
 Shapes: B sentences in a batch, S source length, T target length (both with padding).
 
 Every sentence is encoded as its tokens followed by EOS; the decoder reads BOS + target and
-predicts target + EOS. `encode_source` and `make_batch` are the only places that add these
+predicts target + EOS. `ending_in_eos` and `make_batch` are the only places that add these
 special tokens.
 """
 
@@ -143,14 +143,19 @@ def builtin_pairs(cfg: ParallelDataConfig) -> tuple[list[str], list[str]]:
 # --- encoding and batching ----------------------------------------------------------------
 
 
+def ending_in_eos(tokenizer: Tokenizer, sentences: list[list[int]]) -> list[list[int]]:
+    """Each sentence's token ids + EOS (the form both sides take)."""
+    return [ids + [tokenizer.eos_id] for ids in sentences]
+
+
 def encode_source(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids + EOS for each text (the form both sides take)."""
-    return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(list(texts))]
+    """Token ids + EOS for each text."""
+    return ending_in_eos(tokenizer, tokenizer.encode_batch(list(texts)))
 
 
 def encode_target(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """As encode_source, with the tokenizer's target side (Marian has one model per side)."""
-    return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_target_batch(list(texts))]
+    return ending_in_eos(tokenizer, tokenizer.encode_target_batch(list(texts)))
 
 
 @dataclass
@@ -353,10 +358,10 @@ class ParallelData:
         if self.dropout is None:
             raise TformerError("data.bpe_dropout is 0: the pairs have one segmentation")
         rng = random.Random(f"bpe-dropout {seed} {epoch}")
-        eos, limit, dropout = self.tokenizer.eos_id, self.cfg.max_len, self.dropout
+        limit, dropout = self.cfg.max_len, self.dropout
 
         def side(texts: list[str], fixed: list[list[int]]) -> list[list[int]]:
-            sampled = [ids + [eos] for ids in dropout.encode_batch(texts, rng)]
+            sampled = ending_in_eos(self.tokenizer, dropout.encode_batch(texts, rng))
             return [s if len(s) <= limit else f for s, f in zip(sampled, fixed, strict=True)]
 
         src = side(self.train_text[0], self.train_src)
