@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/multi30k.py decode runs/multi30k [RUN ...] [--searches 5:1.0 ...]
     # training speed of two configs, in target tokens/s, timed in alternation in one run
     .venv/bin/python benchmarks/multi30k.py speed old=OLD.toml new=configs/seq2seq-multi30k.toml
-    # the chosen checkpoint and search on test2016, once
+    # seeds of one config, alone and decoding together as one ensemble, on val
+    .venv/bin/python benchmarks/multi30k.py ensemble runs/seed2 runs/seed3 --searches 5:1.6
+    # the chosen checkpoint and search on test2016, once (--ensemble: with other checkpoints)
     .venv/bin/python benchmarks/multi30k.py test runs/multi30k/averaged --beam 5 --alpha 1.0
     # training choices one at a time, each with several seeds, two runs at a time
     .venv/bin/python benchmarks/multi30k.py ablate --out runs/ablate --seeds 1 2 \
@@ -48,10 +50,14 @@ def tformer(*args: str, threads: int) -> str:
     return done.stdout
 
 
-def scores(checkpoint: Path, split: str, beam: int, alpha: float, threads: int) -> dict:
+def scores(checkpoint: Path, split: str, beam: int, alpha: float, threads: int,
+           ensemble: list[Path] = ()) -> dict:
+    """`tformer evaluate`'s scores of `checkpoint` (decoding with the `ensemble` checkpoints
+    too, when given) on `split`."""
+    others = [arg for path in ensemble for arg in ("--ensemble", str(path))]
     result = tformer("evaluate", str(checkpoint), str(DATA / f"{split}.en"),
                      str(DATA / f"{split}.de"), "--beam", str(beam), "--alpha", str(alpha),
-                     "--threads", str(threads), "--json", threads=threads)
+                     "--threads", str(threads), "--json", *others, threads=threads)
     return json.loads(result)
 
 
@@ -95,9 +101,24 @@ def decode(args: argparse.Namespace) -> None:
                       scores(chosen, "val", beam, alpha, t)), flush=True)
 
 
+def ensemble(args: argparse.Namespace) -> None:
+    """Seeds of one config as an ensemble, on val: each run's average of the last 10 alone,
+    then all of them decoding together, at each BEAM:ALPHA of `searches`."""
+    chosen = [averaged(Path(run), 10, args.threads) for run in args.runs]
+    print(f"\n{len(chosen)} runs' averages of the last 10 on val (1,014 sentences)\n\n{HEADER}")
+    for beam, alpha in args.searches:
+        for checkpoint in chosen:
+            print(row(f"{checkpoint.parent.name} alone, beam {beam}, alpha {alpha}",
+                      scores(checkpoint, "val", beam, alpha, args.threads)), flush=True)
+        print(row(f"all {len(chosen)} as an ensemble, beam {beam}, alpha {alpha}",
+                  scores(chosen[0], "val", beam, alpha, args.threads, chosen[1:])), flush=True)
+
+
 def test(args: argparse.Namespace) -> None:
+    others = [Path(path) for path in args.ensemble or []]
     for split in ("val", "test2016"):
-        result = scores(Path(args.checkpoint), split, args.beam, args.alpha, args.threads)
+        result = scores(Path(args.checkpoint), split, args.beam, args.alpha, args.threads,
+                        others)
         print(f"{split}: BLEU {result['bleu']:.2f}, BLEU (tok, lc) {result['bleu_tok']:.2f}, "
               f"chrF {result['chrf']:.2f}, loss {result['loss']:.4f}")
         if split == "test2016":
@@ -219,10 +240,16 @@ def main() -> None:
     p.add_argument("runs", nargs="+")
     p.add_argument("--searches", nargs="+", type=search, default=[(4, 0.6), (5, 0.6), (5, 1.0)],
                    help="BEAM:ALPHA searches to score the average of the last 10 with")
+    p = sub.add_parser("ensemble")
+    p.add_argument("runs", nargs="+", help="runs of one config, with different seeds")
+    p.add_argument("--searches", nargs="+", type=search, default=[(5, 1.0), (5, 1.6)],
+                   help="BEAM:ALPHA searches to score each run and the ensemble with")
     p = sub.add_parser("test")
     p.add_argument("checkpoint")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--ensemble", action="append", metavar="CHECKPOINT",
+                   help="decode with this checkpoint too, as an ensemble (repeat for more)")
     p = sub.add_parser("speed")
     p.add_argument("configs", nargs="+", help="NAME=CONFIG.toml")
     p.add_argument("--steps", type=int, default=60)
@@ -237,7 +264,8 @@ def main() -> None:
                    help="KEY=VALUE overrides for every run (a shorter train.steps, say); "
                         "end the list with --")
     args = parser.parse_args()
-    {"decode": decode, "test": test, "speed": speed, "ablate": ablate}[args.command](args)
+    {"decode": decode, "ensemble": ensemble, "test": test, "speed": speed,
+     "ablate": ablate}[args.command](args)
 
 
 if __name__ == "__main__":
