@@ -1,5 +1,9 @@
 """Sharded evaluation: the shares of N processes, added up, equal one process's figures."""
 
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -64,3 +68,45 @@ def test_a_shard_with_no_rows_still_runs_a_row_that_counts_for_nothing():
     assert not counts and rows.tokens.shape == (1, 3)
     rows, counts = Shard(1, 3).rows(batch)
     assert counts and rows.tokens.tolist() == [[3, 4, 5]]
+
+
+def run_shards(count, work):
+    """work(shard) for every shard at once, each in its own thread, the shards' `gather`
+    meeting at a barrier as torch.distributed.all_gather_object's processes do."""
+    board, barrier = [None] * count, threading.Barrier(count)
+
+    def gather(index, own):
+        board[index] = own
+        barrier.wait()
+        return list(board)
+
+    with ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(work, Shard(i, count, gather=functools.partial(gather, i)))
+                   for i in range(count)]
+        return [f.result(timeout=60) for f in futures]
+
+
+@pytest.mark.parametrize("count,n", [(2, 7), (3, 7), (3, 2), (4, 0)])
+def test_map_gives_every_shard_the_results_in_the_order_of_the_items(count, n):
+    items, calls = list(range(n)), []
+
+    def square(part):
+        calls.append(list(part))
+        return [x * x for x in part]
+
+    for result in run_shards(count, lambda shard: shard.map(square, items)):
+        assert result == [x * x for x in items]
+    assert sorted(x for part in calls for x in part) == items, "each item mapped once"
+
+
+def test_map_without_gather_does_all_the_work_on_every_shard():
+    assert Shard(1, 3).map(lambda part: [-x for x in part], [1, 2, 3]) == [-1, -2, -3]
+
+
+def test_validation_bleu_split_between_shards_scores_as_one_process(tiny_corpus):
+    task, model = tiny("seq2seq", tiny_corpus)
+    task.cfg = task.cfg.replace("data", val_bleu_sentences=30)
+    whole = task.translation_scores(model)
+    assert whole["chrf"] > 0  # the comparison is of real translations
+    for scores in run_shards(3, lambda shard: task.translation_scores(model, shard)):
+        assert scores == whole

@@ -59,7 +59,7 @@ def test_bleu_is_logged_every_n_evaluations_and_equals_evaluate(tmp_path, capsys
 
 def test_a_resumed_run_measures_bleu_at_the_same_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(Seq2SeqTask, "translation_scores",
-                        lambda self, model: {"bleu": 1.0, "chrf": 1.0})
+                        lambda self, model, shard=None: {"bleu": 1.0, "chrf": 1.0})
     run = tmp_path / "run"
     # Stopped after the third evaluation (step 6), then resumed to step 8.
     train(config("data.val_bleu_every=2", "train.steps=6", "train.checkpoint_every=6"), run)
@@ -76,7 +76,7 @@ def test_best_and_early_stopping_follow_bleu(tmp_path, monkeypatch):
     the highest, and training stops once `patience` evaluations have not beaten it."""
     scripted = iter([10.0, 30.0, 20.0, 25.0, 50.0])
     monkeypatch.setattr(Seq2SeqTask, "translation_scores",
-                        lambda self, model: {"bleu": next(scripted), "chrf": 0.0})
+                        lambda self, model, shard=None: {"bleu": next(scripted), "chrf": 0.0})
     run = tmp_path / "run"
     result = train(config("data.val_bleu_every=1", "train.best_metric=bleu",
                           "train.patience=2", "train.steps=20"), run)
@@ -109,7 +109,7 @@ def test_a_language_model_cannot_pick_best_by_bleu(tiny_corpus, tmp_path):
 def test_resuming_with_another_best_metric_starts_best_afresh(tmp_path, monkeypatch):
     scripted = iter([5.0, 7.0, 0.5])
     monkeypatch.setattr(Seq2SeqTask, "translation_scores",
-                        lambda self, model: {"bleu": next(scripted), "chrf": 0.0})
+                        lambda self, model, shard=None: {"bleu": next(scripted), "chrf": 0.0})
     run = tmp_path / "run"
     train(config("data.val_bleu_every=1", "train.steps=4", "train.checkpoint_every=4"), run)
     assert ckpt.load_trainer_state(run / ckpt.BEST)["best_metric"] == "loss"

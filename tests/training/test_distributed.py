@@ -31,7 +31,8 @@ FAMILIES = {
     "transformer-xl": '[model]\nfamily = "transformer-xl"\ncontext = 8\nmem_len = 8\n{model}\n'
     '[data]\npath = "{corpus}"\n[train]\nbatch_size = 4\n',
     "seq2seq": '[model]\nfamily = "seq2seq"\nmax_len = 32\n{model}\n[data]\ntokenizer = "char"\n'
-    "builtin_pairs = 300\nbuiltin_max = 9999\nmax_tokens = 200\nmax_len = 32\nmax_ratio = 12.0\n",
+    "builtin_pairs = 300\nbuiltin_max = 9999\nmax_tokens = 200\nmax_len = 32\nmax_ratio = 12.0\n"
+    "val_bleu_every = 1\n",
 }
 
 
@@ -92,12 +93,18 @@ def test_two_processes_match_one(tmp_path, tiny_corpus, family, parallel):
     for name in one:
         torch.testing.assert_close(two[name], one[name], atol=2e-5, rtol=1e-4, msg=name)
     # Each process validated its share of the rows; the shares add up to one process's loss.
-    assert val_losses(tmp_path / "two") == pytest.approx(val_losses(tmp_path / "one"), rel=1e-4)
+    assert val_column(tmp_path / "two") == pytest.approx(val_column(tmp_path / "one"), rel=1e-4)
+    if family == "seq2seq":
+        # Under DDP each process translated every second sentence; the gathered
+        # translations score as one process's.
+        for column in ("bleu", "chrf"):
+            one = val_column(tmp_path / "one", column)
+            assert one and val_column(tmp_path / "two", column) == one
 
 
-def val_losses(run_dir):
+def val_column(run_dir, column="loss"):
     with open(run_dir / "metrics.csv") as f:
-        return [float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "val"]
+        return [float(r[column]) for r in csv.DictReader(f) if r["split"] == "val" and r[column]]
 
 
 @pytest.mark.slow

@@ -5,12 +5,18 @@ and the sums (loss, tokens, characters) are added across processes before the me
 computed, so the result equals a single process's (up to the order of floating-point sums)
 in a 1/N of the time. Every process runs a forward pass for every batch, as FSDP requires;
 a process whose slice of a small batch is empty runs one row that counts for nothing.
+
+Work whose forward passes depend on the data, like decoding (a batch stops when its
+sentences end), can be split only where the processes need not run the same passes (DDP,
+whose evaluation runs the bare model). There each process decodes every N-th item and the
+results are gathered (`Shard.map`); under FSDP, where `gather` is None, every process does
+all of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +34,9 @@ class Shard:
     count: int = 1
     reduce: Callable[[Tensor], Tensor] = _keep
     """Sums a tensor of totals over the shards (in place or not); identity for one."""
+    gather: Callable[[Any], list[Any]] | None = None
+    """Every shard's object, in shard order, given this shard's own; None where every shard
+    must run the same forward passes (FSDP)."""
 
     def rows(self, batch: Any) -> tuple[Any, bool]:
         """(this shard's rows of a batch dataclass, whether they count). Every batch-first
@@ -44,6 +53,18 @@ class Shard:
                     part, counts = value[:1], False
                 changes[field.name] = part
         return dataclasses.replace(batch, **changes), counts
+
+    def map(self, fn: Callable[[Sequence[Any]], list[Any]], items: Sequence[Any]) -> list[Any]:
+        """fn(items), one result per item, on every shard. With `gather`, each shard runs fn
+        over every count-th item only (from its index on) and the parts are interleaved
+        back into the order of `items`."""
+        if self.count == 1 or self.gather is None:
+            return fn(items)
+        parts = self.gather(fn(items[self.index :: self.count]))
+        out: list[Any] = [None] * len(items)
+        for index, part in enumerate(parts):
+            out[index :: self.count] = part
+        return out
 
     def total(self, *values: float) -> list[float]:
         """Sum each value over the shards."""

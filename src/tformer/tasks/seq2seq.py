@@ -101,19 +101,21 @@ class Seq2SeqTask:
         )
         every = self.cfg.data.val_bleu_every
         if every and index and index % every == 0:
-            # Every process translates the same sentences and gets the same scores.
-            result.update(self.translation_scores(model))
+            result.update(self.translation_scores(model, shard))
         return result
 
-    def translation_scores(self, model: nn.Module) -> dict[str, float]:
+    def translation_scores(self, model: nn.Module, shard: Shard = WHOLE) -> dict[str, float]:
         """BLEU and chrF (sacreBLEU's defaults) of greedy translations of the validation
-        sources: cheaper than beam search, and it moves with it."""
+        sources: cheaper than beam search, and it moves with it. The shards split the
+        sentences where they can (Shard.map), and every one gets the same scores."""
         sources, references = self.data.val_text
         n = self.cfg.data.val_bleu_sentences or len(sources)
         was_training = model.training
         model.eval()
         options = SearchOptions(beam=1, alpha=0.0, max_len_a=self.cfg.data.max_ratio)
-        hypotheses = best_translations(model, self.tokenizer, sources[:n], options)
+        hypotheses = shard.map(
+            lambda part: best_translations(model, self.tokenizer, part, options), sources[:n]
+        )
         model.train(was_training)
         scores = corpus_scores(hypotheses, references[:n])
         return {"bleu": scores["bleu"], "chrf": scores["chrf"]}

@@ -517,7 +517,11 @@ def validate(run: Run, progress: Progress | None) -> float:
     """Validation loss of the current weights; when train.best_metric was measured and
     beats the best so far, the weights are saved to best/."""
     procs, tcfg = run.procs, run.cfg.train
-    shard = Shard(procs.rank, procs.world_size, lambda t: distributed.sum_over_ranks(t, procs))
+    # FSDP gathers weights in every forward pass, so its processes must all run the same
+    # ones; DDP's may split work whose passes depend on the data (decoding) between them.
+    gather = None if tcfg.parallel == "fsdp" else lambda o: distributed.gather_objects(o, procs)
+    shard = Shard(procs.rank, procs.world_size, lambda t: distributed.sum_over_ranks(t, procs),
+                  gather)
     # Numbered by the step, not counted, so that a resumed run evaluates as it would have.
     index = -(-run.step // tcfg.eval_every)
     result = run.task.evaluate(run.model, max_batches=tcfg.eval_batches, shard=shard,
