@@ -1,6 +1,9 @@
 """Translation speed: sentences/s for greedy search and beam 4, at batch 1 and batch 32.
 
     .venv/bin/python benchmarks/translation_speed.py CKPT [--sentences 64] [--json]
+    # one version of the code against another, in alternation (batch 32 only, say)
+    for r in 1 2 3; do for tree in old new; do PYTHONPATH=$tree/src .venv/bin/python \
+        benchmarks/translation_speed.py CKPT --batches 32 --repeats 1 --json; done; done
 
 CKPT is a trained seq2seq run or checkpoint (a random model never says EOS, so its speed
 says nothing about translation); the sentences are the first --sentences lines of
@@ -25,7 +28,7 @@ from tformer.training.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT.parent / "shared" / "data" / "multi30k" / "test2016.en"
-SETTINGS = [("greedy", 1, 1), ("greedy", 1, 32), ("beam 4", 4, 1), ("beam 4", 4, 32)]
+SEARCHES = [("greedy", 1), ("beam 4", 4)]
 
 
 def main() -> None:
@@ -35,17 +38,20 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32],
+                        help="batch sizes to time each search at")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    settings = [(name, beam, batch) for name, beam in SEARCHES for batch in args.batches]
     if args.threads:
         torch.set_num_threads(args.threads)
 
     loaded = load_checkpoint(args.checkpoint)
     lines = read_lines(args.source)[: args.sentences]
-    rates: dict[tuple[str, int], list[float]] = {(n, b): [] for n, _, b in SETTINGS}
+    rates: dict[tuple[str, int], list[float]] = {(n, b): [] for n, _, b in settings}
     lengths: dict[tuple[str, int], float] = {}
     for _ in range(args.repeats):
-        for name, beam, batch in SETTINGS:
+        for name, beam, batch in settings:
             options = SearchOptions(beam=beam, max_len_a=loaded.cfg.data.max_ratio)
             start = time.perf_counter()
             with torch.no_grad():
@@ -57,7 +63,7 @@ def main() -> None:
     rows = [
         {"search": name, "batch": batch, "sentences_per_s": statistics.median(rates[(name, batch)]),
          "mean_output_tokens": lengths[(name, batch)]}
-        for name, _, batch in SETTINGS
+        for name, _, batch in settings
     ]
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "sentences": len(lines),

@@ -26,7 +26,7 @@ class TableCache:
     def length(self) -> int:
         return self.history.shape[1]
 
-    def reorder(self, index: torch.Tensor) -> None:
+    def reorder(self, index: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
         self.history = self.history.index_select(0, index)
 
 
@@ -171,6 +171,52 @@ def test_greedy_batched_equals_one_at_a_time(model):
         [alone] = greedy_search(model, *one(seq), **SPECIAL)
         assert together.tokens == alone.tokens
         assert together.logprob == pytest.approx(alone.logprob, abs=1e-4)
+
+
+class RowCounter(nn.Module):
+    """The model, recording how many rows each decoder step runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model, self.cfg, self.rows = model, model.cfg, []
+
+    def encode(self, src, src_real):
+        return self.model.encode(src, src_real)
+
+    def make_cache(self, batch, max_len):
+        return self.model.make_cache(batch, max_len)
+
+    def decode(self, tgt, memory, src_real, *, cache):
+        self.rows.append(tgt.shape[0])
+        return self.model.decode(tgt, memory, src_real, cache=cache)
+
+
+@pytest.mark.parametrize("alpha, early_stopping", [(0.6, False), (0.0, True)])
+def test_a_finished_sentence_leaves_the_batch(model, alpha, early_stopping):
+    # Each sentence is finished at the step it would be alone, so the batch decodes exactly
+    # the rows its sentences decode one at a time, and fewer each time some finish.
+    src, real, seqs = sources(16, seed=6)
+    options = dict(beam=3, alpha=alpha, early_stopping=early_stopping, **SPECIAL)
+    batched = RowCounter(model)
+    beam_search(batched, src, real, **options)
+    alone = RowCounter(model)
+    for seq in seqs:
+        beam_search(alone, *one(seq), **options)
+    assert sum(batched.rows) == sum(alone.rows)
+    assert batched.rows == sorted(batched.rows, reverse=True)
+    assert batched.rows[0] == 16 * 3 and len(set(batched.rows)) > 2
+
+
+def test_a_finished_sentence_leaves_greedy_search_at_the_next_check(model):
+    src, real, seqs = sources(16, seed=7)
+    batched = RowCounter(model)
+    greedy_search(batched, src, real, check_every=4, **SPECIAL)
+    alone = RowCounter(model)
+    for seq in seqs:
+        greedy_search(alone, *one(seq), check_every=4, **SPECIAL)
+    assert batched.rows == sorted(batched.rows, reverse=True) and len(set(batched.rows)) > 2
+    # Alone, a sentence stops at the first check after its end, or at its own length limit.
+    assert sum(alone.rows) <= sum(batched.rows) <= sum(alone.rows) + 3 * 16
 
 
 def test_beam_hypotheses_are_sorted_by_length_normalised_score(model):

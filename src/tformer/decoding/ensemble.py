@@ -35,9 +35,9 @@ class EnsembleCache:
     def length(self) -> int:
         return self.caches[0].length
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
         for cache in self.caches:
-            cache.reorder(index)
+            cache.reorder(index, sentences)
 
 
 class Ensemble(nn.Module):

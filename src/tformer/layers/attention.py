@@ -119,15 +119,19 @@ class StaticKV:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
-    def reorder(self, index: Tensor) -> None:
-        # The encoder output depends only on the source sentence, which beams share.
-        pass
+    def keep(self, sentences: Tensor) -> None:
+        """Keep the rows of `sentences` (decoding drops the sentences that are finished).
+        Beams need nothing here: the encoder output depends only on the source, which
+        they share."""
+        if self.k is not None:
+            self.k = self.k.index_select(0, sentences)
+            self.v = self.v.index_select(0, sentences)
 
 
 class DecoderCache:
     """Everything a decoder stack keeps between steps: one KVCache per layer, optional
     cross-attention StaticKVs, and which cached positions are real tokens (for padded
-    batches). Beam search reorders all of it with one call."""
+    batches). Beam search reorders all of it with one call a step."""
 
     def __init__(
         self,
@@ -163,11 +167,15 @@ class DecoderCache:
             narrowed.is_real = self.is_real[rows]
         return narrowed
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
+        """Keep target rows `index` (beam search: the surviving hypotheses' parents); with
+        `sentences`, the cross-attention keeps only those sentences' encoder keys and
+        values, the ones `index` still decodes (finished sentences leave the batch)."""
         for cache in self.self_attn:
             cache.reorder(index)
-        for cache in self.cross_attn:
-            cache.reorder(index)
+        if sentences is not None:
+            for cache in self.cross_attn:
+                cache.keep(sentences)
         if self.is_real is not None:
             self.is_real = self.is_real.index_select(0, index)
 
