@@ -143,7 +143,10 @@ def test_beam_size_one_equals_greedy(model, alpha, early_stopping):
                        **SPECIAL)
     for g, [b] in zip(greedy, beam, strict=True):
         assert g.tokens == b.tokens
-        assert g.logprob == b.logprob and g.score == pytest.approx(b.score)
+        # Equal up to rounding: finished sentences leave each search's batch at other steps,
+        # and a matrix product's rounding may depend on how many rows it has.
+        assert g.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert g.score == pytest.approx(b.score, abs=1e-4)
 
 
 def test_cached_greedy_equals_uncached(model):
