@@ -144,6 +144,7 @@ def greedy_search(
     results: list[Hypothesis | None] = [None] * B
 
     def finish(rows: Tensor) -> None:
+        """Read out the hypotheses of the sentences at `rows`."""
         score = logprob[rows] / length_penalty(length[rows].float(), alpha, penalty)
         for i, toks, n, s, lp in zip(sentence[rows].tolist(), tokens[rows].tolist(),
                                      length[rows].tolist(), score.tolist(),
@@ -160,9 +161,9 @@ def greedy_search(
         ended = ~done & (token == eos_id)
         length = torch.where(ended, t + 1, length)
         done |= ended
-        if (t + 1) % check_every == 0 and (ended_rows := int(done.sum())):
+        if (t + 1) % check_every == 0 and (n_done := int(done.sum())):
             finish(done.nonzero()[:, 0])
-            if ended_rows == len(sentence):
+            if n_done == len(sentence):
                 return results
             keep = (~done).nonzero()[:, 0]
             tokens, logprob, length, done = tokens[keep], logprob[keep], length[keep], done[keep]
@@ -313,9 +314,9 @@ def beam_search(
         if at_limit:
             done |= t >= max_len - 1
         keep = None
-        if (any_finished or at_limit) and (ended := int(done.sum())):
+        if (any_finished or at_limit) and (n_done := int(done.sum())):
             finish(done.nonzero()[:, 0])
-            if ended == n:
+            if n_done == n:
                 return results
             # The finished sentences leave the batch.
             keep = (~done).nonzero()[:, 0]
