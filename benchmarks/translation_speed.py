@@ -1,6 +1,8 @@
 """Translation speed: sentences/s for greedy search and beam 4, at batch 1 and batch 32.
 
     .venv/bin/python benchmarks/translation_speed.py CKPT [--sentences 64] [--json]
+    # decoder rows: those run, and those a batch would run if finished sentences stayed in it
+    .venv/bin/python benchmarks/translation_speed.py CKPT --sentences 256 --batches 32 --count-rows
     # one version of the code against another, in alternation (batch 32 only, say)
     for r in 1 2 3; do for tree in old new; do PYTHONPATH=$tree/src .venv/bin/python \
         benchmarks/translation_speed.py CKPT --batches 32 --repeats 1 --json; done; done
@@ -40,6 +42,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32],
                         help="batch sizes to time each search at")
+    parser.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty")
+    parser.add_argument("--count-rows", action="store_true",
+                        help="also count the decoder's rows, in one more (untimed) pass")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     settings = [(name, beam, batch) for name, beam in SEARCHES for batch in args.batches]
@@ -52,7 +57,8 @@ def main() -> None:
     lengths: dict[tuple[str, int], float] = {}
     for _ in range(args.repeats):
         for name, beam, batch in settings:
-            options = SearchOptions(beam=beam, max_len_a=loaded.cfg.data.max_ratio)
+            options = SearchOptions(beam=beam, alpha=args.alpha,
+                                    max_len_a=loaded.cfg.data.max_ratio)
             start = time.perf_counter()
             with torch.no_grad():
                 out = translate(loaded.model, loaded.tokenizer, lines, options, batch_size=batch)
@@ -65,6 +71,12 @@ def main() -> None:
          "mean_output_tokens": lengths[(name, batch)]}
         for name, _, batch in settings
     ]
+    if args.count_rows:
+        for row in rows:
+            options = SearchOptions(beam=1 if row["search"] == "greedy" else 4, alpha=args.alpha,
+                                    max_len_a=loaded.cfg.data.max_ratio)
+            row["decoder_rows"], row["rows_if_none_left"] = decoder_rows(
+                loaded, lines, options, row["batch"])
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "sentences": len(lines),
                           "rows": rows}))
@@ -72,10 +84,34 @@ def main() -> None:
     params = loaded.model.num_params()
     print(f"{args.checkpoint}: {params / 1e6:.1f}M parameters, {len(lines)} sentences, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'search':<8} {'batch':>5} {'sentences/s':>12} {'output tokens':>14}")
+    print(f"{'search':<8} {'batch':>5} {'sentences/s':>12} {'output tokens':>14}"
+          + (f" {'decoder rows':>13} {'if none left':>13}" if args.count_rows else ""))
     for row in rows:
         print(f"{row['search']:<8} {row['batch']:>5} {row['sentences_per_s']:>12.1f} "
-              f"{row['mean_output_tokens']:>14.1f}")
+              f"{row['mean_output_tokens']:>14.1f}"
+              + (f" {row['decoder_rows']:>13,} {row['rows_if_none_left']:>13,}"
+                 if args.count_rows else ""))
+
+
+def decoder_rows(loaded, lines: list[str], options: SearchOptions, batch: int) -> tuple[int, int]:
+    """(rows the decoder ran, rows it would have run had every sentence of a batch stayed in
+    it to the batch's last step): a batch's first step runs all of its rows."""
+    model, steps = loaded.model, []  # each search's rows per step
+    decode = model.decode
+
+    def counting(tgt, memory, src_real, *, cache=None, **kwargs):
+        if cache is None or cache.length == 0:
+            steps.append([])
+        steps[-1].append(tgt.shape[0])
+        return decode(tgt, memory, src_real, cache=cache, **kwargs)
+
+    model.decode = counting
+    try:
+        with torch.no_grad():
+            translate(model, loaded.tokenizer, lines, options, batch_size=batch)
+    finally:
+        del model.decode
+    return sum(map(sum, steps)), sum(rows[0] * len(rows) for rows in steps)
 
 
 if __name__ == "__main__":
