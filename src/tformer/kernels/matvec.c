@@ -50,8 +50,16 @@ static inline __attribute__((always_inline)) void f32_rows_of_w(
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             acc[i][r] = _mm256_setzero_ps();
+    /* The R rows of W are R short streams (2 KB at k = 512) that the hardware prefetcher
+     * picks up late, so fetch the next block of rows at the pace this one is read, R * 32
+     * bytes a step (one or two cache lines), into L2: the L1 keeps the rows of x, and its
+     * own prefetcher takes the weights from L2. */
+    const float *next = w + (r0 + R) * k;
     for (long j = 0; j < k8; j += 8) {
         __m256 wv[4];
+        _mm_prefetch((const char *)(next + j * R), _MM_HINT_T1);
+        if (R > 2)
+            _mm_prefetch((const char *)(next + j * R + 16), _MM_HINT_T1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             wv[r] = _mm256_loadu_ps(w + (r0 + r) * k + j);
