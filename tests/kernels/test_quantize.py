@@ -82,6 +82,32 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(k):
         assert torch.equal(int8(x.flip(0)), alone.flip(0))
 
 
+@pytest.mark.parametrize("k", [37, 64, 512, 1000])
+def test_the_vnni_path_gives_the_avx2_paths_bits(k):
+    lib = matvec.load()
+    if lib is None:
+        pytest.skip("needs the kernel")
+    chosen = lib.tformer_int8_vnni(-1)
+    if not lib.tformer_int8_vnni(1):  # 1 turns it on where the CPU has it
+        pytest.skip("needs a CPU with AVX-512 VNNI")
+    assert chosen, "the load-time check turned the VNNI path off"
+    q = torch.randint(-127, 128, (203, k), dtype=torch.int8)  # 203: a remainder of W's rows
+    wscale, bias = torch.rand(203), torch.randn(203)
+    try:
+        for rows in range(1, 10):
+            # The extremes too: sums of products as large as int8 makes them.
+            xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+            xq[0], xscale = 127, torch.rand(rows)
+            lib.tformer_int8_vnni(0)
+            avx2 = matvec._call_int8(lib, xq, xscale, q, wscale, bias)
+            lib.tformer_int8_vnni(1)
+            vnni = matvec._call_int8(lib, xq, xscale, q, wscale, bias)
+            assert torch.equal(vnni, avx2), rows
+            assert torch.equal(vnni, matvec.int8_reference(xq, xscale, q, wscale, bias)), rows
+    finally:
+        lib.tformer_int8_vnni(chosen)
+
+
 def test_int8_rounding_and_products_get_the_same_bits_without_the_kernel(
     monkeypatch, reload_kernel
 ):

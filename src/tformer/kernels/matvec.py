@@ -7,7 +7,9 @@ prepacked one (prepack.py) streams a 768 x 3072 matrix at some 21 GB/s against t
 GB/s that a plain sum reads, and every call costs it ~30 us however small the matrix, a
 third of a beam step at d_model 256. `matvec.c` streams the weights at about the sum's rate
 and costs ~5 us a call (benchmarks/speed.py measures both effects end to end). Its int8
-product (quantize.py) reads a quarter of the bytes and sums in exact 32-bit integers.
+product (quantize.py) reads a quarter of the bytes and sums in exact 32-bit integers; on
+CPUs with AVX-512 VNNI, products of two to eight rows use its 8-bit dot-product
+instruction, with the same sums.
 
 The C source ships with the package and is compiled on first use with the system's C
 compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
@@ -107,10 +109,27 @@ def _load() -> ctypes.CDLL:
     lib.tformer_linear_int8.restype = ctypes.c_int
     lib.tformer_scale_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.tformer_scale_int8.restype = None
-    # A last check that the build computes what it should, on every path of the kernel:
-    # 1 to 5 rows (one of them all zero), a remainder of rows of W, and a remainder of the
-    # inner dimension (of 8 for fp32, 16 for int8). Int8 rounding and products must equal
-    # torch's bit for bit.
+    lib.tformer_int8_vnni.argtypes = [ctypes.c_int]
+    lib.tformer_int8_vnni.restype = ctypes.c_int
+    # Both int8 paths are checked where the CPU has VNNI: the AVX2 one first, as it is the
+    # one left if VNNI's fails.
+    vnni = bool(lib.tformer_int8_vnni(1))
+    lib.tformer_int8_vnni(0)
+    if not _computes_right(lib):
+        raise _Unavailable(f"{library} computed a wrong product")
+    if vnni:
+        lib.tformer_int8_vnni(1)
+        if not _computes_right(lib):
+            lib.tformer_int8_vnni(0)
+            log.warning("the int8 products' VNNI path computed a wrong product; using AVX2")
+    return lib
+
+
+def _computes_right(lib: ctypes.CDLL) -> bool:
+    """A last check that the build computes what it should, on every path of the kernel:
+    1 to 5 rows (one of them all zero), a remainder of rows of W, and a remainder of the
+    inner dimension (of 8 for fp32, 16 or 32 for int8). Int8 rounding and products must
+    equal torch's bit for bit."""
     w, b = torch.randn(11, 37), torch.randn(11)
     q, wscale = _torch_quantize_rows(w)
     for m in range(1, 6):
@@ -127,8 +146,8 @@ def _load() -> ctypes.CDLL:
                 and torch.equal(_int_mm_scaled(lib, xq, xscale, q, wscale, b), int8)
                 and torch.equal(_int_mm_scaled(lib, xq, xscale, q, wscale, None),
                                 int8_reference(xq, xscale, q, wscale, None))):
-            raise _Unavailable(f"{library} computed a wrong product")
-    return lib
+            return False
+    return True
 
 
 def _cache_dir() -> Path:
