@@ -198,33 +198,28 @@ void i8_rows_of_w_vnni(const int8_t *x, const float *xscale, const int8_t *w,
         for (long r0 = blocks * R; r0 < n; r0++)                                           \
             f32_rows_of_w(x, w, b, y, n, k, r0, M, 1);                                     \
     }
-#define I8_PRODUCT(M, R, NAME)                                                             \
-    static void NAME(const int8_t *x, const float *xs, const int8_t *w, const float *ws,  \
-                     const float *b, float *y, long n, long k, int threads)                \
+/* ATTRIBUTES: a function target for the VNNI variant, whose 32 registers (EVEX) hold four
+ * rows of W for any number of rows of x. */
+#define I8_PRODUCT_OF(ROWS_OF_W, M, R, NAME, ATTRIBUTES)                                   \
+    ATTRIBUTES static void NAME(const int8_t *x, const float *xs, const int8_t *w,         \
+                                const float *ws, const float *b, float *y, long n, long k, \
+                                int threads)                                               \
     {                                                                                      \
         const long blocks = n / R;                                                         \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")  \
         for (long q = 0; q < blocks; q++)                                                  \
-            i8_rows_of_w(x, xs, w, ws, b, y, n, k, q * R, M, R);                           \
+            ROWS_OF_W(x, xs, w, ws, b, y, n, k, q * R, M, R);                              \
         for (long r0 = blocks * R; r0 < n; r0++)                                           \
-            i8_rows_of_w(x, xs, w, ws, b, y, n, k, r0, M, 1);                              \
+            ROWS_OF_W(x, xs, w, ws, b, y, n, k, r0, M, 1);                                 \
     }
+#define I8_PRODUCT(M, R, NAME) I8_PRODUCT_OF(i8_rows_of_w, M, R, NAME, )
+#define I8_VNNI_PRODUCT(M, R, NAME)                                                        \
+    I8_PRODUCT_OF(i8_rows_of_w_vnni, M, R, NAME,                                           \
+                  __attribute__((target("avx512vnni,avx512vl"))))
 F32_PRODUCT(1, 4, f32_1)
 F32_PRODUCT(2, 4, f32_2)
 F32_PRODUCT(3, 3, f32_3)
 F32_PRODUCT(4, 3, f32_4)
-#define I8_VNNI_PRODUCT(M, R, NAME)                                                        \
-    __attribute__((target("avx512vnni,avx512vl"))) static void NAME(                       \
-        const int8_t *x, const float *xs, const int8_t *w, const float *ws, const float *b,  \
-        float *y, long n, long k, int threads)                                             \
-    {                                                                                      \
-        const long blocks = n / R;                                                         \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")  \
-        for (long q = 0; q < blocks; q++)                                                  \
-            i8_rows_of_w_vnni(x, xs, w, ws, b, y, n, k, q * R, M, R);                      \
-        for (long r0 = blocks * R; r0 < n; r0++)                                           \
-            i8_rows_of_w_vnni(x, xs, w, ws, b, y, n, k, r0, M, 1);                         \
-    }
 I8_PRODUCT(1, 4, i8_1)
 I8_PRODUCT(2, 4, i8_2)
 I8_PRODUCT(3, 3, i8_3)
