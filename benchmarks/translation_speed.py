@@ -47,21 +47,23 @@ def main() -> None:
                         help="also count the decoder's rows, in one more (untimed) pass")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    settings = [(name, beam, batch) for name, beam in SEARCHES for batch in args.batches]
+    settings = [(name, batch) for name, _ in SEARCHES for batch in args.batches]
     if args.threads:
         torch.set_num_threads(args.threads)
 
     loaded = load_checkpoint(args.checkpoint)
     lines = read_lines(args.source)[: args.sentences]
-    rates: dict[tuple[str, int], list[float]] = {(n, b): [] for n, _, b in settings}
+    options = {name: SearchOptions(beam=beam, alpha=args.alpha,
+                                   max_len_a=loaded.cfg.data.max_ratio)
+               for name, beam in SEARCHES}
+    rates: dict[tuple[str, int], list[float]] = {setting: [] for setting in settings}
     lengths: dict[tuple[str, int], float] = {}
     for _ in range(args.repeats):
-        for name, beam, batch in settings:
-            options = SearchOptions(beam=beam, alpha=args.alpha,
-                                    max_len_a=loaded.cfg.data.max_ratio)
+        for name, batch in settings:
             start = time.perf_counter()
             with torch.no_grad():
-                out = translate(loaded.model, loaded.tokenizer, lines, options, batch_size=batch)
+                out = translate(loaded.model, loaded.tokenizer, lines, options[name],
+                                batch_size=batch)
             rates[(name, batch)].append(len(lines) / (time.perf_counter() - start))
             ids = [loaded.tokenizer.encode(h[0].text) for h in out]
             lengths[(name, batch)] = sum(map(len, ids)) / len(ids)
@@ -69,14 +71,12 @@ def main() -> None:
     rows = [
         {"search": name, "batch": batch, "sentences_per_s": statistics.median(rates[(name, batch)]),
          "mean_output_tokens": lengths[(name, batch)]}
-        for name, _, batch in settings
+        for name, batch in settings
     ]
     if args.count_rows:
         for row in rows:
-            options = SearchOptions(beam=1 if row["search"] == "greedy" else 4, alpha=args.alpha,
-                                    max_len_a=loaded.cfg.data.max_ratio)
             row["decoder_rows"], row["rows_if_none_left"] = decoder_rows(
-                loaded, lines, options, row["batch"])
+                loaded, lines, options[row["search"]], row["batch"])
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "sentences": len(lines),
                           "rows": rows}))
