@@ -250,9 +250,9 @@ void tformer_matvec(const float *x, const float *w, const float *b, float *y,
 int tformer_int8_vnni(int use)
 {
     static int on = -1;
-    const int has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-    if (use >= 0 || on < 0)
-        on = use == 0 ? 0 : has;
+    if (use >= 0 || on < 0) /* every int8 product asks: only a change reads the CPU's flags */
+        on = use != 0 && __builtin_cpu_supports("avx512vnni")
+             && __builtin_cpu_supports("avx512vl");
     return on;
 }
 
