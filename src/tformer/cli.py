@@ -388,7 +388,6 @@ def evaluate_command(
     loaded = load_checkpoint(checkpoint, device=dev)
     family = get_family(loaded.cfg.family)
     check_evaluate_options(options, family.name, loaded.path)
-    ensemble = ensemble or []
     join_ensemble(loaded, ensemble, dev)
     threads = use_threads(threads, loaded.model, loaded.path)
     where = f"{describe_model(loaded.model)}{', int8' if int8 else ''}; " + describe_device(
@@ -481,7 +480,7 @@ def print_metrics(
 # --- translate, average ----------------------------------------------------------------
 
 
-def join_ensemble(loaded: Any, others: list[str], device: Any) -> None:
+def join_ensemble(loaded: Any, others: list[str] | None, device: Any) -> None:
     """Make `loaded` decode together with the checkpoints `others`, as one ensemble (the
     mean of their next-token distributions, tformer.decoding.ensemble). They must be
     translation models with the same tokenizer; `loaded` gives the run's settings. No
@@ -505,7 +504,7 @@ def join_ensemble(loaded: Any, others: list[str], device: Any) -> None:
     loaded.model = Ensemble(members)
 
 
-def ensemble_note(others: list[str]) -> str:
+def ensemble_note(others: list[str] | None) -> str:
     return f" + {len(others)} more as an ensemble" if others else ""
 
 
@@ -551,7 +550,6 @@ def translate_command(
             f"sequence-to-sequence model ({' or '.join(families_with('translate'))}); use "
             f"`tformer generate` for language models"
         )
-    ensemble = ensemble or []
     join_ensemble(loaded, ensemble, dev)
     threads = use_threads(threads, loaded.model, loaded.path)
     from tformer.kernels.quantize import inference_model
