@@ -5,7 +5,9 @@ import pytest
 import torch
 from torch import nn
 
+from tformer.decoding import beam as beam_module
 from tformer.decoding.beam import beam_search, greedy_search, length_penalty
+from tformer.kernels.search import torch_top_logprobs
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
@@ -257,3 +259,16 @@ def test_hugging_face_length_penalty_and_its_stopping_rule():
     assert length_penalty(3, 2.0, "hf") == 9.0
     with pytest.raises(ValueError, match="gnmt"):
         length_penalty(3, 1.0, "fairseq")
+
+
+def test_candidates_from_the_kernel_and_from_torch_give_the_same_search(model, monkeypatch):
+    # kernels/search.py picks each beam's candidates without writing out the
+    # log-probabilities; torch's log-softmax and top-k, the path without the kernel, must
+    # find the same translations (scores equal up to the order of a sum's terms).
+    src, real, _ = sources(8)
+    fast = beam_search(model, src, real, beam=3, n_best=3, alpha=0.6, **SPECIAL)
+    monkeypatch.setattr(beam_module, "top_logprobs", torch_top_logprobs)
+    plain = beam_search(model, src, real, beam=3, n_best=3, alpha=0.6, **SPECIAL)
+    for a, b in zip(fast, plain, strict=True):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)

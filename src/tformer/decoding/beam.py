@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer.kernels.search import top_logprobs
+
 
 @dataclass
 class Hypothesis:
@@ -93,6 +95,18 @@ class _Rules:
             if self.free_forced_eos:
                 logprobs.masked_fill_(must_end & ~self.not_eos, 0.0)
         return logprobs
+
+    def candidates(
+        self, logits: Tensor, step: int, scores: Tensor, k: int
+    ) -> tuple[Tensor, Tensor]:
+        """(N, V) logits of output position `step` and the rows' (N,) scores so far -> the
+        best k of logprobs(logits, step) + scores in each row (values and tokens, (N, k)).
+
+        kernels/search.py finds them without writing out the (N, V) log-probabilities; the
+        steps where a row reaches its limit (few) take logprobs' path."""
+        if step >= self.first_forced and bool((step >= self.max_len - 1).any()):
+            return self.logprobs(logits, step).add_(scores[:, None]).topk(k, dim=-1)
+        return top_logprobs(logits.float(), scores, k, self.banned)
 
     def keep(self, rows: Tensor) -> None:
         """Apply to rows `rows` of this batch only, from now on."""
@@ -259,10 +273,9 @@ def beam_search(
     for t in range(steps):
         n = len(sentence)  # sentences still decoding
         logits = model.decode(tokens[:, :, t].reshape(n * K, 1), memory, src_real, cache=cache)
-        extended = rules.logprobs(logits[:, -1], t).view(n, K, V).add_(scores[:, :, None])
         # The best 2K of a sentence's K * V extensions are among the best 2K of each beam:
         # two small top-k's, the first over rows of V, are cheaper than one over K * V.
-        beam_top, beam_token = extended.topk(2 * K, dim=2)
+        beam_top, beam_token = rules.candidates(logits[:, -1], t, scores.flatten(), 2 * K)
         top, index = beam_top.view(n, 2 * K * K).topk(2 * K, dim=1)
         parent = index // (2 * K)
         token = beam_token.view(n, 2 * K * K).gather(1, index)

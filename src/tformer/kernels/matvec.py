@@ -9,11 +9,12 @@ third of a beam step at d_model 256. `matvec.c` streams the weights at about the
 and costs ~5 us a call (benchmarks/speed.py measures both effects end to end). Its int8
 product (quantize.py) reads a quarter of the bytes and sums in exact 32-bit integers; on
 CPUs with AVX-512 VNNI, products of two to eight rows use its 8-bit dot-product
-instruction, with the same sums.
+instruction, with the same sums. The same library holds beam search's choice of candidates
+(`search.c`, see search.py).
 
-The C source ships with the package and is compiled on first use with the system's C
+The C sources ship with the package and is compiled on first use with the system's C
 compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
-a hash of the source and the command. Loading a library runs its constructors before any
+a hash of the sources and the command. Loading a library runs its constructors before any
 check can, so the kernel is built and loaded only from a directory that this user owns and
 nobody else may write to, and only a library file with the same properties; where the
 cache directory fails that test, a private temporary directory serves this process (and is
@@ -54,7 +55,8 @@ four at a time, but from about eight rows on oneDNN's matrix-matrix kernels catc
 INT8_MAX_ROWS = 8
 """linear_int8 sends products of up to this many rows to the kernel, more to oneDNN's int8
 matrix product (torch._int_mm), which is faster from about there (benchmarks/int8_rows.py)."""
-_SOURCE = Path(__file__).with_name("matvec.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("matvec.c", "search.c")]
+"""Built into one library: the products, and beam search's candidates (search.py)."""
 _PRIVATE_PREFIX = "tformer-kernel-"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
@@ -83,7 +85,7 @@ def _load() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise _Unavailable("no C compiler (set $CC)")
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
     directory = _cache_dir()
     library = directory / f"matvec-{key}.so"
@@ -109,6 +111,11 @@ def _load() -> ctypes.CDLL:
     lib.tformer_linear_int8.restype = ctypes.c_int
     lib.tformer_scale_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.tformer_scale_int8.restype = None
+    lib.tformer_top_logprobs.argtypes = (
+        [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+        + [ctypes.c_int] * 2
+    )
+    lib.tformer_top_logprobs.restype = None
     lib.tformer_int8_vnni.argtypes = [ctypes.c_int]
     lib.tformer_int8_vnni.restype = ctypes.c_int
     # Both int8 paths are checked where the CPU has VNNI: the AVX2 one first, as it is the
@@ -147,7 +154,19 @@ def _computes_right(lib: ctypes.CDLL) -> bool:
                 and torch.equal(_int_mm_scaled(lib, xq, xscale, q, wscale, None),
                                 int8_reference(xq, xscale, q, wscale, None))):
             return False
-    return True
+    return _picks_right(lib)
+
+
+def _picks_right(lib: ctypes.CDLL) -> bool:
+    """The same for search.c: beam search's candidates as torch's log-softmax and top-k
+    choose them, a vector's worth of columns and a remainder, two of them banned."""
+    x, add, banned = torch.randn(3, 37), torch.randn(3), torch.tensor([0, 4])
+    top, index = x.new_empty(3, 5), torch.empty(3, 5, dtype=torch.long)
+    lib.tformer_top_logprobs(x.data_ptr(), add.data_ptr(), banned.data_ptr(), len(banned),
+                             top.data_ptr(), index.data_ptr(), 3, 37, 5, 1)
+    logprobs = F.log_softmax(x, dim=-1).index_fill_(1, banned, float("-inf"))
+    want, want_index = logprobs.add_(add[:, None]).topk(5, dim=-1)
+    return torch.equal(index, want_index) and torch.allclose(top, want, atol=1e-5)
 
 
 def _cache_dir() -> Path:
@@ -182,7 +201,7 @@ def _compile(compiler: str, library: Path) -> None:
     # of it, even while another one is compiling.
     fd, tmp = tempfile.mkstemp(dir=library.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", tmp]
+    cmd = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
