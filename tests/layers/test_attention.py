@@ -109,6 +109,26 @@ def test_kv_cache_appends_and_reorders():
         cache.append(torch.randn(2, 1, 2, 3), torch.randn(2, 1, 2, 3))
 
 
+def test_kv_cache_reorders_step_after_step_into_fewer_rows():
+    # Each reorder copies the filled positions into the cache's second buffer and the two
+    # swap: over several steps, shrinking the batch, the cache must hold what copying the
+    # rows out of a plain list of every step's keys would give.
+    torch.manual_seed(0)
+    cache = KVCache(6, 2, 8, 3, 5, dtype=torch.float32, device=torch.device("cpu"))
+    keys, values = torch.empty(6, 2, 0, 3), torch.empty(6, 2, 0, 5)
+    for index in ([5, 0, 0, 2, 3, 1], [1, 1, 4, 0], [3, 0, 2, 2], [1, 0]):
+        k, v = torch.randn(len(keys), 2, 1, 3), torch.randn(len(keys), 2, 1, 5)
+        got_k, got_v = cache.append(k, v)
+        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+        index = torch.tensor(index)
+        cache.reorder(index)
+        keys, values = keys[index], values[index]
+        assert cache.k.shape[0] == len(index)
+        assert torch.equal(cache.k[:, :, : cache.length], keys)
+        assert torch.equal(cache.v[:, :, : cache.length], values)
+
+
 def test_decoder_cache_reorders_padding_too():
     layers = [KVCache(2, 1, 4, 3, 3, dtype=torch.float32, device=torch.device("cpu"))]
     cache = DecoderCache(layers, track_padding=True)

@@ -64,7 +64,9 @@ class KVCache:
     """Preallocated keys and values of one attention layer, filled as decoding goes on.
 
     Appending writes into a fixed buffer (no torch.cat per token); `reorder` follows beam
-    search's choice of surviving hypotheses in one place.
+    search's choice of surviving hypotheses, copying the positions filled so far into a
+    second buffer that it keeps for this (the two swap at every reorder), so that a step
+    allocates nothing and copies no position it has not reached.
     """
 
     def __init__(
@@ -81,13 +83,15 @@ class KVCache:
         self.k = torch.empty(batch, n_head, max_len, d_head, dtype=dtype, device=device)
         self.v = torch.empty(batch, n_head, max_len, d_value, dtype=dtype, device=device)
         self.length = 0
+        self._spare: tuple[Tensor, Tensor] | None = None
+        """reorder's destination: buffers shaped as k and v (made at the first reorder)."""
 
     @classmethod
     def over(cls, k: Tensor, v: Tensor, length: int) -> KVCache:
         """A cache whose buffers are the given (B, H, max_len, ·) tensors (views, say, of a
         larger pool), holding `length` positions already."""
         cache = cls.__new__(cls)
-        cache.k, cache.v, cache.length = k, v, length
+        cache.k, cache.v, cache.length, cache._spare = k, v, length, None
         return cache
 
     @property
@@ -105,9 +109,17 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def reorder(self, index: Tensor) -> None:
-        """Keep batch rows `index` (beam search: the surviving hypotheses' parents)."""
-        self.k = self.k.index_select(0, index)
-        self.v = self.v.index_select(0, index)
+        """Keep batch rows `index` (beam search: the surviving hypotheses' parents), as many
+        rows as the cache has or fewer (finished sentences leave)."""
+        rows, filled = len(index), self.length
+        if self._spare is None or self._spare[0].shape[0] < rows:
+            self._spare = (self.k.new_empty(rows, *self.k.shape[1:]),
+                           self.v.new_empty(rows, *self.v.shape[1:]))
+        k, v = self._spare[0][:rows], self._spare[1][:rows]
+        torch.index_select(self.k[:, :, :filled], 0, index, out=k[:, :, :filled])
+        torch.index_select(self.v[:, :, :filled], 0, index, out=v[:, :, :filled])
+        self._spare = (self.k, self.v)
+        self.k, self.v = k, v
 
 
 class StaticKV:
