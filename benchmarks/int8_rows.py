@@ -7,9 +7,11 @@ Columns, per shape and number of rows (a decoding step multiplies batch x beam r
 - fp32: PackedLinear, what fp32 decoding runs (matvec's kernel up to 4 rows, oneDNN's
   prepacked product beyond);
 - int8: Int8Linear as it dispatches (rounding the rows to int8 included);
-- kernel / _int_mm: the int8 product (rounding the rows included) through matvec's
-  kernel and through torch._int_mm (oneDNN), whatever the number of rows. They give the
-  same bits, so the faster should serve: matvec.INT8_MAX_ROWS is where _int_mm takes over.
+- kernel / packed / _int_mm: the int8 product (rounding the rows included) through
+  matvec's kernel for a few rows, through its product over packed weights (AVX-512 VNNI
+  only; "-" elsewhere) and through torch._int_mm (oneDNN), whatever the number of rows.
+  They give the same bits, so the fastest should serve: matvec.INT8_MAX_ROWS is where the
+  few-row kernel hands over to the others.
 All in alternation, median of the repeats; the ratios compare columns of one run.
 """
 
@@ -34,12 +36,18 @@ SHAPES = {  # name: (in_features, out_features)
     "opus-mt output (512 -> 58101)": (512, 58101),
     "gpt-2 ffn in (768 -> 3072)": (768, 3072),
 }
-ROWS = (1, 4, 8, 12, 16, 32, 64)
+ROWS = (1, 2, 4, 8, 12, 16, 32, 64)
 
 
 def int8_mm(lib, x, q, wscale, bias):
-    """linear_int8's path for many rows: rounding, torch._int_mm, scaling."""
+    """linear_int8's path for many rows without packed weights: rounding, torch._int_mm,
+    scaling."""
     return matvec._int_mm_scaled(lib, *quantize_rows(x), q, wscale, bias)
+
+
+def int8_packed(lib, x, packed, wscale, bias):
+    """linear_int8's path for many rows over packed weights."""
+    return matvec._call_gemm_int8(lib, *quantize_rows(x), packed, wscale, bias)
 
 
 def timed(fn, calls: int) -> float:
@@ -60,10 +68,10 @@ def main() -> None:
     if lib is None:
         raise SystemExit("the decoding kernel is not built here; nothing to compare")
     print(f"{args.threads} thread(s), median of {args.repeats} rounds in alternation; "
-          f"INT8_MAX_ROWS = {matvec.INT8_MAX_ROWS}\n")
-    print("| shape | rows | fp32 ms | int8 ms | fp32 / int8 | kernel ms | _int_mm ms "
-          "| _int_mm / kernel |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"INT8_MAX_ROWS = {matvec.INT8_MAX_ROWS}, PACKED_MIN_ROWS = {matvec.PACKED_MIN_ROWS}\n")
+    print("| shape | rows | fp32 ms | int8 ms | fp32 / int8 | kernel ms | packed ms | _int_mm ms "
+          "| _int_mm / kernel | _int_mm / packed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     torch.manual_seed(0)
     with torch.no_grad():
         for name, (k, n) in SHAPES.items():
@@ -79,6 +87,8 @@ def main() -> None:
                     "kernel": partial(matvec._call_linear_int8, lib, x, *weights),
                     "_int_mm": partial(int8_mm, lib, x, *weights),
                 }
+                if int8.packed is not None:
+                    sides["packed"] = partial(int8_packed, lib, x, int8.packed, *weights[1:])
                 for fn in sides.values():  # warm-up
                     fn()
                 times: dict[str, list[float]] = {side: [] for side in sides}
@@ -86,9 +96,13 @@ def main() -> None:
                     for side, fn in sides.items():
                         times[side].append(timed(fn, calls))
                 t = {side: statistics.median(v) for side, v in times.items()}
+                packed = ("-", "-")
+                if "packed" in t:
+                    packed = (f"{t['packed']:.3f}", f"{t['_int_mm'] / t['packed']:.2f}")
                 print(f"| {name} | {rows} | {t['fp32']:.3f} | {t['int8']:.3f} "
-                      f"| {t['fp32'] / t['int8']:.2f}x | {t['kernel']:.3f} "
-                      f"| {t['_int_mm']:.3f} | {t['_int_mm'] / t['kernel']:.2f} |", flush=True)
+                      f"| {t['fp32'] / t['int8']:.2f}x | {t['kernel']:.3f} | {packed[0]} "
+                      f"| {t['_int_mm']:.3f} | {t['_int_mm'] / t['kernel']:.2f} "
+                      f"| {packed[1]} |", flush=True)
 
 
 if __name__ == "__main__":

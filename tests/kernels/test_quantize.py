@@ -108,6 +108,38 @@ def test_the_vnni_path_gives_the_avx2_paths_bits(k):
         lib.tformer_int8_vnni(chosen)
 
 
+@pytest.mark.parametrize("n, k", [(45, 37), (203, 64), (64, 1000), (33, 4)])
+def test_the_packed_product_gives_the_exact_products_bits(n, k):
+    # The product over packed weights (AVX-512 VNNI) against torch._int_mm's exact sums:
+    # part panels (n not a multiple of 32), k not a multiple of 4, blocks of eight rows
+    # and remainders, the largest products int8 makes, with a bias and without.
+    lib = matvec.load()
+    if lib is None or not lib.tformer_gemm_int8_available():
+        pytest.skip("needs the kernel and a CPU with AVX-512 VNNI")
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    q[0] = -127
+    wscale, bias = torch.rand(n), torch.randn(n)
+    packed = matvec.pack_int8(q)
+    torch.testing.assert_close(packed.row_sums, q.sum(dim=1, dtype=torch.int32))
+    for rows in (1, 2, 7, 8, 9, 17, 64):
+        xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+        xq[0], xscale = 127, torch.rand(rows)
+        for b in (bias, None):
+            got = matvec._call_gemm_int8(lib, xq, xscale, packed, wscale, b)
+            assert torch.equal(got, matvec.int8_reference(xq, xscale, q, wscale, b)), rows
+
+
+def test_int8_linear_gives_the_same_bits_with_and_without_packed_weights():
+    int8 = Int8Linear(nn.Linear(96, 70))
+    if int8.packed is None:
+        pytest.skip("the CPU does not run the packed product")
+    x = torch.randn(20, 96)
+    with torch.no_grad():
+        packed = int8(x)
+        int8.packed = None  # the few-row kernel and torch._int_mm instead
+        assert torch.equal(int8(x), packed)
+
+
 def test_int8_rounding_and_products_get_the_same_bits_without_the_kernel(
     monkeypatch, reload_kernel
 ):

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,13 @@ MAX_ROWS = 4
 four at a time, but from about eight rows on oneDNN's matrix-matrix kernels catch up."""
 INT8_MAX_ROWS = 8
 """linear_int8 sends products of up to this many rows to the kernel, more to oneDNN's int8
-matrix product (torch._int_mm), which is faster from about there (benchmarks/int8_rows.py)."""
+matrix product (torch._int_mm), which is faster from about there (benchmarks/int8_rows.py);
+except where the weights are packed (pack_int8), see PACKED_MIN_ROWS."""
+PACKED_MIN_ROWS = 2
+"""Where the CPU runs the product over packed weights (AVX-512 VNNI), linear_int8 sends it
+products of this many rows and more: one row reads the weights at about the memory's rate
+through either kernel, and from two rows on the packed product is the faster of the three
+(benchmarks/int8_rows.py)."""
 _SOURCES = [Path(__file__).with_name(name) for name in ("matvec.c", "search.c")]
 """Built into one library: the products, and beam search's candidates (search.py)."""
 _PRIVATE_PREFIX = "tformer-kernel-"
@@ -116,6 +123,15 @@ def _load() -> ctypes.CDLL:
         + [ctypes.c_int] * 2
     )
     lib.tformer_top_logprobs.restype = None
+    lib.tformer_packed_int8_size.argtypes = [ctypes.c_long] * 2
+    lib.tformer_packed_int8_size.restype = ctypes.c_long
+    lib.tformer_pack_int8.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [
+        ctypes.c_void_p] * 2
+    lib.tformer_pack_int8.restype = None
+    lib.tformer_gemm_int8.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.tformer_gemm_int8.restype = ctypes.c_int
+    lib.tformer_gemm_int8_available.argtypes = []
+    lib.tformer_gemm_int8_available.restype = ctypes.c_int
     lib.tformer_int8_vnni.argtypes = [ctypes.c_int]
     lib.tformer_int8_vnni.restype = ctypes.c_int
     # Both int8 paths are checked where the CPU has VNNI: the AVX2 one first, as it is the
@@ -154,7 +170,24 @@ def _computes_right(lib: ctypes.CDLL) -> bool:
                 and torch.equal(_int_mm_scaled(lib, xq, xscale, q, wscale, None),
                                 int8_reference(xq, xscale, q, wscale, None))):
             return False
-    return _picks_right(lib)
+    return _packs_right(lib) and _picks_right(lib)
+
+
+def _packs_right(lib: ctypes.CDLL) -> bool:
+    """The same for the product over packed weights, where the CPU runs it: a block of
+    eight rows and a remainder, a part panel, and k not a multiple of four."""
+    if not lib.tformer_gemm_int8_available():
+        return True
+    w, b = torch.randn(45, 37), torch.randn(45)
+    q, wscale = _torch_quantize_rows(w)
+    packed = _call_pack(lib, q)
+    for m in (1, 13):
+        xq, xscale = _torch_quantize_rows(torch.randn(m, 37))
+        for bias in (b, None):
+            if not torch.equal(_call_gemm_int8(lib, xq, xscale, packed, wscale, bias),
+                               int8_reference(xq, xscale, q, wscale, bias)):
+                return False
+    return True
 
 
 def _picks_right(lib: ctypes.CDLL) -> bool:
@@ -253,6 +286,45 @@ def _call_linear_int8(
     return y
 
 
+class PackedInt8(NamedTuple):
+    """An int8 weight (N x K) in the layout of the many-row product (tformer_pack_int8),
+    with the sum of each of its rows."""
+
+    data: Tensor
+    row_sums: Tensor
+
+
+def _call_pack(lib: ctypes.CDLL, q: Tensor) -> PackedInt8:
+    n, k = q.shape
+    packed = PackedInt8(torch.empty(lib.tformer_packed_int8_size(n, k), dtype=torch.int8),
+                        torch.empty(n, dtype=torch.int32))
+    lib.tformer_pack_int8(q.data_ptr(), n, k, packed.data.data_ptr(), packed.row_sums.data_ptr())
+    return packed
+
+
+def _call_gemm_int8(
+    lib: ctypes.CDLL, xq: Tensor, xscale: Tensor, packed: PackedInt8, wscale: Tensor,
+    bias: Tensor | None,
+) -> Tensor:
+    (m, k), n = xq.shape, wscale.shape[0]
+    y = xscale.new_empty(m, n)
+    if lib.tformer_gemm_int8(xq.data_ptr(), xscale.data_ptr(), packed.data.data_ptr(),
+                             packed.row_sums.data_ptr(), wscale.data_ptr(),
+                             None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                             torch.get_num_threads()):
+        raise MemoryError(f"no memory for {m} x {k} int8 rows")
+    return y
+
+
+def pack_int8(q: Tensor) -> PackedInt8 | None:
+    """q (N x K int8, contiguous, on the CPU) packed for linear_int8's products of many rows,
+    or None where the kernel or the CPU cannot run them (AVX-512 VNNI is needed)."""
+    lib = load()
+    if lib is None or not lib.tformer_gemm_int8_available():
+        return None
+    return _call_pack(lib, q.contiguous())
+
+
 def _int_mm_scaled(
     lib: ctypes.CDLL, xq: Tensor, xscale: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None
 ) -> Tensor:
@@ -325,12 +397,15 @@ def matvec(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _call(lib, rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
-def linear_int8(x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None) -> Tensor:
+def linear_int8(
+    x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None, packed: PackedInt8 | None = None
+) -> Tensor:
     """y = x W^T + b with x's rows and W rounded to int8 (quantize_rows; W as q and wscale):
     (xq q^T) * (xscale wscale^T) + bias, summed exactly. Up to INT8_MAX_ROWS rows (a
-    decoding step's) go through the kernel, rounding included; more, or all where there is
-    no kernel, through torch._int_mm (the kernel rounding and scaling where it can). All
-    give the same bits.
+    decoding step's) go through the kernel, rounding included, more through torch._int_mm
+    (the kernel rounding and scaling where it can), as all do where there is no kernel; but
+    from PACKED_MIN_ROWS rows on, through the product over `packed` (pack_int8(q)) where it
+    is given. All give the same bits.
 
     x: (M, K) fp32; q: (N, K) int8 and wscale: (N,) fp32, contiguous; bias: (N,) fp32 or
     None; all on the CPU (Int8Linear holds its tensors so).
@@ -348,6 +423,8 @@ def linear_int8(x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None) -> Te
     lib, x = load(), x.contiguous()
     if lib is None:
         return int8_reference(*_torch_quantize_rows(x), q, wscale, bias)
+    if packed is not None and m >= PACKED_MIN_ROWS:
+        return _call_gemm_int8(lib, *_call_quantize(lib, x), packed, wscale, bias)
     if m > INT8_MAX_ROWS:
         return _int_mm_scaled(lib, *_call_quantize(lib, x), q, wscale, bias)
     return _call_linear_int8(lib, x, q, wscale, bias)

@@ -46,6 +46,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = linear.bias
+        # The same weight in the layout of the product of many rows, where the CPU runs it
+        # (not a buffer: derived from qweight, so not saved).
+        self.packed = matvec.pack_int8(qweight)
 
     @property
     def weight(self) -> Tensor:
@@ -58,7 +61,7 @@ class Int8Linear(nn.Module):
             # Not what inference runs (the int8 products are for fp32 on the CPU), but correct.
             return F.linear(x, self.weight.to(x.dtype), self.bias)
         y = matvec.linear_int8(x.reshape(-1, self.in_features), self.qweight, self.scale,
-                               self.bias)
+                               self.bias, self.packed)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
