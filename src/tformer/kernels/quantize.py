@@ -15,10 +15,10 @@ integer product does twice the work of fp32's per instruction. Embedding tables 
 A row's result depends on that row alone (its scale is its own and the sums are exact),
 bit for bit, whichever kernel computes the product: matvec's for the few rows of a
 decoding step, oneDNN's (torch._int_mm) for more and wherever matvec's kernel cannot be
-built, and on CPUs with AVX-512 VNNI matvec's product over a copy of the weight packed once
-(for two rows and more). kernels/matvec.py does the rounding and the products. Batched decoding can still
-differ from one sentence at a time where attention over padding rounds differently and
-that moves an input across a rounding step.
+built, and on CPUs with AVX-512 VNNI matvec's product over a copy of the weight packed
+once (for two rows and more). kernels/matvec.py does the rounding and the products.
+Batched decoding can still differ from one sentence at a time where attention over padding
+rounds differently and that moves an input across a rounding step.
 """
 
 from __future__ import annotations
