@@ -129,6 +129,16 @@ def test_kv_cache_reorders_step_after_step_into_fewer_rows():
         assert torch.equal(cache.v[:, :, : cache.length], values)
 
 
+def test_a_cache_over_borrowed_buffers_never_reorders_into_them():
+    pool_k, pool_v = torch.randn(4, 1, 6, 3), torch.randn(4, 1, 6, 3)
+    before = pool_k.clone(), pool_v.clone()
+    cache = KVCache.over(pool_k[1:3], pool_v[1:3], 2)
+    for index in ([1, 0], [0, 0], [1, 1]):
+        cache.reorder(torch.tensor(index))
+    assert torch.equal(pool_k, before[0]) and torch.equal(pool_v, before[1])
+    assert torch.equal(cache.k[:, :, :2], before[0][[2, 2]][:, :, :2])
+
+
 def test_decoder_cache_reorders_padding_too():
     layers = [KVCache(2, 1, 4, 3, 3, dtype=torch.float32, device=torch.device("cpu"))]
     cache = DecoderCache(layers, track_padding=True)

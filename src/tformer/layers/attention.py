@@ -85,13 +85,16 @@ class KVCache:
         self.length = 0
         self._spare: tuple[Tensor, Tensor] | None = None
         """reorder's destination: buffers shaped as k and v (made at the first reorder)."""
+        self._borrowed = False
+        """Whether k and v are someone else's buffers (`over`), never to be reordered into."""
 
     @classmethod
     def over(cls, k: Tensor, v: Tensor, length: int) -> KVCache:
         """A cache whose buffers are the given (B, H, max_len, ·) tensors (views, say, of a
         larger pool), holding `length` positions already."""
         cache = cls.__new__(cls)
-        cache.k, cache.v, cache.length, cache._spare = k, v, length, None
+        cache.k, cache.v, cache.length = k, v, length
+        cache._spare, cache._borrowed = None, True
         return cache
 
     @property
@@ -118,8 +121,8 @@ class KVCache:
         k, v = self._spare[0][:rows], self._spare[1][:rows]
         torch.index_select(self.k[:, :, :filled], 0, index, out=k[:, :, :filled])
         torch.index_select(self.v[:, :, :filled], 0, index, out=v[:, :, :filled])
-        self._spare = (self.k, self.v)
-        self.k, self.v = k, v
+        self._spare = None if self._borrowed else (self.k, self.v)
+        self.k, self.v, self._borrowed = k, v, False
 
 
 class StaticKV:
