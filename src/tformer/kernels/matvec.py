@@ -12,7 +12,7 @@ CPUs with AVX-512 VNNI, products of two to eight rows use its 8-bit dot-product
 instruction, with the same sums. The same library holds beam search's choice of candidates
 (`search.c`, see search.py).
 
-The C sources ship with the package and is compiled on first use with the system's C
+The C sources ship with the package and are compiled on first use with the system's C
 compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
 a hash of the sources and the command. Loading a library runs its constructors before any
 check can, so the kernel is built and loaded only from a directory that this user owns and
@@ -138,7 +138,7 @@ def _load() -> ctypes.CDLL:
     # one left if VNNI's fails.
     vnni = bool(lib.tformer_int8_vnni(1))
     lib.tformer_int8_vnni(0)
-    if not _computes_right(lib):
+    if not (_computes_right(lib) and _packs_right(lib) and _picks_right(lib)):
         raise _Unavailable(f"{library} computed a wrong product")
     if vnni:
         lib.tformer_int8_vnni(1)
@@ -170,7 +170,7 @@ def _computes_right(lib: ctypes.CDLL) -> bool:
                 and torch.equal(_int_mm_scaled(lib, xq, xscale, q, wscale, None),
                                 int8_reference(xq, xscale, q, wscale, None))):
             return False
-    return _packs_right(lib) and _picks_right(lib)
+    return True
 
 
 def _packs_right(lib: ctypes.CDLL) -> bool:
