@@ -10,7 +10,7 @@ and costs ~5 us a call (benchmarks/speed.py measures both effects end to end). I
 product (quantize.py) reads a quarter of the bytes and sums in exact 32-bit integers; on
 CPUs with AVX-512 VNNI, products of two to eight rows use its 8-bit dot-product
 instruction, with the same sums. The same library holds beam search's choice of candidates
-(`search.c`, see search.py).
+(`search.c`, see search.py) and, for training, dropout (`dropout.c`, see dropout.py).
 
 The C sources ship with the package and are compiled on first use with the system's C
 compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
@@ -21,7 +21,7 @@ cache directory fails that test, a private temporary directory serves this proce
 removed once the library is loaded). Where none of this can happen (no compiler, not x86-64
 Linux with AVX2 and FMA, `TFORMER_NATIVE=0` in the environment) `load()` returns None:
 fp32 decoding keeps to oneDNN, with the same results up to float rounding, and int8 to
-torch._int_mm, with the same results bit for bit.
+torch._int_mm, with the same results bit for bit, and dropout to torch's (with other masks).
 
 The kernel threads with OpenMP. Linked after torch (whose Linux builds use GNU OpenMP), it
 resolves to the runtime torch already loaded and shares its threads; it uses
@@ -62,19 +62,25 @@ PACKED_MIN_ROWS = 2
 products of this many rows and more: one row reads the weights at about the memory's rate
 through either kernel, and from two rows on the packed product is the faster of the three
 (benchmarks/int8_rows.py)."""
-_SOURCES = [Path(__file__).with_name(name) for name in ("matvec.c", "search.c")]
-"""Built into one library: the products, and beam search's candidates (search.py)."""
+_SOURCES = [Path(__file__).with_name(name) for name in ("matvec.c", "search.c", "dropout.c")]
+"""Built into one library: the products, beam search's candidates (search.py) and training's
+dropout (dropout.py)."""
 _PRIVATE_PREFIX = "tformer-kernel-"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with the reason logged) where it is not available."""
+    """The compiled kernel, or None (with the reason logged) where it is not available.
+
+    The checks at load time draw random tensors, from a fork of torch's generator: training
+    loads the library at its first dropout, and a run resumed from a checkpoint must draw the
+    same random numbers as one that never stopped."""
     try:
-        return _load()
+        with torch.random.fork_rng(devices=[]):
+            return _load()
     except _Unavailable as e:
-        log.info("decoding kernel not built: %s", e)
+        log.info("native kernels not built: %s", e)
         return None
 
 
@@ -134,11 +140,15 @@ def _load() -> ctypes.CDLL:
     lib.tformer_gemm_int8_available.restype = ctypes.c_int
     lib.tformer_int8_vnni.argtypes = [ctypes.c_int]
     lib.tformer_int8_vnni.restype = ctypes.c_int
+    from tformer.kernels import dropout  # it calls load() itself
+
+    dropout.declare(lib)
     # Both int8 paths are checked where the CPU has VNNI: the AVX2 one first, as it is the
     # one left if VNNI's fails.
     vnni = bool(lib.tformer_int8_vnni(1))
     lib.tformer_int8_vnni(0)
-    if not (_computes_right(lib) and _packs_right(lib) and _picks_right(lib)):
+    if not (_computes_right(lib) and _packs_right(lib) and _picks_right(lib)
+            and dropout.drops_right(lib)):
         raise _Unavailable(f"{library} computed a wrong product")
     if vnni:
         lib.tformer_int8_vnni(1)

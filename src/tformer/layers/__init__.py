@@ -1,5 +1,6 @@
 """Building blocks that every family shares."""
 
+from tformer.kernels.dropout import Dropout, dropout
 from tformer.layers.attention import (
     DecoderCache,
     KVCache,
@@ -23,6 +24,7 @@ from tformer.layers.residual import Residual
 __all__ = [
     "ACTIVATIONS",
     "DecoderCache",
+    "Dropout",
     "POSITIONS",
     "FeedForward",
     "KVCache",
@@ -34,6 +36,7 @@ __all__ = [
     "StaticKV",
     "attention_bias",
     "causal_mask",
+    "dropout",
     "lm_mask",
     "padding_mask",
     "sinusoids",

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer.kernels.dropout import dropout, runs_natively
+
 # --- masks ----------------------------------------------------------------------------------
 
 
@@ -310,7 +312,9 @@ class MultiHeadAttention(nn.Module):
             if isinstance(cache, KVCache):
                 k, v = cache.append(k, v)
 
-        if self.recorded is not None:
+        # Attention dropout in training: SDPA's own draws its mask from torch's CPU generator,
+        # an element at a time, where tformer's dropout kernel is many times faster.
+        if self.recorded is not None or (self.training and runs_natively(q, self.dropout)):
             out = self.attend_explicitly(q, k, v, mask, is_causal and mask is None)
             return self.out_proj(out.transpose(1, 2).flatten(2))
         out = F.scaled_dot_product_attention(
@@ -327,8 +331,8 @@ class MultiHeadAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool
     ) -> Tensor:
         """softmax(q k^T / sqrt(d_head) + mask) v written out, as SDPA computes it, keeping
-        the probabilities in `recorded`. q (B, H, T, d), k (B, H, S, d), v (B, H, S, d_value)
-        -> (B, H, T, d_value)."""
+        the probabilities in `recorded` where that is a list. q (B, H, T, d), k (B, H, S, d),
+        v (B, H, S, d_value) -> (B, H, T, d_value)."""
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
         if is_causal:
             mask = causal_mask(q.shape[2], k.shape[2], q.device)
@@ -336,6 +340,6 @@ class MultiHeadAttention(nn.Module):
             scores = scores + (attention_bias(mask, scores.dtype) if mask.dtype == torch.bool
                                else mask)
         probs = scores.softmax(dim=-1)
-        self.recorded.append(probs.detach())
-        probs = F.dropout(probs, self.dropout if self.training else 0.0)
-        return probs @ v
+        if self.recorded is not None:
+            self.recorded.append(probs.detach())
+        return dropout(probs, self.dropout, self.training) @ v

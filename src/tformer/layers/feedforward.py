@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
+from tformer.kernels.dropout import Dropout
+
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
     "gelu": nn.GELU,
@@ -27,7 +29,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.up = nn.Linear(d_model, d_ff, bias=bias)
         self.activation = ACTIVATIONS[activation]()
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
+from tformer.kernels.dropout import Dropout
+
 NORM_POSITIONS = ("pre", "post")
 
 
@@ -21,7 +23,7 @@ class Residual(nn.Module):
             raise ValueError(f"norm must be one of {NORM_POSITIONS}, not {norm!r}")
         self.pre = norm == "pre"
         self.norm = nn.LayerNorm(d_model, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         if self.pre:

@@ -18,6 +18,7 @@ from tformer.layers import (
     POSITIONS,
     SINUSOID_LAYOUTS,
     DecoderCache,
+    Dropout,
     FeedForward,
     KVCache,
     MultiHeadAttention,
@@ -131,7 +132,7 @@ class GPT(nn.Module):
         self.positions = POSITIONS[cfg.position](cfg.context, cfg.d_model, cfg.sinusoid_layout)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         self.embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layer))
         # Pre-norm leaves the residual stream un-normalised: one LayerNorm closes the stack.
         closing_norm = cfg.norm == "pre" and cfg.final_norm

@@ -25,6 +25,7 @@ from tformer.layers import (
     ACTIVATIONS,
     SINUSOID_LAYOUTS,
     DecoderCache,
+    Dropout,
     FeedForward,
     KVCache,
     MultiHeadAttention,
@@ -199,7 +200,7 @@ class Seq2Seq(nn.Module):
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         self.src_embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
         self.tgt_embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layer))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         # Pre-norm leaves each stack's residual stream un-normalised: one LayerNorm closes it.

@@ -24,9 +24,11 @@ from tformer.checks import check_choice, check_heads, check_range
 from tformer.layers import (
     ACTIVATIONS,
     SINUSOID_LAYOUTS,
+    Dropout,
     FeedForward,
     Residual,
     attention_bias,
+    dropout,
     lm_mask,
     sinusoids,
 )
@@ -300,7 +302,7 @@ class RelativeAttention(nn.Module):
         probs = scores.softmax(dim=-1)
         if self.recorded is not None:
             self.recorded.append(probs.detach())
-        probs = F.dropout(probs, self.attn_dropout, self.training)
+        probs = dropout(probs, self.attn_dropout, self.training)
         return self.out_proj((probs @ values).transpose(1, 2).flatten(2)), (k, values)
 
 
@@ -358,7 +360,7 @@ class TransformerXL(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.embed_scale = math.sqrt(cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         n_biases = 1 if cfg.share_biases else cfg.n_layer
         self.u = nn.Parameter(torch.empty(n_biases, cfg.n_head, cfg.head_size))
         self.v = nn.Parameter(torch.empty(n_biases, cfg.n_head, cfg.head_size))
