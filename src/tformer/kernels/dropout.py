@@ -17,8 +17,6 @@ torch.compile, p of 0 or 1) this is `F.dropout`.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -83,38 +81,3 @@ def apply_mask(x: Tensor, p: float, seed: int) -> Tensor:
     lib.tformer_dropout(x.data_ptr(), y.data_ptr(), x.numel(), seed, threshold(p),
                         1.0 / (1.0 - p), torch.get_num_threads())
     return y
-
-
-def declare(lib: ctypes.CDLL) -> None:
-    """The kernel's C signatures, for matvec.load."""
-    lib.tformer_dropout.argtypes = [ctypes.c_void_p] * 2 + [
-        ctypes.c_long, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]
-    lib.tformer_dropout.restype = None
-    lib.tformer_philox4x32.argtypes = [ctypes.POINTER(ctypes.c_uint32)] * 3
-    lib.tformer_philox4x32.restype = None
-
-
-def philox4x32(lib: ctypes.CDLL, counter: list[int], key: list[int]) -> list[int]:
-    """The generator's four words for one counter (four 32-bit words) and key (two): the
-    scalar path of dropout.c, for known-answer tests and the load-time check."""
-    out = (ctypes.c_uint32 * 4)()
-    lib.tformer_philox4x32((ctypes.c_uint32 * 4)(*counter), (ctypes.c_uint32 * 2)(*key), out)
-    return list(out)
-
-
-def drops_right(lib: ctypes.CDLL) -> bool:
-    """The load-time check: the generator's first known-answer vector (Random123's
-    kat_vectors), and the vector path's mask over two blocks and a tail against the scalar
-    generator's words."""
-    if philox4x32(lib, [0, 0, 0, 0], [0, 0]) != [
-            0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]:
-        return False
-    seed, p, n = 0x0123456789ABCDEF, 0.5, 70
-    x = torch.ones(n)
-    y = torch.empty(n)
-    lib.tformer_dropout(x.data_ptr(), y.data_ptr(), n, seed, threshold(p), 2.0, 1)
-    key = [seed & 0xFFFFFFFF, seed >> 32]
-    words = [philox4x32(lib, [8 * (i // 32) + i % 8, 0, 0, 0], key)[(i % 32) // 8]
-             for i in range(n)]
-    want = torch.tensor([2.0 if w >= threshold(p) else 0.0 for w in words])
-    return torch.equal(y, want)

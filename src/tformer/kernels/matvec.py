@@ -140,15 +140,17 @@ def _load() -> ctypes.CDLL:
     lib.tformer_gemm_int8_available.restype = ctypes.c_int
     lib.tformer_int8_vnni.argtypes = [ctypes.c_int]
     lib.tformer_int8_vnni.restype = ctypes.c_int
-    from tformer.kernels import dropout  # it calls load() itself
-
-    dropout.declare(lib)
+    lib.tformer_dropout.argtypes = [ctypes.c_void_p] * 2 + [
+        ctypes.c_long, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]
+    lib.tformer_dropout.restype = None
+    lib.tformer_philox4x32.argtypes = [ctypes.POINTER(ctypes.c_uint32)] * 3
+    lib.tformer_philox4x32.restype = None
     # Both int8 paths are checked where the CPU has VNNI: the AVX2 one first, as it is the
     # one left if VNNI's fails.
     vnni = bool(lib.tformer_int8_vnni(1))
     lib.tformer_int8_vnni(0)
     if not (_computes_right(lib) and _packs_right(lib) and _picks_right(lib)
-            and dropout.drops_right(lib)):
+            and _drops_right(lib)):
         raise _Unavailable(f"{library} computed a wrong product")
     if vnni:
         lib.tformer_int8_vnni(1)
@@ -210,6 +212,29 @@ def _picks_right(lib: ctypes.CDLL) -> bool:
     logprobs = F.log_softmax(x, dim=-1).index_fill_(1, banned, float("-inf"))
     want, want_index = logprobs.add_(add[:, None]).topk(5, dim=-1)
     return torch.equal(index, want_index) and torch.allclose(top, want, atol=1e-5)
+
+
+def philox4x32(lib: ctypes.CDLL, counter: list[int], key: list[int]) -> list[int]:
+    """dropout.c's generator on its own: the four words of Philox4x32-10 for one counter
+    (four 32-bit words) and key (two), for known-answer tests and the check below."""
+    out = (ctypes.c_uint32 * 4)()
+    lib.tformer_philox4x32((ctypes.c_uint32 * 4)(*counter), (ctypes.c_uint32 * 2)(*key), out)
+    return list(out)
+
+
+def _drops_right(lib: ctypes.CDLL) -> bool:
+    """The same for dropout.c: the generator's first known-answer vector (Random123's
+    kat_vectors), and the vector path's mask at p = 0.5 over two blocks and a tail against
+    the scalar generator's words."""
+    if philox4x32(lib, [0, 0, 0, 0], [0, 0]) != [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]:
+        return False
+    seed, n, half = 0x0123456789ABCDEF, 70, 2**31
+    x, y = torch.ones(n), torch.empty(n)
+    lib.tformer_dropout(x.data_ptr(), y.data_ptr(), n, seed, half, 2.0, 1)
+    key = [seed & 0xFFFFFFFF, seed >> 32]
+    words = [philox4x32(lib, [8 * (i // 32) + i % 8, 0, 0, 0], key)[(i % 32) // 8]
+             for i in range(n)]
+    return torch.equal(y, torch.tensor([2.0 if w >= half else 0.0 for w in words]))
 
 
 def _cache_dir() -> Path:
