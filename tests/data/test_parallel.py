@@ -14,6 +14,7 @@ from tformer.data.parallel import (
     batch_by_tokens,
     encode_source,
     make_batch,
+    pad_right,
     read_pairs,
 )
 from tformer.data.tokenizers import train_tokenizer
@@ -66,6 +67,17 @@ def test_make_batch_adds_bos_and_eos_and_ignores_padding(tokenizer):
     assert batch.tgt_in.tolist() == [[1, 8, 0, 0], [1, 9, 10, 11]]
     assert batch.tgt_out.tolist() == [[8, 2, IGNORE_INDEX, IGNORE_INDEX], [9, 10, 11, 2]]
     assert batch.num_tokens == 6
+
+
+@pytest.mark.parametrize("lengths", [[1], [3, 0, 5], [7, 7], list(range(40, 0, -3))])
+def test_pad_right_matches_padding_row_by_row(lengths):
+    rng = np.random.default_rng(len(lengths))
+    sequences = [rng.integers(3, 1000, n).tolist() for n in lengths]
+    ids, is_real = pad_right(sequences, 0)
+    width = max(lengths)
+    assert ids.tolist() == [s + [0] * (width - len(s)) for s in sequences]
+    assert is_real.tolist() == [[j < len(s) for j in range(width)] for s in sequences]
+    assert ids.dtype == torch.long and is_real.dtype == torch.bool
 
 
 def test_batches_stay_within_max_tokens():
