@@ -5,10 +5,10 @@ Shapes: B batch, T target length, V vocabulary.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from tformer.data.tokenizers import IGNORE_INDEX
+from tformer.kernels.xent import cross_entropy
 
 
 def lm_loss(logits: Tensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:
@@ -24,8 +24,9 @@ def label_smoothed_loss(
     (Szegedy et al. 2016; Vaswani et al. 2017, sec. 5.4): the target distribution puts
     1 - epsilon on the right token and spreads epsilon evenly over the vocabulary.
     IGNORE_INDEX targets (padding) count for nothing; "mean" averages over real tokens.
-    The sum is taken in fp32 whatever the logits' dtype (bf16 autocast)."""
-    return F.cross_entropy(
+    The sum is taken in fp32 whatever the logits' dtype (bf16 autocast); on a CPU, through
+    tformer's kernel (tformer.kernels.xent), which never writes out the log-probabilities."""
+    return cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
         label_smoothing=epsilon, reduction=reduction,
     )

@@ -21,13 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float sum_lanes(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "vecmath.h"
 
 static inline int32_t sum_lanes_i32(__m256i v)
 {

@@ -62,9 +62,12 @@ PACKED_MIN_ROWS = 2
 products of this many rows and more: one row reads the weights at about the memory's rate
 through either kernel, and from two rows on the packed product is the faster of the three
 (benchmarks/int8_rows.py)."""
-_SOURCES = [Path(__file__).with_name(name) for name in ("matvec.c", "search.c", "dropout.c")]
-"""Built into one library: the products, beam search's candidates (search.py) and training's
-dropout (dropout.py)."""
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("matvec.c", "search.c", "dropout.c", "xent.c")]
+"""Built into one library: the products, beam search's candidates (search.py), and for
+training, dropout (dropout.py) and the cross-entropy (xent.py)."""
+_HEADERS = [Path(__file__).with_name("vecmath.h")]
+"""Included by the sources: part of the key the built library is cached under."""
 _PRIVATE_PREFIX = "tformer-kernel-"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
@@ -98,7 +101,7 @@ def _load() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise _Unavailable("no C compiler (set $CC)")
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
     directory = _cache_dir()
     library = directory / f"matvec-{key}.so"
@@ -145,12 +148,20 @@ def _load() -> ctypes.CDLL:
     lib.tformer_dropout.restype = None
     lib.tformer_philox4x32.argtypes = [ctypes.POINTER(ctypes.c_uint32)] * 3
     lib.tformer_philox4x32.restype = None
+    lib.tformer_xent_forward.argtypes = [ctypes.c_void_p] * 2 + [
+        ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [
+        ctypes.c_int]
+    lib.tformer_xent_forward.restype = None
+    lib.tformer_xent_backward.argtypes = [ctypes.c_void_p] * 4 + [
+        ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_int]
+    lib.tformer_xent_backward.restype = None
     # Both int8 paths are checked where the CPU has VNNI: the AVX2 one first, as it is the
     # one left if VNNI's fails.
     vnni = bool(lib.tformer_int8_vnni(1))
     lib.tformer_int8_vnni(0)
     if not (_computes_right(lib) and _packs_right(lib) and _picks_right(lib)
-            and _drops_right(lib)):
+            and _drops_right(lib) and _xent_right(lib)):
         raise _Unavailable(f"{library} computed a wrong product")
     if vnni:
         lib.tformer_int8_vnni(1)
@@ -235,6 +246,24 @@ def _drops_right(lib: ctypes.CDLL) -> bool:
     words = [philox4x32(lib, [8 * (i // 32) + i % 8, 0, 0, 0], key)[(i % 32) // 8]
              for i in range(n)]
     return torch.equal(y, torch.tensor([2.0 if w >= half else 0.0 for w in words]))
+
+
+def _xent_right(lib: ctypes.CDLL) -> bool:
+    """The same for xent.c: the loss and gradient of three rows of 37 logits (a vector's
+    worth and a remainder), one of them ignored, against F.cross_entropy's."""
+    x, target = torch.randn(3, 37), torch.tensor([5, -100, 36])
+    loss, stats = x.new_empty(3), x.new_empty(3, 2)
+    lib.tformer_xent_forward(x.data_ptr(), target.data_ptr(), 3, 37, 0.1, -100, loss.data_ptr(),
+                             stats.data_ptr(), 1)
+    g, grad = torch.ones(3), torch.empty(3, 37)
+    lib.tformer_xent_backward(x.data_ptr(), target.data_ptr(), stats.data_ptr(), g.data_ptr(), 3,
+                              37, 0.1, -100, grad.data_ptr(), 1)
+    want = F.cross_entropy(x, target, label_smoothing=0.1, reduction="none")
+    # The gradient written out (the check may run where autograd is off).
+    want_grad = x.softmax(dim=-1) - 0.1 / 37
+    want_grad[[0, 2], [5, 36]] -= 0.9
+    want_grad[1] = 0.0
+    return torch.allclose(loss, want, atol=1e-5) and torch.allclose(grad, want_grad, atol=1e-6)
 
 
 def _cache_dir() -> Path:
