@@ -10,7 +10,8 @@ and costs ~5 us a call (benchmarks/speed.py measures both effects end to end). I
 product (quantize.py) reads a quarter of the bytes and sums in exact 32-bit integers; on
 CPUs with AVX-512 VNNI, products of two to eight rows use its 8-bit dot-product
 instruction, with the same sums. The same library holds beam search's choice of candidates
-(`search.c`, see search.py) and, for training, dropout (`dropout.c`, see dropout.py).
+(`search.c`, see search.py) and, for training, dropout (`dropout.c`, see dropout.py) and
+the label-smoothed cross-entropy (`xent.c`, see xent.py).
 
 The C sources ship with the package and are compiled on first use with the system's C
 compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
@@ -21,7 +22,8 @@ cache directory fails that test, a private temporary directory serves this proce
 removed once the library is loaded). Where none of this can happen (no compiler, not x86-64
 Linux with AVX2 and FMA, `TFORMER_NATIVE=0` in the environment) `load()` returns None:
 fp32 decoding keeps to oneDNN, with the same results up to float rounding, and int8 to
-torch._int_mm, with the same results bit for bit, and dropout to torch's (with other masks).
+torch._int_mm, with the same results bit for bit, dropout to torch's (with other masks) and
+the loss to F.cross_entropy.
 
 The kernel threads with OpenMP. Linked after torch (whose Linux builds use GNU OpenMP), it
 resolves to the runtime torch already loaded and shares its threads; it uses

@@ -1,13 +1,16 @@
-"""Dropout: tformer's kernel (tformer/kernels/dropout.c) against torch's, on its own and in
-training, timed side by side in one run.
+"""Training's kernels, dropout (tformer/kernels/dropout.c) and the label-smoothed
+cross-entropy (xent.c), against torch's, on their own and in training, timed side by side in
+one run.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/dropout.py [--repeats 7] \
-        [--config configs/seq2seq-multi30k.toml --steps 40 --rounds 2]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/training_kernels.py [--repeats 7] \
+        [--config configs/seq2seq-multi30k.toml --steps 60 --rounds 2]
 
-The first table times dropout forward and backward (p = 0.3) on the shapes the Multi30k
-config drops in one step (its batches of ~2,000 target tokens): the residual branches and
-embeddings, the FFN's hidden layer, and attention probabilities. The second trains the config
-through the CLI with the kernel and with torch's dropout (`TFORMER_NATIVE=0`), in
+The first table times each operation forward and backward on the shapes one step of the
+Multi30k config makes (its batches of ~2,000 target tokens): dropout (p = 0.3) on the
+residual branches and embeddings, the FFN's hidden layer and attention probabilities, and
+the loss over the 8,000-token vocabulary (label smoothing 0.1); and the loss over GPT-2's
+vocabulary, 2,048 tokens a batch. The second trains the config through the CLI with the
+kernels and without them (`TFORMER_NATIVE=0`: torch's dropout and F.cross_entropy), in
 alternation, and compares target tokens/s (the median over each run's logged windows after
 the first). --steps 0 leaves training out.
 """
@@ -29,27 +32,27 @@ import torch.nn.functional as F
 
 from tformer.kernels import dropout as kd
 from tformer.kernels import matvec
+from tformer.kernels.xent import cross_entropy
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = {  # name: (shape, calls in one step of the Multi30k config)
-    "residual / embeddings (2000 x 128)": ((2000, 128), 22),
-    "FFN hidden (2000 x 512)": ((2000, 512), 8),
-    "attention probabilities (150 x 4 x 16 x 16)": ((150, 4, 16, 16), 12),
+DROPOUT = {  # name: (shape, calls in one step of the Multi30k config)
+    "dropout: residual / embeddings (2000 x 128)": ((2000, 128), 22),
+    "dropout: FFN hidden (2000 x 512)": ((2000, 512), 8),
+    "dropout: attention probabilities (150 x 4 x 16 x 16)": ((150, 4, 16, 16), 12),
+}
+LOSS = {  # name: (tokens, vocabulary, calls a step)
+    "loss: Multi30k (2000 x 8000)": (2000, 8000, 1),
+    "loss: GPT-2's vocabulary (2048 x 50257)": (2048, 50257, 1),
 }
 
 
-def time_call(fn, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls, after one to warm up."""
+def seconds(fn) -> float:
+    start = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
+    return time.perf_counter() - start
 
 
-def forward_backward(drop, shape: tuple[int, ...]):
+def dropout_step(drop, shape: tuple[int, ...]):
     x = torch.randn(shape, requires_grad=True)
     grad = torch.randn(shape)
 
@@ -60,18 +63,32 @@ def forward_backward(drop, shape: tuple[int, ...]):
     return step
 
 
+def loss_step(loss, tokens: int, vocab: int):
+    x = torch.randn(tokens, vocab, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+
+    def step() -> None:
+        loss(x, targets, ignore_index=-100, label_smoothing=0.1).backward()
+        x.grad = None
+
+    return step
+
+
 def op_table(repeats: int) -> None:
-    print(f"\ndropout p = 0.3, forward + backward, {torch.get_num_threads()} thread(s), "
-          f"median of {repeats} in alternation\n")
-    print("| shape | calls a step | torch (ms) | tformer (ms) | ratio |\n"
+    print(f"\nforward + backward, {torch.get_num_threads()} thread(s), median of {repeats} in "
+          f"alternation\n")
+    print("| operation | calls a step | torch (ms) | tformer (ms) | ratio |\n"
           "| --- | ---: | ---: | ---: | ---: |")
-    for name, (shape, calls) in SHAPES.items():
-        sides = {"torch": forward_backward(F.dropout, shape),
-                 "tformer": forward_backward(kd.dropout, shape)}
-        times: dict[str, list[float]] = {side: [] for side in sides}
+    cases = {name: (calls, dropout_step(F.dropout, shape), dropout_step(kd.dropout, shape))
+             for name, (shape, calls) in DROPOUT.items()}
+    cases.update({name: (calls, loss_step(F.cross_entropy, n, v), loss_step(cross_entropy, n, v))
+                  for name, (n, v, calls) in LOSS.items()})
+    for name, (calls, theirs, ours) in cases.items():
+        theirs(), ours()  # warm-up
+        times: dict[str, list[float]] = {"torch": [], "tformer": []}
         for _ in range(repeats):
-            for side, fn in sides.items():
-                times[side] += time_call(fn, 1)
+            times["torch"].append(seconds(theirs))
+            times["tformer"].append(seconds(ours))
         ms = {side: statistics.median(t) * 1e3 for side, t in times.items()}
         print(f"| {name} | {calls} | {ms['torch']:.2f} | {ms['tformer']:.2f} | "
               f"{ms['torch'] / ms['tformer']:.1f}x |")
@@ -93,15 +110,15 @@ def train_rate(config: str, steps: int, native: bool, out: Path) -> float:
 
 
 def training_table(config: str, steps: int, rounds: int) -> None:
-    rates: dict[str, list[float]] = {"torch's dropout": [], "tformer's kernel": []}
+    rates: dict[str, list[float]] = {"torch": [], "tformer's kernels": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            for side, native in (("torch's dropout", False), ("tformer's kernel", True)):
+            for side, native in (("torch", False), ("tformer's kernels", True)):
                 rates[side].append(train_rate(config, steps, native, Path(tmp) / f"{r}-{native}"))
     print(f"\ntraining {config}, {steps} steps a run, {rounds} rounds in alternation, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n")
-    print("| dropout | target tokens/s | rounds | ratio |\n| --- | ---: | --- | ---: |")
-    base = statistics.median(rates["torch's dropout"])
+    print("| dropout and loss | target tokens/s | rounds | ratio |\n| --- | ---: | --- | ---: |")
+    base = statistics.median(rates["torch"])
     for side, values in rates.items():
         median = statistics.median(values)
         print(f"| {side} | {median:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | "
@@ -112,7 +129,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--config", default="configs/seq2seq-multi30k.toml")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     if matvec.load() is None:
