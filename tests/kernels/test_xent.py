@@ -56,6 +56,18 @@ def test_large_logits_and_an_upstream_gradient_per_row():
 
 
 @native
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_a_nan_or_infinite_logit_gives_the_loss_torch_gives(eps):
+    x = torch.randn(4, 20)
+    x[0, 3], x[1, 7], x[2, 0] = float("nan"), float("inf"), float("-inf")
+    targets = torch.tensor([1, 2, 5, 6])
+    got = cross_entropy(x, targets, ignore_index=IGNORE, label_smoothing=eps, reduction="none")
+    want = F.cross_entropy(x, targets, label_smoothing=eps, reduction="none")
+    assert got[:2].isnan().all() and want[:2].isnan().all()
+    torch.testing.assert_close(got[2:], want[2:])  # -inf: +inf with smoothing, else finite
+
+
+@native
 def test_only_padding_gives_nan_as_torch_does_and_a_zero_gradient():
     x = torch.randn(4, 10, requires_grad=True)
     targets = torch.full((4,), IGNORE)

@@ -14,7 +14,9 @@
  * row, its maximum m and log sum_j exp(x_j - m) (lse = m + that, which is not rounded to one
  * float: at |m| ~ 16 that rounding alone would move a probability near 1 by 1e-6); the
  * backward pass reads the row once more and writes the gradient.
- * Rows whose target is `ignore` (padding) have loss 0 and gradient 0.
+ * Rows whose target is `ignore` (padding) have loss 0 and gradient 0. A row with a NaN or
+ * +inf logit has loss NaN, as with torch (the exp below would pass over a NaN as a 0), so
+ * that training sees a broken step as one and skips it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -51,6 +53,11 @@ void tformer_xent_forward(const float *x, const int64_t *target, long n, long v,
             mx = row[t] > mx ? row[t] : mx;
             total += row[t];
         }
+        if (isnan(total) || total == INFINITY) { /* a NaN or +inf logit, as torch: NaN */
+            loss[i] = NAN;
+            stats[2 * i] = stats[2 * i + 1] = NAN;
+            continue;
+        }
         const __m256 m = _mm256_set1_ps(mx);
         __m256 vexp = _mm256_setzero_ps();
         for (j = 0; j + 8 <= v; j += 8)
@@ -61,9 +68,11 @@ void tformer_xent_forward(const float *x, const int64_t *target, long n, long v,
         const float logsum = logf(sum);
         stats[2 * i] = mx;
         stats[2 * i + 1] = logsum;
-        /* lse - x = logsum - (x - max), as log_softmax computes it */
-        loss[i] = (1.0f - eps) * (logsum - (row[target[i]] - mx))
-                  + eps * (logsum - (total / (float)v - mx));
+        /* lse - x = logsum - (x - max), as log_softmax computes it. The smoothing term only
+         * where eps > 0: with a -inf logit it is infinite, and 0 * inf would be NaN. */
+        loss[i] = (1.0f - eps) * (logsum - (row[target[i]] - mx));
+        if (eps != 0.0f)
+            loss[i] += eps * (logsum - (total / (float)v - mx));
     }
 }
 
