@@ -312,8 +312,9 @@ class MultiHeadAttention(nn.Module):
             if isinstance(cache, KVCache):
                 k, v = cache.append(k, v)
 
-        # Attention dropout in training: SDPA's own draws its mask from torch's CPU generator,
-        # an element at a time, where tformer's dropout kernel is many times faster.
+        # Attention dropout in training on a CPU: SDPA's fused CPU kernel takes no dropout, and
+        # with dropout_p > 0 it runs its math path, these same steps written out, with torch's
+        # dropout; written out here, the probabilities go through tformer's dropout kernel.
         if self.recorded is not None or (self.training and runs_natively(q, self.dropout)):
             out = self.attend_explicitly(q, k, v, mask, is_causal and mask is None)
             return self.out_proj(out.transpose(1, 2).flatten(2))
