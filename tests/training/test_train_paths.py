@@ -2,6 +2,7 @@
 autocast, torch.compile."""
 
 import csv
+import math
 
 import pytest
 import torch
@@ -68,3 +69,15 @@ def test_a_compiled_model_trains_like_the_plain_one(tiny_corpus, tmp_path):
     plain, compiled = final_weights(tmp_path / "plain"), final_weights(tmp_path / "compiled")
     for name in plain:
         torch.testing.assert_close(compiled[name], plain[name], atol=1e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_with_dropout_trains(tiny_corpus, tmp_path):
+    """Under torch.compile, dropout and the loss are torch's inside the graph (tformer's
+    kernels step aside while compiling): training runs and learns."""
+    result = train(tiny_config(tiny_corpus, "train.batch_size=4", "train.compile=true",
+                               "model.dropout=0.2", "train.steps=8", "train.eval_every=8",
+                               "train.checkpoint_every=8"), tmp_path / "compiled")
+    losses = train_losses(tmp_path / "compiled")
+    assert result.skipped_steps == 0 and all(map(math.isfinite, losses))
+    assert losses[-1] < losses[0]
