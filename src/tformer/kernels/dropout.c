@@ -28,31 +28,6 @@
 #define PHILOX_W1 0xBB67AE85u /* sqrt(3) - 1 */
 #define BLOCK 32              /* elements from one call of philox8: 8 counters x 4 words */
 
-/* The four words of Philox4x32-10 for one counter (c0, c1, c2, c3) and key (k0, k1): the
- * generator as its authors define it, one round after another. Exported for the
- * known-answer tests; philox8 below is the same for eight counters at once. */
-void tformer_philox4x32(const uint32_t *counter, const uint32_t *key, uint32_t *out)
-{
-    uint32_t c0 = counter[0], c1 = counter[1], c2 = counter[2], c3 = counter[3];
-    uint32_t k0 = key[0], k1 = key[1];
-    for (int round = 0; round < 10; round++) {
-        const uint64_t p0 = (uint64_t)PHILOX_M0 * c0;
-        const uint64_t p1 = (uint64_t)PHILOX_M1 * c2;
-        const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0;
-        const uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
-        c1 = (uint32_t)p1;
-        c3 = (uint32_t)p0;
-        c0 = n0;
-        c2 = n2;
-        k0 += PHILOX_W0;
-        k1 += PHILOX_W1;
-    }
-    out[0] = c0;
-    out[1] = c1;
-    out[2] = c2;
-    out[3] = c3;
-}
-
 /* The high and low 32 bits of a[l] * m for eight lanes. _mm256_mul_epu32 multiplies the
  * even lanes into 64-bit products; the odd lanes are shifted down and multiplied the same
  * way, and the halves are blended back into place. */
@@ -64,12 +39,14 @@ static inline void mulhilo8(__m256i a, __m256i m, __m256i *hi, __m256i *lo)
     *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
 
-/* Philox4x32-10 of the counters (c0[l], c1[l], 0, 0), l < 8, under the key (k0, k1): word w
- * of lane l in lane l of words[w]. */
-static inline void philox8(__m256i c0, __m256i c1, uint32_t k0, uint32_t k1, __m256i words[4])
+/* Philox4x32-10 of eight counters (c0[l], c1[l], c2[l], c3[l]), l < 8, under the key
+ * (k0, k1): word w of lane l in lane l of words[w]. Each of the ten rounds multiplies words
+ * 0 and 2 by the generator's constants, swaps the products' halves into place with words 1
+ * and 3 and the key, and steps the key on (Salmon et al. 2011, fig. 2). */
+static inline void philox8(__m256i c0, __m256i c1, __m256i c2, __m256i c3, uint32_t k0,
+                           uint32_t k1, __m256i words[4])
 {
     const __m256i m0 = _mm256_set1_epi32((int)PHILOX_M0), m1 = _mm256_set1_epi32((int)PHILOX_M1);
-    __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
     for (int round = 0; round < 10; round++) {
         __m256i hi0, lo0, hi1, lo1;
         mulhilo8(c0, m0, &hi0, &lo0);
@@ -85,6 +62,19 @@ static inline void philox8(__m256i c0, __m256i c1, uint32_t k0, uint32_t k1, __m
     words[1] = c1;
     words[2] = c2;
     words[3] = c3;
+}
+
+/* The four words of Philox4x32-10 for one counter (c0, c1, c2, c3) and key (k0, k1), from
+ * the same code as dropout's (lane 0 of philox8): exported for the generator's known-answer
+ * tests. */
+void tformer_philox4x32(const uint32_t *counter, const uint32_t *key, uint32_t *out)
+{
+    __m256i words[4];
+    philox8(_mm256_set1_epi32((int)counter[0]), _mm256_set1_epi32((int)counter[1]),
+            _mm256_set1_epi32((int)counter[2]), _mm256_set1_epi32((int)counter[3]), key[0],
+            key[1], words);
+    for (int w = 0; w < 4; w++)
+        out[w] = (uint32_t)_mm256_extract_epi32(words[w], 0);
 }
 
 /* y[i] = x[i] * (word(seed, i) >= threshold ? scale : 0) for i < n. x and y may be the same
@@ -109,7 +99,7 @@ void tformer_dropout(const float *x, float *y, long n, uint64_t seed, uint32_t t
          * low half does not wrap. */
         const __m256i c1 = _mm256_set1_epi32((int)(uint32_t)(first >> 32));
         __m256i words[4];
-        philox8(c0, c1, k0, k1, words);
+        philox8(c0, c1, _mm256_setzero_si256(), _mm256_setzero_si256(), k0, k1, words);
         const long start = b * BLOCK;
         if (start + BLOCK <= n) {
             for (int w = 0; w < 4; w++) {

@@ -237,8 +237,8 @@ def philox4x32(lib: ctypes.CDLL, counter: list[int], key: list[int]) -> list[int
 
 def _drops_right(lib: ctypes.CDLL) -> bool:
     """The same for dropout.c: the generator's first known-answer vector (Random123's
-    kat_vectors), and the vector path's mask at p = 0.5 over two blocks and a tail against
-    the scalar generator's words."""
+    kat_vectors), and the mask at p = 0.5 over two blocks and a tail against the words the
+    generator gives each element's counter (the layout of lanes, words and blocks)."""
     if philox4x32(lib, [0, 0, 0, 0], [0, 0]) != [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]:
         return False
     seed, n, half = 0x0123456789ABCDEF, 70, 2**31
