@@ -81,11 +81,7 @@ static float best_of_row(const float *x, long v, int k, const int64_t *banned, i
         if (x[j] > val[k - 1] && !is_banned(j, banned, nbanned))
             insert(val, idx, k, x[j], j);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vmax);
-    for (int l = 0; l < 8; l++)
-        mx = lanes[l] > mx ? lanes[l] : mx;
-    return mx;
+    return max_lanes(vmax, mx);
 }
 
 /* For each of the n rows of x (n x v, row-major): top (n x k) and idx (n x k) as described
@@ -100,17 +96,7 @@ void tformer_top_logprobs(const float *x, const float *add, const int64_t *banne
         const float *row = x + i * v;
         float *val = top + i * k;
         const float mx = best_of_row(row, v, k, banned, nbanned, val, idx + i * k);
-        const __m256 m = _mm256_set1_ps(mx);
-        __m256 acc = _mm256_setzero_ps();
-        long j = 0;
-        for (; j + 8 <= v; j += 8)
-            acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), m)));
-        float lanes[8], sum = 0.0f;
-        _mm256_storeu_ps(lanes, acc);
-        for (int l = 0; l < 8; l++)
-            sum += lanes[l];
-        for (; j < v; j++)
-            sum += expf(row[j] - mx);
+        const float sum = sum_exp(row, v, mx);
         const float logsum = logf(sum);
         for (int r = 0; r < k; r++)
             val[r] = ((val[r] - mx) - logsum) + add[i];

@@ -4,6 +4,7 @@
 #define TFORMER_VECMATH_H
 
 #include <immintrin.h>
+#include <math.h>
 
 /* The sum of the eight lanes of v. */
 static inline float sum_lanes(__m256 v)
@@ -38,6 +39,34 @@ static inline __m256 exp8(__m256 x)
     const __m256i scale = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), keep);
+}
+
+/* The largest of m and the eight lanes of v. */
+static inline float max_lanes(__m256 v, float m)
+{
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    for (int l = 0; l < 8; l++)
+        m = lanes[l] > m ? lanes[l] : m;
+    return m;
+}
+
+/* sum_j exp(row[j] - mx) over a row of v floats, mx its maximum: eight lanes of exp8, the
+ * lanes summed in order, then the remainder one by one. */
+static inline float sum_exp(const float *row, long v, float mx)
+{
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= v; j += 8)
+        acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), m)));
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++)
+        sum += lanes[l];
+    for (; j < v; j++)
+        sum += expf(row[j] - mx);
+    return sum;
 }
 
 #endif

@@ -44,11 +44,7 @@ void tformer_xent_forward(const float *x, const int64_t *target, long n, long v,
             vmax = _mm256_max_ps(vmax, xv);
             vsum = _mm256_add_ps(vsum, xv);
         }
-        float lanes[8], mx = -INFINITY;
-        _mm256_storeu_ps(lanes, vmax);
-        for (int l = 0; l < 8; l++)
-            mx = lanes[l] > mx ? lanes[l] : mx;
-        float total = sum_lanes(vsum);
+        float mx = max_lanes(vmax, -INFINITY), total = sum_lanes(vsum);
         for (long t = j; t < v; t++) {
             mx = row[t] > mx ? row[t] : mx;
             total += row[t];
@@ -58,14 +54,7 @@ void tformer_xent_forward(const float *x, const int64_t *target, long n, long v,
             stats[2 * i] = stats[2 * i + 1] = NAN;
             continue;
         }
-        const __m256 m = _mm256_set1_ps(mx);
-        __m256 vexp = _mm256_setzero_ps();
-        for (j = 0; j + 8 <= v; j += 8)
-            vexp = _mm256_add_ps(vexp, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), m)));
-        float sum = sum_lanes(vexp);
-        for (; j < v; j++)
-            sum += expf(row[j] - mx);
-        const float logsum = logf(sum);
+        const float logsum = logf(sum_exp(row, v, mx));
         stats[2 * i] = mx;
         stats[2 * i + 1] = logsum;
         /* lse - x = logsum - (x - max), as log_softmax computes it. The smoothing term only
