@@ -8,6 +8,8 @@ from torch import nn
 from tformer.decoding import beam as beam_module
 from tformer.decoding.beam import beam_search, greedy_search, length_penalty
 from tformer.kernels.search import torch_top_logprobs
+from tformer.layers import attention as attention_module
+from tformer.models import seq2seq as seq2seq_module
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
@@ -272,3 +274,21 @@ def test_candidates_from_the_kernel_and_from_torch_give_the_same_search(model, m
     for a, b in zip(fast, plain, strict=True):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_caches_read_in_place_give_the_same_search_as_copied_ones(model, monkeypatch, beam):
+    # Where the attention kernel is built, beam search never copies the caches (a Lineage
+    # follows the beams) and each step's attention runs the kernel; torch's attention over
+    # caches copied into the beams' order at every step must find the same translations.
+    src, real, _ = sources(12, seed=4)
+    fast = beam_search(model, src, real, beam=beam, n_best=beam, alpha=0.6, **SPECIAL)
+    fast_greedy = greedy_search(model, src, real, **SPECIAL)
+    monkeypatch.setattr(seq2seq_module, "serves_cache", lambda dtype, device: False)
+    monkeypatch.setattr(attention_module, "serves", lambda x: False)
+    plain = beam_search(model, src, real, beam=beam, n_best=beam, alpha=0.6, **SPECIAL)
+    plain_greedy = greedy_search(model, src, real, **SPECIAL)
+    for a, b in zip(fast, plain, strict=True):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
+    assert [h.tokens for h in fast_greedy] == [h.tokens for h in plain_greedy]

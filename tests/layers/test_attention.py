@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from tformer.layers import (
     DecoderCache,
     KVCache,
+    Lineage,
     MultiHeadAttention,
     attention_bias,
     causal_mask,
@@ -145,3 +146,49 @@ def test_decoder_cache_reorders_padding_too():
     cache.is_real[0, 0] = False
     cache.reorder(torch.tensor([1, 0]))
     assert cache.is_real[1, 0].item() is False and cache.is_real[0, 0].item() is True
+
+
+def _decoder_caches(rows, positions):
+    """A copying cache and a lineage cache of one layer (2 heads, d_head 4, d_value 3)."""
+    cpu = torch.device("cpu")
+    copying = DecoderCache([KVCache(rows, 2, positions, 4, 3, dtype=torch.float32, device=cpu)])
+    lineage = Lineage(rows, positions, cpu)
+    following = DecoderCache(
+        [KVCache(rows, 2, positions, 4, 3, dtype=torch.float32, device=cpu, lineage=lineage)]
+    )
+    return copying, following
+
+
+@torch.no_grad()
+def test_a_lineage_cache_attends_as_a_copied_one_step_after_step():
+    # Beam search's steps: one query per row, then the surviving rows' parents (fewer rows as
+    # sentences finish). The lineage cache never copies; its attention (the kernel where it
+    # is built) must match attention over the copied cache, and what it gathers must equal
+    # the copied keys exactly.
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, 2, d_head=4, d_value=3).eval()
+    copying, following = _decoder_caches(6, 8)
+    rows = 6
+    for index in ([5, 0, 0, 2, 3, 1], [1, 1, 4, 0, 0, 2], [3, 0, 2, 2], [1, 0, 3], [2, 2]):
+        x = torch.randn(rows, 1, 8)
+        want = attn(x, cache=copying.self_attn[0])
+        got = attn(x, cache=following.self_attn[0])
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        keys, values = following.self_attn[0].append(torch.empty(len(x), 2, 0, 4),
+                                                     torch.empty(len(x), 2, 0, 3))
+        assert torch.equal(keys, copying.self_attn[0].k[:, :, : copying.length])
+        assert torch.equal(values, copying.self_attn[0].v[:, :, : copying.length])
+        copying.reorder(torch.tensor(index))
+        following.reorder(torch.tensor(index))
+        rows = len(index)
+    assert following.self_attn[0].k.shape[0] == 6  # the buffers were never copied
+
+
+def test_a_lineage_is_reordered_once_for_all_layers():
+    copying, following = _decoder_caches(2, 4)
+    with pytest.raises(RuntimeError, match="reordered through its lineage"):
+        following.self_attn[0].reorder(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="cannot be narrowed"):
+        following.narrow(slice(0, 1), 0)
+    with pytest.raises(ValueError, match="share one lineage, or none"):
+        DecoderCache([following.self_attn[0], copying.self_attn[0]])

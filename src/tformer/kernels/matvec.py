@@ -65,9 +65,10 @@ products of this many rows and more: one row reads the weights at about the memo
 through either kernel, and from two rows on the packed product is the faster of the three
 (benchmarks/int8_rows.py)."""
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("matvec.c", "search.c", "dropout.c", "xent.c")]
-"""Built into one library: the products, beam search's candidates (search.py), and for
-training, dropout (dropout.py) and the cross-entropy (xent.py)."""
+            for name in ("matvec.c", "search.c", "attend.c", "dropout.c", "xent.c")]
+"""Built into one library: the products, beam search's candidates (search.py), a decoding
+step's attention (attend.py), and for training, dropout (dropout.py) and the cross-entropy
+(xent.py)."""
 _HEADERS = [Path(__file__).with_name("vecmath.h")]
 """Included by the sources: part of the key the built library is cached under."""
 _PRIVATE_PREFIX = "tformer-kernel-"
@@ -145,6 +146,12 @@ def _load() -> ctypes.CDLL:
     lib.tformer_gemm_int8_available.restype = ctypes.c_int
     lib.tformer_int8_vnni.argtypes = [ctypes.c_int]
     lib.tformer_int8_vnni.restype = ctypes.c_int
+    lib.tformer_attend_step.argtypes = (
+        [ctypes.c_void_p, ctypes.c_long] + ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 2
+        + [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long]
+        + [ctypes.c_void_p] + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int]
+    )
+    lib.tformer_attend_step.restype = None
     lib.tformer_dropout.argtypes = [ctypes.c_void_p] * 2 + [
         ctypes.c_long, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]
     lib.tformer_dropout.restype = None
@@ -163,7 +170,7 @@ def _load() -> ctypes.CDLL:
     vnni = bool(lib.tformer_int8_vnni(1))
     lib.tformer_int8_vnni(0)
     if not (_computes_right(lib) and _packs_right(lib) and _picks_right(lib)
-            and _drops_right(lib) and _xent_right(lib)):
+            and _attends_right(lib) and _drops_right(lib) and _xent_right(lib)):
         raise _Unavailable(f"{library} computed a wrong product")
     if vnni:
         lib.tformer_int8_vnni(1)
@@ -225,6 +232,22 @@ def _picks_right(lib: ctypes.CDLL) -> bool:
     logprobs = F.log_softmax(x, dim=-1).index_fill_(1, banned, float("-inf"))
     want, want_index = logprobs.add_(add[:, None]).topk(5, dim=-1)
     return torch.equal(index, want_index) and torch.allclose(top, want, atol=1e-5)
+
+
+def _attends_right(lib: ctypes.CDLL) -> bool:
+    """The same for attend.c: three rows of two heads (d = 12: a vector's worth and a
+    remainder) over 9 positions read through a table of buffer rows, against attention
+    written out over the keys gathered in that order."""
+    k, v, q = torch.randn(3, 2, 10, 12), torch.randn(3, 2, 10, 12), torch.randn(3, 2, 12)
+    rows = torch.randint(0, 3, (3, 9))
+    out = q.new_empty(3, 2, 12)
+    lib.tformer_attend_step(q.data_ptr(), 24, k.data_ptr(), 240, 120, 12, v.data_ptr(), 240,
+                            120, 12, rows.data_ptr(), 9, 1, None, 0, out.data_ptr(), 3, 2, 9,
+                            12, 12, 12**-0.5, 1)
+    positions = torch.arange(9)
+    keys, values = k[rows, :, positions].transpose(1, 2), v[rows, :, positions].transpose(1, 2)
+    probs = ((keys @ q[..., None])[..., 0] * 12**-0.5).softmax(dim=-1)
+    return torch.allclose(out, (probs[:, :, None] @ values)[:, :, 0], atol=1e-5)
 
 
 def philox4x32(lib: ctypes.CDLL, counter: list[int], key: list[int]) -> list[int]:

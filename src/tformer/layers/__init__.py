@@ -4,6 +4,7 @@ from tformer.kernels.dropout import Dropout, dropout
 from tformer.layers.attention import (
     DecoderCache,
     KVCache,
+    Lineage,
     MultiHeadAttention,
     StaticKV,
     attention_bias,
@@ -29,6 +30,7 @@ __all__ = [
     "FeedForward",
     "KVCache",
     "LearnedPositions",
+    "Lineage",
     "MultiHeadAttention",
     "Residual",
     "SINUSOID_LAYOUTS",

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer.kernels.attend import attend_step, gather_positions, serves
 from tformer.kernels.dropout import dropout, runs_natively
 
 # --- masks ----------------------------------------------------------------------------------
@@ -62,13 +63,38 @@ def attention_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
 # --- the KV cache ---------------------------------------------------------------------------
 
 
+class Lineage:
+    """Where each hypothesis' cached positions lie, for KV caches that beam search never copies.
+
+    A reorder would copy every layer's cache into the surviving hypotheses' order at every
+    step. Instead, position s of a step's new keys is written to buffer row i (the i-th
+    hypothesis then) and stays there, and rows[i, s] says which buffer row holds position s
+    of hypothesis i's history: a reorder reorders this table (N x positions int64, one for
+    all layers) instead of the caches, and attention reads the keys through it
+    (kernels/attend.py). Positions not written yet map each row to itself.
+    """
+
+    def __init__(self, batch: int, max_len: int, device: torch.device) -> None:
+        self.rows = torch.arange(batch, device=device)[:, None].repeat(1, max_len)
+
+    def reorder(self, index: Tensor, filled: int) -> None:
+        """Hypothesis i now continues hypothesis index[i]; `filled` positions are written."""
+        rows = self.rows.index_select(0, index)
+        rows[:, filled:] = torch.arange(len(index), device=rows.device)[:, None]
+        self.rows = rows
+
+
 class KVCache:
     """Preallocated keys and values of one attention layer, filled as decoding goes on.
 
-    Appending writes into a fixed buffer (no torch.cat per token); `reorder` follows beam
-    search's choice of surviving hypotheses, copying the positions filled so far into a
-    second buffer that it keeps for this (the two swap at every reorder), so that a step
-    allocates nothing and copies no position it has not reached.
+    Appending writes into a fixed buffer (no torch.cat per token). Beam search's choice of
+    surviving hypotheses is followed in one of two ways:
+    - with a `lineage` (shared by a decoder's layers), nothing is copied: new positions go to
+      the buffer rows of the hypotheses' current order and the lineage records where each
+      hypothesis' earlier positions are (attention reads through it, kernels/attend.py);
+    - without one, `reorder` copies the positions filled so far into a second buffer that it
+      keeps for this (the two swap at every reorder), so that a step allocates nothing and
+      copies no position it has not reached.
     """
 
     def __init__(
@@ -81,10 +107,12 @@ class KVCache:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        lineage: Lineage | None = None,
     ) -> None:
         self.k = torch.empty(batch, n_head, max_len, d_head, dtype=dtype, device=device)
         self.v = torch.empty(batch, n_head, max_len, d_value, dtype=dtype, device=device)
         self.length = 0
+        self.lineage = lineage
         self._spare: tuple[Tensor, Tensor] | None = None
         """reorder's destination: buffers shaped as k and v (made at the first reorder)."""
         self._borrowed = False
@@ -95,7 +123,7 @@ class KVCache:
         """A cache whose buffers are the given (B, H, max_len, ·) tensors (views, say, of a
         larger pool), holding `length` positions already."""
         cache = cls.__new__(cls)
-        cache.k, cache.v, cache.length = k, v, length
+        cache.k, cache.v, cache.length, cache.lineage = k, v, length, None
         cache._spare, cache._borrowed = None, True
         return cache
 
@@ -103,19 +131,32 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store (B, H, T, ·) new keys/values; return views of everything stored so far."""
+    def store(self, k: Tensor, v: Tensor) -> None:
+        """Write (N, H, T, ·) new keys/values after the positions stored so far: to the
+        first N buffer rows (all of them, without a lineage)."""
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
             raise RuntimeError(f"KV cache holds {self.max_len} positions; {end} requested")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
+        rows = slice(None) if self.lineage is None else slice(0, k.shape[0])
+        self.k[rows, :, start:end] = k
+        self.v[rows, :, start:end] = v
         self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store (N, H, T, ·) new keys/values; return everything stored so far in the rows'
+        order: views of the buffers, or with a lineage, copies gathered through it."""
+        self.store(k, v)
+        if self.lineage is None:
+            return self.k[:, :, : self.length], self.v[:, :, : self.length]
+        rows = self.lineage.rows
+        return (gather_positions(self.k, rows, self.length),
+                gather_positions(self.v, rows, self.length))
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows `index` (beam search: the surviving hypotheses' parents), as many
         rows as the cache has or fewer (finished sentences leave)."""
+        if self.lineage is not None:
+            raise RuntimeError("a KV cache with a lineage is reordered through its lineage")
         rows, filled = len(index), self.length
         if self._spare is None or self._spare[0].shape[0] < rows:
             self._spare = (self.k.new_empty(rows, *self.k.shape[1:]),
@@ -160,6 +201,9 @@ class DecoderCache:
         self.self_attn = self_attn
         self.cross_attn = cross_attn or []
         first = self_attn[0]
+        self.lineage = first.lineage
+        if any(cache.lineage is not self.lineage for cache in self_attn):
+            raise ValueError("the layers of a decoder cache share one lineage, or none")
         self.is_real: Tensor | None = None
         if track_padding:
             self.is_real = torch.ones(
@@ -177,6 +221,8 @@ class DecoderCache:
     def narrow(self, rows: slice, length: int) -> DecoderCache:
         """A cache over some rows of this one, sharing its buffers, at `length` positions:
         what a pool of decoding slots hands the model for the rows it decodes."""
+        if self.lineage is not None:
+            raise ValueError("a decoder cache with a lineage cannot be narrowed")
         narrowed = DecoderCache(
             [KVCache.over(c.k[rows], c.v[rows], length) for c in self.self_attn]
         )
@@ -188,13 +234,24 @@ class DecoderCache:
         """Keep target rows `index` (beam search: the surviving hypotheses' parents); with
         `sentences`, the cross-attention keeps only those sentences' encoder keys and
         values, the ones `index` still decodes (finished sentences leave the batch)."""
-        for cache in self.self_attn:
-            cache.reorder(index)
+        if self.lineage is not None:
+            self.lineage.reorder(index, self.length)
+        else:
+            for cache in self.self_attn:
+                cache.reorder(index)
         if sentences is not None:
             for cache in self.cross_attn:
                 cache.keep(sentences)
         if self.is_real is not None:
             self.is_real = self.is_real.index_select(0, index)
+
+
+def _bias_rows(mask: Tensor, rows: int, length: int, dtype: torch.dtype) -> Tensor | None:
+    """A (rows, 1, 1, length) float key-padding bias as the (rows, length) that attend_step
+    takes; None for any other mask."""
+    if mask.dtype != dtype or mask.shape != (rows, 1, 1, length):
+        return None
+    return mask[:, 0, 0]
 
 
 # --- multi-head attention -------------------------------------------------------------------
@@ -295,6 +352,10 @@ class MultiHeadAttention(nn.Module):
                 k, v = self._project_memory(memory)
                 if isinstance(cache, StaticKV):
                     cache.k, cache.v = k, v
+            if T == 1 and B % k.shape[0] == 0 and self._steps_natively(q):
+                bias = mask if mask is None else _bias_rows(mask, k.shape[0], k.shape[2], q.dtype)
+                if mask is None or bias is not None:
+                    return self._project_step(attend_step(q[:, :, 0], k, v, k.shape[2], bias=bias))
             if k.shape[0] != B:
                 if self.recorded is None:
                     return self._attend_shared(q, k, v, mask)
@@ -310,6 +371,14 @@ class MultiHeadAttention(nn.Module):
                 v, self.d_value
             )
             if isinstance(cache, KVCache):
+                rows = None if cache.lineage is None else cache.lineage.rows
+                if (T == 1 and mask is None and self._steps_natively(q)
+                        and (B == cache.k.shape[0] if rows is None else B == rows.shape[0])):
+                    # A decoding step: the keys stay in the cache (and where a lineage says).
+                    cache.store(k, v)
+                    return self._project_step(
+                        attend_step(q[:, :, 0], cache.k, cache.v, cache.length, rows=rows)
+                    )
                 k, v = cache.append(k, v)
 
         # Attention dropout in training on a CPU: SDPA's fused CPU kernel takes no dropout, and
@@ -327,6 +396,14 @@ class MultiHeadAttention(nn.Module):
             is_causal=is_causal and mask is None,
         )
         return self.out_proj(out.transpose(1, 2).flatten(2))
+
+    def _steps_natively(self, q: Tensor) -> bool:
+        """Whether a one-query step over a cache runs kernels/attend.py's kernel here."""
+        return not self.training and self.recorded is None and serves(q)
+
+    def _project_step(self, out: Tensor) -> Tensor:
+        """(B, H, d_value) attention output of a one-query step -> (B, 1, D)."""
+        return self.out_proj(out.flatten(1)[:, None])
 
     def attend_explicitly(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool

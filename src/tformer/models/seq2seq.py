@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.checks import check_choice, check_heads, check_range
+from tformer.kernels.attend import serves_cache
 from tformer.layers import (
     ACTIVATIONS,
     SINUSOID_LAYOUTS,
@@ -28,6 +29,7 @@ from tformer.layers import (
     Dropout,
     FeedForward,
     KVCache,
+    Lineage,
     MultiHeadAttention,
     Residual,
     SinusoidalPositions,
@@ -315,14 +317,19 @@ class Seq2Seq(nn.Module):
 
     def make_cache(self, batch: int, max_len: int) -> DecoderCache:
         """An empty cache for `batch` target sequences of up to `max_len` tokens: a KV cache
-        per decoder layer and a slot per layer for the encoder's keys/values."""
+        per decoder layer and a slot per layer for the encoder's keys/values. Where the
+        attention kernel serves the cache, beam search's reorders go through a Lineage
+        instead of copying the caches."""
         attn = self.decoder[0].self_attn
         param = self.src_embed.weight
         layers = range(len(self.decoder))
+        lineage = None
+        if serves_cache(param.dtype, param.device):
+            lineage = Lineage(batch, max_len, param.device)
         return DecoderCache(
             [
                 KVCache(batch, self.cfg.n_head, max_len, attn.d_head, attn.d_value,
-                        dtype=param.dtype, device=param.device)
+                        dtype=param.dtype, device=param.device, lineage=lineage)
                 for _ in layers
             ],
             [StaticKV() for _ in layers],

@@ -1,0 +1,86 @@
+"""A decoding step's attention, tformer's two ways, side by side on the OPUS-MT-shaped model
+(opus_mt.py): the attention kernel reading caches that stay in place (kernels/attend.py,
+layers.attention.Lineage), against torch's fused attention over caches copied into the
+beams' order after every step (what runs where the kernel is not built).
+
+    OMP_NUM_THREADS=1 python benchmarks/decode_attention.py [--repeats 5] [--len 30]
+
+Beam 4, 20-token random sources, `--len` output tokens, fp32 (prepacked, as `tformer
+translate` runs it) and int8, batch 1 and 16; medians of the repeats, the two ways in
+alternation. Both must find the same tokens before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from opus_mt import Sides  # noqa: E402
+
+from tformer.kernels import attend  # noqa: E402
+from tformer.layers import attention  # noqa: E402
+from tformer.models import seq2seq  # noqa: E402
+
+
+@contextmanager
+def kernel(on: bool):
+    """Decoding with the step kernel and caches in place (on), or as without the kernel."""
+    saved = attention.serves, seq2seq.serves_cache
+    if not on:
+        attention.serves = lambda x: False
+        seq2seq.serves_cache = lambda dtype, device: False
+    try:
+        yield
+    finally:
+        attention.serves, seq2seq.serves_cache = saved
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--len", type=int, default=30, help="output tokens per sentence")
+    args = parser.parse_args()
+    if not attend.serves_cache(torch.float32, torch.device("cpu")):
+        raise SystemExit("the attention kernel is not built here: nothing to compare")
+    sides = Sides(torch.get_num_threads())
+    print(f"{torch.get_num_threads()} threads, beam 4, {args.len} output tokens, "
+          f"medians of {args.repeats}\n")
+    print("| batch | weights | in place + kernel | copied + torch | ratio |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    with torch.no_grad():
+        for batch in (1, 16):
+            src = sides.sources(batch)
+            for int8 in (False, True):
+                run = partial(sides.tformer, src, args.len, int8=int8)
+                with kernel(True):
+                    fast = run()
+                with kernel(False):
+                    plain = run()
+                if fast != plain:
+                    raise SystemExit(f"batch {batch}: the two ways found different tokens")
+                times = {True: [], False: []}
+                for _ in range(args.repeats):
+                    for on in (True, False):
+                        with kernel(on):
+                            times[on].append(seconds(run))
+                a, b = (batch / statistics.median(times[on]) for on in (True, False))
+                print(f"| {batch} | {'int8' if int8 else 'fp32'} | {a:.2f} sent/s | "
+                      f"{b:.2f} | {a / b:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""A decoding step's attention, one query per row, reading the cache where it lies.
+
+At every decoding step each hypothesis attends with one query over the keys cached so far.
+torch's fused attention takes ~90 us a call at these sizes, mostly fixed costs, and wants
+the keys of each row in one block: beam search then copies every layer's cache into the
+surviving hypotheses' order after each step. `attend.c` computes the step's attention in a
+few microseconds and reads each position's key from wherever it was written, following a
+table of buffer rows (`rows`, kept by layers.attention.Lineage), so that the cache is never
+copied; without a table, rows share buffer rows in groups (the beams of a sentence reading
+its encoder output). Where the kernel is not built, `attend_step` computes the same with
+torch (gathering the keys).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from tformer.kernels import matvec
+
+MAX_POSITIONS = 8192
+"""The kernel keeps a row's scores on the stack: longer caches take torch's path."""
+
+
+def serves_cache(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decoding steps over a cache of this dtype on this device run the kernel
+    (float32 on a CPU, the library built): where they do, beam search can leave the cache in
+    place (layers.attention.Lineage)."""
+    return device.type == "cpu" and dtype == torch.float32 and matvec.load() is not None
+
+
+def serves(x: Tensor) -> bool:
+    """Whether the kernel computes attention over queries like `x`: serves_cache, and no
+    gradient wanted (the kernel has no backward pass), and not under torch.compile."""
+    return (
+        serves_cache(x.dtype, x.device) and not (torch.is_grad_enabled() and x.requires_grad)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def attend_step(
+    q: Tensor, k: Tensor, v: Tensor, length: int, *, rows: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """softmax(q . k / sqrt(d) + bias) v for one query per row over `length` positions.
+
+    q: (N, H, d), the last axis contiguous.
+    k, v: (R, H, P >= length, d) and (R, H, P, d_value) buffers, the last axis contiguous.
+    rows: (N, >= length) int64: position s of row i's keys and values is in buffer row
+        rows[i, s]. None: row i reads buffer row i // (N // R) throughout (N a multiple of R).
+    bias: (R, >= length) float added to the scores of buffer row R's positions (0 or -inf
+        for the source's padding); only where `rows` is None.
+    Returns (N, H, d_value).
+    """
+    n, heads, d = q.shape
+    r = k.shape[0]
+    dv = v.shape[-1]
+    if rows is None and n % r:
+        raise ValueError(f"attend_step: {n} query rows cannot share {r} buffer rows evenly")
+    if rows is not None and bias is not None:
+        raise ValueError("attend_step: a bias is for shared buffer rows (rows = None)")
+    if not 1 <= length <= k.shape[2]:
+        raise ValueError(f"attend_step: {length} positions of a cache of {k.shape[2]}")
+    lib = matvec.load()
+    if (lib is None or not serves(q) or length > MAX_POSITIONS
+            or any(t.stride(-1) != 1 for t in (q, k, v))
+            or (rows is not None and (rows.dtype != torch.long or rows.stride(-1) != 1))
+            or (bias is not None and (bias.dtype != torch.float32 or bias.stride(-1) != 1))):
+        return attend_step_reference(q, k, v, length, rows=rows, bias=bias)
+    out = q.new_empty(n, heads, dv)
+    lib.tformer_attend_step(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
+        None if rows is None else rows.data_ptr(), 0 if rows is None else rows.stride(0),
+        n // r, None if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
+        out.data_ptr(), n, heads, length, d, dv, 1.0 / math.sqrt(d), torch.get_num_threads(),
+    )
+    return out
+
+
+def gather_positions(buffer: Tensor, rows: Tensor, length: int) -> Tensor:
+    """(R, H, P, ·) buffer, (N, >= length) rows -> (N, H, length, ·): position s of row i
+    taken from buffer row rows[i, s]."""
+    positions = torch.arange(length, device=buffer.device)
+    return buffer[rows[:, :length], :, positions].transpose(1, 2)
+
+
+def attend_step_reference(
+    q: Tensor, k: Tensor, v: Tensor, length: int, *, rows: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """attend_step with torch: the keys and values gathered into each row's order, then
+    attention written out."""
+    n, r = q.shape[0], k.shape[0]
+    if rows is None:
+        shared = torch.arange(n, device=q.device) // (n // r)
+        k, v = k[shared, :, :length], v[shared, :, :length]
+    else:
+        k, v = gather_positions(k, rows, length), gather_positions(v, rows, length)
+    scores = (q[:, :, None, :] @ k.transpose(-1, -2))[:, :, 0] / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias[shared, None, :length]
+    return (scores.softmax(dim=-1)[:, :, None, :] @ v)[:, :, 0]

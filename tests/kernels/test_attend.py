@@ -1,0 +1,128 @@
+import math
+
+import pytest
+import torch
+
+from tformer.kernels import attend, matvec
+from tformer.kernels.attend import attend_step, attend_step_reference
+
+native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+
+
+def naive(q, k, v, length, rows=None, bias=None):
+    """The step's attention row by row and head by head, in float64, with plain loops over
+    the table of buffer rows."""
+    n, heads, d = q.shape
+    group = n // k.shape[0]
+    out = torch.empty(n, heads, v.shape[-1], dtype=torch.float64)
+    for i in range(n):
+        source = [int(rows[i, s]) if rows is not None else i // group for s in range(length)]
+        for h in range(heads):
+            keys = torch.stack([k[r, h, s] for s, r in enumerate(source)]).double()
+            values = torch.stack([v[r, h, s] for s, r in enumerate(source)]).double()
+            scores = keys @ q[i, h].double() / math.sqrt(d)
+            if bias is not None:
+                scores = scores + torch.stack([bias[r, s] for s, r in enumerate(source)]).double()
+            out[i, h] = scores.softmax(dim=0) @ values
+    return out
+
+
+@native
+@pytest.mark.parametrize(
+    "n, r, heads, d, dv, length, positions",
+    [
+        (4, 4, 8, 64, 64, 30, 40),  # OPUS-MT's heads, beam 4
+        (6, 3, 2, 12, 5, 9, 9),  # a vector and a remainder; values narrower than keys
+        (5, 5, 1, 5, 7, 1, 3),  # one position, no full vector
+        (64, 64, 4, 32, 32, 37, 50),  # many rows: the threaded loop
+    ],
+)
+def test_the_kernel_reads_each_position_from_its_buffer_row(n, r, heads, d, dv, length,
+                                                             positions):
+    torch.manual_seed(n * d + length)
+    q = torch.randn(n, heads, d)
+    k, v = torch.randn(r, heads, positions, d), torch.randn(r, heads, positions, dv)
+    rows = torch.randint(0, r, (n, positions))
+    got = attend_step(q, k, v, length, rows=rows)
+    torch.testing.assert_close(got, naive(q, k, v, length, rows).float(), atol=2e-6, rtol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("group", [1, 4])
+def test_rows_share_a_buffer_row_under_a_padding_bias(group):
+    # Cross-attention: the beams of a sentence read its encoder output; padding is -inf.
+    torch.manual_seed(group)
+    sentences, heads, d, length = 3, 2, 16, 11
+    # Keys and values as cross-attention makes them: views of one (B', S, 2 H d) projection.
+    kv = torch.randn(sentences, length, 2 * heads * d)
+    k = kv[..., : heads * d].unflatten(-1, (heads, d)).transpose(1, 2)
+    v = kv[..., heads * d :].unflatten(-1, (heads, d)).transpose(1, 2)
+    # Queries as a slice of a wider projection (the row stride is not heads * d).
+    wide = torch.randn(sentences * group, 1, 3 * heads * d)
+    q = wide[:, 0, : heads * d].unflatten(-1, (heads, d))
+    bias = torch.zeros(sentences, length)
+    bias[1, 7:] = float("-inf")
+    bias[2, 1:] = float("-inf")
+    got = attend_step(q, k, v, length, bias=bias)
+    torch.testing.assert_close(got, naive(q, k, v, length, bias=bias).float(), atol=2e-6,
+                               rtol=1e-5)
+    # Sentence 2 sees its first position only: its rows' output is that value exactly.
+    torch.testing.assert_close(got[2 * group :], v[2, :, 0].expand(group, -1, -1), atol=1e-6,
+                               rtol=0)
+
+
+@native
+def test_any_thread_count_gives_the_same_bits():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(64, 8, 64), torch.randn(64, 8, 40, 64), torch.randn(64, 8, 40, 64)
+    rows = torch.randint(0, 64, (64, 40))
+    outs = []
+    for threads in (1, 2, 3):
+        with torch.inference_mode():
+            torch.set_num_threads(threads)
+            outs.append(attend_step(q, k, v, 35, rows=rows))
+    torch.set_num_threads(2)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@native
+def test_a_nan_score_makes_the_row_nan_as_torch():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 1, 16), torch.randn(2, 1, 20, 16), torch.randn(2, 1, 20, 16)
+    k[0, 0, 3, 5] = float("nan")  # in the vector part of row 0's scores
+    k[1, 0, 17, 0] = float("nan")  # in the remainder of row 1's
+    got = attend_step(q, k, v, 18)
+    assert got.isnan().all()
+    assert attend_step_reference(q, k, v, 18).isnan().all()
+
+
+def test_torch_computes_the_same_where_there_is_no_kernel(monkeypatch, reload_kernel):
+    monkeypatch.setenv("TFORMER_NATIVE", "0")
+    assert matvec.load() is None and not attend.serves(torch.zeros(1))
+    torch.manual_seed(1)
+    q, k, v = torch.randn(6, 2, 12), torch.randn(3, 2, 9, 12), torch.randn(3, 2, 9, 5)
+    rows = torch.randint(0, 3, (6, 9))
+    torch.testing.assert_close(attend_step(q, k, v, 8, rows=rows),
+                               naive(q, k, v, 8, rows).float(), atol=2e-6, rtol=1e-5)
+    bias = torch.zeros(3, 9)
+    bias[0, 4:] = float("-inf")
+    torch.testing.assert_close(attend_step(q, k, v, 9, bias=bias),
+                               naive(q, k, v, 9, bias=bias).float(), atol=2e-6, rtol=1e-5)
+
+
+def test_a_gradient_takes_torchs_path():
+    q = torch.randn(2, 1, 8, requires_grad=True)
+    k, v = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8)
+    assert not attend.serves(q)
+    attend_step(q, k, v, 3).sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_bad_shapes_are_clear_errors():
+    q, k, v = torch.randn(5, 1, 8), torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8)
+    with pytest.raises(ValueError, match="5 query rows cannot share 2 buffer rows"):
+        attend_step(q, k, v, 4)
+    with pytest.raises(ValueError, match="5 positions of a cache of 4"):
+        attend_step(q[:4], k, v, 5)
+    with pytest.raises(ValueError, match="a bias is for shared buffer rows"):
+        attend_step(q, k, v, 4, rows=torch.zeros(5, 4, dtype=torch.long), bias=torch.zeros(2, 4))
