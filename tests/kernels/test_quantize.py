@@ -127,6 +127,10 @@ def test_the_packed_product_gives_the_exact_products_bits(n, k):
         for b in (bias, None):
             got = matvec._call_gemm_int8(lib, xq, xscale, packed, wscale, b)
             assert torch.equal(got, matvec.int8_reference(xq, xscale, q, wscale, b)), rows
+        # From fp32 rows, rounded by the kernel in the same call (what linear_int8 runs).
+        x = torch.randn(rows, k) * 3
+        want = matvec.int8_reference(*matvec._torch_quantize_rows(x), q, wscale, bias)
+        assert torch.equal(matvec.linear_int8(x, q, wscale, bias, packed), want), rows
 
 
 def test_int8_linear_gives_the_same_bits_with_and_without_packed_weights():
@@ -215,3 +219,20 @@ def test_without_the_kernel_int8_models_still_run(model, without_kernel):
     assert transformer_xl_loss(quantize_int8(xl), tokens) == pytest.approx(
         transformer_xl_loss(xl, tokens), rel=0.02
     )
+
+
+def test_an_int8_layer_converted_after_it_was_made_checks_its_tensors_again():
+    # The layer checks its tensors once, not at every call: a conversion must renew that.
+    layer = Int8Linear(nn.Linear(16, 8))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        want = layer(x)
+        assert layer.native == (matvec.load() is not None)
+        dequantized = F.linear(x, layer.weight, layer.bias)
+        layer.double()  # scale and bias become float64: the kernel cannot read them
+        assert not layer.native
+        # torch's product over the rounded weight (x itself is not rounded on this path)
+        torch.testing.assert_close(layer(x.double()).float(), dequantized, atol=1e-5, rtol=1e-5)
+        layer.float()
+        assert layer.native == (matvec.load() is not None)
+        assert torch.equal(layer(x), want)

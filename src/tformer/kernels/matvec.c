@@ -476,6 +476,25 @@ int tformer_linear_int8(const float *x, const int8_t *q, const float *wscale, co
     return ok ? 0 : -1;
 }
 
+/* tformer_gemm_int8 on fp32 rows: x rounded to int8 (tformer_quantize_rows) first, as
+ * tformer_linear_int8 does for tformer_matvec_int8. Returns 0, or -1 where it could not
+ * allocate. Only where tformer_gemm_int8_available(). */
+int tformer_linear_int8_packed(const float *x, const int8_t *packed, const int32_t *colsum,
+                               const float *wscale, const float *b, float *y, long m, long n,
+                               long k, int threads)
+{
+    int8_t *xq = malloc((size_t)(m * k));
+    float *xscale = malloc((size_t)m * sizeof(float));
+    int ok = xq && xscale;
+    if (ok) {
+        tformer_quantize_rows(x, xq, xscale, m, k);
+        ok = tformer_gemm_int8(xq, xscale, packed, colsum, wscale, b, y, m, n, k, threads) == 0;
+    }
+    free(xq);
+    free(xscale);
+    return ok ? 0 : -1;
+}
+
 /* y = (float) acc * (xscale[i] * wscale[j]) + b[j], in place over an m x n matrix of 32-bit
  * integer sums (torch._int_mm's output): int8_reference's scaling in one pass instead of
  * four, with the same fp32 operations in the same order. b may be NULL. */

@@ -142,6 +142,9 @@ def _load() -> ctypes.CDLL:
     lib.tformer_pack_int8.restype = None
     lib.tformer_gemm_int8.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.tformer_gemm_int8.restype = ctypes.c_int
+    lib.tformer_linear_int8_packed.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [
+        ctypes.c_int]
+    lib.tformer_linear_int8_packed.restype = ctypes.c_int
     lib.tformer_gemm_int8_available.argtypes = []
     lib.tformer_gemm_int8_available.restype = ctypes.c_int
     lib.tformer_int8_vnni.argtypes = [ctypes.c_int]
@@ -214,10 +217,13 @@ def _packs_right(lib: ctypes.CDLL) -> bool:
     q, wscale = _torch_quantize_rows(w)
     packed = _call_pack(lib, q)
     for m in (1, 13):
-        xq, xscale = _torch_quantize_rows(torch.randn(m, 37))
+        x = torch.randn(m, 37)
+        xq, xscale = _torch_quantize_rows(x)
         for bias in (b, None):
-            if not torch.equal(_call_gemm_int8(lib, xq, xscale, packed, wscale, bias),
-                               int8_reference(xq, xscale, q, wscale, bias)):
+            want = int8_reference(xq, xscale, q, wscale, bias)
+            if not (torch.equal(_call_gemm_int8(lib, xq, xscale, packed, wscale, bias), want)
+                    and torch.equal(_call_linear_int8_packed(lib, x, packed, wscale, bias),
+                                    want)):
                 return False
     return True
 
@@ -405,6 +411,20 @@ def _call_gemm_int8(
     return y
 
 
+def _call_linear_int8_packed(
+    lib: ctypes.CDLL, x: Tensor, packed: PackedInt8, wscale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """_call_gemm_int8 over x's rows rounded by the kernel: one call, as _call_linear_int8."""
+    (m, k), n = x.shape, wscale.shape[0]
+    y = x.new_empty(m, n)
+    if lib.tformer_linear_int8_packed(x.data_ptr(), packed.data.data_ptr(),
+                                      packed.row_sums.data_ptr(), wscale.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), y.data_ptr(), m,
+                                      n, k, torch.get_num_threads()):
+        raise MemoryError(f"no memory for {m} x {k} int8 rows")
+    return y
+
+
 def pack_int8(q: Tensor) -> PackedInt8 | None:
     """q (N x K int8, contiguous, on the CPU) packed for linear_int8's products of many rows,
     or None where the kernel or the CPU cannot run them (AVX-512 VNNI is needed)."""
@@ -486,6 +506,17 @@ def matvec(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _call(lib, rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
+def fits_int8_kernel(q: Tensor, wscale: Tensor, bias: Tensor | None) -> bool:
+    """Whether linear_int8's kernels can read this weight side: q (N, K) int8, wscale (N,)
+    fp32, bias (N,) fp32 or None, contiguous and on the CPU."""
+    n = q.shape[0]
+    return (q.dtype == torch.int8 and wscale.dtype == torch.float32 and wscale.shape == (n,)
+            and q.is_contiguous() and wscale.is_contiguous() and q.device.type == "cpu"
+            and wscale.device.type == "cpu"
+            and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
+                                  and bias.is_contiguous() and bias.device.type == "cpu")))
+
+
 def linear_int8(
     x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None, packed: PackedInt8 | None = None
 ) -> Tensor:
@@ -499,21 +530,28 @@ def linear_int8(
     x: (M, K) fp32; q: (N, K) int8 and wscale: (N,) fp32, contiguous; bias: (N,) fp32 or
     None; all on the CPU (Int8Linear holds its tensors so).
     """
-    (m, k), (n, k_q) = x.shape, q.shape
+    (m, k), k_q = x.shape, q.shape[1]
     # Checked on every call, so kept to a few comparisons: the kernel reads raw pointers.
-    if not (x.dtype == wscale.dtype == torch.float32 and q.dtype == torch.int8 and k == k_q
-            and wscale.shape == (n,) and q.is_contiguous() and wscale.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
-                                  and bias.is_contiguous()))
-            and x.device.type == q.device.type == "cpu"):
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and k == k_q
+            and fits_int8_kernel(q, wscale, bias)):
         raise ValueError(f"linear_int8 takes fp32 {m} x K rows and an int8 N x K matrix with "
                          f"fp32 scales and bias on the CPU; got {x.dtype} {tuple(x.shape)} and "
                          f"{q.dtype} {tuple(q.shape)}")
-    lib, x = load(), x.contiguous()
+    return linear_int8_unchecked(x.contiguous(), q, wscale, bias, packed)
+
+
+def linear_int8_unchecked(
+    x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None, packed: PackedInt8 | None
+) -> Tensor:
+    """linear_int8 with x (M, K) fp32, contiguous, on the CPU, and the rest already checked
+    (fits_int8_kernel): for Int8Linear, which checks its own tensors once, when it is made.
+    A decoding step makes ~40 products of a few rows, each a few microseconds of work, and
+    Python's checks cost a noticeable part of that."""
+    lib, m = load(), x.shape[0]
     if lib is None:
         return int8_reference(*_torch_quantize_rows(x), q, wscale, bias)
     if packed is not None and m >= PACKED_MIN_ROWS:
-        return _call_gemm_int8(lib, *_call_quantize(lib, x), packed, wscale, bias)
+        return _call_linear_int8_packed(lib, x, packed, wscale, bias)
     if m > INT8_MAX_ROWS:
         return _int_mm_scaled(lib, *_call_quantize(lib, x), q, wscale, bias)
     return _call_linear_int8(lib, x, q, wscale, bias)

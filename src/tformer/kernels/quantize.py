@@ -50,6 +50,14 @@ class Int8Linear(nn.Module):
         # The same weight in the layout of the product of many rows, where the CPU runs it
         # (not a buffer: derived from qweight, so not saved).
         self.packed = matvec.pack_int8(qweight)
+        # Checked once here rather than at every call (the weight side does not change).
+        self.native = matvec.fits_int8_kernel(qweight, scale, self.bias)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's)
+        # .to(), .double() and the like replace the tensors: check them again.
+        super()._apply(fn, recurse)
+        self.native = matvec.fits_int8_kernel(self.qweight, self.scale, self.bias)
+        return self
 
     @property
     def weight(self) -> Tensor:
@@ -58,11 +66,11 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or self.scale.dtype != x.dtype:
+        if not self.native or x.dtype != torch.float32 or x.device.type != "cpu":
             # Not what inference runs (the int8 products are for fp32 on the CPU), but correct.
             return F.linear(x, self.weight.to(x.dtype), self.bias)
-        y = matvec.linear_int8(x.reshape(-1, self.in_features), self.qweight, self.scale,
-                               self.bias, self.packed)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = matvec.linear_int8_unchecked(rows, self.qweight, self.scale, self.bias, self.packed)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
