@@ -72,6 +72,15 @@ def test_rows_share_a_buffer_row_under_a_padding_bias(group):
 
 
 @native
+def test_queries_in_any_layout():
+    torch.manual_seed(2)
+    q = torch.randn(5, 3, 16)[:, :, :8]  # (5, 3, 8), each row contiguous, heads 16 apart
+    k, v = torch.randn(5, 3, 6, 8), torch.randn(5, 3, 6, 8)
+    torch.testing.assert_close(attend_step(q, k, v, 6), naive(q, k, v, 6).float(), atol=2e-6,
+                               rtol=1e-5)
+
+
+@native
 def test_any_thread_count_gives_the_same_bits():
     torch.manual_seed(0)
     q, k, v = torch.randn(64, 8, 64), torch.randn(64, 8, 40, 64), torch.randn(64, 8, 40, 64)

@@ -46,7 +46,7 @@ def attend_step(
 ) -> Tensor:
     """softmax(q . k / sqrt(d) + bias) v for one query per row over `length` positions.
 
-    q: (N, H, d), the last axis contiguous.
+    q: (N, H, d).
     k, v: (R, H, P >= length, d) and (R, H, P, d_value) buffers, the last axis contiguous.
     rows: (N, >= length) int64: position s of row i's keys and values is in buffer row
         rows[i, s]. None: row i reads buffer row i // (N // R) throughout (N a multiple of R).
@@ -63,6 +63,8 @@ def attend_step(
         raise ValueError("attend_step: a bias is for shared buffer rows (rows = None)")
     if not 1 <= length <= k.shape[2]:
         raise ValueError(f"attend_step: {length} positions of a cache of {k.shape[2]}")
+    if q.stride(1) != d or q.stride(-1) != 1:  # the kernel finds head h at row + h * d
+        q = q.contiguous()
     lib = matvec.load()
     if (lib is None or not serves(q) or length > MAX_POSITIONS
             or any(t.stride(-1) != 1 for t in (q, k, v))
