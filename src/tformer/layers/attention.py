@@ -5,6 +5,9 @@ d_head query/key size per head, d_value value size per head.
 
 Masks are boolean "may attend" tensors (True = attend) that broadcast to (B, H, T, S); every
 mask in the library is built by the functions in this file.
+
+A decoding step (one query per row over a cache, in inference, float32 on a CPU) runs
+kernels/attend.py instead, which reads the keys where the cache holds them (see Lineage).
 """
 
 from __future__ import annotations
