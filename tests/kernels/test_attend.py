@@ -135,3 +135,19 @@ def test_bad_shapes_are_clear_errors():
         attend_step(q[:4], k, v, 5)
     with pytest.raises(ValueError, match="a bias is for shared buffer rows"):
         attend_step(q, k, v, 4, rows=torch.zeros(5, 4, dtype=torch.long), bias=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"rows \(5, 3\) for 5 rows of 4"):
+        attend_step(q, k, v, 4, rows=torch.zeros(5, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"bias \(1, 4\) for 2 rows of 4"):
+        attend_step(q[:4], k, v, 4, bias=torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="over keys"):
+        attend_step(q, k, v[:, :, :, :5].repeat(1, 2, 1, 1), 4, rows=torch.zeros(5, 4).long())
+
+
+@native
+def test_a_row_outside_the_buffer_is_an_index_error_not_a_stray_read():
+    q, k, v = torch.randn(2, 1, 8), torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8)
+    for bad in (2, -1):
+        rows = torch.zeros(2, 4, dtype=torch.long)
+        rows[1, 3] = bad
+        with pytest.raises(IndexError, match="not among the 2 buffer rows"):
+            attend_step(q, k, v, 4, rows=rows)

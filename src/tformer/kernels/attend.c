@@ -56,15 +56,21 @@ static inline void axpy(float *y, float w, const float *x, long dv)
  *   q     (n, H, d):  q + i * q_row + h * d
  *   k     key of buffer row r, head h, position s: k + r * k_row + h * k_head + s * k_pos
  *   v     the same with v's strides, dv floats
- *   rows  (n, >= T): rows + i * rows_row; NULL: buffer row i / group
+ *   rows  (n, >= T): rows + i * rows_row, each in [0, r); NULL: buffer row i / group
  *   bias  (buffer rows, >= T): bias + r * bias_row; NULL: none
  *   out   (n, H, dv), contiguous */
-void tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
-                         long k_pos, const float *v, long v_row, long v_head, long v_pos,
-                         const int64_t *rows, long rows_row, long group, const float *bias,
-                         long bias_row, float *out, long n, long heads, long T, long d, long dv,
-                         float scale, int threads)
+int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
+                        long k_pos, const float *v, long v_row, long v_head, long v_pos,
+                        const int64_t *rows, long rows_row, long group, const float *bias,
+                        long bias_row, float *out, long n, long r, long heads, long T, long d,
+                        long dv, float scale, int threads)
 {
+    /* Returns -1, computing nothing, where the table names a row outside the r buffer rows. */
+    if (rows)
+        for (long i = 0; i < n; i++)
+            for (long s = 0; s < T; s++)
+                if (rows[i * rows_row + s] < 0 || rows[i * rows_row + s] >= r)
+                    return -1;
     const long work = n * heads * T * (d + dv);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 65536)
     for (long ih = 0; ih < n * heads; ih++) {
@@ -112,4 +118,5 @@ void tformer_attend_step(const float *q, long q_row, const float *k, long k_row,
         for (long j = 0; j < dv; j++)
             o[j] *= inv;
     }
+    return 0;
 }

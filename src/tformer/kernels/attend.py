@@ -49,7 +49,8 @@ def attend_step(
     q: (N, H, d).
     k, v: (R, H, P >= length, d) and (R, H, P, d_value) buffers, the last axis contiguous.
     rows: (N, >= length) int64: position s of row i's keys and values is in buffer row
-        rows[i, s]. None: row i reads buffer row i // (N // R) throughout (N a multiple of R).
+        rows[i, s], in [0, R) (IndexError from the kernel otherwise). None: row i reads
+        buffer row i // (N // R) throughout (N a multiple of R).
     bias: (R, >= length) float added to the scores of buffer row R's positions (0 or -inf
         for the source's padding); only where `rows` is None.
     Returns (N, H, d_value).
@@ -61,8 +62,15 @@ def attend_step(
         raise ValueError(f"attend_step: {n} query rows cannot share {r} buffer rows evenly")
     if rows is not None and bias is not None:
         raise ValueError("attend_step: a bias is for shared buffer rows (rows = None)")
-    if not 1 <= length <= k.shape[2]:
+    if not 1 <= length <= min(k.shape[2], v.shape[2]):
         raise ValueError(f"attend_step: {length} positions of a cache of {k.shape[2]}")
+    if k.shape[1] != heads or k.shape[3] != d or v.shape[:2] != (r, heads):
+        raise ValueError(f"attend_step: queries {tuple(q.shape)} over keys {tuple(k.shape)} "
+                         f"and values {tuple(v.shape)}")
+    if rows is not None and (rows.dim() != 2 or rows.shape[0] != n or rows.shape[1] < length):
+        raise ValueError(f"attend_step: rows {tuple(rows.shape)} for {n} rows of {length}")
+    if bias is not None and (bias.dim() != 2 or bias.shape[0] != r or bias.shape[1] < length):
+        raise ValueError(f"attend_step: bias {tuple(bias.shape)} for {r} rows of {length}")
     if q.stride(1) != d or q.stride(-1) != 1:  # the kernel finds head h at row + h * d
         q = q.contiguous()
     lib = matvec.load()
@@ -72,13 +80,14 @@ def attend_step(
             or (bias is not None and (bias.dtype != torch.float32 or bias.stride(-1) != 1))):
         return attend_step_reference(q, k, v, length, rows=rows, bias=bias)
     out = q.new_empty(n, heads, dv)
-    lib.tformer_attend_step(
+    if lib.tformer_attend_step(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
         v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
         None if rows is None else rows.data_ptr(), 0 if rows is None else rows.stride(0),
         n // r, None if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
-        out.data_ptr(), n, heads, length, d, dv, 1.0 / math.sqrt(d), torch.get_num_threads(),
-    )
+        out.data_ptr(), n, r, heads, length, d, dv, 1.0 / math.sqrt(d), torch.get_num_threads(),
+    ):
+        raise IndexError(f"attend_step: a row of `rows` is not among the {r} buffer rows")
     return out
 
 

@@ -152,9 +152,9 @@ def _load() -> ctypes.CDLL:
     lib.tformer_attend_step.argtypes = (
         [ctypes.c_void_p, ctypes.c_long] + ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 2
         + [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long]
-        + [ctypes.c_void_p] + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int]
+        + [ctypes.c_void_p] + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
     )
-    lib.tformer_attend_step.restype = None
+    lib.tformer_attend_step.restype = ctypes.c_int
     lib.tformer_dropout.argtypes = [ctypes.c_void_p] * 2 + [
         ctypes.c_long, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]
     lib.tformer_dropout.restype = None
@@ -248,8 +248,8 @@ def _attends_right(lib: ctypes.CDLL) -> bool:
     rows = torch.randint(0, 3, (3, 9))
     out = q.new_empty(3, 2, 12)
     lib.tformer_attend_step(q.data_ptr(), 24, k.data_ptr(), 240, 120, 12, v.data_ptr(), 240,
-                            120, 12, rows.data_ptr(), 9, 1, None, 0, out.data_ptr(), 3, 2, 9,
-                            12, 12, 12**-0.5, 1)
+                            120, 12, rows.data_ptr(), 9, 1, None, 0, out.data_ptr(), 3, 3, 2,
+                            9, 12, 12, 12**-0.5, 1)
     positions = torch.arange(9)
     keys, values = k[rows, :, positions].transpose(1, 2), v[rows, :, positions].transpose(1, 2)
     probs = ((keys @ q[..., None])[..., 0] * 12**-0.5).softmax(dim=-1)
