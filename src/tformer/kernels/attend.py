@@ -55,37 +55,44 @@ def attend_step(
         for the source's padding); only where `rows` is None.
     Returns (N, H, d_value).
     """
+    # A decoding step calls this a dozen times, each a few microseconds of C: the checks are
+    # written as plain comparisons of shapes and strides read once.
     n, heads, d = q.shape
-    r = k.shape[0]
-    dv = v.shape[-1]
+    r, k_heads, k_positions, k_d = k.shape
+    v_r, v_heads, v_positions, dv = v.shape
     if rows is None and n % r:
         raise ValueError(f"attend_step: {n} query rows cannot share {r} buffer rows evenly")
     if rows is not None and bias is not None:
         raise ValueError("attend_step: a bias is for shared buffer rows (rows = None)")
-    if not 1 <= length <= min(k.shape[2], v.shape[2]):
-        raise ValueError(f"attend_step: {length} positions of a cache of {k.shape[2]}")
-    if k.shape[1] != heads or k.shape[3] != d or v.shape[:2] != (r, heads):
+    if not 1 <= length <= min(k_positions, v_positions):
+        raise ValueError(f"attend_step: {length} positions of a cache of {k_positions}")
+    if k_heads != heads or k_d != d or v_r != r or v_heads != heads:
         raise ValueError(f"attend_step: queries {tuple(q.shape)} over keys {tuple(k.shape)} "
                          f"and values {tuple(v.shape)}")
     if rows is not None and (rows.dim() != 2 or rows.shape[0] != n or rows.shape[1] < length):
         raise ValueError(f"attend_step: rows {tuple(rows.shape)} for {n} rows of {length}")
     if bias is not None and (bias.dim() != 2 or bias.shape[0] != r or bias.shape[1] < length):
         raise ValueError(f"attend_step: bias {tuple(bias.shape)} for {r} rows of {length}")
-    if q.stride(1) != d or q.stride(-1) != 1:  # the kernel finds head h at row + h * d
+    q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
+    if q_stride[1] != d or q_stride[2] != 1:  # the kernel finds head h at row + h * d
         q = q.contiguous()
+        q_stride = q.stride()
     lib = matvec.load()
-    if (lib is None or not serves(q) or length > MAX_POSITIONS
-            or any(t.stride(-1) != 1 for t in (q, k, v))
-            or (rows is not None and (rows.dtype != torch.long or rows.stride(-1) != 1))
-            or (bias is not None and (bias.dtype != torch.float32 or bias.stride(-1) != 1))):
+    if (lib is None or k_stride[3] != 1 or v_stride[3] != 1 or length > MAX_POSITIONS
+            or k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device
+            or v.device != q.device or not serves(q)
+            or (rows is not None and (rows.dtype != torch.long or rows.stride(1) != 1
+                                      or rows.device != q.device))
+            or (bias is not None and (bias.dtype != q.dtype or bias.stride(1) != 1
+                                      or bias.device != q.device))):
         return attend_step_reference(q, k, v, length, rows=rows, bias=bias)
     out = q.new_empty(n, heads, dv)
     if lib.tformer_attend_step(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
+        q.data_ptr(), q_stride[0], k.data_ptr(), k_stride[0], k_stride[1], k_stride[2],
+        v.data_ptr(), v_stride[0], v_stride[1], v_stride[2],
         None if rows is None else rows.data_ptr(), 0 if rows is None else rows.stride(0),
         n // r, None if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
-        out.data_ptr(), n, r, heads, length, d, dv, 1.0 / math.sqrt(d), torch.get_num_threads(),
+        out.data_ptr(), n, r, heads, length, d, dv, d**-0.5, torch.get_num_threads(),
     ):
         raise IndexError(f"attend_step: a row of `rows` is not among the {r} buffer rows")
     return out
