@@ -6,8 +6,9 @@ d_head query/key size per head, d_value value size per head.
 Masks are boolean "may attend" tensors (True = attend) that broadcast to (B, H, T, S); every
 mask in the library is built by the functions in this file.
 
-A decoding step (one query per row over a cache, in inference, float32 on a CPU) runs
-kernels/attend.py instead, which reads the keys where the cache holds them (see Lineage).
+A decoding step of beam search (one query per row over a cache that follows the beams, or
+over an encoder output the beams share; in inference, float32 on a CPU) runs
+kernels/attend.py instead, which reads the keys where they lie (see Lineage).
 """
 
 from __future__ import annotations
@@ -355,7 +356,9 @@ class MultiHeadAttention(nn.Module):
                 k, v = self._project_memory(memory)
                 if isinstance(cache, StaticKV):
                     cache.k, cache.v = k, v
-            if T == 1 and B % k.shape[0] == 0 and self._steps_natively(q):
+            # Beams that share their sentence's keys read them in place; one row a sentence
+            # gains nothing over SDPA (whose matrix products are faster over long sources).
+            if T == 1 and k.shape[0] < B and B % k.shape[0] == 0 and self._steps_natively(q):
                 bias = mask if mask is None else _bias_rows(mask, k.shape[0], k.shape[2], q.dtype)
                 if mask is None or bias is not None:
                     return self._project_step(attend_step(q[:, :, 0], k, v, k.shape[2], bias=bias))
@@ -374,13 +377,15 @@ class MultiHeadAttention(nn.Module):
                 v, self.d_value
             )
             if isinstance(cache, KVCache):
-                rows = None if cache.lineage is None else cache.lineage.rows
-                if (T == 1 and mask is None and self._steps_natively(q)
-                        and (B == cache.k.shape[0] if rows is None else B == rows.shape[0])):
-                    # A decoding step: the keys stay in the cache (and where a lineage says).
+                lineage = cache.lineage
+                if (lineage is not None and T == 1 and mask is None
+                        and B == lineage.rows.shape[0] and self._steps_natively(q)):
+                    # A decoding step over a cache that beam search never copies: the keys
+                    # are read where the lineage says. (A cache in query order gains nothing
+                    # over SDPA, whose matrix products are faster over long contexts.)
                     cache.store(k, v)
                     return self._project_step(
-                        attend_step(q[:, :, 0], cache.k, cache.v, cache.length, rows=rows)
+                        attend_step(q[:, :, 0], cache.k, cache.v, cache.length, rows=lineage.rows)
                     )
                 k, v = cache.append(k, v)
 
