@@ -7,6 +7,8 @@ from torch import nn
 
 from tformer.decoding import beam as beam_module
 from tformer.decoding.beam import beam_search, greedy_search, length_penalty
+from tformer.kernels import step as step_module
+from tformer.kernels.quantize import inference_model
 from tformer.kernels.search import torch_top_logprobs
 from tformer.layers import attention as attention_module
 from tformer.models import seq2seq as seq2seq_module
@@ -292,3 +294,30 @@ def test_caches_read_in_place_give_the_same_search_as_copied_ones(model, monkeyp
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
     assert [h.tokens for h in fast_greedy] == [h.tokens for h in plain_greedy]
+
+
+@pytest.mark.skipif(step_module.matvec.load() is None, reason="the kernels are not built here")
+@pytest.mark.parametrize("int8", [False, True])
+def test_one_call_per_decoder_layer_gives_the_same_search(model, monkeypatch, int8):
+    # kernels/step.py runs each decoder layer's step as one call where it can (int8 at any
+    # number of rows where the CPU packs the weights; fp32 at up to four rows: one sentence
+    # at beam 4): the layers run as modules must find the same translations, sentences
+    # finishing and leaving the batch on the way.
+    model = inference_model(model, int8)
+    calls = []
+    run = step_module.DecoderStep.run
+    monkeypatch.setattr(step_module.DecoderStep, "run",
+                        lambda self, *a: calls.append(1) or run(self, *a))
+    src, real, _ = sources(6, seed=5)
+    fast = [beam_search(model, src[i : i + 1], real[i : i + 1], beam=4, n_best=4, alpha=0.6,
+                        **SPECIAL) for i in range(6)]
+    fast += [beam_search(model, src, real, beam=4, n_best=4, alpha=0.6, **SPECIAL)]
+    assert calls
+    monkeypatch.setattr(step_module.DecoderStep, "of", lambda *a: None)
+    plain = [beam_search(model, src[i : i + 1], real[i : i + 1], beam=4, n_best=4, alpha=0.6,
+                         **SPECIAL) for i in range(6)]
+    plain += [beam_search(model, src, real, beam=4, n_best=4, alpha=0.6, **SPECIAL)]
+    for a, b in zip(fast, plain, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert [h.tokens for h in x] == [h.tokens for h in y]
+            assert [h.score for h in x] == pytest.approx([h.score for h in y], abs=1e-4)

@@ -65,10 +65,10 @@ products of this many rows and more: one row reads the weights at about the memo
 through either kernel, and from two rows on the packed product is the faster of the three
 (benchmarks/int8_rows.py)."""
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("matvec.c", "search.c", "attend.c", "dropout.c", "xent.c")]
+            for name in ("matvec.c", "search.c", "attend.c", "step.c", "dropout.c", "xent.c")]
 """Built into one library: the products, beam search's candidates (search.py), a decoding
-step's attention (attend.py), and for training, dropout (dropout.py) and the cross-entropy
-(xent.py)."""
+step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
+(dropout.py) and the cross-entropy (xent.py)."""
 _HEADERS = [Path(__file__).with_name("vecmath.h")]
 """Included by the sources: part of the key the built library is cached under."""
 _PRIVATE_PREFIX = "tformer-kernel-"
@@ -155,6 +155,11 @@ def _load() -> ctypes.CDLL:
         + [ctypes.c_void_p] + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
     )
     lib.tformer_attend_step.restype = ctypes.c_int
+    lib.tformer_decoder_layer_step.argtypes = (
+        [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p, ctypes.c_long] * 4
+        + [ctypes.c_int]
+    )
+    lib.tformer_decoder_layer_step.restype = ctypes.c_int
     lib.tformer_dropout.argtypes = [ctypes.c_void_p] * 2 + [
         ctypes.c_long, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]
     lib.tformer_dropout.restype = None

@@ -213,6 +213,9 @@ class DecoderCache:
             self.is_real = torch.ones(
                 first.k.shape[0], first.max_len, dtype=torch.bool, device=first.k.device
             )
+        self.step: object | None = None
+        """Kept for the model that made the cache: its layers prepared for one-call decoding
+        steps over these caches (Seq2Seq: kernels/step.py's DecoderStep), or None."""
 
     @property
     def length(self) -> int:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from tformer.checks import check_choice, check_heads, check_range
 from tformer.kernels.attend import serves_cache
+from tformer.kernels.step import DecoderStep
 from tformer.layers import (
     ACTIVATIONS,
     SINUSOID_LAYOUTS,
@@ -300,10 +301,17 @@ class Seq2Seq(nn.Module):
         if tgt_real is not None:
             self_mask = attention_bias(lm_mask(tgt_real, tgt.shape[1], tgt.shape[1], tgt.device),
                                        x.dtype)
-        for i, layer in enumerate(self.decoder):
-            self_cache = cache.self_attn[i] if cache is not None else None
-            cross_cache = cache.cross_attn[i] if cache is not None else None
-            x = layer(x, memory, memory_mask, self_cache, cross_cache, self_mask)
+        step = cache.step if cache is not None and start > 0 else None
+        if isinstance(step, DecoderStep) and step.serves(
+            x, cache.lineage.rows, cache.cross_attn, memory_mask
+        ):
+            # One C call per layer (kernels/step.py): the same computation as the loop below.
+            x = step.run(x, cache.self_attn, cache.lineage.rows, cache.cross_attn, memory_mask)
+        else:
+            for i, layer in enumerate(self.decoder):
+                self_cache = cache.self_attn[i] if cache is not None else None
+                cross_cache = cache.cross_attn[i] if cache is not None else None
+                x = layer(x, memory, memory_mask, self_cache, cross_cache, self_mask)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         return self.out_proj(x)
@@ -326,7 +334,7 @@ class Seq2Seq(nn.Module):
         lineage = None
         if serves_cache(param.dtype, param.device):
             lineage = Lineage(batch, max_len, param.device)
-        return DecoderCache(
+        cache = DecoderCache(
             [
                 KVCache(batch, self.cfg.n_head, max_len, attn.d_head, attn.d_value,
                         dtype=param.dtype, device=param.device, lineage=lineage)
@@ -334,6 +342,9 @@ class Seq2Seq(nn.Module):
             ],
             [StaticKV() for _ in layers],
         )
+        if lineage is not None:
+            cache.step = DecoderStep.of(self.decoder, cache.self_attn)
+        return cache
 
     def num_params(self) -> int:
         """Distinct parameters (tied matrices count once)."""

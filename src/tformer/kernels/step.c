@@ -1,0 +1,217 @@
+/* One decoder layer's decoding step in one call, x86 with AVX2 and FMA.
+ *
+ * At a decoding step of beam search over one sentence (4 rows) a decoder layer makes six
+ * matrix products of a few rows, two attentions over a few dozen positions, three layer
+ * norms, three residual additions and an activation: ~25 small torch operations and module
+ * calls. Each costs a few microseconds of Python and dispatch, while the products, which
+ * have to stream the layer's weights from memory, take 10-100 us each: on OPUS-MT's shape
+ * the calls around the arithmetic were about a third of a step. Here the layer runs as
+ * the modules do, with the same products (matvec.c) and attention (attend.c), in one call:
+ *
+ *     pre-norm:  x = x + SelfAttn(LN1(x));  x = x + CrossAttn(LN2(x));  x = x + FFN(LN3(x))
+ *     post-norm: x = LN1(x + SelfAttn(x));  x = LN2(x + CrossAttn(x));  x = LN3(x + FFN(x))
+ *
+ * Self-attention stores the step's keys and values in the cache (position length - 1 of
+ * buffer rows 0 .. n-1) and reads the history through a lineage table (attend.c); cross-
+ * attention reads each sentence's encoder keys, shared by its n / sources beams, under a
+ * padding bias. The products and attention give the bits the modules' kernels give on the
+ * same inputs; the layer norm and the activation are written here and round differently
+ * from torch's (within a few units in the last place).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* from matvec.c and attend.c */
+void tformer_matvec(const float *x, const float *w, const float *b, float *y, long m, long n,
+                    long k, int threads);
+int tformer_linear_int8(const float *x, const int8_t *q, const float *wscale, const float *b,
+                        float *y, long m, long n, long k, int threads);
+int tformer_linear_int8_packed(const float *x, const int8_t *packed, const int32_t *colsum,
+                               const float *wscale, const float *b, float *y, long m, long n,
+                               long k, int threads);
+int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
+                        long k_pos, const float *v, long v_row, long v_head, long v_pos,
+                        const int64_t *rows, long rows_row, long group, const float *bias,
+                        long bias_row, float *out, long n, long r, long heads, long T, long d,
+                        long dv, float scale, int threads);
+
+/* A linear layer y = x W^T + b: fp32 (weight) or int8 (qweight, scale, and where the CPU
+ * runs the many-row product, packed and row_sums). The structures mirror step.py's. */
+struct tformer_linear {
+    const float *weight;
+    const int8_t *qweight;
+    const int8_t *packed;
+    const int32_t *row_sums;
+    const float *scale;
+    const float *bias; /* or NULL */
+    long out_features, in_features;
+};
+
+struct tformer_norm {
+    const float *weight, *bias; /* bias may be NULL */
+    float eps;
+};
+
+enum { ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU };
+
+struct tformer_decoder_layer {
+    struct tformer_linear qkv, self_out, cross_q, cross_out, up, down;
+    struct tformer_norm self_norm, cross_norm, ff_norm;
+    long heads, d_head, d_value;
+    int pre_norm, activation;
+    long packed_min_rows; /* int8 products of this many rows and more use `packed` */
+};
+
+/* Keys and values, (rows, heads, positions, d) with these strides in floats. */
+struct tformer_kv {
+    float *k, *v;
+    long rows, k_row, k_head, k_pos, v_row, v_head, v_pos;
+};
+
+static int linear(const struct tformer_linear *l, const float *x, float *y, long m, long packed_min,
+                  int threads)
+{
+    const long n = l->out_features, k = l->in_features;
+    if (l->weight) {
+        tformer_matvec(x, l->weight, l->bias, y, m, n, k, threads);
+        return 0;
+    }
+    if (l->packed && m >= packed_min)
+        return tformer_linear_int8_packed(x, l->packed, l->row_sums, l->scale, l->bias, y, m, n,
+                                          k, threads);
+    return tformer_linear_int8(x, l->qweight, l->scale, l->bias, y, m, n, k, threads);
+}
+
+/* y = (x - mean) / sqrt(var + eps) * weight + bias over each row of d, moments in double. */
+static void layer_norm(const struct tformer_norm *norm, const float *x, float *y, long m, long d)
+{
+    for (long i = 0; i < m; i++) {
+        const float *row = x + i * d;
+        double sum = 0.0, sq = 0.0;
+        for (long j = 0; j < d; j++)
+            sum += row[j];
+        const double mean = sum / (double)d;
+        for (long j = 0; j < d; j++)
+            sq += (row[j] - mean) * (row[j] - mean);
+        const float mu = (float)mean, rstd = (float)(1.0 / sqrt(sq / (double)d + norm->eps));
+        for (long j = 0; j < d; j++) {
+            const float v = (row[j] - mu) * rstd * norm->weight[j];
+            y[i * d + j] = norm->bias ? v + norm->bias[j] : v;
+        }
+    }
+}
+
+static void activate(int kind, float *x, long count)
+{
+    for (long j = 0; j < count; j++) {
+        const float v = x[j];
+        switch (kind) {
+        case ACT_RELU: x[j] = v > 0.0f ? v : 0.0f; break;
+        case ACT_GELU: x[j] = 0.5f * v * (1.0f + erff(v * (float)M_SQRT1_2)); break;
+        case ACT_GELU_TANH:
+            x[j] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+            break;
+        default: x[j] = v / (1.0f + expf(-v)); break;
+        }
+    }
+}
+
+/* x (n x d_model) += y, then (post-norm) x = LN(x). */
+static void residual(const struct tformer_decoder_layer *l, const struct tformer_norm *norm,
+                     float *x, const float *y, long n, long d)
+{
+    for (long j = 0; j < n * d; j++)
+        x[j] += y[j];
+    if (!l->pre_norm)
+        layer_norm(norm, x, x, n, d);
+}
+
+/* The sublayer's input: LN(x) into h (pre-norm), or x itself (post-norm). */
+static const float *sublayer_input(const struct tformer_decoder_layer *l,
+                                   const struct tformer_norm *norm, const float *x, float *h,
+                                   long n, long d)
+{
+    if (!l->pre_norm)
+        return x;
+    layer_norm(norm, x, h, n, d);
+    return h;
+}
+
+/* One step of layer `l` for n rows of x (n x d_model, updated in place).
+ *   self_kv, length: the layer's cache (self_kv->rows >= n buffer rows); the step's keys
+ *       and values go to position length - 1 of buffer rows 0 .. n-1, and attention reads
+ *       positions 0 .. length-1 through rows (n x >= length int64, rows_row apart).
+ *   cross_kv, source_len, bias: the encoder's keys and values of cross_kv->rows sentences
+ *       (n a multiple of it: beam i reads sentence i / (n / sentences)), and a (sentences x
+ *       >= source_len) bias on their scores, bias_row apart (NULL: none).
+ * Returns 0; -1 where a product could not allocate; -2 where `rows` names a buffer row
+ * outside the cache's (the layer's output is then meaningless). */
+int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, long n,
+                               const struct tformer_kv *self_kv, long length,
+                               const int64_t *rows, long rows_row,
+                               const struct tformer_kv *cross_kv, long source_len,
+                               const float *bias, long bias_row, int threads)
+{
+    const long d = l->self_out.out_features, H = l->heads, dk = l->d_head, dv = l->d_value;
+    const long qk = H * dk, width = l->qkv.out_features, ff = l->up.out_features;
+    const long pm = l->packed_min_rows;
+    const float scale = 1.0f / sqrtf((float)dk);
+    /* scratch: the normed input, q|k|v, attention output, a sublayer's output, the FFN */
+    const long widest = width > ff ? width : ff;
+    float *h = malloc(sizeof(float) * n * (d + widest + H * dv + d));
+    if (!h)
+        return -1;
+    float *wide = h + n * d, *att = wide + n * widest, *out = att + n * H * dv;
+    int status = 0;
+
+    /* self-attention */
+    const float *in = sublayer_input(l, &l->self_norm, x, h, n, d);
+    if ((status = linear(&l->qkv, in, wide, n, pm, threads)))
+        goto done;
+    const long s = length - 1;
+    for (long i = 0; i < n; i++)
+        for (long hd = 0; hd < H; hd++) {
+            memcpy(self_kv->k + i * self_kv->k_row + hd * self_kv->k_head + s * self_kv->k_pos,
+                   wide + i * width + qk + hd * dk, sizeof(float) * dk);
+            memcpy(self_kv->v + i * self_kv->v_row + hd * self_kv->v_head + s * self_kv->v_pos,
+                   wide + i * width + 2 * qk + hd * dv, sizeof(float) * dv);
+        }
+    if (tformer_attend_step(wide, width, self_kv->k, self_kv->k_row, self_kv->k_head,
+                            self_kv->k_pos, self_kv->v, self_kv->v_row, self_kv->v_head,
+                            self_kv->v_pos, rows, rows_row, 1, NULL, 0, att, n, self_kv->rows, H, length,
+                            dk, dv, scale, threads)) {
+        status = -2;
+        goto done;
+    }
+    if ((status = linear(&l->self_out, att, out, n, pm, threads)))
+        goto done;
+    residual(l, &l->self_norm, x, out, n, d);
+
+    /* cross-attention */
+    in = sublayer_input(l, &l->cross_norm, x, h, n, d);
+    if ((status = linear(&l->cross_q, in, wide, n, pm, threads)))
+        goto done;
+    tformer_attend_step(wide, qk, cross_kv->k, cross_kv->k_row, cross_kv->k_head, cross_kv->k_pos,
+                        cross_kv->v, cross_kv->v_row, cross_kv->v_head, cross_kv->v_pos, NULL, 0,
+                        n / cross_kv->rows, bias, bias_row, att, n, cross_kv->rows, H,
+                        source_len, dk, dv,
+                        scale, threads);
+    if ((status = linear(&l->cross_out, att, out, n, pm, threads)))
+        goto done;
+    residual(l, &l->cross_norm, x, out, n, d);
+
+    /* feed-forward */
+    in = sublayer_input(l, &l->ff_norm, x, h, n, d);
+    if ((status = linear(&l->up, in, wide, n, pm, threads)))
+        goto done;
+    activate(l->activation, wide, n * ff);
+    if ((status = linear(&l->down, wide, out, n, pm, threads)))
+        goto done;
+    residual(l, &l->ff_norm, x, out, n, d);
+done:
+    free(h);
+    return status;
+}

@@ -1,0 +1,218 @@
+"""A decoder layer's decoding step in one C call (step.c).
+
+A step of beam search over one sentence runs each decoder layer on a few rows: six matrix
+products, two attentions, three layer norms, residual additions and an activation, ~25
+torch operations and module calls whose Python and dispatch cost, a few microseconds each,
+was about a third of a step on OPUS-MT's shape. `DecoderStep` reads a decoder's weights
+once per search (Seq2Seq.make_cache makes it) and then runs every layer's step as one call
+into step.c, which computes what the modules compute with the same product and attention
+kernels: the same bits from those, and layer norms and activations that round a little
+differently from torch's. Where it does not apply (training, gradients, attention being
+recorded, many fp32 rows, shapes or modules it does not know) the modules run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from tformer.kernels import matvec
+from tformer.kernels.attend import serves_cache
+
+if TYPE_CHECKING:
+    from tformer.layers.attention import KVCache, StaticKV
+
+_p, _long = ctypes.c_void_p, ctypes.c_long
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("weight", _p), ("qweight", _p), ("packed", _p), ("row_sums", _p),
+                ("scale", _p), ("bias", _p), ("out_features", _long), ("in_features", _long)]
+
+
+class _Norm(ctypes.Structure):
+    _fields_ = [("weight", _p), ("bias", _p), ("eps", ctypes.c_float)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [*((name, _Linear) for name in
+                  ("qkv", "self_out", "cross_q", "cross_out", "up", "down")),
+                *((name, _Norm) for name in ("self_norm", "cross_norm", "ff_norm")),
+                ("heads", _long), ("d_head", _long), ("d_value", _long),
+                ("pre_norm", ctypes.c_int), ("activation", ctypes.c_int),
+                ("packed_min_rows", _long)]
+
+
+class _KV(ctypes.Structure):
+    _fields_ = [("k", _p), ("v", _p), ("rows", _long),
+                *((f"{t}_{axis}", _long) for t in "kv" for axis in ("row", "head", "pos"))]
+
+
+_ACTIVATIONS = {nn.ReLU: 0, nn.SiLU: 3}
+"""step.c's activations (and GELU: 1 exact, 2 tanh)."""
+
+
+def _activation(module: nn.Module) -> int | None:
+    if type(module) is nn.GELU:
+        return {"none": 1, "tanh": 2}.get(module.approximate)
+    return _ACTIVATIONS.get(type(module))
+
+
+def _is_f32_cpu(t: Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
+                         and t.is_contiguous())
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(module: nn.Module) -> tuple[_Linear, int] | None:
+    """The structure for a linear layer and the most rows the step gives it (beyond that its
+    own kernels do better than step.c's), or None where step.c cannot read it."""
+    from tformer.kernels.quantize import Int8Linear
+
+    if isinstance(module, Int8Linear):
+        if not module.native:
+            return None
+        packed = module.packed
+        limit = 1 << 30 if packed is not None else matvec.INT8_MAX_ROWS
+        return _Linear(None, module.qweight.data_ptr(),
+                       None if packed is None else packed.data.data_ptr(),
+                       None if packed is None else packed.row_sums.data_ptr(),
+                       module.scale.data_ptr(), _ptr(module.bias), module.out_features,
+                       module.in_features), limit
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if not (isinstance(weight, Tensor) and weight.dim() == 2 and _is_f32_cpu(weight)
+            and _is_f32_cpu(bias)):
+        return None
+    # fp32 rows: matvec's kernel, which PackedLinear runs up to MAX_ROWS rows.
+    return (_Linear(weight.data_ptr(), None, None, None, None, _ptr(bias), weight.shape[0],
+                    weight.shape[1]), matvec.MAX_ROWS)
+
+
+def _norm(module: nn.LayerNorm) -> _Norm | None:
+    if not (isinstance(module, nn.LayerNorm) and module.weight is not None
+            and len(module.normalized_shape) == 1 and _is_f32_cpu(module.weight)
+            and _is_f32_cpu(module.bias)):
+        return None
+    return _Norm(module.weight.data_ptr(), _ptr(module.bias), module.eps)
+
+
+def _packed(layer: nn.Module) -> list[Tensor]:
+    """The packed int8 weights of a layer's Int8Linears (not buffers: made, not saved)."""
+    return [t for m in layer.modules() if getattr(m, "packed", None) is not None
+            and hasattr(m.packed, "row_sums") for t in (m.packed.data, m.packed.row_sums)]
+
+
+def _kv(k: Tensor, v: Tensor) -> _KV:
+    return _KV(k.data_ptr(), v.data_ptr(), k.shape[0], *k.stride()[:3], *v.stride()[:3])
+
+
+class DecoderStep:
+    """Every layer of a decoder (models.seq2seq.DecoderLayer) as step.c reads it, for the
+    caches of one search. Made by `DecoderStep.of`, which returns None where step.c cannot
+    run these layers; `serves` says whether it runs a given step."""
+
+    def __init__(self, layers: Sequence[nn.Module], structs: list[_Layer], rows: int,
+                 self_caches: Sequence[KVCache]) -> None:
+        self.layers = list(layers)
+        # Every tensor the structures point into, held for as long as they are used.
+        self._tensors = [t for layer in self.layers
+                         for t in (*layer.parameters(), *layer.buffers(), *_packed(layer))]
+        self._tensors += [t for c in self_caches for t in (c.k, c.v)]
+        self.structs = structs
+        self.pointers = [ctypes.pointer(s) for s in structs]
+        self.max_rows = rows
+        self.self_kv = [ctypes.pointer(_kv(c.k, c.v)) for c in self_caches]
+        self._cross: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
+
+    @classmethod
+    def of(cls, layers: Sequence[nn.Module], self_caches: Sequence[KVCache]) -> DecoderStep | None:
+        """The step for `layers` over their lineage caches `self_caches` (layers.attention
+        .KVCache, never copied), or None where step.c cannot run it."""
+        lib = matvec.load()
+        if lib is None or not all(c.lineage is not None and c.k.is_contiguous()
+                                  and c.v.is_contiguous() and serves_cache(c.k.dtype, c.k.device)
+                                  for c in self_caches):
+            return None
+        structs, rows = [], 1 << 30
+        for layer in layers:
+            made = cls._layer(layer)
+            if made is None:
+                return None
+            structs.append(made[0])
+            rows = min(rows, made[1])
+        return cls(layers, structs, rows, self_caches)
+
+    @staticmethod
+    def _layer(layer: nn.Module) -> tuple[_Layer, int] | None:
+        self_attn, cross_attn, ff = layer.self_attn, layer.cross_attn, layer.ff
+        linears = [_linear(m) for m in (self_attn.qkv_proj, self_attn.out_proj, cross_attn.q_proj,
+                                        cross_attn.out_proj, ff.up, ff.down)]
+        norms = [_norm(r.norm) for r in (layer.self_residual, layer.cross_residual,
+                                          layer.ff_residual)]
+        activation = _activation(ff.activation)
+        pre = {layer.self_residual.pre, layer.cross_residual.pre, layer.ff_residual.pre}
+        if None in linears or None in norms or activation is None or len(pre) != 1:
+            return None
+        if (cross_attn.d_head, cross_attn.d_value) != (self_attn.d_head, self_attn.d_value):
+            return None
+        struct = _Layer(*(s for s, _ in linears), *norms, self_attn.n_head, self_attn.d_head,
+                        self_attn.d_value, int(pre.pop()), activation, matvec.PACKED_MIN_ROWS)
+        return struct, min(limit for _, limit in linears)
+
+    def serves(self, x: Tensor, lineage_rows: Tensor, cross: Sequence[StaticKV],
+               memory_bias: Tensor) -> bool:
+        """Whether step.c runs this step: x (N, 1, D) fp32 on the CPU with no gradient wanted,
+        the layers in eval mode and recording nothing, N within what the products take,
+        every cross-attention's keys in place and shared evenly by the rows, and the source's
+        padding as a (sentences, 1, 1, S) float bias."""
+        n = x.shape[0]
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != 1
+                or n > self.max_rows or lineage_rows.shape[0] != n
+                or lineage_rows.dtype != torch.int64 or lineage_rows.stride(1) != 1
+                or (torch.is_grad_enabled() and x.requires_grad)
+                or torch.compiler.is_compiling()):
+            return False
+        for layer, c in zip(self.layers, cross, strict=True):
+            if (layer.training or layer.self_attn.recorded is not None
+                    or layer.cross_attn.recorded is not None or c.k is None
+                    or n % c.k.shape[0] or c.k.stride(3) != 1 or c.v.stride(3) != 1):
+                return False
+        sentences, source_len = cross[0].k.shape[0], cross[0].k.shape[2]
+        return (memory_bias.dtype == torch.float32
+                and memory_bias.shape == (sentences, 1, 1, source_len)
+                and memory_bias.stride(3) == 1)
+
+    def run(self, x: Tensor, self_caches: Sequence[KVCache], lineage_rows: Tensor,
+            cross: Sequence[StaticKV], memory_bias: Tensor) -> Tensor:
+        """Every layer's step on x (N, 1, D), where `serves` says so: the layers' keys and
+        values stored in `self_caches` (one position each), the result in a new tensor."""
+        lib = matvec.load()
+        x = x.contiguous().clone()
+        n, length = x.shape[0], self_caches[0].length + 1
+        if length > self_caches[0].max_len:
+            raise RuntimeError(f"KV cache holds {self_caches[0].max_len} positions; "
+                               f"{length} requested")
+        source_len = cross[0].k.shape[2]
+        bias = memory_bias[:, 0, 0]
+        threads = torch.get_num_threads()
+        rows_ptr, rows_row = lineage_rows.data_ptr(), lineage_rows.stride(0)
+        for i, cache in enumerate(cross):
+            if self._cross[i][0] is not cache.k:  # made once, and again when sentences leave
+                self._cross[i] = (cache.k, ctypes.pointer(_kv(cache.k, cache.v)))
+            status = lib.tformer_decoder_layer_step(
+                self.pointers[i], x.data_ptr(), n, self.self_kv[i], length, rows_ptr, rows_row,
+                self._cross[i][1], source_len, bias.data_ptr(), bias.stride(0), threads)
+            if status == -1:
+                raise MemoryError(f"no memory for a decoding step of {n} rows")
+            if status:
+                raise IndexError("decoding step: the lineage names a row outside the cache")
+        for cache in self_caches:
+            cache.length = length
+        return x

@@ -1,0 +1,154 @@
+import pytest
+import torch
+from torch import nn
+
+from tformer.kernels import matvec
+from tformer.kernels.attend import gather_positions
+from tformer.kernels.quantize import inference_model
+from tformer.kernels.step import DecoderStep
+from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+
+VOCAB = 50
+
+
+def make_model(norm="pre", activation="silu", bias=True, **kw):
+    torch.manual_seed(0)
+    cfg = Seq2SeqConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, d_ff=48, norm=norm,
+                        activation=activation, bias=bias, dropout=0.0, **kw)
+    return Seq2Seq(cfg).eval()
+
+
+def sources(sentences=2, length=7):
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(3, VOCAB, (sentences, length), generator=g)
+    real = torch.ones(sentences, length, dtype=torch.bool)
+    real[-1, length - 2:] = False  # padding on the last sentence
+    return src, real
+
+
+def run_steps(model, src, real, beams, steps, fused, cache_model=None):
+    """`steps` decoding steps of beams x sentences rows, reordered after each step in a fixed
+    random way; at step 3 the first sentence finishes and leaves (fewer rows, the ones that
+    stay may read buffer rows past the new count). Returns each step's logits and the final
+    caches. `cache_model` makes the cache (default: the model itself)."""
+    sentences = src.shape[0]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        memory = model.encode(src, real)
+        cache = (cache_model or model).make_cache(sentences * beams, steps + 1)
+        if not fused:
+            cache.step = None
+        tokens = torch.randint(3, VOCAB, (sentences * beams, 1), generator=g)
+        logits = []
+        for t in range(steps):
+            logits.append(model.decode(tokens, memory, real, cache=cache))
+            rows = sentences * beams
+            index = torch.randint(0, rows, (rows,), generator=g)
+            if t == 3 and sentences > 1:  # the first sentence finished: its beams leave
+                keep = torch.arange(1, sentences)
+                index = torch.randint(beams, rows, ((sentences - 1) * beams,), generator=g)
+                cache.reorder(index, keep)
+                memory, real, sentences = memory[keep], real[keep], sentences - 1
+            else:
+                cache.reorder(index)
+            tokens = torch.randint(3, VOCAB, (sentences * beams, 1), generator=g)
+    return logits, cache
+
+
+@native
+@pytest.mark.parametrize("norm", ["pre", "post"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_one_call_per_layer_computes_what_the_layers_compute_in_float64(norm, activation,
+                                                                        monkeypatch):
+    # Independent of every kernel: the same model in float64 runs torch's modules only.
+    model = inference_model(make_model(norm, activation), int8=False)
+    src, real = sources(sentences=1)
+    calls = []
+    original = DecoderStep.run
+    monkeypatch.setattr(DecoderStep, "run",
+                        lambda self, *a: calls.append(1) or original(self, *a))
+    got, _ = run_steps(model, src, real, beams=4, steps=6, fused=True)
+    assert len(calls) == 5  # every step after the first (which fills the cross-attention)
+    want, _ = run_steps(make_model(norm, activation).double(), src, real, beams=4, steps=6,
+                        fused=False)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("norm", ["pre", "post"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_steps_match_the_int8_layers_and_store_the_same_keys(norm, bias):
+    # Two sentences of four beams (eight rows: the packed product where the CPU has it, the
+    # few-row one elsewhere), a sentence leaving mid-way. The products and attention are the
+    # modules' kernels; only the layer norms and activations round differently, which can
+    # move an input across an int8 rounding step now and then.
+    model = inference_model(make_model(norm, bias=bias), int8=True)
+    src, real = sources(sentences=2)
+    got, got_cache = run_steps(model, src, real, beams=4, steps=7, fused=True)
+    want, want_cache = run_steps(model, src, real, beams=4, steps=7, fused=False)
+    assert got_cache.step is not None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # Each hypothesis' keys and values, read through the lineage (buffer rows that no
+    # hypothesis reaches any more hold whatever was there).
+    for a, b in zip(got_cache.self_attn, want_cache.self_attn, strict=True):
+        assert a.length == b.length == 7
+        for buffer in ("k", "v"):
+            torch.testing.assert_close(
+                gather_positions(getattr(a, buffer), got_cache.lineage.rows, 7),
+                gather_positions(getattr(b, buffer), want_cache.lineage.rows, 7),
+                atol=1e-4, rtol=1e-4)
+
+
+@native
+def test_the_step_runs_only_where_it_computes_the_same():
+    model = inference_model(make_model(), int8=False)
+    src, real = sources(sentences=1)
+    with torch.no_grad():
+        memory = model.encode(src, real)
+        cache = model.make_cache(4, 8)
+        x = torch.zeros(4, 1, 32)
+        model.decode(torch.full((4, 1), 3), memory, real, cache=cache)  # fills cross-attention
+        step, rows, cross = cache.step, cache.lineage.rows, cache.cross_attn
+        bias = torch.zeros(1, 1, 1, src.shape[1])
+        assert step.serves(x, rows, cross, bias)
+        # fp32 products of more rows than matvec's kernel takes are oneDNN's
+        assert not step.serves(torch.zeros(8, 1, 32), rows, cross, bias)
+        assert not step.serves(x.double(), rows, cross, bias)
+        assert not step.serves(x, rows, cross, bias.bool())
+        model.decoder[1].cross_attn.recorded = []
+        assert not step.serves(x, rows, cross, bias)
+        model.decoder[1].cross_attn.recorded = None
+        model.train()
+        assert not step.serves(x, rows, cross, bias)
+        model.eval()
+    # gradients are torch's
+    assert not step.serves(x.requires_grad_(), rows, cross, bias)
+
+
+def test_layers_it_cannot_read_keep_the_modules():
+    model = make_model()
+    model.decoder[0].ff.activation = nn.Tanh()
+    assert model.make_cache(4, 8).step is None
+    assert make_model().double().make_cache(4, 8).step is None
+
+
+@native
+def test_a_lineage_naming_a_row_outside_the_cache_is_an_error():
+    model = inference_model(make_model(), int8=True)
+    src, real = sources(sentences=1)
+    with torch.no_grad():
+        memory = model.encode(src, real)
+        cache = model.make_cache(4, 3)
+        model.decode(torch.full((4, 1), 3), memory, real, cache=cache)
+        cache.lineage.rows[2, 0] = 9
+        with pytest.raises(IndexError, match="outside the cache"):
+            model.decode(torch.full((4, 1), 3), memory, real, cache=cache)
+        cache.lineage.rows[2, 0] = 2
+        model.decode(torch.full((4, 1), 3), memory, real, cache=cache)
+        model.decode(torch.full((4, 1), 3), memory, real, cache=cache)
+        with pytest.raises(RuntimeError, match="holds 3 positions"):
+            model.decode(torch.full((4, 1), 3), memory, real, cache=cache)
