@@ -1,7 +1,8 @@
 """`tformer info`: parameter counts against the weights, FLOPs against torch's own counter
 (torch.utils.flop_counter, with the math attention kernel so that attention's products
-are counted too, and without tformer's decoding-step attention kernel, which torch cannot
-see into), activation memory against the allocator's view of saved tensors."""
+are counted too, and without tformer's decoding-step attention kernel and one-call decoder
+layers, which torch cannot see into), activation memory against the allocator's view of
+saved tensors."""
 
 import json
 from unittest import mock
@@ -15,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tformer.cli import main
 from tformer.config import config_from_dict
 from tformer.kernels import matvec
+from tformer.kernels.step import DecoderStep
 from tformer.layers import attention
 from tformer.models.transformer_xl import Memory
 from tformer.registry import get_family
@@ -25,6 +27,7 @@ from tformer.viz.info import parameters_by_module, summarize
 def counted(fn) -> int:
     matvec.load()  # its checks at load time run products of their own: not inside the count
     with (sdpa_kernel(SDPBackend.MATH), mock.patch.object(attention, "serves", lambda q: False),
+          mock.patch.object(DecoderStep, "of", lambda *a: None),
           FlopCounterMode(display=False) as counter):
         fn()
     return counter.get_total_flops()
