@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from tformer.kernels import matvec
+from tformer.kernels import step as step_module
 from tformer.kernels.attend import gather_positions
 from tformer.kernels.quantize import inference_model
 from tformer.kernels.step import DecoderStep
@@ -104,7 +105,7 @@ def test_int8_steps_match_the_int8_layers_and_store_the_same_keys(norm, bias):
 
 
 @native
-def test_the_step_runs_only_where_it_computes_the_same():
+def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
     model = inference_model(make_model(), int8=False)
     src, real = sources(sentences=1)
     with torch.no_grad():
@@ -125,6 +126,11 @@ def test_the_step_runs_only_where_it_computes_the_same():
         model.train()
         assert not step.serves(x, rows, cross, bias)
         model.eval()
+        # a source longer than the attention kernel keeps scores for (7 tokens here)
+        monkeypatch.setattr(step_module, "MAX_POSITIONS", 6)
+        assert not step.serves(x, rows, cross, bias)
+        monkeypatch.setattr(step_module, "MAX_POSITIONS", 7)
+        assert step.serves(x, rows, cross, bias)
     # gradients are torch's
     assert not step.serves(x.requires_grad_(), rows, cross, bias)
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.kernels import matvec
-from tformer.kernels.attend import serves_cache
+from tformer.kernels.attend import MAX_POSITIONS, serves_cache
 
 if TYPE_CHECKING:
     from tformer.layers.attention import KVCache, StaticKV
@@ -128,6 +128,7 @@ class DecoderStep:
         self.structs = structs
         self.pointers = [ctypes.pointer(s) for s in structs]
         self.max_rows = rows
+        self.self_caches = list(self_caches)
         self.self_kv = [ctypes.pointer(_kv(c.k, c.v)) for c in self_caches]
         self._cross: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
 
@@ -185,15 +186,17 @@ class DecoderStep:
                     or n % c.k.shape[0] or c.k.stride(3) != 1 or c.v.stride(3) != 1):
                 return False
         sentences, source_len = cross[0].k.shape[0], cross[0].k.shape[2]
-        return (memory_bias.dtype == torch.float32
+        # The attention kernel keeps a row's scores on the stack (attend.MAX_POSITIONS).
+        positions = max(source_len, self.self_caches[0].length + 1)
+        return (positions <= MAX_POSITIONS and memory_bias.dtype == torch.float32
                 and memory_bias.shape == (sentences, 1, 1, source_len)
                 and memory_bias.stride(3) == 1)
 
-    def run(self, x: Tensor, self_caches: Sequence[KVCache], lineage_rows: Tensor,
-            cross: Sequence[StaticKV], memory_bias: Tensor) -> Tensor:
+    def run(self, x: Tensor, lineage_rows: Tensor, cross: Sequence[StaticKV],
+            memory_bias: Tensor) -> Tensor:
         """Every layer's step on x (N, 1, D), where `serves` says so: the layers' keys and
-        values stored in `self_caches` (one position each), the result in a new tensor."""
-        lib = matvec.load()
+        values stored in their caches (one position each), the result in a new tensor."""
+        lib, self_caches = matvec.load(), self.self_caches
         x = x.contiguous().clone()
         n, length = x.shape[0], self_caches[0].length + 1
         if length > self_caches[0].max_len:

@@ -306,7 +306,7 @@ class Seq2Seq(nn.Module):
             x, cache.lineage.rows, cache.cross_attn, memory_mask
         ):
             # One C call per layer (kernels/step.py): the same computation as the loop below.
-            x = step.run(x, cache.self_attn, cache.lineage.rows, cache.cross_attn, memory_mask)
+            x = step.run(x, cache.lineage.rows, cache.cross_attn, memory_mask)
         else:
             for i, layer in enumerate(self.decoder):
                 self_cache = cache.self_attn[i] if cache is not None else None
