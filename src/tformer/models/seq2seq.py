@@ -327,7 +327,8 @@ class Seq2Seq(nn.Module):
         """An empty cache for `batch` target sequences of up to `max_len` tokens: a KV cache
         per decoder layer and a slot per layer for the encoder's keys/values. Where the
         attention kernel serves the cache, beam search's reorders go through a Lineage
-        instead of copying the caches."""
+        instead of copying the caches, and the cache carries the decoder's layers prepared
+        for one-call steps (kernels/step.py) where those can run them."""
         attn = self.decoder[0].self_attn
         param = self.src_embed.weight
         layers = range(len(self.decoder))
