@@ -158,3 +158,20 @@ def test_a_lineage_naming_a_row_outside_the_cache_is_an_error():
         model.decode(torch.full((4, 1), 3), memory, real, cache=cache)
         with pytest.raises(RuntimeError, match="holds 3 positions"):
             model.decode(torch.full((4, 1), 3), memory, real, cache=cache)
+
+
+@native
+@pytest.mark.parametrize("int8", [False, True])
+def test_heads_whose_values_are_wider_than_their_keys(int8):
+    # q and k of 6 per head, v of 10: the fused projection's three parts and the output
+    # projection's input all have other widths.
+    model = inference_model(make_model("post", "gelu", d_head=6, d_value=10), int8=int8)
+    src, real = sources(sentences=1)
+    got, _ = run_steps(model, src, real, beams=4, steps=5, fused=True)
+    assert model.make_cache(4, 6).step is not None
+    # fp32 against the model in float64; int8 against its own layers run as modules
+    reference = model if int8 else make_model("post", "gelu", d_head=6, d_value=10).double()
+    want, _ = run_steps(reference, src, real, beams=4, steps=5, fused=False)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.to(b.dtype), b, atol=1e-4 if int8 else 2e-5,
+                                   rtol=1e-4 if int8 else 1e-5)
