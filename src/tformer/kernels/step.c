@@ -61,6 +61,7 @@ struct tformer_decoder_layer {
     struct tformer_linear qkv, self_out, cross_q, cross_out, up, down;
     struct tformer_norm self_norm, cross_norm, ff_norm;
     long heads, d_head, d_value;
+    float scale; /* on the scores: d_head ** -0.5, as attend.py passes it */
     int pre_norm, activation;
     long packed_min_rows; /* int8 products of this many rows and more use `packed` */
 };
@@ -158,7 +159,6 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
     const long d = l->self_out.out_features, H = l->heads, dk = l->d_head, dv = l->d_value;
     const long qk = H * dk, width = l->qkv.out_features, ff = l->up.out_features;
     const long pm = l->packed_min_rows;
-    const float scale = 1.0f / sqrtf((float)dk);
     /* scratch: the normed input, q|k|v, attention output, a sublayer's output, the FFN */
     const long widest = width > ff ? width : ff;
     float *h = malloc(sizeof(float) * n * (d + widest + H * dv + d));
@@ -181,8 +181,8 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
         }
     if (tformer_attend_step(wide, width, self_kv->k, self_kv->k_row, self_kv->k_head,
                             self_kv->k_pos, self_kv->v, self_kv->v_row, self_kv->v_head,
-                            self_kv->v_pos, rows, rows_row, 1, NULL, 0, att, n, self_kv->rows, H, length,
-                            dk, dv, scale, threads)) {
+                            self_kv->v_pos, rows, rows_row, 1, NULL, 0, att, n, self_kv->rows,
+                            H, length, dk, dv, l->scale, threads)) {
         status = -2;
         goto done;
     }
@@ -194,11 +194,10 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
     in = sublayer_input(l, &l->cross_norm, x, h, n, d);
     if ((status = linear(&l->cross_q, in, wide, n, pm, threads)))
         goto done;
-    tformer_attend_step(wide, qk, cross_kv->k, cross_kv->k_row, cross_kv->k_head, cross_kv->k_pos,
-                        cross_kv->v, cross_kv->v_row, cross_kv->v_head, cross_kv->v_pos, NULL, 0,
-                        n / cross_kv->rows, bias, bias_row, att, n, cross_kv->rows, H,
-                        source_len, dk, dv,
-                        scale, threads);
+    tformer_attend_step(wide, qk, cross_kv->k, cross_kv->k_row, cross_kv->k_head,
+                        cross_kv->k_pos, cross_kv->v, cross_kv->v_row, cross_kv->v_head,
+                        cross_kv->v_pos, NULL, 0, n / cross_kv->rows, bias, bias_row, att, n,
+                        cross_kv->rows, H, source_len, dk, dv, l->scale, threads);
     if ((status = linear(&l->cross_out, att, out, n, pm, threads)))
         goto done;
     residual(l, &l->cross_norm, x, out, n, d);

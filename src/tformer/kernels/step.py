@@ -43,7 +43,7 @@ class _Layer(ctypes.Structure):
                   ("qkv", "self_out", "cross_q", "cross_out", "up", "down")),
                 *((name, _Norm) for name in ("self_norm", "cross_norm", "ff_norm")),
                 ("heads", _long), ("d_head", _long), ("d_value", _long),
-                ("pre_norm", ctypes.c_int), ("activation", ctypes.c_int),
+                ("scale", ctypes.c_float), ("pre_norm", ctypes.c_int), ("activation", ctypes.c_int),
                 ("packed_min_rows", _long)]
 
 
@@ -164,7 +164,8 @@ class DecoderStep:
         if (cross_attn.d_head, cross_attn.d_value) != (self_attn.d_head, self_attn.d_value):
             return None
         struct = _Layer(*(s for s, _ in linears), *norms, self_attn.n_head, self_attn.d_head,
-                        self_attn.d_value, int(pre.pop()), activation, matvec.PACKED_MIN_ROWS)
+                        self_attn.d_value, self_attn.d_head**-0.5, int(pre.pop()), activation,
+                        matvec.PACKED_MIN_ROWS)
         return struct, min(limit for _, limit in linears)
 
     def serves(self, x: Tensor, lineage_rows: Tensor, cross: Sequence[StaticKV],
