@@ -130,6 +130,18 @@ static void residual(const struct tformer_decoder_layer *l, const struct tformer
         layer_norm(norm, x, x, n, d);
 }
 
+/* attend.c's step over the keys and values of `kv`: rows and group as tformer_attend_step
+ * takes them. Returns its status (-1: `rows` names a row outside kv's). */
+static int attend(const struct tformer_decoder_layer *l, const float *q, long q_row,
+                  const struct tformer_kv *kv, const int64_t *rows, long rows_row, long group,
+                  const float *bias, long bias_row, float *out, long n, long T, int threads)
+{
+    return tformer_attend_step(q, q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v,
+                               kv->v_row, kv->v_head, kv->v_pos, rows, rows_row, group, bias,
+                               bias_row, out, n, kv->rows, l->heads, T, l->d_head, l->d_value,
+                               l->scale, threads);
+}
+
 /* The sublayer's input: LN(x) into h (pre-norm), or x itself (post-norm). */
 static const float *sublayer_input(const struct tformer_decoder_layer *l,
                                    const struct tformer_norm *norm, const float *x, float *h,
@@ -179,10 +191,7 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
             memcpy(self_kv->v + i * self_kv->v_row + hd * self_kv->v_head + s * self_kv->v_pos,
                    wide + i * width + 2 * qk + hd * dv, sizeof(float) * dv);
         }
-    if (tformer_attend_step(wide, width, self_kv->k, self_kv->k_row, self_kv->k_head,
-                            self_kv->k_pos, self_kv->v, self_kv->v_row, self_kv->v_head,
-                            self_kv->v_pos, rows, rows_row, 1, NULL, 0, att, n, self_kv->rows,
-                            H, length, dk, dv, l->scale, threads)) {
+    if (attend(l, wide, width, self_kv, rows, rows_row, 1, NULL, 0, att, n, length, threads)) {
         status = -2;
         goto done;
     }
@@ -194,10 +203,8 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
     in = sublayer_input(l, &l->cross_norm, x, h, n, d);
     if ((status = linear(&l->cross_q, in, wide, n, pm, threads)))
         goto done;
-    tformer_attend_step(wide, qk, cross_kv->k, cross_kv->k_row, cross_kv->k_head,
-                        cross_kv->k_pos, cross_kv->v, cross_kv->v_row, cross_kv->v_head,
-                        cross_kv->v_pos, NULL, 0, n / cross_kv->rows, bias, bias_row, att, n,
-                        cross_kv->rows, H, source_len, dk, dv, l->scale, threads);
+    attend(l, wide, qk, cross_kv, NULL, 0, n / cross_kv->rows, bias, bias_row, att, n,
+           source_len, threads);
     if ((status = linear(&l->cross_out, att, out, n, pm, threads)))
         goto done;
     residual(l, &l->cross_norm, x, out, n, d);
