@@ -113,26 +113,26 @@ def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
         cache = model.make_cache(4, 8)
         x = torch.zeros(4, 1, 32)
         model.decode(torch.full((4, 1), 3), memory, real, cache=cache)  # fills cross-attention
-        step, rows, cross = cache.step, cache.lineage.rows, cache.cross_attn
+        step = cache.step
         bias = torch.zeros(1, 1, 1, src.shape[1])
-        assert step.serves(x, rows, cross, bias)
+        assert step.serves(x, bias)
         # fp32 products of more rows than matvec's kernel takes are oneDNN's
-        assert not step.serves(torch.zeros(8, 1, 32), rows, cross, bias)
-        assert not step.serves(x.double(), rows, cross, bias)
-        assert not step.serves(x, rows, cross, bias.bool())
+        assert not step.serves(torch.zeros(8, 1, 32), bias)
+        assert not step.serves(x.double(), bias)
+        assert not step.serves(x, bias.bool())
         model.decoder[1].cross_attn.recorded = []
-        assert not step.serves(x, rows, cross, bias)
+        assert not step.serves(x, bias)
         model.decoder[1].cross_attn.recorded = None
         model.train()
-        assert not step.serves(x, rows, cross, bias)
+        assert not step.serves(x, bias)
         model.eval()
         # a source longer than the attention kernel keeps scores for (7 tokens here)
         monkeypatch.setattr(step_module, "MAX_POSITIONS", 6)
-        assert not step.serves(x, rows, cross, bias)
+        assert not step.serves(x, bias)
         monkeypatch.setattr(step_module, "MAX_POSITIONS", 7)
-        assert step.serves(x, rows, cross, bias)
+        assert step.serves(x, bias)
     # gradients are torch's
-    assert not step.serves(x.requires_grad_(), rows, cross, bias)
+    assert not step.serves(x.requires_grad_(), bias)
 
 
 def test_layers_it_cannot_read_keep_the_modules():

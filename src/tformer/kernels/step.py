@@ -22,9 +22,10 @@ from torch import Tensor, nn
 
 from tformer.kernels import matvec
 from tformer.kernels.attend import MAX_POSITIONS, serves_cache
+from tformer.kernels.quantize import Int8Linear
 
 if TYPE_CHECKING:
-    from tformer.layers.attention import KVCache, StaticKV
+    from tformer.layers.attention import DecoderCache
 
 _p, _long = ctypes.c_void_p, ctypes.c_long
 
@@ -74,8 +75,6 @@ def _ptr(t: Tensor | None) -> int | None:
 def _linear(module: nn.Module) -> tuple[_Linear, int] | None:
     """The structure for a linear layer and the most rows the step gives it (beyond that its
     own kernels do better than step.c's), or None where step.c cannot read it."""
-    from tformer.kernels.quantize import Int8Linear
-
     if isinstance(module, Int8Linear):
         if not module.native:
             return None
@@ -105,8 +104,8 @@ def _norm(module: nn.LayerNorm) -> _Norm | None:
 
 def _packed(layer: nn.Module) -> list[Tensor]:
     """The packed int8 weights of a layer's Int8Linears (not buffers: made, not saved)."""
-    return [t for m in layer.modules() if getattr(m, "packed", None) is not None
-            and hasattr(m.packed, "row_sums") for t in (m.packed.data, m.packed.row_sums)]
+    return [t for m in layer.modules() if isinstance(m, Int8Linear) and m.packed is not None
+            for t in m.packed]
 
 
 def _kv(k: Tensor, v: Tensor) -> _KV:
@@ -114,32 +113,32 @@ def _kv(k: Tensor, v: Tensor) -> _KV:
 
 
 class DecoderStep:
-    """Every layer of a decoder (models.seq2seq.DecoderLayer) as step.c reads it, for the
-    caches of one search. Made by `DecoderStep.of`, which returns None where step.c cannot
+    """Every layer of a decoder (models.seq2seq.DecoderLayer) as step.c reads it, over the
+    cache of one search. Made by `DecoderStep.of`, which returns None where step.c cannot
     run these layers; `serves` says whether it runs a given step."""
 
     def __init__(self, layers: Sequence[nn.Module], structs: list[_Layer], rows: int,
-                 self_caches: Sequence[KVCache]) -> None:
+                 cache: DecoderCache) -> None:
         self.layers = list(layers)
-        # Every tensor the structures point into, held for as long as they are used.
+        self.cache = cache
+        # Every tensor the structures point into, held for as long as they are used (the
+        # pointers hold the structures).
         self._tensors = [t for layer in self.layers
                          for t in (*layer.parameters(), *layer.buffers(), *_packed(layer))]
-        self._tensors += [t for c in self_caches for t in (c.k, c.v)]
-        self.structs = structs
+        self._tensors += [t for c in cache.self_attn for t in (c.k, c.v)]
         self.pointers = [ctypes.pointer(s) for s in structs]
         self.max_rows = rows
-        self.self_caches = list(self_caches)
-        self.self_kv = [ctypes.pointer(_kv(c.k, c.v)) for c in self_caches]
+        self.self_kv = [ctypes.pointer(_kv(c.k, c.v)) for c in cache.self_attn]
         self._cross: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
 
     @classmethod
-    def of(cls, layers: Sequence[nn.Module], self_caches: Sequence[KVCache]) -> DecoderStep | None:
-        """The step for `layers` over their lineage caches `self_caches` (layers.attention
-        .KVCache, never copied), or None where step.c cannot run it."""
+    def of(cls, layers: Sequence[nn.Module], cache: DecoderCache) -> DecoderStep | None:
+        """The step for `layers` over `cache`, whose KV caches follow the beams through a
+        lineage (never copied), or None where step.c cannot run it."""
         lib = matvec.load()
-        if lib is None or not all(c.lineage is not None and c.k.is_contiguous()
-                                  and c.v.is_contiguous() and serves_cache(c.k.dtype, c.k.device)
-                                  for c in self_caches):
+        if lib is None or cache.lineage is None or not all(
+                c.k.is_contiguous() and c.v.is_contiguous()
+                and serves_cache(c.k.dtype, c.k.device) for c in cache.self_attn):
             return None
         structs, rows = [], 1 << 30
         for layer in layers:
@@ -148,7 +147,7 @@ class DecoderStep:
                 return None
             structs.append(made[0])
             rows = min(rows, made[1])
-        return cls(layers, structs, rows, self_caches)
+        return cls(layers, structs, rows, cache)
 
     @staticmethod
     def _layer(layer: nn.Module) -> tuple[_Layer, int] | None:
@@ -168,13 +167,12 @@ class DecoderStep:
                         matvec.PACKED_MIN_ROWS)
         return struct, min(limit for _, limit in linears)
 
-    def serves(self, x: Tensor, lineage_rows: Tensor, cross: Sequence[StaticKV],
-               memory_bias: Tensor) -> bool:
+    def serves(self, x: Tensor, memory_bias: Tensor) -> bool:
         """Whether step.c runs this step: x (N, 1, D) fp32 on the CPU with no gradient wanted,
         the layers in eval mode and recording nothing, N within what the products take,
         every cross-attention's keys in place and shared evenly by the rows, and the source's
         padding as a (sentences, 1, 1, S) float bias."""
-        n = x.shape[0]
+        n, lineage_rows, cross = x.shape[0], self.cache.lineage.rows, self.cache.cross_attn
         if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != 1
                 or n > self.max_rows or lineage_rows.shape[0] != n
                 or lineage_rows.dtype != torch.int64 or lineage_rows.stride(1) != 1
@@ -188,21 +186,18 @@ class DecoderStep:
                 return False
         sentences, source_len = cross[0].k.shape[0], cross[0].k.shape[2]
         # The attention kernel keeps a row's scores on the stack (attend.MAX_POSITIONS).
-        positions = max(source_len, self.self_caches[0].length + 1)
+        positions = max(source_len, self.cache.length + 1)
         return (positions <= MAX_POSITIONS and memory_bias.dtype == torch.float32
                 and memory_bias.shape == (sentences, 1, 1, source_len)
                 and memory_bias.stride(3) == 1)
 
-    def run(self, x: Tensor, lineage_rows: Tensor, cross: Sequence[StaticKV],
-            memory_bias: Tensor) -> Tensor:
+    def run(self, x: Tensor, memory_bias: Tensor) -> Tensor:
         """Every layer's step on x (N, 1, D), where `serves` says so: the layers' keys and
         values stored in their caches (one position each), the result in a new tensor."""
-        lib, self_caches = matvec.load(), self.self_caches
+        lib, self_caches, cross = matvec.load(), self.cache.self_attn, self.cache.cross_attn
+        lineage_rows = self.cache.lineage.rows
         x = x.contiguous().clone()
-        n, length = x.shape[0], self_caches[0].length + 1
-        if length > self_caches[0].max_len:
-            raise RuntimeError(f"KV cache holds {self_caches[0].max_len} positions; "
-                               f"{length} requested")
+        n, length = x.shape[0], self_caches[0].end_after(1)
         source_len = cross[0].k.shape[2]
         bias = memory_bias[:, 0, 0]
         threads = torch.get_num_threads()

@@ -135,12 +135,17 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    def end_after(self, positions: int) -> int:
+        """The length after storing `positions` more; RuntimeError where they do not fit."""
+        end = self.length + positions
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache holds {self.max_len} positions; {end} requested")
+        return end
+
     def store(self, k: Tensor, v: Tensor) -> None:
         """Write (N, H, T, ·) new keys/values after the positions stored so far: to the
         first N buffer rows (all of them, without a lineage)."""
-        start, end = self.length, self.length + k.shape[2]
-        if end > self.max_len:
-            raise RuntimeError(f"KV cache holds {self.max_len} positions; {end} requested")
+        start, end = self.length, self.end_after(k.shape[2])
         rows = slice(None) if self.lineage is None else slice(0, k.shape[0])
         self.k[rows, :, start:end] = k
         self.v[rows, :, start:end] = v

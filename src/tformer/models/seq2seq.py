@@ -302,11 +302,9 @@ class Seq2Seq(nn.Module):
             self_mask = attention_bias(lm_mask(tgt_real, tgt.shape[1], tgt.shape[1], tgt.device),
                                        x.dtype)
         step = cache.step if cache is not None and start > 0 else None
-        if isinstance(step, DecoderStep) and step.serves(
-            x, cache.lineage.rows, cache.cross_attn, memory_mask
-        ):
+        if isinstance(step, DecoderStep) and step.serves(x, memory_mask):
             # One C call per layer (kernels/step.py): the same computation as the loop below.
-            x = step.run(x, cache.lineage.rows, cache.cross_attn, memory_mask)
+            x = step.run(x, memory_mask)
         else:
             for i, layer in enumerate(self.decoder):
                 self_cache = cache.self_attn[i] if cache is not None else None
@@ -344,7 +342,7 @@ class Seq2Seq(nn.Module):
             [StaticKV() for _ in layers],
         )
         if lineage is not None:
-            cache.step = DecoderStep.of(self.decoder, cache.self_attn)
+            cache.step = DecoderStep.of(self.decoder, cache)
         return cache
 
     def num_params(self) -> int:
