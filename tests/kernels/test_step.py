@@ -79,6 +79,27 @@ def test_one_call_per_layer_computes_what_the_layers_compute_in_float64(norm, ac
 
 
 @native
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "silu"])
+def test_activations_hold_far_from_zero(activation):
+    # The vector activations take exp of -|u| only; inputs of +-100s (the FFN's input
+    # weights scaled up) must give v, 0 and -0 where they should, not inf or NaN.
+    def scaled(model):
+        with torch.no_grad():
+            for layer in model.decoder:
+                layer.ff.up.weight.mul_(60.0)
+        return model
+
+    model = inference_model(scaled(make_model(activation=activation)), int8=False)
+    src, real = sources(sentences=1)
+    got, _ = run_steps(model, src, real, beams=4, steps=4, fused=True)
+    want, _ = run_steps(scaled(make_model(activation=activation)).double(), src, real, beams=4,
+                        steps=4, fused=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-5)
+
+
+@native
 @pytest.mark.parametrize("norm", ["pre", "post"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_steps_match_the_int8_layers_and_store_the_same_keys(norm, bias):

@@ -157,9 +157,11 @@ def _load() -> ctypes.CDLL:
     lib.tformer_attend_step.restype = ctypes.c_int
     lib.tformer_decoder_layer_step.argtypes = (
         [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p, ctypes.c_long] * 4
-        + [ctypes.c_int]
+        + [ctypes.c_void_p, ctypes.c_int]
     )
     lib.tformer_decoder_layer_step.restype = ctypes.c_int
+    lib.tformer_decoder_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    lib.tformer_decoder_layer_scratch.restype = ctypes.c_long
     lib.tformer_dropout.argtypes = [ctypes.c_void_p] * 2 + [
         ctypes.c_long, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]
     lib.tformer_dropout.restype = None

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vecmath.h"
+
 /* from matvec.c and attend.c */
 void tformer_matvec(const float *x, const float *w, const float *b, float *y, long m, long n,
                     long k, int threads);
@@ -86,37 +88,102 @@ static int linear(const struct tformer_linear *l, const float *x, float *y, long
     return tformer_linear_int8(x, l->qweight, l->scale, l->bias, y, m, n, k, threads);
 }
 
-/* y = (x - mean) / sqrt(var + eps) * weight + bias over each row of d, moments in double. */
+/* The sum of the four lanes of v. */
+static inline double sum_lanes_pd(__m256d v)
+{
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+/* y = (x - mean) / sqrt(var + eps) * weight + bias over each row of d, moments in double
+ * (four lanes of each, then their sum). */
 static void layer_norm(const struct tformer_norm *norm, const float *x, float *y, long m, long d)
 {
+    const long d4 = d & ~3L;
     for (long i = 0; i < m; i++) {
         const float *row = x + i * d;
-        double sum = 0.0, sq = 0.0;
-        for (long j = 0; j < d; j++)
+        __m256d acc = _mm256_setzero_pd();
+        for (long j = 0; j < d4; j += 4)
+            acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(row + j)));
+        double sum = sum_lanes_pd(acc);
+        for (long j = d4; j < d; j++)
             sum += row[j];
         const double mean = sum / (double)d;
-        for (long j = 0; j < d; j++)
+        const __m256d mv = _mm256_set1_pd(mean);
+        acc = _mm256_setzero_pd();
+        for (long j = 0; j < d4; j += 4) {
+            const __m256d c = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(row + j)), mv);
+            acc = _mm256_add_pd(acc, _mm256_mul_pd(c, c));
+        }
+        double sq = sum_lanes_pd(acc);
+        for (long j = d4; j < d; j++)
             sq += (row[j] - mean) * (row[j] - mean);
         const float mu = (float)mean, rstd = (float)(1.0 / sqrt(sq / (double)d + norm->eps));
-        for (long j = 0; j < d; j++) {
+        const __m256 muv = _mm256_set1_ps(mu), rv = _mm256_set1_ps(rstd);
+        const long d8 = d & ~7L;
+        for (long j = 0; j < d8; j += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), muv), rv),
+                                     _mm256_loadu_ps(norm->weight + j));
+            if (norm->bias)
+                v = _mm256_add_ps(v, _mm256_loadu_ps(norm->bias + j));
+            _mm256_storeu_ps(y + i * d + j, v);
+        }
+        for (long j = d8; j < d; j++) {
             const float v = (row[j] - mu) * rstd * norm->weight[j];
             y[i * d + j] = norm->bias ? v + norm->bias[j] : v;
         }
     }
 }
 
+/* The activation in place over count floats, eight lanes at a time where it has a vector
+ * form. SiLU and GELU's tanh form take exp of -|u| only (exp8 is for arguments <= 0):
+ *     silu(v) = v / (1 + e) for v >= 0, v e / (1 + e) below, with e = exp(-|v|);
+ *     tanh(u) = sign(u) (1 - e) / (1 + e), with e = exp(-2 |u|). */
 static void activate(int kind, float *x, long count)
 {
-    for (long j = 0; j < count; j++) {
-        const float v = x[j];
-        switch (kind) {
-        case ACT_RELU: x[j] = v > 0.0f ? v : 0.0f; break;
-        case ACT_GELU: x[j] = 0.5f * v * (1.0f + erff(v * (float)M_SQRT1_2)); break;
-        case ACT_GELU_TANH:
-            x[j] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-            break;
-        default: x[j] = v / (1.0f + expf(-v)); break;
+    const long c8 = count & ~7L;
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f),
+                 half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+    long j = 0;
+    switch (kind) {
+    case ACT_RELU: /* max(0, v) keeps a NaN, as torch's relu does */
+        for (; j < c8; j += 8)
+            _mm256_storeu_ps(x + j, _mm256_max_ps(zero, _mm256_loadu_ps(x + j)));
+        for (; j < count; j++)
+            x[j] = x[j] > 0.0f || x[j] != x[j] ? x[j] : 0.0f;
+        break;
+    case ACT_SILU:
+        for (; j < c8; j += 8) {
+            const __m256 v = _mm256_loadu_ps(x + j);
+            const __m256 e = exp8(_mm256_or_ps(v, sign));
+            const __m256 num = _mm256_blendv_ps(v, _mm256_mul_ps(v, e), v);
+            _mm256_storeu_ps(x + j, _mm256_div_ps(num, _mm256_add_ps(one, e)));
         }
+        for (; j < count; j++)
+            x[j] = x[j] / (1.0f + expf(-x[j]));
+        break;
+    case ACT_GELU_TANH:
+        for (; j < c8; j += 8) {
+            const __m256 v = _mm256_loadu_ps(x + j);
+            const __m256 u = _mm256_mul_ps(
+                _mm256_set1_ps(0.7978845608028654f),
+                _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(0.044715f),
+                                               _mm256_mul_ps(_mm256_mul_ps(v, v), v))));
+            const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(2.0f), _mm256_or_ps(u, sign)));
+            const __m256 t = _mm256_or_ps(
+                _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)),
+                _mm256_and_ps(u, sign));
+            _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, t)));
+        }
+        for (; j < count; j++) {
+            const float v = x[j];
+            x[j] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+        }
+        break;
+    default: /* ACT_GELU */
+        for (; j < count; j++)
+            x[j] = 0.5f * x[j] * (1.0f + erff(x[j] * (float)M_SQRT1_2));
+        break;
     }
 }
 
@@ -153,6 +220,15 @@ static const float *sublayer_input(const struct tformer_decoder_layer *l,
     return h;
 }
 
+/* Floats of scratch tformer_decoder_layer_step needs for n rows: the normed input, q|k|v
+ * or the FFN's hidden layer, the attention's output, a sublayer's output. */
+long tformer_decoder_layer_scratch(const struct tformer_decoder_layer *l, long n)
+{
+    const long width = l->qkv.out_features, ff = l->up.out_features;
+    const long d = l->self_out.out_features, widest = width > ff ? width : ff;
+    return n * (d + widest + l->heads * l->d_value + d);
+}
+
 /* One step of layer `l` for n rows of x (n x d_model, updated in place).
  *   self_kv, length: the layer's cache (self_kv->rows >= n buffer rows); the step's keys
  *       and values go to position length - 1 of buffer rows 0 .. n-1, and attention reads
@@ -160,29 +236,28 @@ static const float *sublayer_input(const struct tformer_decoder_layer *l,
  *   cross_kv, source_len, bias: the encoder's keys and values of cross_kv->rows sentences
  *       (n a multiple of it: beam i reads sentence i / (n / sentences)), and a (sentences x
  *       >= source_len) bias on their scores, bias_row apart (NULL: none).
+ *   scratch: tformer_decoder_layer_scratch(l, n) floats, the caller's (a step of many rows
+ *       needs a megabyte: allocated anew at each call, the system hands it over zeroed page
+ *       by page, which cost as much as the layer's attention).
  * Returns 0; -1 where a product could not allocate; -2 where `rows` names a buffer row
  * outside the cache's (the layer's output is then meaningless). */
 int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, long n,
                                const struct tformer_kv *self_kv, long length,
                                const int64_t *rows, long rows_row,
                                const struct tformer_kv *cross_kv, long source_len,
-                               const float *bias, long bias_row, int threads)
+                               const float *bias, long bias_row, float *scratch, int threads)
 {
     const long d = l->self_out.out_features, H = l->heads, dk = l->d_head, dv = l->d_value;
     const long qk = H * dk, width = l->qkv.out_features, ff = l->up.out_features;
     const long pm = l->packed_min_rows;
-    /* scratch: the normed input, q|k|v, attention output, a sublayer's output, the FFN */
     const long widest = width > ff ? width : ff;
-    float *h = malloc(sizeof(float) * n * (d + widest + H * dv + d));
-    if (!h)
-        return -1;
-    float *wide = h + n * d, *att = wide + n * widest, *out = att + n * H * dv;
+    float *h = scratch, *wide = h + n * d, *att = wide + n * widest, *out = att + n * H * dv;
     int status = 0;
 
     /* self-attention */
     const float *in = sublayer_input(l, &l->self_norm, x, h, n, d);
     if ((status = linear(&l->qkv, in, wide, n, pm, threads)))
-        goto done;
+        return status;
     const long s = length - 1;
     for (long i = 0; i < n; i++)
         for (long hd = 0; hd < H; hd++) {
@@ -191,33 +266,29 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
             memcpy(self_kv->v + i * self_kv->v_row + hd * self_kv->v_head + s * self_kv->v_pos,
                    wide + i * width + 2 * qk + hd * dv, sizeof(float) * dv);
         }
-    if (attend(l, wide, width, self_kv, rows, rows_row, 1, NULL, 0, att, n, length, threads)) {
-        status = -2;
-        goto done;
-    }
+    if (attend(l, wide, width, self_kv, rows, rows_row, 1, NULL, 0, att, n, length, threads))
+        return -2;
     if ((status = linear(&l->self_out, att, out, n, pm, threads)))
-        goto done;
+        return status;
     residual(l, &l->self_norm, x, out, n, d);
 
     /* cross-attention */
     in = sublayer_input(l, &l->cross_norm, x, h, n, d);
     if ((status = linear(&l->cross_q, in, wide, n, pm, threads)))
-        goto done;
+        return status;
     attend(l, wide, qk, cross_kv, NULL, 0, n / cross_kv->rows, bias, bias_row, att, n,
            source_len, threads);
     if ((status = linear(&l->cross_out, att, out, n, pm, threads)))
-        goto done;
+        return status;
     residual(l, &l->cross_norm, x, out, n, d);
 
     /* feed-forward */
     in = sublayer_input(l, &l->ff_norm, x, h, n, d);
     if ((status = linear(&l->up, in, wide, n, pm, threads)))
-        goto done;
+        return status;
     activate(l->activation, wide, n * ff);
     if ((status = linear(&l->down, wide, out, n, pm, threads)))
-        goto done;
+        return status;
     residual(l, &l->ff_norm, x, out, n, d);
-done:
-    free(h);
-    return status;
+    return 0;
 }

@@ -130,6 +130,7 @@ class DecoderStep:
         self.max_rows = rows
         self.self_kv = [ctypes.pointer(_kv(c.k, c.v)) for c in cache.self_attn]
         self._cross: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
+        self._scratch = torch.empty(0)
 
     @classmethod
     def of(cls, layers: Sequence[nn.Module], cache: DecoderCache) -> DecoderStep | None:
@@ -202,12 +203,17 @@ class DecoderStep:
         bias = memory_bias[:, 0, 0]
         threads = torch.get_num_threads()
         rows_ptr, rows_row = lineage_rows.data_ptr(), lineage_rows.stride(0)
+        # The layers' working memory, made once a search: rows only fall as sentences leave.
+        need = max(lib.tformer_decoder_layer_scratch(p, n) for p in self.pointers)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
         for i, cache in enumerate(cross):
             if self._cross[i][0] is not cache.k:  # made once, and again when sentences leave
                 self._cross[i] = (cache.k, ctypes.pointer(_kv(cache.k, cache.v)))
             status = lib.tformer_decoder_layer_step(
                 self.pointers[i], x.data_ptr(), n, self.self_kv[i], length, rows_ptr, rows_row,
-                self._cross[i][1], source_len, bias.data_ptr(), bias.stride(0), threads)
+                self._cross[i][1], source_len, bias.data_ptr(), bias.stride(0),
+                self._scratch.data_ptr(), threads)
             if status == -1:
                 raise MemoryError(f"no memory for a decoding step of {n} rows")
             if status:
