@@ -35,6 +35,7 @@ def naive(q, k, v, length, rows=None, bias=None):
         (6, 3, 2, 12, 5, 9, 9),  # a vector and a remainder; values narrower than keys
         (5, 5, 1, 5, 7, 1, 3),  # one position, no full vector
         (64, 64, 4, 32, 32, 37, 50),  # many rows: the threaded loop
+        (3, 3, 2, 76, 80, 19, 20),  # values over 64 wide: eight registers, then the rest
     ],
 )
 def test_the_kernel_reads_each_position_from_its_buffer_row(n, r, heads, d, dv, length,

@@ -29,27 +29,39 @@
 
 #include "vecmath.h"
 
-static inline float dot(const float *a, const float *b, long d)
+#define BLOCK 8 /* positions scored at once */
+
+/* The dot products of q with the BLOCK keys k[0 .. BLOCK-1] (d floats each) into out: eight
+ * independent sums, where one at a time would wait on each multiply-add before the next.
+ * Each sum's lanes are added in the same tree whatever its place in the block, so a
+ * position's score has the same bits in any block (the last block of a row repeats a key
+ * to fill its places). */
+static inline void dot_block(const float *q, const float *const k[BLOCK], long d, float *out)
 {
-    __m256 acc = _mm256_setzero_ps();
+    __m256 a[BLOCK];
+    for (int b = 0; b < BLOCK; b++)
+        a[b] = _mm256_setzero_ps();
     long j = 0;
-    for (; j + 8 <= d; j += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-    float s = sum_lanes(acc);
+    for (; j + 8 <= d; j += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + j);
+        for (int b = 0; b < BLOCK; b++)
+            a[b] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[b] + j), a[b]);
+    }
+    /* lanes 0-3 of `lo` hold the sums of a[0..3]'s halves, lanes 4-7 of the other halves */
+    const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20),
+                                        _mm256_permute2f128_ps(lo, hi, 0x31)));
     for (; j < d; j++)
-        s += a[j] * b[j];
-    return s;
+        for (int b = 0; b < BLOCK; b++)
+            out[b] += q[j] * k[b][j];
 }
 
-/* y += w * x over dv floats. */
-static inline void axpy(float *y, float w, const float *x, long dv)
+/* Ask for the n floats at p to be brought into the cache. */
+static inline void fetch(const float *p, long n)
 {
-    const __m256 wv = _mm256_set1_ps(w);
-    long j = 0;
-    for (; j + 8 <= dv; j += 8)
-        _mm256_storeu_ps(y + j, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j), _mm256_loadu_ps(y + j)));
-    for (; j < dv; j++)
-        y[j] += w * x[j];
+    for (long j = 0; j < n; j += 16)
+        _mm_prefetch((const char *)(p + j), _MM_HINT_T0);
 }
 
 /* Strides are in floats (rows: in int64s); the last axis of q, k, v and out is contiguous.
@@ -77,14 +89,31 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
         const long i = ih / heads, h = ih % heads;
         const float *qi = q + i * q_row + h * d;
         const int64_t *lineage = rows ? rows + i * rows_row : 0;
-        float p[T];
+        /* The buffer row that holds position t of this row's history. */
+#define ROW(t) (lineage ? lineage[t] : i / group)
+        float p[T + BLOCK];
         float mx = -INFINITY;
         int nan = 0;
+        for (long s0 = 0; s0 < T; s0 += BLOCK) {
+            const float *keys[BLOCK];
+            for (int b = 0; b < BLOCK; b++) {
+                const long s = s0 + b < T ? s0 + b : T - 1;
+                keys[b] = k + ROW(s) * k_row + h * k_head + s * k_pos;
+            }
+            if (lineage) {
+                /* Through a lineage the positions lie in rows the prefetcher cannot guess:
+                 * fetch the next block's keys and this block's values. */
+                for (long s = s0 + BLOCK; s < s0 + 2 * BLOCK && s < T; s++)
+                    fetch(k + lineage[s] * k_row + h * k_head + s * k_pos, d);
+                for (long s = s0; s < s0 + BLOCK && s < T; s++)
+                    fetch(v + lineage[s] * v_row + h * v_head + s * v_pos, dv);
+            }
+            dot_block(qi, keys, d, p + s0);
+        }
         for (long s = 0; s < T; s++) {
-            const long r = lineage ? lineage[s] : i / group;
-            float x = dot(qi, k + r * k_row + h * k_head + s * k_pos, d) * scale;
+            float x = p[s] * scale;
             if (bias)
-                x += bias[r * bias_row + s];
+                x += bias[ROW(s) * bias_row + s];
             p[s] = x;
             mx = x > mx ? x : mx;
             nan |= x != x;
@@ -108,12 +137,35 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
             p[s] = expf(p[s] - mx);
             sum += p[s];
         }
-        for (long j = 0; j < dv; j++)
-            o[j] = 0.0f;
-        for (s = 0; s < T; s++) {
-            const long r = lineage ? lineage[s] : i / group;
-            axpy(o, p[s], v + r * v_row + h * v_head + s * v_pos, dv);
+        /* out = sum_s p[s] v[s], 64 floats at a time held in eight registers; a narrower
+         * rest (dv not a multiple of 64) through memory, in the same order of operations. */
+        long c = 0;
+        for (; c + 64 <= dv; c += 64) {
+            __m256 a[8];
+            for (int u = 0; u < 8; u++)
+                a[u] = _mm256_setzero_ps();
+            for (s = 0; s < T; s++) {
+                const __m256 w = _mm256_set1_ps(p[s]);
+                const float *vs = v + ROW(s) * v_row + h * v_head + s * v_pos + c;
+                for (int u = 0; u < 8; u++)
+                    a[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + 8 * u), a[u]);
+            }
+            for (int u = 0; u < 8; u++)
+                _mm256_storeu_ps(o + c + 8 * u, a[u]);
         }
+        for (long j = c; j < dv; j++)
+            o[j] = 0.0f;
+        for (s = 0; s < T && c < dv; s++) {
+            const float *vs = v + ROW(s) * v_row + h * v_head + s * v_pos;
+            const __m256 w = _mm256_set1_ps(p[s]);
+            long j = c;
+            for (; j + 8 <= dv; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + j),
+                                                        _mm256_loadu_ps(o + j)));
+            for (; j < dv; j++)
+                o[j] += p[s] * vs[j];
+        }
+#undef ROW
         const float inv = 1.0f / sum;
         for (long j = 0; j < dv; j++)
             o[j] *= inv;
