@@ -25,6 +25,7 @@ forced_eos_token_id), so that its outputs can be compared one to one.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,6 +112,12 @@ class _Rules:
     def keep(self, rows: Tensor) -> None:
         """Apply to rows `rows` of this batch only, from now on."""
         self.max_len = self.max_len[rows]
+
+    def of_rows(self, rows: Tensor) -> _Rules:
+        """The same rules for rows `rows` of this batch (this one unchanged)."""
+        rules = copy.copy(self)
+        rules.keep(rows)
+        return rules
 
 
 def keep_rows(memory: Tensor | Sequence[Tensor], rows: Tensor) -> Any:
@@ -270,15 +277,30 @@ def beam_search(
             # search gives.
             results[i] = nbest or [Hypothesis([], float("-inf"), float("-inf"))]
 
+    # The first step decodes one row a sentence: its other beams would repeat the first
+    # (their scores are -inf until then). The cache holds those rows, and the step's reorder
+    # hands each beam its sentence's row.
+    cache.reorder(torch.arange(B, device=device))
     for t in range(steps):
         n = len(sentence)  # sentences still decoding
-        logits = model.decode(tokens[:, :, t].reshape(n * K, 1), memory, src_real, cache=cache)
-        # The best 2K of a sentence's K * V extensions are among the best 2K of each beam:
-        # two small top-k's, the first over rows of V, are cheaper than one over K * V.
-        beam_top, beam_token = rules.candidates(logits[:, -1], t, scores.flatten(), 2 * K)
-        top, index = beam_top.view(n, 2 * K * K).topk(2 * K, dim=1)
-        parent = index // (2 * K)
-        token = beam_token.view(n, 2 * K * K).gather(1, index)
+        if t == 0:
+            logits = model.decode(tokens[:, 0, :1], memory, src_real, cache=cache)
+            top, token = rules.of_rows(row_offset[:, 0]).candidates(logits[:, -1], t,
+                                                                    scores[:, 0], 2 * K)
+            top, index = top.topk(2 * K, dim=1)
+            token = token.gather(1, index)
+            parent = torch.zeros_like(index)
+            decoded_row = torch.arange(n, device=device)[:, None]
+        else:
+            logits = model.decode(tokens[:, :, t].reshape(n * K, 1), memory, src_real,
+                                  cache=cache)
+            # The best 2K of a sentence's K * V extensions are among the best 2K of each
+            # beam: two small top-k's, the first over rows of V, cheaper than one over K * V.
+            beam_top, beam_token = rules.candidates(logits[:, -1], t, scores.flatten(), 2 * K)
+            top, index = beam_top.view(n, 2 * K * K).topk(2 * K, dim=1)
+            parent = index // (2 * K)
+            token = beam_token.view(n, 2 * K * K).gather(1, index)
+            decoded_row = row_offset
         ends = token == eos_id
 
         # Hypotheses among the best K that end here join the finished ones, and the best K
@@ -305,7 +327,7 @@ def beam_search(
         carried = parent.gather(1, carry)
         tokens = tokens.gather(1, carried[:, :, None].expand(-1, -1, L))
         tokens[:, :, t + 1] = token.gather(1, carry)
-        parents = (row_offset + carried).flatten()
+        parents = (decoded_row + carried).flatten()
 
         # Until a hypothesis finishes or a row reaches its limit, no sentence can be done.
         if any_finished:
