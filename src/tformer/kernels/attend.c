@@ -57,6 +57,13 @@ static inline void dot_block(const float *q, const float *const k[BLOCK], long d
             out[b] += q[j] * k[b][j];
 }
 
+/* The buffer row that holds position s of query row i's history: its lineage's entry, or
+ * without one the row shared by each `group` query rows. */
+static inline long buffer_row(const int64_t *lineage, long i, long group, long s)
+{
+    return lineage ? lineage[s] : i / group;
+}
+
 /* Ask for the n floats at p to be brought into the cache. */
 static inline void fetch(const float *p, long n)
 {
@@ -89,8 +96,6 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
         const long i = ih / heads, h = ih % heads;
         const float *qi = q + i * q_row + h * d;
         const int64_t *lineage = rows ? rows + i * rows_row : 0;
-        /* The buffer row that holds position t of this row's history. */
-#define ROW(t) (lineage ? lineage[t] : i / group)
         float p[T + BLOCK];
         float mx = -INFINITY;
         int nan = 0;
@@ -98,7 +103,8 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
             const float *keys[BLOCK];
             for (int b = 0; b < BLOCK; b++) {
                 const long s = s0 + b < T ? s0 + b : T - 1;
-                keys[b] = k + ROW(s) * k_row + h * k_head + s * k_pos;
+                const long r = buffer_row(lineage, i, group, s);
+                keys[b] = k + r * k_row + h * k_head + s * k_pos;
             }
             if (lineage) {
                 /* Through a lineage the positions lie in rows the prefetcher cannot guess:
@@ -113,7 +119,7 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
         for (long s = 0; s < T; s++) {
             float x = p[s] * scale;
             if (bias)
-                x += bias[ROW(s) * bias_row + s];
+                x += bias[buffer_row(lineage, i, group, s) * bias_row + s];
             p[s] = x;
             mx = x > mx ? x : mx;
             nan |= x != x;
@@ -146,7 +152,8 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
                 a[u] = _mm256_setzero_ps();
             for (s = 0; s < T; s++) {
                 const __m256 w = _mm256_set1_ps(p[s]);
-                const float *vs = v + ROW(s) * v_row + h * v_head + s * v_pos + c;
+                const long r = buffer_row(lineage, i, group, s);
+                const float *vs = v + r * v_row + h * v_head + s * v_pos + c;
                 for (int u = 0; u < 8; u++)
                     a[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + 8 * u), a[u]);
             }
@@ -156,7 +163,8 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
         for (long j = c; j < dv; j++)
             o[j] = 0.0f;
         for (s = 0; s < T && c < dv; s++) {
-            const float *vs = v + ROW(s) * v_row + h * v_head + s * v_pos;
+            const long r = buffer_row(lineage, i, group, s);
+            const float *vs = v + r * v_row + h * v_head + s * v_pos;
             const __m256 w = _mm256_set1_ps(p[s]);
             long j = c;
             for (; j + 8 <= dv; j += 8)
@@ -165,7 +173,6 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
             for (; j < dv; j++)
                 o[j] += p[s] * vs[j];
         }
-#undef ROW
         const float inv = 1.0f / sum;
         for (long j = 0; j < dv; j++)
             o[j] *= inv;

@@ -122,8 +122,8 @@ static void layer_norm(const struct tformer_norm *norm, const float *x, float *y
         const __m256 muv = _mm256_set1_ps(mu), rv = _mm256_set1_ps(rstd);
         const long d8 = d & ~7L;
         for (long j = 0; j < d8; j += 8) {
-            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), muv), rv),
-                                     _mm256_loadu_ps(norm->weight + j));
+            const __m256 c = _mm256_sub_ps(_mm256_loadu_ps(row + j), muv);
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(c, rv), _mm256_loadu_ps(norm->weight + j));
             if (norm->bias)
                 v = _mm256_add_ps(v, _mm256_loadu_ps(norm->bias + j));
             _mm256_storeu_ps(y + i * d + j, v);
