@@ -16,8 +16,9 @@ VOCAB = 50
 
 def make_model(norm="pre", activation="silu", bias=True, **kw):
     torch.manual_seed(0)
-    cfg = Seq2SeqConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, d_ff=48, norm=norm,
-                        activation=activation, bias=bias, dropout=0.0, **kw)
+    shape = dict(n_head=4, d_model=32, d_ff=48) | kw
+    cfg = Seq2SeqConfig(vocab_size=VOCAB, n_layer=2, norm=norm, activation=activation, bias=bias,
+                        dropout=0.0, **shape)
     return Seq2Seq(cfg).eval()
 
 
@@ -74,6 +75,22 @@ def test_one_call_per_layer_computes_what_the_layers_compute_in_float64(norm, ac
     assert len(calls) == 5  # every step after the first (which fills the cross-attention)
     want, _ = run_steps(make_model(norm, activation).double(), src, real, beams=4, steps=6,
                         fused=False)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("norm", ["pre", "post"])
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "silu"])
+def test_widths_that_leave_a_remainder_after_the_vector_lanes(norm, activation):
+    # d_model 34 and d_ff 51: the layer norm's and the activation's scalar tails, and heads
+    # of 17 (the attention kernel's).
+    shape = dict(n_head=2, d_model=34, d_ff=51)
+    model = inference_model(make_model(norm, activation, **shape), int8=False)
+    src, real = sources(sentences=1)
+    got, _ = run_steps(model, src, real, beams=3, steps=5, fused=True)
+    want, _ = run_steps(make_model(norm, activation, **shape).double(), src, real, beams=3,
+                        steps=5, fused=False)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-5)
 
