@@ -160,7 +160,7 @@ def _load() -> ctypes.CDLL:
         + [ctypes.c_void_p, ctypes.c_int]
     )
     lib.tformer_decoder_layer_step.restype = ctypes.c_int
-    lib.tformer_decoder_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    lib.tformer_decoder_layer_scratch.argtypes = [ctypes.c_void_p]
     lib.tformer_decoder_layer_scratch.restype = ctypes.c_long
     lib.tformer_dropout.argtypes = [ctypes.c_void_p] * 2 + [
         ctypes.c_long, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]

@@ -21,7 +21,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "vecmath.h"
@@ -220,13 +219,13 @@ static const float *sublayer_input(const struct tformer_decoder_layer *l,
     return h;
 }
 
-/* Floats of scratch tformer_decoder_layer_step needs for n rows: the normed input, q|k|v
- * or the FFN's hidden layer, the attention's output, a sublayer's output. */
-long tformer_decoder_layer_scratch(const struct tformer_decoder_layer *l, long n)
+/* Floats of scratch tformer_decoder_layer_step needs per row: the normed input, q|k|v or
+ * the FFN's hidden layer, the attention's output, a sublayer's output. */
+long tformer_decoder_layer_scratch(const struct tformer_decoder_layer *l)
 {
     const long width = l->qkv.out_features, ff = l->up.out_features;
     const long d = l->self_out.out_features, widest = width > ff ? width : ff;
-    return n * (d + widest + l->heads * l->d_value + d);
+    return d + widest + l->heads * l->d_value + d;
 }
 
 /* One step of layer `l` for n rows of x (n x d_model, updated in place).
@@ -236,7 +235,7 @@ long tformer_decoder_layer_scratch(const struct tformer_decoder_layer *l, long n
  *   cross_kv, source_len, bias: the encoder's keys and values of cross_kv->rows sentences
  *       (n a multiple of it: beam i reads sentence i / (n / sentences)), and a (sentences x
  *       >= source_len) bias on their scores, bias_row apart (NULL: none).
- *   scratch: tformer_decoder_layer_scratch(l, n) floats, the caller's (a step of many rows
+ *   scratch: n * tformer_decoder_layer_scratch(l) floats, the caller's (a step of many rows
  *       needs a megabyte: allocated anew at each call, the system hands it over zeroed page
  *       by page, which cost as much as the layer's attention).
  * Returns 0; -1 where a product could not allocate; -2 where `rows` names a buffer row

@@ -130,6 +130,10 @@ class DecoderStep:
         self.max_rows = rows
         self.self_kv = [ctypes.pointer(_kv(c.k, c.v)) for c in cache.self_attn]
         self._cross: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
+        # The layers' working memory: floats a row, and one tensor for the search, grown on
+        # the first step (rows only fall as sentences leave).
+        lib = matvec.load()
+        self._scratch_row = max(lib.tformer_decoder_layer_scratch(p) for p in self.pointers)
         self._scratch = torch.empty(0)
 
     @classmethod
@@ -203,10 +207,8 @@ class DecoderStep:
         bias = memory_bias[:, 0, 0]
         threads = torch.get_num_threads()
         rows_ptr, rows_row = lineage_rows.data_ptr(), lineage_rows.stride(0)
-        # The layers' working memory, made once a search: rows only fall as sentences leave.
-        need = max(lib.tformer_decoder_layer_scratch(p, n) for p in self.pointers)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        if self._scratch.numel() < n * self._scratch_row:
+            self._scratch = torch.empty(n * self._scratch_row)
         for i, cache in enumerate(cross):
             if self._cross[i][0] is not cache.k:  # made once, and again when sentences leave
                 self._cross[i] = (cache.k, ctypes.pointer(_kv(cache.k, cache.v)))
