@@ -283,8 +283,9 @@ def beam_search(
     cache.reorder(torch.arange(B, device=device))
     for t in range(steps):
         n = len(sentence)  # sentences still decoding
+        inputs = tokens[:, 0, :1] if t == 0 else tokens[:, :, t].reshape(n * K, 1)
+        logits = model.decode(inputs, memory, src_real, cache=cache)
         if t == 0:
-            logits = model.decode(tokens[:, 0, :1], memory, src_real, cache=cache)
             top, token = rules.of_rows(row_offset[:, 0]).candidates(logits[:, -1], t,
                                                                     scores[:, 0], 2 * K)
             top, index = top.topk(2 * K, dim=1)
@@ -292,8 +293,6 @@ def beam_search(
             parent = torch.zeros_like(index)
             decoded_row = torch.arange(n, device=device)[:, None]
         else:
-            logits = model.decode(tokens[:, :, t].reshape(n * K, 1), memory, src_real,
-                                  cache=cache)
             # The best 2K of a sentence's K * V extensions are among the best 2K of each
             # beam: two small top-k's, the first over rows of V, cheaper than one over K * V.
             beam_top, beam_token = rules.candidates(logits[:, -1], t, scores.flatten(), 2 * K)
