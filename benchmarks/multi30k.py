@@ -33,7 +33,7 @@ from typing import IO
 
 from tformer.config import load_config
 from tformer.data.parallel import ParallelData
-from tformer.training.checkpoint import step_checkpoints, step_dir
+from tformer.loading import step_checkpoints, step_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "multi30k"

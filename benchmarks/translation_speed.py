@@ -26,7 +26,7 @@ import torch
 
 from tformer.data.parallel import read_lines
 from tformer.decoding.translate import SearchOptions, translate
-from tformer.training.checkpoint import load_checkpoint
+from tformer.loading import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT.parent / "shared" / "data" / "multi30k" / "test2016.en"

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tformer.cli import main
-from tformer.training.checkpoint import load_checkpoint
+from tformer.loading import load_checkpoint
 
 TINY = """
 [model]

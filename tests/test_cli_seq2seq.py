@@ -110,7 +110,7 @@ def test_an_ensemble_needs_one_tokenizer(run, tmp_path, capsys):
 def test_average_of_two_checkpoints_is_their_mean(run, tmp_path, capsys):
     out = tmp_path / "avg"
     assert main(["average", str(run), "--last", "2", "--out", str(out)]) == 0
-    from tformer.training.checkpoint import load_checkpoint, step_checkpoints
+    from tformer.loading import load_checkpoint, step_checkpoints
 
     a, b = (load_checkpoint(p).model.state_dict() for p in step_checkpoints(run)[-2:])
     mean = load_checkpoint(out).model
@@ -140,7 +140,7 @@ def test_user_errors_are_one_line_and_exit_2(run, tmp_path, capsys, args, messag
 
 
 def test_the_data_of_a_trained_run_round_trips_its_tokenizer(run):
-    from tformer.training.checkpoint import load_checkpoint
+    from tformer.loading import load_checkpoint
 
     loaded = load_checkpoint(run)
     data = ParallelData(loaded.cfg.data, loaded.tokenizer)

@@ -56,7 +56,7 @@ def test_options_before_and_after_file_arguments():
     args, extra = parser.parse_known_args(["evaluate", "ck", "--beam", "4", "s", "r"])
     assert not extra and args.data == ["s", "r"] and args.beam == 4
     args, extra = parser.parse_known_args(["evaluate", "ck", "--json", "f.txt"])
-    assert not extra and args.data == ["f.txt"] and args.json
+    assert not extra and args.data == ["f.txt"] and args.as_json
     args, extra = parser.parse_known_args(["train", "--out", "r", "c.toml", "a.b=1", "--resume"])
     assert not extra and (args.config, args.overrides, args.resume) == ("c.toml", ["a.b=1"], True)
 

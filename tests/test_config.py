@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tformer import loading
 from tformer.config import config_from_dict, load_config, parse_override
 from tformer.errors import TformerError
 from tformer.training import checkpoint as ckpt
@@ -32,7 +33,7 @@ def test_every_shipped_config_builds_its_model_and_takes_a_training_step(path, t
     assert result.step == 1 and result.skipped_steps == 0
     state = ckpt.load_trainer_state(tmp_path / "run" / "checkpoints" / "step-000001")
     # Every parameter took part: the optimizer stepped once with a gradient for each.
-    loaded = ckpt.load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001")
+    loaded = loading.load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001")
     moments = state["optimizer"]["state"]
     assert len(moments) == len(list(loaded.model.parameters()))
     assert all(int(m["step"]) == 1 and m["exp_avg"].abs().sum() > 0 for m in moments.values())

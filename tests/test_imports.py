@@ -92,7 +92,7 @@ def find_cycle() -> list[str] | None:
 def test_the_graph_is_read_from_real_imports():
     # A check that the parser sees imports at all, including those inside functions.
     assert "tformer.registry" in GRAPH["tformer.config"]
-    assert "tformer.kernels.quantize" in GRAPH["tformer.cli"]
+    assert "tformer.kernels.quantize" in GRAPH["tformer.api"]
     assert "tformer.layers" in GRAPH["tformer.models.gpt"]
 
 
@@ -116,10 +116,31 @@ def test_the_validators_are_a_leaf():
 
 def test_only_the_registry_imports_the_families():
     family_modules = {m for m in MODULES if m.startswith(("tformer.tasks.", "tformer.models."))}
-    for name in ("tformer.cli", "tformer.config", "tformer.training.checkpoint",
+    for name in ("tformer.config", "tformer.training.checkpoint", "tformer.loading",
+                 "tformer.training.run", "tformer.api",
                  "tformer.training.trainer", "tformer.decoding.lm"):
         assert not GRAPH[name] & family_modules, name
     importers = {m for m, deps in GRAPH.items() if deps & {"tformer.tasks.gpt",
                                                            "tformer.tasks.seq2seq",
                                                            "tformer.tasks.transformer_xl"}}
     assert importers == {"tformer.registry"}
+
+
+def test_the_command_line_reaches_the_families_only_through_the_registry():
+    family_modules = {m for m in MODULES if m.startswith(("tformer.tasks.", "tformer.models."))}
+    cli = [m for m in MODULES if m == "tformer.cli" or m.startswith("tformer.cli.")]
+    assert len(cli) > 5
+    for name in cli:
+        assert not GRAPH[name] & family_modules, name
+
+
+def test_importing_the_package_and_its_command_line_loads_no_torch():
+    """`import tformer` and the `tformer` command's own module stay light: torch loads
+    when a command needs it, after Ctrl-C is handled (tformer.cli)."""
+    import subprocess
+    import sys
+
+    code = "import sys, tformer, tformer.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

@@ -22,8 +22,8 @@ from tformer.errors import TformerError
 from tformer.evaluation.lm import evaluate_stream
 from tformer.evaluation.loss import lm_loss
 from tformer.evaluation.shard import WHOLE
+from tformer.loading import load_checkpoint
 from tformer.registry import FAMILIES, Family, Option, get_family, register, unregister
-from tformer.training.checkpoint import load_checkpoint
 
 # --- a bigram language model: each token predicts the next from a table ------------------
 

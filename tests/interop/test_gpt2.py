@@ -13,7 +13,7 @@ from tformer.cli import main
 from tformer.decoding.lm import generate, left_pad
 from tformer.errors import TformerError
 from tformer.interop.command import export_checkpoint, import_checkpoint
-from tformer.training.checkpoint import load_checkpoint
+from tformer.loading import load_checkpoint
 
 from .conftest import TRICKY
 
@@ -134,7 +134,8 @@ def test_inexpressible_configs_are_named(gpt2_dir, imported, tmp_path):
         import_checkpoint(src, tmp_path / "b")
 
     # Export: a GPT with sinusoidal positions and an output bias is no GPT-2.
-    from tformer.training.checkpoint import read_config, save_checkpoint
+    from tformer.loading import read_config
+    from tformer.training.checkpoint import save_checkpoint
 
     loaded = load_checkpoint(imported)
     cfg = read_config(imported).replace("model", position="sinusoidal", output_bias=True)

@@ -10,7 +10,7 @@ import torch
 from tformer.data.parallel import encode_source, pad_right
 from tformer.decoding.translate import SearchOptions, translate
 from tformer.interop.command import import_checkpoint
-from tformer.training.checkpoint import load_checkpoint
+from tformer.loading import load_checkpoint
 
 from .conftest import SOURCE_SYLLABLES, TRICKY, made_up_language
 
@@ -155,8 +155,8 @@ def test_an_imported_marian_model_fine_tunes(imported, tmp_path):
     targets with the target model, and training moves the weights."""
     from safetensors.torch import load_file
 
+    from tformer import loading
     from tformer.cli import main
-    from tformer.training import checkpoint as ckpt
 
     from .conftest import TARGET_SYLLABLES
 
@@ -171,6 +171,6 @@ def test_an_imported_marian_model_fine_tunes(imported, tmp_path):
         f'device = "cpu"\n'
     )
     assert main(["train", str(config), "--out", str(tmp_path / "run")]) == 0
-    before = load_file(imported / ckpt.WEIGHTS)
-    after = load_file(ckpt.step_dir(tmp_path / "run", 2) / ckpt.WEIGHTS)
+    before = load_file(imported / loading.WEIGHTS)
+    after = load_file(loading.step_dir(tmp_path / "run", 2) / loading.WEIGHTS)
     assert any(not torch.equal(after[n], t) for n, t in before.items())

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tformer.decoding.translate import SearchOptions, translate
-from tformer.training.checkpoint import load_checkpoint
+from tformer.loading import load_checkpoint
 
 from .conftest import Server, tiny_checkpoint
 

@@ -3,8 +3,8 @@ import torch
 
 from tformer.config import config_from_dict
 from tformer.decoding.translate import SearchOptions, best_translations
+from tformer.loading import load_checkpoint
 from tformer.tasks.seq2seq import Seq2SeqTask
-from tformer.training.checkpoint import load_checkpoint
 from tformer.training.trainer import train
 
 
@@ -58,11 +58,11 @@ def test_training_resumes_bit_exactly(tmp_path, one_thread, data):
     straight = train(builtin_config(10, builtin_pairs=200, **data), tmp_path / "a")
     cfg = builtin_config(10, builtin_pairs=200, **data)
     train(cfg.replace("train", steps=6, checkpoint_every=6), tmp_path / "b")
-    from tformer.training import checkpoint as ckpt
+    from tformer import loading
 
-    resumed = train(cfg, tmp_path / "b", resume_from=ckpt.step_dir(tmp_path / "b", 6))
+    resumed = train(cfg, tmp_path / "b", resume_from=loading.step_dir(tmp_path / "b", 6))
     assert resumed.step == straight.step == 10
-    a = load_checkpoint(ckpt.step_dir(tmp_path / "a", 10)).model.state_dict()
-    b = load_checkpoint(ckpt.step_dir(tmp_path / "b", 10)).model.state_dict()
+    a = load_checkpoint(loading.step_dir(tmp_path / "a", 10)).model.state_dict()
+    b = load_checkpoint(loading.step_dir(tmp_path / "b", 10)).model.state_dict()
     for name in a:
         assert torch.equal(a[name], b[name]), name

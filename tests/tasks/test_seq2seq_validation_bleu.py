@@ -6,12 +6,13 @@ import json
 
 import pytest
 
+from tformer import loading
 from tformer.config import config_from_dict
 from tformer.data.parallel import read_lines
 from tformer.errors import TformerError
+from tformer.loading import load_checkpoint
 from tformer.tasks.seq2seq import Seq2SeqTask
 from tformer.training import checkpoint as ckpt
-from tformer.training.checkpoint import load_checkpoint
 from tformer.training.trainer import train
 
 
@@ -43,13 +44,13 @@ def test_bleu_is_logged_every_n_evaluations_and_equals_evaluate(tmp_path, capsys
     # same sentences with the final weights.
     from tformer.cli import main
 
-    loaded = load_checkpoint(ckpt.step_dir(run, 8))
+    loaded = load_checkpoint(loading.step_dir(run, 8))
     sources, references = Seq2SeqTask(loaded.cfg, loaded.tokenizer).data.val_text
     (tmp_path / "src.txt").write_text("\n".join(sources[:6]) + "\n", encoding="utf-8")
     (tmp_path / "ref.txt").write_text("\n".join(references[:6]) + "\n", encoding="utf-8")
     assert len(read_lines(tmp_path / "ref.txt")) == 6
     capsys.readouterr()
-    assert main(["evaluate", str(ckpt.step_dir(run, 8)), str(tmp_path / "src.txt"),
+    assert main(["evaluate", str(loading.step_dir(run, 8)), str(tmp_path / "src.txt"),
                  str(tmp_path / "ref.txt"), "--beam", "1", "--alpha", "0", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["chrf"] > 0  # a real comparison, not of two empty outputs
@@ -63,8 +64,8 @@ def test_a_resumed_run_measures_bleu_at_the_same_steps(tmp_path, monkeypatch):
     run = tmp_path / "run"
     # Stopped after the third evaluation (step 6), then resumed to step 8.
     train(config("data.val_bleu_every=2", "train.steps=6", "train.checkpoint_every=6"), run)
-    resume_from = ckpt.step_dir(run, 6)
-    train(ckpt.read_config(resume_from).replace("train", steps=8), run,
+    resume_from = loading.step_dir(run, 6)
+    train(loading.read_config(resume_from).replace("train", steps=8), run,
           resume_from=resume_from)
     rows = val_rows(run)
     assert [r["step"] for r in rows] == ["2", "4", "6", "8"]
@@ -82,8 +83,8 @@ def test_best_and_early_stopping_follow_bleu(tmp_path, monkeypatch):
                           "train.patience=2", "train.steps=20"), run)
     assert result.stopped_early and result.step == 8 and result.best_val == 30.0
     assert [float(r["bleu"]) for r in val_rows(run)] == [10.0, 30.0, 20.0, 25.0]
-    assert ckpt.load_trainer_state(run / ckpt.BEST)["step"] == 4
-    assert ckpt.step_dir(run, 8).is_dir()  # the stopping point is saved to resume from
+    assert ckpt.load_trainer_state(run / loading.BEST)["step"] == 4
+    assert loading.step_dir(run, 8).is_dir()  # the stopping point is saved to resume from
 
 
 def test_best_by_loss_is_unchanged_by_bleu(tmp_path):
@@ -112,12 +113,12 @@ def test_resuming_with_another_best_metric_starts_best_afresh(tmp_path, monkeypa
                         lambda self, model, shard=None: {"bleu": next(scripted), "chrf": 0.0})
     run = tmp_path / "run"
     train(config("data.val_bleu_every=1", "train.steps=4", "train.checkpoint_every=4"), run)
-    assert ckpt.load_trainer_state(run / ckpt.BEST)["best_metric"] == "loss"
-    resume_from = ckpt.step_dir(run, 4)
-    cfg = ckpt.read_config(resume_from)
+    assert ckpt.load_trainer_state(run / loading.BEST)["best_metric"] == "loss"
+    resume_from = loading.step_dir(run, 4)
+    cfg = loading.read_config(resume_from)
     cfg = cfg.replace("train", steps=6, best_metric="bleu")
     result = train(cfg, run, resume_from=resume_from)
     # The loss of the first part (above 0.5) is no BLEU to beat: the first BLEU after
     # resuming becomes best, however low.
     assert result.best_val == 0.5
-    assert ckpt.load_trainer_state(run / ckpt.BEST)["step"] == 6
+    assert ckpt.load_trainer_state(run / loading.BEST)["step"] == 6

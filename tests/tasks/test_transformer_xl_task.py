@@ -4,6 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tformer import loading
 from tformer.config import config_from_dict
 from tformer.data.streams import eval_streams
 from tformer.data.tokenizers import IGNORE_INDEX
@@ -41,7 +42,7 @@ def test_a_crashed_run_resumes_bit_identically_memory_included(tiny_corpus, tmp_
 
     with pytest.raises(RuntimeError, match="power cut"):
         train(cfg, tmp_path / "crashed", progress=crash)
-    latest = ckpt.latest_good_checkpoint(tmp_path / "crashed")
+    latest = loading.latest_good_checkpoint(tmp_path / "crashed")
     assert latest.name == "step-000002"
     state = ckpt.load_trainer_state(latest)
     carry = state["carry_per_rank"][0]

@@ -7,15 +7,9 @@ import torch
 from tformer.config import config_from_dict
 from tformer.data.tokenizers import CharTokenizer
 from tformer.errors import TformerError
+from tformer.loading import BEST, load_checkpoint, resolve_checkpoint, step_dir, verify_checkpoint
 from tformer.registry import get_family
-from tformer.training.checkpoint import (
-    BEST,
-    load_checkpoint,
-    resolve_checkpoint,
-    save_checkpoint,
-    step_dir,
-    verify_checkpoint,
-)
+from tformer.training.checkpoint import save_checkpoint
 
 
 @pytest.fixture

@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_model
 
-from tformer.cli import main, print_metrics
+from tformer import loading
+from tformer.cli import main
+from tformer.cli.common import print_metrics
 from tformer.config import config_from_dict
 from tformer.data.tokenizers import CharTokenizer
 from tformer.decoding.sampling import next_token
@@ -17,6 +19,7 @@ from tformer.errors import TformerError
 from tformer.registry import get_family
 from tformer.tasks.gpt import GPTTask
 from tformer.training import checkpoint as ckpt
+from tformer.training.run import resume_point
 
 TINY = """
 [model]
@@ -59,17 +62,18 @@ def files_of(run_dir):
 def rewrite_manifest(path):
     """What a careless tool would do: make the manifest agree with whatever is there."""
     manifest = {
-        p.name: {"bytes": p.stat().st_size, "sha256": ckpt._sha256(p)}
+        p.name: {"bytes": p.stat().st_size, "sha256": loading.sha256_of(p)}
         for p in sorted(path.iterdir())
-        if p.name != ckpt.MANIFEST
+        if p.name != loading.MANIFEST
     }
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    (path / loading.MANIFEST).write_text(json.dumps(manifest))
 
 
 def plant(run_dir, step, cfg, tokenizer):
     """Another model's checkpoint, saved among the run's step checkpoints."""
     model = get_family(cfg.family).model(cfg.model)
-    return ckpt.save_checkpoint(ckpt.step_dir(run_dir, step), cfg, model, tokenizer, {"step": step})
+    return ckpt.save_checkpoint(loading.step_dir(run_dir, step), cfg, model, tokenizer,
+                                {"step": step})
 
 
 # --- another family's, or another shape's, checkpoint in a run -----------------------------
@@ -86,7 +90,7 @@ def plant(run_dir, step, cfg, tokenizer):
     ids=["family", "shape"],
 )
 def test_resume_refuses_a_foreign_checkpoint_and_changes_nothing(run, capsys, model, message):
-    loaded = ckpt.load_checkpoint(run)
+    loaded = loading.load_checkpoint(run)
     cfg = config_from_dict({}, [*model, f"model.vocab_size={loaded.tokenizer.vocab_size}"])
     plant(run, 99, cfg, loaded.tokenizer)
     before = files_of(run)
@@ -113,57 +117,57 @@ def test_resume_refuses_a_foreign_checkpoint_and_changes_nothing(run, capsys, mo
 )
 def test_a_manifest_of_the_wrong_shape_is_named(run, manifest, capsys):
     best = (run / "best").resolve()
-    (best / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    (best / loading.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(TformerError, match="manifest.json is damaged"):
-        ckpt.load_checkpoint(best)
+        loading.load_checkpoint(best)
     # From the run directory, the reader falls back to a good step checkpoint.
-    assert ckpt.load_checkpoint(run).path.name.startswith("step-")
+    assert loading.load_checkpoint(run).path.name.startswith("step-")
 
 
 def test_a_damaged_safetensors_header_is_named(run):
     best = (run / "best").resolve()
-    data = bytearray((best / ckpt.WEIGHTS).read_bytes())
+    data = bytearray((best / loading.WEIGHTS).read_bytes())
     data[8:20] = b"not json at!"
-    (best / ckpt.WEIGHTS).write_bytes(bytes(data))
+    (best / loading.WEIGHTS).write_bytes(bytes(data))
     rewrite_manifest(best)
     with pytest.raises(TformerError, match="model.safetensors is damaged"):
-        ckpt.load_checkpoint(best)
+        loading.load_checkpoint(best)
 
 
 def test_tensors_of_the_wrong_shape_are_named(run):
     best = (run / "best").resolve()
-    cfg = ckpt.read_config(best)
+    cfg = loading.read_config(best)
     wider = get_family("gpt").model(cfg.replace("model", d_model=32).model)
-    save_model(wider, str(best / ckpt.WEIGHTS))
+    save_model(wider, str(best / loading.WEIGHTS))
     rewrite_manifest(best)
     with pytest.raises(TformerError, match=r"has shape \[.*32.*\], its config says"):
-        ckpt.load_checkpoint(best)
+        loading.load_checkpoint(best)
     assert main(["generate", str(best), "--max-new-tokens", "2"]) == 2
 
 
 def test_a_missing_tensor_is_named(run):
     best = (run / "best").resolve()
-    cfg = ckpt.read_config(best)
+    cfg = loading.read_config(best)
     deeper = get_family("gpt").model(cfg.replace("model", n_layer=cfg.model.n_layer + 1).model)
     model = get_family("gpt").model(cfg.model)
-    save_model(model, str(best / ckpt.WEIGHTS))
+    save_model(model, str(best / loading.WEIGHTS))
     rewrite_manifest(best)
-    ckpt.load_checkpoint(best)  # complete: loads
+    loading.load_checkpoint(best)  # complete: loads
     # The checkpoint as the config of a deeper model reads it: a whole layer is missing.
     with pytest.raises(TformerError, match=r"lacks blocks\.\d+\..*, a tensor of its config"):
-        ckpt.check_weight_shapes(best, deeper)
+        loading.check_weight_shapes(best, deeper)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
 def test_resume_falls_back_past_a_trainer_state_that_does_not_load(run, damage):
-    newest = ckpt.step_checkpoints(run)[-1]
-    state = newest / ckpt.TRAINER_STATE
+    newest = loading.step_checkpoints(run)[-1]
+    state = newest / loading.TRAINER_STATE
     data = state.read_bytes()
     state.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x80" * len(data))
     rewrite_manifest(newest)  # the checksum passes: only loading can tell
-    assert ckpt.resume_point(run).name == "step-000003"
+    assert resume_point(run).name == "step-000003"
     assert main(["train", "--resume", "--out", str(run), "train.steps=9"]) == 0
-    assert ckpt.step_checkpoints(run)[-1].name == "step-000009"
+    assert loading.step_checkpoints(run)[-1].name == "step-000009"
 
 
 # --- non-finite values -----------------------------------------------------------------
@@ -190,7 +194,7 @@ def test_a_nan_validation_loss_never_becomes_best(tmp_path, tiny_corpus, monkeyp
 
 def test_non_finite_weights_are_one_line(run, capsys):
     best = (run / "best").resolve()
-    loaded = ckpt.load_checkpoint(best)
+    loaded = loading.load_checkpoint(best)
     with torch.no_grad():
         loaded.model.lm_head.weight[0, 0] = math.nan
     ckpt.save_checkpoint(best, loaded.cfg, loaded.model, loaded.tokenizer)
@@ -234,13 +238,13 @@ def test_save_failure_removes_its_temporary(tmp_path, monkeypatch):
     cfg = config_from_dict({}, ["model.n_layer=1", "model.d_model=16", "model.n_head=2",
                                 f"model.vocab_size={tok.vocab_size}"])
     model = get_family("gpt").model(cfg.model)
-    good = ckpt.save_checkpoint(ckpt.step_dir(tmp_path, 1), cfg, model, tok, {"step": 1})
+    good = ckpt.save_checkpoint(loading.step_dir(tmp_path, 1), cfg, model, tok, {"step": 1})
 
     def full(*args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832")
 
     monkeypatch.setattr(ckpt.torch, "save", full)
     with pytest.raises(TformerError, match="cannot save checkpoint .*step-000002"):
-        ckpt.save_checkpoint(ckpt.step_dir(tmp_path, 2), cfg, model, tok, {"step": 2})
+        ckpt.save_checkpoint(loading.step_dir(tmp_path, 2), cfg, model, tok, {"step": 2})
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [good.name]
-    ckpt.verify_checkpoint(good)
+    loading.verify_checkpoint(good)

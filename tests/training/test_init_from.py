@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tformer import loading
 from tformer.cli import main
 from tformer.config import config_from_dict, load_config
 from tformer.training import checkpoint as ckpt
@@ -40,25 +41,26 @@ def test_a_run_starts_from_the_checkpoint_weights_and_tokenizer(family, tmp_path
     cfg, tiny = config(tmp_path, family, tiny_corpus), FAMILIES[family][1]
     base, tuned = tmp_path / "base", tmp_path / "tuned"
     assert main(["train", str(cfg), "--out", str(base), *tiny, *COMMON]) == 0
-    start = ckpt.resolve_checkpoint(base)
+    start = loading.resolve_checkpoint(base)
     # With a learning rate of 0 the weights stay what they were loaded as. The config names
     # the model's sizes again (as a fine-tuning config may), and changes its dropout.
     assert main(["train", str(cfg), "--out", str(tuned), *tiny, *COMMON, "train.lr=0",
                  "train.min_lr=0", f"train.init_from={base}", "model.dropout=0.2"]) == 0
-    before = load_file(start / ckpt.WEIGHTS)
-    after = load_file(ckpt.step_dir(tuned, 2) / ckpt.WEIGHTS)
+    before = load_file(start / loading.WEIGHTS)
+    after = load_file(loading.step_dir(tuned, 2) / loading.WEIGHTS)
     assert after.keys() == before.keys()
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor), name
-    assert (start / ckpt.TOKENIZER).read_text() == (tuned / "best" / ckpt.TOKENIZER).read_text()
-    saved = ckpt.read_config(ckpt.step_dir(tuned, 2))
+    tokenizer_file = loading.TOKENIZER
+    assert (start / tokenizer_file).read_text() == (tuned / "best" / tokenizer_file).read_text()
+    saved = loading.read_config(loading.step_dir(tuned, 2))
     assert saved.model.dropout == 0.2
 
     # And with a real learning rate it trains: the weights move.
     moved = tmp_path / "moved"
     assert main(["train", str(cfg), "--out", str(moved), *tiny, *COMMON, "train.lr=1e-2",
                  f"train.init_from={base}"]) == 0
-    after = load_file(ckpt.step_dir(moved, 2) / ckpt.WEIGHTS)
+    after = load_file(loading.step_dir(moved, 2) / loading.WEIGHTS)
     assert any(not torch.equal(after[n], t) for n, t in before.items())
     # The fine-tuned run resumes like any other (its config is complete).
     assert main(["train", "--resume", "--out", str(moved), "train.steps=3"]) == 0
@@ -87,7 +89,7 @@ def test_an_unstated_model_comes_whole_from_the_checkpoint(tmp_path, tiny_corpus
     bare = tmp_path / "bare.toml"
     bare.write_text(f'[data]\npath = "{tiny_corpus}"\n[train]\ninit_from = "{base}"\n')
     inherited = load_config(bare, inherit=ckpt.inherit_model)
-    assert inherited.model == ckpt.read_config(ckpt.resolve_checkpoint(base)).model
+    assert inherited.model == loading.read_config(loading.resolve_checkpoint(base)).model
     # A saved config is complete: reading it never goes back to init_from.
     saved = inherited.to_dict()
     saved["train"]["init_from"] = str(tmp_path / "gone")

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tformer import loading
 from tformer.training import checkpoint as ckpt
+from tformer.training.run import resume_point
 
 CONFIG = """
 [model]
@@ -92,7 +94,7 @@ def test_sigkill_at_random_points_then_resume_matches_an_uninterrupted_run(confi
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
-        if ckpt.latest_good_checkpoint(killed) is None:  # killed before the first checkpoint
+        if loading.latest_good_checkpoint(killed) is None:  # killed before the first checkpoint
             proc = tformer("train", str(config), "--out", str(killed))
         else:
             proc = tformer("train", "--resume", "--out", str(killed))
@@ -125,12 +127,12 @@ def test_resume_falls_back_to_the_newest_good_checkpoint(tmp_path, tiny_corpus, 
     config.write_text(CONFIG.format(corpus=tiny_corpus, steps=9))
     run = tmp_path / "run"
     assert main(["train", str(config), "--out", str(run)]) == 0
-    newest = ckpt.step_checkpoints(run)[-1]
+    newest = loading.step_checkpoints(run)[-1]
     assert newest.name == "step-000009"
     damage(newest)
-    assert ckpt.resume_point(run).name == "step-000006"
+    assert resume_point(run).name == "step-000006"
     assert main(["train", "--resume", "--out", str(run), "train.steps=12"]) == 0
-    assert ckpt.step_checkpoints(run)[-1].name == "step-000012"
+    assert loading.step_checkpoints(run)[-1].name == "step-000012"
 
 
 def test_leftovers_of_a_killed_save_are_cleaned_up(tmp_path, tiny_corpus):
@@ -143,7 +145,7 @@ def test_leftovers_of_a_killed_save_are_cleaned_up(tmp_path, tiny_corpus):
     # A save killed halfway, and a best checkpoint moved aside but not yet replaced.
     (run / "checkpoints" / ".tmp-step-000009-123").mkdir()
     os.replace(run / "best", run / ".old-best-456")
-    ckpt.resume_point(run)
+    ckpt.recover_run_dir(run)
     assert not (run / "checkpoints" / ".tmp-step-000009-123").exists()
     assert (run / "best").is_dir() and not (run / ".old-best-456").exists()
-    ckpt.verify_checkpoint(run / "best")
+    loading.verify_checkpoint(run / "best")

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tformer import loading
 from tformer.training import checkpoint as ckpt
+from tformer.training.run import resume_point
 
 CONFIG = """
 [model]
@@ -117,7 +119,7 @@ def test_a_second_writer_is_refused_and_a_signal_stops_the_first(tmp_path, tiny_
     run = tmp_path / "run"
     first = tformer("train", str(config), "--out", str(run))
     wait_for(lambda: (run / "metrics.csv").exists() and len(rows(run)) >= 2, first)
-    wait_for(lambda: ckpt.latest_good_checkpoint(run) is not None, first)
+    wait_for(lambda: loading.latest_good_checkpoint(run) is not None, first)
 
     for args in (["train", str(config)], ["train", "--resume"]):
         code, out, err = finish(tformer(*args, "--out", str(run)))
@@ -130,10 +132,10 @@ def test_a_second_writer_is_refused_and_a_signal_stops_the_first(tmp_path, tiny_
     assert code == 143, err
     assert "stopped by SIGTERM" in out and "Traceback" not in err
     # Its last step is saved, the run is whole, and the lock is free again.
-    last = ckpt.step_checkpoints(run)[-1]
+    last = loading.step_checkpoints(run)[-1]
     assert int(last.name.split("-")[1]) >= max(int(r["step"]) for r in rows(run))
-    ckpt.verify_checkpoint(last)
-    assert ckpt.load_checkpoint(run).cfg.train.steps == 100000
+    loading.verify_checkpoint(last)
+    assert loading.load_checkpoint(run).cfg.train.steps == 100000
     assert no_temporaries(run)
     with ckpt.run_lock(run):
         pass
@@ -161,7 +163,7 @@ def test_a_signal_saves_and_the_resumed_metrics_equal_an_uninterrupted_run(
     got, out, err = finish(proc)
     assert got == code, err
     assert "Traceback" not in err and "--resume" in out
-    stopped_at = int(ckpt.step_checkpoints(run)[-1].name.split("-")[1])
+    stopped_at = int(loading.step_checkpoints(run)[-1].name.split("-")[1])
     assert stopped_at < 24, "the signal came before the end"
 
     assert finish(tformer("train", "--resume", "--out", str(run)))[0] == 0
@@ -203,7 +205,7 @@ def wait_until_torch_is_loading(proc: subprocess.Popen, timeout: float = 60) -> 
 
 READER = """
 import pathlib, sys
-from tformer.training.checkpoint import load_checkpoint
+from tformer.loading import load_checkpoint
 run, stop, ready = sys.argv[1], pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
 loads, seen = 0, set()
 ready.touch()
@@ -248,6 +250,7 @@ def test_readers_see_whole_checkpoints_while_training_saves(tmp_path, tiny_corpu
 
 KILL_ON_RENAME = """
 import os, signal, sys
+from tformer import loading
 from tformer.training import checkpoint as ckpt
 from tformer.cli import main
 calls = {"n": 0}
@@ -275,9 +278,9 @@ def test_a_kill_on_a_checkpoint_rename_loses_nothing(tmp_path, tiny_corpus, nth)
     )
     assert killed.returncode == -signal.SIGKILL
     # A reader finds a whole checkpoint (or none yet), never an error.
-    if ckpt.latest_good_checkpoint(run) is not None or (run / "best").exists():
-        ckpt.load_checkpoint(run)
-    if ckpt.resume_point(run) is None:
+    if loading.latest_good_checkpoint(run) is not None or (run / "best").exists():
+        loading.load_checkpoint(run)
+    if resume_point(run) is None:
         import shutil
 
         shutil.rmtree(run)
@@ -299,9 +302,9 @@ def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, tiny_corpus):
     run = tmp_path / "run"
     assert finish(tformer("train", str(config), "--out", str(run)))[0] == 0
     before = files_of(run)
-    last = ckpt.step_checkpoints(run)[-1]
-    weights = (last / ckpt.WEIGHTS).stat().st_size
-    state = (last / ckpt.TRAINER_STATE).stat().st_size
+    last = loading.step_checkpoints(run)[-1]
+    weights = (last / loading.WEIGHTS).stat().st_size
+    state = (last / loading.TRAINER_STATE).stat().st_size
     assert weights < state
     limit = weights + 64  # the weights fit, the trainer state does not
 
@@ -319,7 +322,7 @@ def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, tiny_corpus):
     for name, data in before.items():  # every checkpoint saved before is as it was
         if name.startswith(("checkpoints/", ".best-")):
             assert after[name] == data, name
-    ckpt.verify_checkpoint(last)
+    loading.verify_checkpoint(last)
     assert finish(tformer("train", "--resume", "--out", str(run), "train.steps=9"))[0] == 0
 
 
@@ -377,4 +380,4 @@ def test_a_read_only_disk_is_one_line(tmp_path, tiny_corpus, small_fs):
     assert "Read-only file system" in said and str(run) in said
     assert files_of(run) == before
     # Readers still read it.
-    ckpt.load_checkpoint(run)
+    loading.load_checkpoint(run)

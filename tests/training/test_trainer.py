@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tformer import loading
 from tformer.config import config_from_dict
 from tformer.errors import TformerError
 from tformer.tasks.gpt import GPTTask
@@ -61,8 +62,8 @@ def test_training_lowers_the_loss_and_writes_a_run(tiny_corpus, tmp_path):
     # The text's unigram entropy is 3.09 nats: below it, the model uses context.
     assert result.val_loss < 2.7
     assert result.step == 40 and result.val_loss is not None and not result.interrupted
-    assert (tmp_path / "run" / ckpt.BEST).is_dir()
-    assert [p.name for p in ckpt.step_checkpoints(tmp_path / "run")] == [
+    assert (tmp_path / "run" / loading.BEST).is_dir()
+    assert [p.name for p in loading.step_checkpoints(tmp_path / "run")] == [
         "step-000020",
         "step-000040",
     ]
@@ -78,7 +79,7 @@ def test_a_crashed_run_resumes_bit_identically(tiny_corpus, tmp_path):
 
     with pytest.raises(RuntimeError, match="power cut"):
         train(cfg, tmp_path / "crashed", progress=crash)
-    latest = ckpt.latest_good_checkpoint(tmp_path / "crashed")
+    latest = loading.latest_good_checkpoint(tmp_path / "crashed")
     assert latest.name == "step-000004"
     train(cfg, tmp_path / "crashed", resume_from=latest)
 
@@ -106,8 +107,8 @@ def test_non_finite_steps_are_skipped_then_stop_training(tiny_corpus, tmp_path, 
     )
     with pytest.raises(TformerError, match="3 steps in a row had a non-finite loss"):
         train(tiny_config(tiny_corpus, "train.max_bad_steps=3"), tmp_path / "bad")
-    for path in ckpt.step_checkpoints(tmp_path / "run"):
-        weights = load_file(path / ckpt.WEIGHTS)
+    for path in loading.step_checkpoints(tmp_path / "run"):
+        weights = load_file(path / loading.WEIGHTS)
         assert all(torch.isfinite(w).all() for w in weights.values())
 
 
@@ -121,7 +122,7 @@ def test_ctrl_c_and_sigterm_save_and_stop(tiny_corpus, tmp_path, signum):
     result = train(tiny_config(tiny_corpus), tmp_path / "run", progress=interrupt)
     # The signal came while step 6 was logged: step 7 is the first to see it.
     assert result.interrupted and result.step == 7
-    assert ckpt.latest_good_checkpoint(tmp_path / "run").name == "step-000007"
+    assert loading.latest_good_checkpoint(tmp_path / "run").name == "step-000007"
     # The handlers training found are back (a shell's background job starts with SIGINT
     # ignored, so that is not always Python's default).
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
@@ -129,7 +130,7 @@ def test_ctrl_c_and_sigterm_save_and_stop(tiny_corpus, tmp_path, signum):
 
 def test_old_checkpoints_are_pruned(tiny_corpus, tmp_path):
     train(tiny_config(tiny_corpus, "train.keep_checkpoints=1"), tmp_path / "run")
-    assert [p.name for p in ckpt.step_checkpoints(tmp_path / "run")] == ["step-000012"]
+    assert [p.name for p in loading.step_checkpoints(tmp_path / "run")] == ["step-000012"]
 
 
 def test_weight_decay_falls_on_linear_maps_and_embeddings_only(tiny_corpus):
@@ -194,7 +195,7 @@ def test_a_skipped_step_puts_the_transformer_xl_memory_back(tiny_corpus, tmp_pat
 def test_resuming_with_more_steps_continues_the_decay_without_a_jump(tiny_corpus, tmp_path, caplog):
     cfg = tiny_config(tiny_corpus, "train.schedule=linear")
     train(cfg, tmp_path / "run")
-    latest = ckpt.latest_good_checkpoint(tmp_path / "run")
+    latest = loading.latest_good_checkpoint(tmp_path / "run")
     longer = tiny_config(tiny_corpus, "train.schedule=linear", "train.steps=24")
     with caplog.at_level("WARNING"):
         train(longer, tmp_path / "run", resume_from=latest)
@@ -218,7 +219,7 @@ def test_resuming_midway_with_more_steps_decays_from_the_rate_reached(tiny_corpu
 
     with pytest.raises(RuntimeError):
         train(cfg, tmp_path / "run", progress=crash)
-    latest = ckpt.latest_good_checkpoint(tmp_path / "run")
+    latest = loading.latest_good_checkpoint(tmp_path / "run")
     assert latest.name == "step-000004"
     train(tiny_config(tiny_corpus, "train.schedule=linear", "train.steps=40"),
           tmp_path / "run", resume_from=latest)

@@ -102,7 +102,7 @@ def test_transformer_xl_maps_mark_the_memory():
 
 
 def test_seq2seq_maps_align_the_translation_with_the_source(runs):
-    from tformer.training.checkpoint import load_checkpoint
+    from tformer.loading import load_checkpoint
 
     loaded = load_checkpoint(runs["seq2seq"])
     maps = seq2seq_attention(loaded.model, loaded.tokenizer, "347")
@@ -125,7 +125,7 @@ def test_the_command_draws_layers_by_heads(runs, tmp_path, capsys):
 
 
 def test_the_grid_has_token_labels(runs):
-    from tformer.training.checkpoint import load_checkpoint
+    from tformer.loading import load_checkpoint
 
     loaded = load_checkpoint(runs["a"])
     maps = get_family("gpt").attention(loaded.model, loaded.tokenizer, "All: Speak")

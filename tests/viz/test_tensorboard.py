@@ -44,14 +44,14 @@ def test_event_files_equal_metrics_csv(runs, name):
 
 
 def test_a_resumed_run_drops_the_events_it_redoes(tiny_corpus, tmp_path):
-    from tformer.training import checkpoint as ckpt
+    from tformer import loading
 
     run = tmp_path / "run"
     train(gpt_config(tiny_corpus, "train.steps=8", "train.checkpoint_every=4",
                      "train.keep_checkpoints=3"), run)
     # Resume from step 4 as if the run had died after it: steps 5-8 are logged again.
-    resume_from = ckpt.step_dir(run, 4)
-    cfg = ckpt.read_config(resume_from)
+    resume_from = loading.step_dir(run, 4)
+    cfg = loading.read_config(resume_from)
     train(cfg, run, resume_from=resume_from)
     got = event_scalars(run)
     expected = csv_scalars(run)

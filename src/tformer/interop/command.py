@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated
 
+from tformer.arguments import Help
 from tformer.errors import TformerError
 from tformer.interop import read_hf_config
 
@@ -39,7 +41,13 @@ def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "g
     return exporters[format](Path(checkpoint), Path(dest))
 
 
-def import_command(source: str, out: str) -> int:
+def import_command(
+    source: Annotated[
+        str, Help("directory with config.json and the weights (GPT-2, Marian)")
+    ],
+    *,
+    out: Annotated[str, Help("the new checkpoint's directory")],
+) -> int:
     dest = Path(out)
     if dest.exists() and any(dest.iterdir()):
         raise TformerError(f"--out {dest} exists and is not empty; choose another directory")
@@ -48,7 +56,12 @@ def import_command(source: str, out: str) -> int:
     return 0
 
 
-def export_command(checkpoint: str, out: str, *, format: str = "gpt2") -> int:
+def export_command(
+    checkpoint: Annotated[str, Help("run or checkpoint directory")],
+    *,
+    out: Annotated[str, Help("the new model directory")],
+    format: Annotated[str, Help("gpt2 (GPT2LMHeadModel)")] = "gpt2",
+) -> int:
     export_checkpoint(checkpoint, out, format)
     print(f"exported {checkpoint} as {format} into {out}")
     return 0

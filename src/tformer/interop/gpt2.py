@@ -265,7 +265,7 @@ def export_gpt2(checkpoint: Path, dest: Path) -> Path:
     AutoTokenizer.from_pretrained load."""
     from safetensors.torch import save_file
 
-    from tformer.training.checkpoint import load_checkpoint
+    from tformer.loading import load_checkpoint
 
     loaded = load_checkpoint(checkpoint, family="gpt")
     cfg: GPTConfig = loaded.model.cfg

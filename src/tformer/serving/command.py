@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Annotated
 
+from tformer.arguments import Help
 from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
@@ -23,27 +25,29 @@ def require_serving_packages() -> None:
 
 
 def serve_command(
-    checkpoint: str,
+    checkpoint: Annotated[str, Help("run or checkpoint directory")],
     *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    int8: bool = False,
-    device: str = "auto",
-    name: str | None = None,
-    max_batch: int = 16,
-    max_waiting: int = 64,
-    max_body_bytes: int = 1 << 20,
-    batch_window_ms: float = 10.0,
+    host: Annotated[str, Help("address to bind (default: loopback)")] = "127.0.0.1",
+    port: Annotated[int, Help("port to listen on")] = 8000,
+    api_key: Annotated[str | None, Help("require 'Authorization: Bearer KEY'")] = None,
+    int8: Annotated[bool, Help("int8 weights (CPU)")] = False,
+    device: Annotated[str, Help("auto (CUDA if present) | cpu | cuda:N")] = "auto",
+    name: Annotated[str | None, Help("the model's name in the API (default: the run)")] = None,
+    max_batch: Annotated[int, Help("sequences decoded together")] = 16,
+    max_waiting: Annotated[int, Help("sequences queued; past it requests get 503")] = 64,
+    max_body_bytes: Annotated[int, Help("the largest request body accepted")] = 1 << 20,
+    batch_window_ms: Annotated[
+        float, Help("translations arriving this close together share a batch")
+    ] = 10.0,
 ) -> int:
     require_serving_packages()
     import uvicorn
 
     from tformer.kernels.quantize import inference_model
+    from tformer.loading import load_checkpoint
     from tformer.registry import get_family
     from tformer.serving.app import Limits, create_app
     from tformer.serving.scheduler import LMEngine, TranslationBatcher
-    from tformer.training.checkpoint import load_checkpoint
     from tformer.training.device import pick_device
 
     if not 1 <= port <= 65535:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tformer import loading
 from tformer.errors import TformerError
 from tformer.training import checkpoint as ckpt
 
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def _model_config(path: Path) -> dict:
-    raw = json.loads((path / ckpt.CONFIG).read_text(encoding="utf-8"))
+    raw = json.loads((path / loading.CONFIG).read_text(encoding="utf-8"))
     return {"model": raw["model"], "tokenizer": raw.get("tokenizer")}
 
 
@@ -31,13 +32,13 @@ def checkpoints_to_average(paths: Sequence[str | Path], last: int = 0) -> list[P
     if last:
         if len(paths) != 1:
             raise TformerError("--last N takes one run directory")
-        found = ckpt.step_checkpoints(Path(paths[0]))
+        found = loading.step_checkpoints(Path(paths[0]))
         if len(found) < last:
             raise TformerError(
                 f"--last {last}: {paths[0]} holds {len(found)} step checkpoints"
             )
         return found[-last:]
-    chosen = [ckpt.resolve_checkpoint(p) for p in paths]
+    chosen = [loading.resolve_checkpoint(p) for p in paths]
     if len(chosen) < 2:
         raise TformerError("average needs at least two checkpoints (or a run and --last N)")
     return chosen
@@ -53,10 +54,10 @@ def average_checkpoints(paths: Sequence[Path], out: str | Path) -> Path:
             raise TformerError(
                 f"cannot average {paths[0]} and {path}: their model configs or tokenizers differ"
             )
-    loaded = [ckpt.load_checkpoint(p) for p in paths]
+    loaded = [loading.load_checkpoint(p) for p in paths]
     if len({c.tokenizer.to_json() for c in loaded}) > 1:
         raise TformerError("cannot average checkpoints with different tokenizers")
-    target = ckpt.load_checkpoint(paths[0])
+    target = loading.load_checkpoint(paths[0])
     states = [c.model.state_dict() for c in loaded]
     # Tied weights appear under several names with one storage; each name gets the same mean.
     for name, tensor in target.model.state_dict().items():

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_model
 from torch import nn
 
+from tformer import loading
 from tformer.config import HIGHER_IS_BETTER, RunConfig, TrainConfig
 from tformer.data.tokenizers import load_tokenizer
 from tformer.errors import TformerError
@@ -237,7 +238,7 @@ def train(
     """Train a model as `cfg` says, writing checkpoints and metrics into `run_dir`.
 
     resume_from: a checkpoint of this run to continue from, exactly where it stopped
-        (`checkpoint.resume_point(run_dir)` finds the newest good one).
+        (`run.resume_point(run_dir)` finds the newest good one).
     progress: called with a dict after logged steps and evaluations (the CLI's progress bar).
 
     Under torchrun every process calls this; all of them evaluate (each its share of the
@@ -312,17 +313,17 @@ def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
     # Fine-tuning: weights and tokenizer from train.init_from, optimizer and schedule fresh.
     init = None if resume_from is not None else ckpt.initial_weights(tcfg.init_from)
     if resume_from is not None:
-        tokenizer = load_tokenizer(resume_from / ckpt.TOKENIZER)
+        tokenizer = load_tokenizer(resume_from / loading.TOKENIZER)
         state = ckpt.load_trainer_state(resume_from)
     elif init is not None:
-        tokenizer = load_tokenizer(init / ckpt.TOKENIZER)
+        tokenizer = load_tokenizer(init / loading.TOKENIZER)
     torch.manual_seed(tcfg.seed)
     task = family.task(cfg, tokenizer)
     if init is None:  # else the model fields are the checkpoint's (config_from_dict)
         cfg = cfg.replace("model", **task.model_fields())
     model = family.model(cfg.model).to(device)
     if state is not None or init is not None:
-        weights = (resume_from if state is not None else init) / ckpt.WEIGHTS
+        weights = (resume_from if state is not None else init) / loading.WEIGHTS
         load_model(model, str(weights), device=str(device))
     # Dropout differs between ranks, as it would between the rows of one large batch.
     torch.manual_seed(tcfg.seed + procs.rank)
@@ -339,7 +340,7 @@ def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
         restore(run, state)
     if run.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.write_json(run_dir / ckpt.CONFIG, cfg.to_dict())
+        ckpt.write_json(run_dir / loading.CONFIG, cfg.to_dict())
         run.metrics = MetricsLog(
             run_dir, run.step if state is not None else None, tensorboard=tcfg.tensorboard
         )
@@ -541,14 +542,14 @@ def validate(run: Run, progress: Progress | None) -> float:
             run.best_val is None or (value > run.best_val if higher else value < run.best_val)
         ):
             run.best_val, run.evals_without_gain = value, 0
-            save(run, run.run_dir / ckpt.BEST)
+            save(run, run.run_dir / loading.BEST)
         else:
             run.evals_without_gain += 1
     return val
 
 
 def save_step_checkpoint(run: Run) -> None:
-    save(run, ckpt.step_dir(run.run_dir, run.step))
+    save(run, loading.step_dir(run.run_dir, run.step))
     if run.is_main:
         ckpt.prune_checkpoints(run.run_dir, run.cfg.train.keep_checkpoints)
 

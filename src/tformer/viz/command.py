@@ -6,8 +6,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Annotated
 
+from tformer.arguments import Help
 from tformer.errors import TformerError
+from tformer.viz.plot import X_AXES
+
+Figure = Annotated[str, Help("FILE.png (or .pdf, .svg)", flags=("-o", "--output"))]
 
 FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
 
@@ -20,16 +25,26 @@ def check_figure_path(out: str) -> Path:
     return path
 
 
-def plot_command(runs: list[str], out: str, x: str = "step") -> int:
+def plot_command(
+    runs: Annotated[list[str], Help("run directories (each with its metrics.csv)", nargs="+")],
+    *,
+    output: Figure,
+    x: Annotated[str, Help("horizontal axis: the step, or hours since the run started",
+                           choices=tuple(X_AXES))] = "step",
+) -> int:
     from tformer.viz.plot import plot_runs
 
-    path = check_figure_path(out)
+    path = check_figure_path(output)
     plot_runs(runs, x).savefig(path, dpi=100)
     print(f"wrote {path}")
     return 0
 
 
-def info_command(checkpoint: str, *, as_json: bool = False) -> int:
+def info_command(
+    checkpoint: Annotated[str, Help("run or checkpoint directory")],
+    *,
+    as_json: Annotated[bool, Help("one JSON object instead of tables", flags=("--json",))] = False,
+) -> int:
     from tformer.viz.info import format_summary, summarize
 
     info = summarize(checkpoint)
@@ -38,14 +53,20 @@ def info_command(checkpoint: str, *, as_json: bool = False) -> int:
 
 
 def attention_command(
-    checkpoint: str, out: str, *, text: str | None = None, source: str | None = None
+    checkpoint: Annotated[str, Help("run or checkpoint directory")],
+    *,
+    text: Annotated[str | None, Help("language models: the text to read", one_of="text")] = None,
+    source: Annotated[
+        str | None, Help("translation: the sentence to translate", one_of="text")
+    ] = None,
+    output: Figure,
 ) -> int:
     """--text for a language model, --source for a translation model."""
+    from tformer.loading import load_checkpoint
     from tformer.registry import get_family
-    from tformer.training.checkpoint import load_checkpoint
     from tformer.viz.attention import plot_attention
 
-    path = check_figure_path(out)
+    path = check_figure_path(output)
     loaded = load_checkpoint(checkpoint)
     family = get_family(loaded.cfg.family)
     # A family that translates reads a source sentence; a language model, a text.

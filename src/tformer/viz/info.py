@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tformer import loading
 from tformer.registry import get_family
 from tformer.training import checkpoint as ckpt
 
@@ -56,7 +57,7 @@ def validation_metrics(path: Path, step: int | None) -> dict[str, float]:
 
 
 def summarize(checkpoint: str | Path) -> dict[str, Any]:
-    loaded = ckpt.load_checkpoint(checkpoint)
+    loaded = loading.load_checkpoint(checkpoint)
     model, cfg = loaded.model, loaded.cfg
     family = get_family(cfg.family)
     by_module = parameters_by_module(model)
@@ -74,7 +75,7 @@ def summarize(checkpoint: str | Path) -> dict[str, Any]:
     memory["training_total"] = sum(memory.values())
 
     step = None
-    if (loaded.path / ckpt.TRAINER_STATE).is_file():
+    if (loaded.path / loading.TRAINER_STATE).is_file():
         step = int(ckpt.load_trainer_state(loaded.path)["step"])
     return {
         "checkpoint": str(loaded.path),

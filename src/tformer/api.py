@@ -1,0 +1,297 @@
+"""tformer from Python: a checkpoint loaded once, then generate, translate or score with it,
+on the same paths as the command line (prepacked or int8 weights, the decoding thread rule).
+
+    import tformer
+
+    model = tformer.load("runs/shakespeare")
+    print(model.generate("ROMEO:", max_new_tokens=100, temperature=0.8, seed=1))
+    for token, logprob in model.score("To be, or not to be"):
+        ...
+
+    de = tformer.load("runs/multi30k", int8=True)
+    de.translate(["A man is riding a bike."], beam=4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tformer.errors import TformerError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from tformer.loading import Checkpoint
+    from tformer.registry import Family
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The defaults of sampling, for the API and `tformer generate` alike."""
+
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 1337
+
+
+SAMPLING = Sampling()
+
+
+def check_generation_args(
+    max_new_tokens: int, temperature: float, top_k: int, top_p: float, num_samples: int = 1
+) -> None:
+    if max_new_tokens < 1:
+        raise TformerError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    if not temperature >= 0:
+        raise TformerError(f"--temperature {temperature} must be 0 (greedy) or more")
+    if top_k < 0:
+        raise TformerError(f"--top-k {top_k} must be 0 (off) or more")
+    if not 0 < top_p <= 1:
+        raise TformerError(f"--top-p {top_p} must be in (0, 1]")
+    if num_samples < 1:
+        raise TformerError(f"--num-samples {num_samples} must be at least 1")
+
+
+def load(
+    path: str | Path,
+    *,
+    int8: bool = False,
+    device: str = "auto",
+    threads: int | None = None,
+    needs: str | None = None,
+    ensemble: Sequence[str] = (),
+) -> Model:
+    """Load a run (its best checkpoint, else its newest) or one checkpoint directory.
+
+    int8: int8 weights (CPU), else fp32 weights prepacked for decoding's small products.
+    threads: torch's CPU threads (default: one per core nothing else is using).
+    needs: "generate" or "translate": a checkpoint of a family that cannot is a clear error.
+    ensemble: translation checkpoints to decode together with this one (the mean of their
+    next-token distributions); they must share its tokenizer.
+    """
+    import torch
+
+    from tformer.kernels.quantize import inference_model
+    from tformer.loading import load_checkpoint
+    from tformer.registry import families_with, get_family
+    from tformer.training.device import decoding_threads, pick_device
+
+    dev = pick_device(device)
+    loaded = load_checkpoint(path, device=dev)
+    family = get_family(loaded.cfg.family)
+    if needs == "generate" and family.generate is None:
+        hint = "; use `tformer translate`" if family.translate is not None else ""
+        raise TformerError(
+            f"checkpoint {loaded.label} is a {family.name} model; generate needs a language "
+            f"model ({' or '.join(families_with('generate'))}){hint}"
+        )
+    if needs == "translate" and family.translate is None:
+        raise TformerError(
+            f"checkpoint {loaded.label} is a {family.name} model; translate needs a "
+            f"sequence-to-sequence model ({' or '.join(families_with('translate'))}); use "
+            f"`tformer generate` for language models"
+        )
+    if ensemble:
+        join_ensemble(loaded, list(ensemble), dev)
+    threads = decoding_threads(threads)
+    torch.set_num_threads(threads)
+    # Counted before int8 conversion turns the weights into buffers.
+    parameters = sum(p.numel() for p in loaded.model.parameters())
+    loaded.model = inference_model(loaded.model, int8)
+    return Model(loaded, family, int8=int8, threads=threads, parameters=parameters)
+
+
+def join_ensemble(loaded: Checkpoint, others: list[str], device: Any) -> None:
+    """Make `loaded` decode together with the checkpoints `others`, as one ensemble
+    (tformer.decoding.ensemble). They must be translation models with the same tokenizer;
+    `loaded` gives the run's settings."""
+    from tformer.decoding.ensemble import Ensemble
+    from tformer.loading import load_checkpoint
+    from tformer.registry import get_family
+
+    if get_family(loaded.cfg.family).translate is None:
+        raise TformerError(f"--ensemble needs translation models; {loaded.label} is a "
+                           f"{loaded.cfg.family} model")
+    members = [loaded.model]
+    for path in others:
+        other = load_checkpoint(path, device=device, family=loaded.cfg.family)
+        if other.tokenizer.to_json() != loaded.tokenizer.to_json():
+            raise TformerError(f"--ensemble {path}: its tokenizer is not {loaded.label}'s; the "
+                               f"models of an ensemble must share one")
+        members.append(other.model)
+    loaded.model = Ensemble(members)
+
+
+class Model:
+    """A loaded checkpoint, ready to decode. `checkpoint` is what was loaded (its `model` the
+    module as decoding runs it), `family` its registry entry."""
+
+    def __init__(
+        self, checkpoint: Checkpoint, family: Family, *, int8: bool, threads: int,
+        parameters: int,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.family = family
+        self.int8 = int8
+        self.threads = threads
+        self.parameters = parameters
+
+    @property
+    def module(self) -> nn.Module:
+        return self.checkpoint.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.checkpoint.tokenizer
+
+    @property
+    def name(self) -> str:
+        return self.checkpoint.name
+
+    @property
+    def label(self) -> str:
+        return self.checkpoint.label
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.buffers(), next(self.module.parameters())).device
+
+    @property
+    def description(self) -> str:
+        """"0.5M parameters, int8; cpu, 2 threads": for start-up lines."""
+        n = self.parameters
+        size = f"{n / 1e6:.1f}M parameters" if n >= 1e5 else f"{n:,} parameters"
+        where = str(self.device)
+        if self.device.type == "cpu":
+            where = f"cpu, {self.threads} thread{'s' if self.threads != 1 else ''}"
+        return f"{size}{', int8' if self.int8 else ''}; {where}"
+
+    @property
+    def window(self) -> int | None:
+        """The most prompt tokens generation reads (a longer prompt loses its start)."""
+        return self.family.window(self.module)
+
+    def generator(self, seed: int) -> torch.Generator:
+        import torch
+
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The prompt's tokens; an empty prompt starts from bos (or a newline)."""
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            bos = self.tokenizer.bos_id
+            ids = [bos] if bos is not None else self.tokenizer.encode("\n")
+        return ids
+
+    # --- language models ----------------------------------------------------------------
+
+    def stream(
+        self,
+        prompt: str | list[int],
+        *,
+        max_new_tokens: int = SAMPLING.max_new_tokens,
+        temperature: float = SAMPLING.temperature,
+        top_k: int = SAMPLING.top_k,
+        top_p: float = SAMPLING.top_p,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> Iterator[str]:
+        """The continuation of `prompt` (text, or token ids), as pieces of text as they are
+        decoded; it stops at the model's end-of-text token."""
+        import torch
+
+        if self.family.generate is None:
+            raise TformerError(f"{self.label} is a {self.family.name} model; it does not "
+                               f"generate text")
+        check_generation_args(max_new_tokens, temperature, top_k, top_p)
+        ids = self.prompt_ids(prompt) if isinstance(prompt, str) else list(prompt)
+        new: list[int] = []
+        shown = ""
+        for token in self.family.generate(
+            self.module, torch.tensor([ids], device=self.device),
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            generator=generator, use_cache=use_cache, eos_id=self.tokenizer.eos_id,
+        ):
+            new.append(int(token[0]))
+            text = self.tokenizer.decode(new)
+            # A byte-level token may end inside a character: wait for the rest of it.
+            if not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text
+        rest = self.tokenizer.decode(new)[len(shown):]
+        if rest:
+            yield rest
+
+    def generate(
+        self,
+        prompt: str = "",
+        *,
+        max_new_tokens: int = SAMPLING.max_new_tokens,
+        temperature: float = SAMPLING.temperature,
+        top_k: int = SAMPLING.top_k,
+        top_p: float = SAMPLING.top_p,
+        seed: int = SAMPLING.seed,
+        use_cache: bool = True,
+    ) -> str:
+        """The continuation of `prompt` (the prompt itself not included). temperature 0 is
+        greedy; the same seed gives the same text as `tformer generate --seed`."""
+        return "".join(self.stream(
+            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, generator=self.generator(seed), use_cache=use_cache,
+        ))
+
+    def score(self, text: str) -> list[tuple[str, float]]:
+        """Each token of `text` after the first, with its log-probability (natural log)
+        given the tokens before it. A text longer than the model's context is read in
+        consecutive windows of the context, as `tformer evaluate` reads a file."""
+        import torch
+
+        if self.family.generate is None:
+            raise TformerError(f"{self.label} is a {self.family.name} model; score needs a "
+                               f"language model")
+        ids = self.tokenizer.encode(text)
+        if len(ids) < 2:
+            raise TformerError("score needs a text of at least two tokens")
+        window = self.window or len(ids)
+        logprobs: list[float] = []
+        with torch.no_grad():
+            for start in range(0, len(ids) - 1, window):
+                chunk = torch.tensor([ids[start : start + window + 1]], device=self.device)
+                logits = self.module(chunk[:, :-1])[0].float().log_softmax(-1)
+                logprobs += logits.gather(1, chunk[0, 1:, None])[:, 0].tolist()
+        pairs = zip(ids[1:], logprobs, strict=True)
+        return [(self.tokenizer.decode([t]), lp) for t, lp in pairs]
+
+    # --- translation --------------------------------------------------------------------
+
+    def translate(
+        self,
+        lines: str | Sequence[str],
+        *,
+        beam: int = 4,
+        alpha: float = 0.6,
+        length_penalty: str = "gnmt",
+        max_len_a: float | None = None,
+        max_len_b: int = 10,
+        batch_size: int = 32,
+    ) -> str | list[str]:
+        """The best translation of each line (of one line: a string). max_len_a None: as
+        long, relative to its source, as the training pairs were."""
+        if self.family.translate is None:
+            raise TformerError(f"{self.label} is a {self.family.name} model; translate needs "
+                               f"a sequence-to-sequence model")
+        one = isinstance(lines, str)
+        results = self.family.translate(
+            self.checkpoint, [lines] if one else list(lines), beam=beam, alpha=alpha,
+            max_len_a=max_len_a, max_len_b=max_len_b, n_best=1, early_stopping=False,
+            batch_size=batch_size, progress=None, length_penalty=length_penalty,
+        )
+        texts = [hyps[0].text for hyps in results]
+        return texts[0] if one else texts

@@ -1,0 +1,156 @@
+"""The `tformer` command: one table of subcommands, each a typed function in its own module.
+
+A command's options are its function's parameters (tformer/cli/options.py). The command
+modules own the terminal (progress bars, tables, streamed text), the seeds and the device;
+the library only logs. A TformerError becomes one line on stderr and exit code 2; Ctrl-C at
+any moment, the imports included, is one line and exit code 130.
+
+Nothing heavy is imported before `main` runs: only the chosen command's module is imported,
+after the interrupt handler is in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("tformer.cli.train:train", "train a model from a TOML config"),
+    "generate": ("tformer.cli.generate:generate", "sample text from a language model"),
+    "evaluate": ("tformer.cli.evaluate:evaluate", "loss, perplexity and bits per character"),
+    "translate": ("tformer.cli.translate:translate", "translate lines with a seq2seq model"),
+    "serve": ("tformer.serving.command:serve_command",
+              "serve a model over HTTP (OpenAI-style completions, translations)"),
+    "average": ("tformer.cli.average:average", "average the weights of several checkpoints"),
+    "plot": ("tformer.viz.command:plot_command",
+             "plot the loss, learning rate and speed of runs"),
+    "info": ("tformer.viz.command:info_command",
+             "a checkpoint's config, parameters, FLOPs and memory"),
+    "attention": ("tformer.viz.command:attention_command",
+                  "draw attention maps (layers x heads) for one text"),
+    "import": ("tformer.interop.command:import_command",
+               "a local Hugging Face model directory -> a checkpoint"),
+    "export": ("tformer.interop.command:export_command",
+               "a checkpoint -> a Hugging Face model directory"),
+}
+"""name -> ("module:function", the one line `tformer --help` shows for it)."""
+
+
+def command_function(name: str) -> Callable[..., int]:
+    module, function = COMMANDS[name][0].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line and exit code 2 (argparse's default code)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class CommandParser(Parser):
+    """A subcommand's parser: options and file arguments in any order (`translate CKPT
+    --int8 input.en -o out`), which plain argparse stops reading at the first option that
+    follows a positional. argparse calls parse_known_args for a subcommand; it becomes the
+    intermixed parse, which itself calls parse_known_args twice (hence the guard)."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._intermixing:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """--help gives each option's default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and "default" not in text
+            and not any(default is v for v in (None, False, "", argparse.SUPPRESS))
+        ):
+            text += f" (default: {default})"
+        return text
+
+
+def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of `tformer`, with the options of the named commands, or of all of them
+    (a command not named shows in --help by its name and summary; its module is not
+    imported)."""
+    from tformer import __version__
+    from tformer.arguments import add_arguments
+
+    parser = Parser(prog="tformer", description="train, evaluate and run the translation "
+                    "Transformer, GPT and Transformer-XL")
+    parser.add_argument("--version", action="version", version=f"tformer {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    for name, (_, summary) in COMMANDS.items():
+        p = sub.add_parser(name, formatter_class=DefaultsFormatter, help=summary)
+        if commands is None or name in commands:
+            add_arguments(p, command_function(name))
+    return parser
+
+
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand named on the command line: its first word that is not an option
+    (the options before it, -v, --version and --help, take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C before a command is under way (while torch and the model load): nothing to
+    save yet, so leave at once, as shells expect of an interrupted command."""
+    print("tformer: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from_shell = argv is None
+    if from_shell and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv, from_shell)
+    except KeyboardInterrupt:
+        print("tformer: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str], from_shell: bool) -> int:
+    from tformer.arguments import call
+    from tformer.errors import TformerError
+
+    name = chosen_command(argv)
+    parser = build_parser([name] if name in COMMANDS else [])
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage errors (code 2), --help and --version (code 0)
+        return e.code if isinstance(e.code, int) else 0
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s: %(message)s",
+    )
+    function = command_function(args.command)
+    if from_shell:  # from here on a command saves what it must (training's own handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return call(function, args)
+    except TformerError as e:
+        print(f"tformer: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
