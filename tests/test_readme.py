@@ -130,6 +130,18 @@ def test_every_readme_command_runs(workdir, monkeypatch, capsys):
     assert (workdir / "runs" / "multi30k" / "averaged" / "model.safetensors").exists()
 
 
+def test_the_python_example_runs_on_the_readme_runs(workdir, monkeypatch, capsys):
+    """After the command lines above made runs/shakespeare and runs/multi30k."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Using it from Python"):]
+    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:1]
+    assert (workdir / "runs" / "shakespeare").is_dir(), "runs after the README's commands"
+    monkeypatch.chdir(workdir)
+    exec(compile(example, "README.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) >= 3 and out[-1].startswith("['")
+
+
 def test_torchrun_lines_run_tformer_train():
     lines = [c for c in COMMANDS if c.startswith("torchrun")]
     assert lines

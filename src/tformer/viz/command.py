@@ -74,11 +74,11 @@ def attention_command(
     given = "--source" if source is not None else "--text"
     if given != wanted:
         raise TformerError(
-            f"{loaded.path} is a {loaded.cfg.family} model: give the sentence with {wanted}"
+            f"{loaded.label} is a {loaded.cfg.family} model: give the sentence with {wanted}"
         )
     maps = family.attention(loaded.model, loaded.tokenizer, source if text is None else text)
     if maps.note:
         print(f"note: {maps.note}", file=sys.stderr)
-    plot_attention(maps, title=f"{loaded.path} ({loaded.cfg.family})").savefig(path, dpi=100)
+    plot_attention(maps, title=f"{loaded.label} ({loaded.cfg.family})").savefig(path, dpi=100)
     print(f"wrote {path}")
     return 0

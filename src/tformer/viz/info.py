@@ -35,8 +35,13 @@ def parameters_by_module(model: nn.Module) -> dict[str, int]:
 
 
 def flat_config(cfg: Any) -> dict[str, Any]:
-    return {f"{section}.{key}": value
+    """The config as dotted keys; data.vocab_size only where a tokenizer is trained to that
+    size (a character tokenizer's vocabulary is the corpus's characters)."""
+    flat = {f"{section}.{key}": value
             for section, table in cfg.to_dict().items() for key, value in table.items()}
+    if flat.get("data.tokenizer") == "char":
+        flat.pop("data.vocab_size", None)
+    return flat
 
 
 def validation_metrics(path: Path, step: int | None) -> dict[str, float]:
@@ -78,7 +83,8 @@ def summarize(checkpoint: str | Path) -> dict[str, Any]:
     if (loaded.path / loading.TRAINER_STATE).is_file():
         step = int(ckpt.load_trainer_state(loaded.path)["step"])
     return {
-        "checkpoint": str(loaded.path),
+        "checkpoint": loaded.label,
+        "path": str(loaded.path),
         "family": cfg.family,
         "config": flat_config(cfg),
         "parameters": {"total": n_params, "by_module": by_module},
