@@ -94,7 +94,7 @@ def test_transformer_xl_maps_mark_the_memory():
     assert "".join(group.keys).replace("\u2423", " ") == TEXT[10:30]
     torch.testing.assert_close(group.weights.sum(-1), torch.ones(2, 2, 8))
     fig = plot_attention(maps)
-    visible = [ax for ax in fig.axes if ax.get_visible()]
+    visible = [ax for ax in fig.axes if ax.get_visible() and ax.get_label() != "<colorbar>"]
     assert len(visible) == 4
     # The memory boundary is drawn on every map.
     assert all(any(list(line.get_xdata()) == [11.5, 11.5] for line in ax.lines)
@@ -130,7 +130,27 @@ def test_the_grid_has_token_labels(runs):
     loaded = load_checkpoint(runs["a"])
     maps = get_family("gpt").attention(loaded.model, loaded.tokenizer, "All: Speak")
     fig = plot_attention(maps)
-    assert len(fig.axes) == 2 * 2  # layers x heads
+    maps_axes = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    assert len(maps_axes) == 2 * 2  # layers x heads
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert "".join(labels).replace("\u2423", " ") == "All: Speak"
     assert fig.axes[0].get_title().endswith("layer 1, head 1")
+
+
+def test_the_maps_are_readable(runs, tmp_path):
+    """Whitespace shows as symbols, every map has a colour bar, and the token labels are
+    at least 6 points on a map of 64 tokens."""
+    from tformer.loading import load_checkpoint
+    from tformer.viz.attention import shown_token
+
+    assert shown_token(" a\tb\n\r") == "\u2423a\u2192b\u23ce\\r"
+    loaded = load_checkpoint(runs["a"])
+    maps = get_family("gpt").attention(loaded.model, loaded.tokenizer, "All: Speak\nAll")
+    fig = plot_attention(maps, title="a/best")
+    maps_axes = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert len(bars) == len(maps_axes) == 4
+    labels = [t.get_text() for t in maps_axes[0].get_xticklabels()]
+    assert "\u2423" in labels and "\u23ce" in labels and "" not in labels
+    assert min(t.get_fontsize() for t in maps_axes[0].get_xticklabels()) >= 6
+    fig.savefig(tmp_path / "maps.png", dpi=80)

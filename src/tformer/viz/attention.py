@@ -65,13 +65,21 @@ class AttentionMaps:
     """Something the reader should know (a cut text, the translation produced)."""
 
 
+VISIBLE = {" ": "\u2423", "\n": "\u23ce", "\t": "\u2192"}
+"""Characters a tick label would show as nothing, as the symbols editors use for them (each
+in matplotlib's own font, DejaVu Sans)."""
+
+
+def shown_token(token: str) -> str:
+    """A token as a tick label: spaces, line ends and tabs visible, other characters that do
+    not print as their escapes (\\r, \\x00)."""
+    return "".join(VISIBLE.get(c, c if c.isprintable() else repr(c)[1:-1]) for c in token)
+
+
 def token_labels(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
-    """Each token as text, with spaces and newlines made visible."""
-    labels = []
-    for i in ids:
-        text = tokenizer.decode([i]).replace("\n", "\u23ce").replace(" ", "\u2423")
-        labels.append(text or f"<{i}>")
-    return labels
+    """Each token as text, with spaces, line ends and tabs made visible (shown_token)."""
+    return [shown_token(tokenizer.decode([i])) if tokenizer.decode([i]) else f"<{i}>"
+            for i in ids]
 
 
 def stack_layers(recorded: dict[str, list[Tensor]], suffix: str, call: int = -1) -> Tensor:
@@ -152,39 +160,51 @@ def seq2seq_attention(model: nn.Module, tokenizer: Tokenizer, text: str) -> Atte
     ], note)
 
 
+def tick_size(count: int) -> float:
+    """Labels of 8 points for a few tokens, down to 6 for many; more than a map can carry
+    readably are thinned (every n-th, see plot_attention)."""
+    return 8.0 if count <= 24 else 7.0 if count <= 48 else 6.0
+
+
 def plot_attention(maps: AttentionMaps, title: str = "") -> Any:
-    """A matplotlib Figure: for each group, one row per layer and one column per head."""
+    """A matplotlib Figure: for each group, one row per layer and one column per head, each
+    map with its own colour bar (each on its own scale: heads that spread their weight
+    thinly would otherwise show as flat colour)."""
     require("matplotlib")
     from matplotlib.figure import Figure
 
     rows = sum(g.weights.shape[0] for g in maps.groups)
     cols = max(g.weights.shape[1] for g in maps.groups)
     longest = max(max(len(g.queries), len(g.keys)) for g in maps.groups)
-    cell = min(4.0, max(1.8, 0.12 * longest))
-    fig = Figure(figsize=(cols * cell + 1.0, rows * cell + 0.8), layout="constrained")
+    # About a sixth of an inch a token, so that 8-point labels do not overlap.
+    cell = min(9.0, max(2.6, 0.17 * min(longest, 64)))
+    fig = Figure(figsize=(cols * (cell + 0.7) + 0.6, rows * (cell + 0.6) + 0.8),
+                 layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
-    fontsize = 7 if longest <= 32 else 5
     row = 0
     for group in maps.groups:
         n_layer, n_head = group.weights.shape[:2]
+        keys, queries = group.keys, group.queries
+        size = tick_size(max(len(keys), len(queries)))
+        every = max(1, -(-max(len(keys), len(queries)) // 64))
         for layer in range(n_layer):
             for head in range(cols):
                 ax = axes[row][head]
                 if head >= n_head:
                     ax.set_visible(False)
                     continue
-                # Each map on its own scale: heads that spread their weight thinly would
-                # otherwise show as flat colour.
-                ax.imshow(group.weights[layer, head].float().numpy(), cmap="viridis",
-                          vmin=0.0, aspect="auto", interpolation="nearest")
+                image = ax.imshow(group.weights[layer, head].float().numpy(), cmap="viridis",
+                                  vmin=0.0, aspect="auto", interpolation="nearest")
+                bar = fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02)
+                bar.ax.tick_params(labelsize=7)
                 ax.set_title(f"{group.title.split(':')[0]}\nlayer {layer + 1}, head {head + 1}",
-                             fontsize=7)
-                ax.set_xticks(range(len(group.keys)), group.keys, fontsize=fontsize,
+                             fontsize=9)
+                ax.set_xticks(range(0, len(keys), every), keys[::every], fontsize=size,
                               rotation=90)
-                ax.set_yticks(range(len(group.queries)), group.queries, fontsize=fontsize)
+                ax.set_yticks(range(0, len(queries), every), queries[::every], fontsize=size)
                 if head == 0:
-                    ax.set_ylabel("query", fontsize=7)
-                ax.set_xlabel("key", fontsize=7)
+                    ax.set_ylabel("query", fontsize=9)
+                ax.set_xlabel("key", fontsize=9)
                 if group.memory:
                     # The memory's columns, set apart by a line and a label.
                     ax.axvline(group.memory - 0.5, color="red", linewidth=1.2)
@@ -193,5 +213,5 @@ def plot_attention(maps: AttentionMaps, title: str = "") -> Any:
                             color="white", ha="center", va="center", fontsize=9,
                             rotation=90)
             row += 1
-    fig.suptitle("\n".join(t for t in (title, maps.note) if t), fontsize=9)
+    fig.suptitle("\n".join(t for t in (title, maps.note) if t), fontsize=10)
     return fig
