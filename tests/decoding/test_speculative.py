@@ -1,0 +1,183 @@
+"""Speculative decoding keeps the target's output: greedy tokens equal plain decoding's for
+every K and both drafters, in a batch as alone, through the cache's edge cases; sampled
+tokens follow the target's distribution (a chi-square test against the exact one)."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from tformer.config import config_from_dict
+from tformer.decoding.lm import generate
+from tformer.decoding.speculative import (
+    SpeculationStats,
+    lookup_draft,
+    sampling_probs,
+    speculative_generate,
+)
+from tformer.errors import TformerError
+from tformer.registry import get_family
+
+
+def gpt(seed, vocab=50, context=64, **fields):
+    torch.manual_seed(seed)
+    cfg = config_from_dict({"model": {"family": "gpt", "vocab_size": vocab,
+                                      "context": context, **fields}})
+    return get_family("gpt").model(cfg.model).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return gpt(1, n_layer=2, d_model=32, n_head=4)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return gpt(2, n_layer=1, d_model=16, n_head=2)
+
+
+def plain(model, prompt, n, eos_id=None):
+    return [int(t[0]) for t in generate(model, torch.tensor([prompt]), max_new_tokens=n,
+                                        temperature=0, eos_id=eos_id)]
+
+
+def speculative(target, prompts, n, **options):
+    rows = [[] for _ in prompts]
+    for new in speculative_generate(target, prompts, max_new_tokens=n, temperature=0,
+                                    **options):
+        for row, tokens in zip(rows, new, strict=True):
+            row += tokens
+    return rows
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4, 4, 4, 30, 31, 4, 4, 4, 4]]
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_tokens_are_plain_decodings(target, draft, k):
+    for prompt in PROMPTS:
+        expected = plain(target, prompt, 30)
+        assert speculative(target, [prompt], 30, draft=draft, draft_tokens=k) == [expected]
+        assert speculative(target, [prompt], 30, lookup=2, draft_tokens=k) == [expected]
+
+
+def test_a_batch_of_different_lengths_decodes_as_each_row_alone(target, draft):
+    expected = [plain(target, p, 25) for p in PROMPTS]
+    assert speculative(target, PROMPTS, 25, draft=draft, draft_tokens=4) == expected
+    assert speculative(target, PROMPTS, 25, lookup=3, draft_tokens=5) == expected
+
+
+class Contrary(torch.nn.Module):
+    """A model whose logits are another's negated: its greedy choice is the other's least
+    likely token."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.cfg = model, model.cfg
+
+    def make_cache(self, *args, **kwargs):
+        return self.model.make_cache(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return -self.model(*args, **kwargs)
+
+
+def test_all_accepted_and_none_accepted(target):
+    prompt = PROMPTS[0]
+    expected = plain(target, prompt, 24)
+    stats = SpeculationStats()
+    # The target drafting for itself: every draft is accepted, K + 1 tokens a round.
+    assert speculative(target, [prompt], 24, draft=target, draft_tokens=5,
+                       stats=stats) == [expected]
+    assert stats.accepted == stats.drafted > 0 and stats.rounds == 4
+    # A draft whose choice is the target's least likely token: nothing is accepted, and
+    # each round gives the target's own token.
+    stats = SpeculationStats()
+    contrary = Contrary(copy.deepcopy(target))
+    assert speculative(target, [prompt], 24, draft=contrary, draft_tokens=3,
+                       stats=stats) == [expected]
+    assert stats.accepted == 0 and stats.rounds == 24
+
+
+def test_eos_inside_a_draft_ends_the_row_there(target):
+    prompt = PROMPTS[0]
+    free = plain(target, prompt, 30)
+    eos = free[7]
+    expected = plain(target, prompt, 30, eos_id=eos)
+    assert expected[-1] == eos and len(expected) <= 8
+    got = speculative(target, [prompt, PROMPTS[1]], 30, draft=target, draft_tokens=6,
+                      eos_id=eos)
+    assert got[0] == expected
+
+
+def test_past_the_context_the_window_slides_as_in_plain_decoding(draft):
+    small = gpt(3, context=24, n_layer=2, d_model=32, n_head=4)
+    prompt = list(range(1, 21))
+    expected = plain(small, prompt, 30)
+    assert speculative(small, [prompt], 30, draft=draft, draft_tokens=4) == [expected]
+    assert speculative(small, [prompt], 30, lookup=2, draft_tokens=8) == [expected]
+
+
+def exact_two_token_distribution(model, prompt, vocab):
+    """P(t1, t2 | prompt) of plain sampling at temperature 1, by enumeration."""
+    probs = torch.zeros(vocab, vocab, dtype=torch.float64)
+    with torch.no_grad():
+        first = model(torch.tensor([prompt]))[0, -1].double().softmax(-1)
+        seconds = model(torch.tensor([[*prompt, t] for t in range(vocab)]))[:, -1]
+        probs = first[:, None] * seconds.double().softmax(-1)
+    return probs
+
+
+# The chi-square statistic's 0.1% critical value for 35 degrees of freedom.
+CHI2_35_999 = 66.62
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_sampled_tokens_follow_the_targets_distribution(drafter):
+    vocab, rows = 6, 8000
+    target = gpt(4, vocab=vocab, n_layer=1, d_model=16, n_head=2)
+    other = gpt(5, vocab=vocab, n_layer=1, d_model=16, n_head=2)  # disagrees often
+    prompt = [1, 2, 3, 1, 2]
+    expected = exact_two_token_distribution(target, prompt, vocab)
+    options = {"draft": other} if drafter == "model" else {"lookup": 2}
+    generator = torch.Generator().manual_seed(0)
+    stats = SpeculationStats()
+    samples = [[] for _ in range(rows)]
+    for new in speculative_generate(target, [prompt] * rows, max_new_tokens=2, temperature=1.0,
+                                    draft_tokens=2, generator=generator, stats=stats,
+                                    **options):
+        for row, tokens in zip(samples, new, strict=True):
+            row += tokens
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for a, b in samples:
+        counts[a, b] += 1
+    expected_counts = expected * rows
+    chi2 = float(((counts - expected_counts) ** 2 / expected_counts).sum())
+    assert chi2 < CHI2_35_999, chi2
+    assert 0 < stats.accepted < stats.drafted  # the draft was both right and wrong
+
+
+def test_sampling_probs_is_what_plain_sampling_draws_from():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10)
+    probs = sampling_probs(logits, 0.7, 4, 0.9)
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+    assert ((probs > 0).sum(-1) <= 4).all()
+    assert torch.equal(sampling_probs(logits, 0, 0, 1.0).argmax(-1), logits.argmax(-1))
+
+
+def test_lookup_proposes_what_followed_the_last_ngram():
+    assert lookup_draft([1, 2, 3, 9, 9, 1, 2], 2, 3) == [3, 9, 9]
+    assert lookup_draft([5, 1, 7, 8, 1], 3, 2) == [7, 8]  # falls back to a 1-gram
+    assert lookup_draft([1, 2, 3], 2, 4) == []
+
+
+def test_what_cannot_speculate_is_one_line(target):
+    with pytest.raises(TformerError, match="draft model or --prompt-lookup"):
+        next(speculative_generate(target, [[1]], max_new_tokens=2))
+    with pytest.raises(TformerError, match="--draft-tokens 0"):
+        next(speculative_generate(target, [[1]], max_new_tokens=2, lookup=2, draft_tokens=0))
+    for _ in itertools.islice(speculative_generate(target, [[1]], max_new_tokens=1, lookup=1),
+                              1):
+        pass
