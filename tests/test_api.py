@@ -115,3 +115,35 @@ def test_load_refuses_a_model_of_the_wrong_kind(s2s):
         model.generate("x")
     with pytest.raises(tformer.TformerError, match="generate needs a language model"):
         tformer.api.load(s2s, needs="generate")
+
+
+def test_speculative_generation_writes_the_models_own_greedy_text(lm, capsys):
+    import json
+
+    base = ["generate", str(lm), "--prompt", "ROMEO:", "--max-new-tokens", "40", "--greedy"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main([*base, "--prompt-lookup", "2", "--draft-tokens", "3"]) == 0
+    both = capsys.readouterr()
+    assert both.out == plain and "drafted tokens accepted" in both.err
+    assert main([*base, "--draft", str(lm), "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    result = json.loads(line)
+    assert "ROMEO:" + result["text"] + "\n" == plain
+    assert result["speculation"]["acceptance_rate"] == 1.0  # the model drafting for itself
+    assert result["tokens"] == 40
+
+
+def test_a_draft_of_another_vocabulary_is_one_line(lm, s2s, tmp_path, capsys):
+    other = tmp_path / "other.txt"
+    other.write_text("xyz " * 300, encoding="utf-8")
+    small = tmp_path / "small"
+    assert main(["train", str(ROOT / "configs" / "gpt-builtin.toml"), "--out", str(small),
+                 f"data.path={other}", *GPT]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(lm), "--draft", str(small)]) == 2
+    assert "its tokenizer is not" in capsys.readouterr().err
+    assert main(["generate", str(lm), "--draft", str(s2s)]) == 2
+    assert "a draft is a language model" in capsys.readouterr().err
+    assert main(["generate", str(lm), "--draft", str(lm), "--prompt-lookup", "2"]) == 2
+    assert "choose one" in capsys.readouterr().err

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from tformer.decoding.speculative import SpeculationStats
     from tformer.loading import Checkpoint
     from tformer.registry import Family
 
@@ -202,11 +203,18 @@ class Model:
         top_p: float = SAMPLING.top_p,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        draft: Model | None = None,
+        prompt_lookup: int = 0,
+        draft_tokens: int = 4,
+        stats: SpeculationStats | None = None,
     ) -> Iterator[str]:
         """The continuation of `prompt` (text, or token ids), as pieces of text as they are
-        decoded; it stops at the model's end-of-text token."""
-        import torch
+        decoded; it stops at the model's end-of-text token.
 
+        draft (a model of the same tokenizer) or prompt_lookup (an n-gram size): speculative
+        decoding, draft_tokens at a time (tformer.decoding.speculative): the same
+        distribution, the same greedy text, fewer passes of this model; `stats` counts
+        what the drafts bought."""
         if self.family.generate is None:
             raise TformerError(f"{self.label} is a {self.family.name} model; it does not "
                                f"generate text")
@@ -214,12 +222,9 @@ class Model:
         ids = self.prompt_ids(prompt) if isinstance(prompt, str) else list(prompt)
         new: list[int] = []
         shown = ""
-        for token in self.family.generate(
-            self.module, torch.tensor([ids], device=self.device),
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            generator=generator, use_cache=use_cache, eos_id=self.tokenizer.eos_id,
-        ):
-            new.append(int(token[0]))
+        for tokens in self._tokens(ids, max_new_tokens, temperature, top_k, top_p, generator,
+                                   use_cache, draft, prompt_lookup, draft_tokens, stats):
+            new += tokens
             text = self.tokenizer.decode(new)
             # A byte-level token may end inside a character: wait for the rest of it.
             if not text.endswith("\ufffd"):
@@ -228,6 +233,51 @@ class Model:
         rest = self.tokenizer.decode(new)[len(shown):]
         if rest:
             yield rest
+
+    def _tokens(
+        self, ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
+        top_p: float, generator: torch.Generator | None, use_cache: bool,
+        draft: Model | None, prompt_lookup: int, draft_tokens: int,
+        stats: SpeculationStats | None,
+    ) -> Iterator[list[int]]:
+        """The new tokens, a step (or a speculative round) at a time."""
+        import torch
+
+        if draft is None and not prompt_lookup:
+            for token in self.family.generate(
+                self.module, torch.tensor([ids], device=self.device),
+                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                top_p=top_p, generator=generator, use_cache=use_cache,
+                eos_id=self.tokenizer.eos_id,
+            ):
+                if stats is not None:
+                    stats.tokens += 1
+                    stats.rounds += 1
+                yield [int(token[0])]
+            return
+        from tformer.decoding.speculative import speculative_generate
+
+        if draft is not None:
+            self.check_draft(draft)
+        for new in speculative_generate(
+            self.module, [ids], max_new_tokens=max_new_tokens,
+            draft=draft.module if draft is not None else None, lookup=prompt_lookup,
+            draft_tokens=draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            generator=generator, eos_id=self.tokenizer.eos_id, stats=stats,
+        ):
+            yield new[0]
+
+    def check_draft(self, draft: Model) -> None:
+        """A draft model proposes this model's tokens: the same tokenizer, a language model."""
+        if draft.family.generate is None:
+            raise TformerError(f"--draft {draft.label} is a {draft.family.name} model; a "
+                               f"draft is a language model")
+        if draft.tokenizer.to_json() != self.tokenizer.to_json():
+            raise TformerError(
+                f"--draft {draft.label}: its tokenizer is not {self.label}'s (vocabulary "
+                f"{draft.tokenizer.vocab_size:,} against {self.tokenizer.vocab_size:,}); a "
+                f"draft must share the target's tokenizer"
+            )
 
     def generate(
         self,
@@ -239,12 +289,17 @@ class Model:
         top_p: float = SAMPLING.top_p,
         seed: int = SAMPLING.seed,
         use_cache: bool = True,
+        draft: Model | None = None,
+        prompt_lookup: int = 0,
+        draft_tokens: int = 4,
     ) -> str:
         """The continuation of `prompt` (the prompt itself not included). temperature 0 is
-        greedy; the same seed gives the same text as `tformer generate --seed`."""
+        greedy; the same seed gives the same text as `tformer generate --seed`. draft,
+        prompt_lookup, draft_tokens: speculative decoding, as in `stream`."""
         return "".join(self.stream(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-            top_p=top_p, generator=self.generator(seed), use_cache=use_cache,
+            top_p=top_p, generator=self.generator(seed), use_cache=use_cache, draft=draft,
+            prompt_lookup=prompt_lookup, draft_tokens=draft_tokens,
         ))
 
     def score(self, text: str) -> list[tuple[str, float]]:

@@ -42,8 +42,8 @@ def test_every_command_takes_the_recorded_options_with_their_defaults():
 def test_help_names_every_command_without_importing_them(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name, (_, summary) in COMMANDS.items():
-        assert name in out and summary.split()[0] in out
+    for name, command in COMMANDS.items():
+        assert name in out and command.summary.split()[0] in out
 
 
 def test_a_command_help_shows_its_defaults(capsys):

@@ -18,31 +18,50 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
-COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("tformer.cli.train:train", "train a model from a TOML config"),
-    "generate": ("tformer.cli.generate:generate", "sample text from a language model"),
-    "evaluate": ("tformer.cli.evaluate:evaluate", "loss, perplexity and bits per character"),
-    "translate": ("tformer.cli.translate:translate", "translate lines with a seq2seq model"),
-    "serve": ("tformer.serving.command:serve_command",
-              "serve a model over HTTP (OpenAI-style completions, translations)"),
-    "average": ("tformer.cli.average:average", "average the weights of several checkpoints"),
-    "plot": ("tformer.viz.command:plot_command",
-             "plot the loss, learning rate and speed of runs"),
-    "info": ("tformer.viz.command:info_command",
-             "a checkpoint's config, parameters, FLOPs and memory"),
-    "attention": ("tformer.viz.command:attention_command",
-                  "draw attention maps (layers x heads) for one text"),
-    "import": ("tformer.interop.command:import_command",
-               "a local Hugging Face model directory -> a checkpoint"),
-    "export": ("tformer.interop.command:export_command",
-               "a checkpoint -> a Hugging Face model directory"),
+
+@dataclass(frozen=True)
+class Command:
+    function: str
+    """"module:function", the typed function whose parameters are the command's options."""
+    summary: str
+    """The one line `tformer --help` shows for it."""
+    preload: tuple[str, ...] = ("torch", "tformer.registry", "tformer.loading")
+    """Modules imported before the command runs, while Ctrl-C still leaves at once: a
+    KeyboardInterrupt raised inside an extension's initialisation (torch's pybind11 code)
+    aborts the process instead of unwinding."""
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("tformer.cli.train:train", "train a model from a TOML config"),
+    "generate": Command("tformer.cli.generate:generate", "sample text from a language model"),
+    "evaluate": Command("tformer.cli.evaluate:evaluate",
+                        "loss, perplexity and bits per character"),
+    "translate": Command("tformer.cli.translate:translate",
+                         "translate lines with a seq2seq model"),
+    "serve": Command("tformer.serving.command:serve_command",
+                     "serve a model over HTTP (OpenAI-style completions, translations)"),
+    "average": Command("tformer.cli.average:average",
+                       "average the weights of several checkpoints"),
+    "plot": Command("tformer.viz.command:plot_command",
+                    "plot the loss, learning rate and speed of runs",
+                    preload=("matplotlib.figure",)),
+    "info": Command("tformer.viz.command:info_command",
+                    "a checkpoint's config, parameters, FLOPs and memory"),
+    "attention": Command("tformer.viz.command:attention_command",
+                         "draw attention maps (layers x heads) for one text",
+                         preload=("torch", "tformer.registry", "tformer.loading",
+                                  "matplotlib.figure")),
+    "import": Command("tformer.interop.command:import_command",
+                      "a local Hugging Face model directory -> a checkpoint"),
+    "export": Command("tformer.interop.command:export_command",
+                      "a checkpoint -> a Hugging Face model directory"),
 }
-"""name -> ("module:function", the one line `tformer --help` shows for it)."""
 
 
 def command_function(name: str) -> Callable[..., int]:
-    module, function = COMMANDS[name][0].split(":")
+    module, function = COMMANDS[name].function.split(":")
     return getattr(importlib.import_module(module), function)
 
 
@@ -98,8 +117,8 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tformer {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
-    for name, (_, summary) in COMMANDS.items():
-        p = sub.add_parser(name, formatter_class=DefaultsFormatter, help=summary)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, formatter_class=DefaultsFormatter, help=command.summary)
         if commands is None or name in commands:
             add_arguments(p, command_function(name))
     return parser
@@ -145,6 +164,11 @@ def _main(argv: list[str], from_shell: bool) -> int:
         format="%(levelname)s: %(message)s",
     )
     function = command_function(args.command)
+    for module in COMMANDS[args.command].preload:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass  # a missing extra: the command says so itself, in one line
     if from_shell:  # from here on a command saves what it must (training's own handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

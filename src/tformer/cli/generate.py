@@ -1,8 +1,11 @@
-"""`tformer generate CKPT --prompt TEXT`: sample from a language model, streamed as it goes."""
+"""`tformer generate CKPT --prompt TEXT`: sample from a language model, streamed as it goes,
+or with --json one object a sample; --draft or --prompt-lookup decode speculatively."""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from typing import Annotated
 
 from tformer.api import SAMPLING
@@ -27,16 +30,47 @@ def generate(
     int8: Annotated[bool, Help("int8 weights (CPU): faster, ~same text")] = False,
     device: Device = "auto",
     threads: Threads = None,
+    draft: Annotated[
+        str | None, Help("speculative decoding: a small model of the same tokenizer drafts, "
+                         "this one verifies (same output distribution)", metavar="CKPT")
+    ] = None,
+    draft_tokens: Annotated[int, Help("tokens drafted a round (--draft, --prompt-lookup)")] = 4,
+    prompt_lookup: Annotated[
+        int, Help("speculative decoding without a draft model: propose what followed the last "
+                  "N tokens' earlier occurrence in the text (0 is off)", metavar="N")
+    ] = 0,
+    as_json: Annotated[
+        bool, Help("one JSON object a sample (text, tokens, speed, speculation)",
+                   flags=("--json",))
+    ] = False,
 ) -> int:
     from tformer.api import check_generation_args, load
     from tformer.data.corpus import check_utf8
+    from tformer.decoding.speculative import SpeculationStats
+    from tformer.errors import TformerError
 
     temperature = 0.0 if greedy else temperature
     check_generation_args(max_new_tokens, temperature, top_k, top_p, num_samples)
     check_utf8(prompt, "--prompt")
+    if draft is not None and prompt_lookup:
+        raise TformerError("--draft and --prompt-lookup are two ways to draft; choose one")
+    if prompt_lookup < 0:
+        raise TformerError(f"--prompt-lookup {prompt_lookup} must be 1 or more (0 is off)")
+    if draft_tokens < 1:
+        raise TformerError(f"--draft-tokens {draft_tokens} must be at least 1")
     model = load(checkpoint, int8=int8, device=device, threads=threads, needs="generate")
+    drafter = None
+    if draft is not None:
+        drafter = load(draft, int8=int8, device=device, threads=model.threads)
+        model.check_draft(drafter)
     ids = model.prompt_ids(prompt)
-    print(f"generating with {model.label} ({model.family.name}, {model.description})",
+    speculative = drafter is not None or prompt_lookup > 0
+    how = ""
+    if drafter is not None:
+        how = f"; {drafter.label} drafts {draft_tokens} a round"
+    elif prompt_lookup:
+        how = f"; prompt lookup of {prompt_lookup}-grams drafts {draft_tokens} a round"
+    print(f"generating with {model.label} ({model.family.name}, {model.description}{how})",
           file=sys.stderr)
     window = model.window
     if window is not None and len(ids) > window:
@@ -44,15 +78,35 @@ def generate(
               f"it reads the last {window}", file=sys.stderr)
     generator = model.generator(seed)
     for sample in range(num_samples):
-        if num_samples > 1:
+        stats = SpeculationStats()
+        if num_samples > 1 and not as_json:
             print(f"--- sample {sample + 1} ---")
-        sys.stdout.write(prompt)
+        if not as_json:
+            sys.stdout.write(prompt)
+        start, pieces = time.perf_counter(), []
         for piece in model.stream(
             ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-            top_p=top_p, generator=generator, use_cache=not no_cache,
+            top_p=top_p, generator=generator, use_cache=not no_cache, draft=drafter,
+            prompt_lookup=prompt_lookup, draft_tokens=draft_tokens, stats=stats,
         ):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+            pieces.append(piece)
+            if not as_json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        seconds = time.perf_counter() - start
+        text = "".join(pieces)
+        if as_json:
+            out = {"prompt": prompt, "text": text, "tokens": stats.tokens,
+                   "seconds": round(seconds, 4),
+                   "tokens_per_s": round(stats.tokens / seconds, 2) if seconds else None}
+            if speculative:
+                out["speculation"] = stats.as_dict()
+            print(json.dumps(out, ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
         sys.stdout.flush()
+        if speculative:
+            print(f"speculation: {stats.accepted:,} of {stats.drafted:,} drafted tokens "
+                  f"accepted ({100 * stats.acceptance_rate:.1f}%); {stats.tokens:,} tokens in "
+                  f"{stats.rounds:,} passes of the model, {seconds:.2f} s", file=sys.stderr)
     return 0

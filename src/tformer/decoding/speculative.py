@@ -318,4 +318,5 @@ def _plain_steps(
             stats.tokens += 1
             done[row] = finished(row, token)
             out.append([token])
+        stats.rounds += 1
         yield out
