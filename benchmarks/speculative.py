@@ -1,0 +1,112 @@
+"""Speculative decoding at batch 1: tokens/s against plain decoding of the same target, in one
+run, with the same greedy tokens checked first.
+
+    .venv/bin/python benchmarks/speculative.py --target RUN --draft RUN [--prompt-file F]
+    .venv/bin/python benchmarks/speculative.py --tiny        # random tiny models: a smoke run
+
+Rows: plain greedy; a draft model drafting K tokens a round (K = 2, 3, 4, 6); prompt lookup
+(3-grams) on a repetitive input (the prompt given twice, so the continuation can copy). Each
+row is the median of --repeats runs; the ratio is against plain decoding of the same prompt.
+Run it alone on the machine (one thread: OMP_NUM_THREADS=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from tformer.api import load  # noqa: E402
+from tformer.decoding.speculative import SpeculationStats  # noqa: E402
+
+PROMPT = ("ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and "
+          "Juliet is the sun.\n")
+
+
+def timed(model, prompt: str, tokens: int, repeats: int, **options) -> tuple[float, str, dict]:
+    """Median seconds of `repeats` greedy runs, the text, and the last run's statistics."""
+    times, text, stats = [], "", SpeculationStats()
+    for _ in range(repeats):
+        stats = SpeculationStats()
+        start = time.perf_counter()
+        text = "".join(model.stream(prompt, max_new_tokens=tokens, temperature=0.0,
+                                    stats=stats, **options))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), text, stats.as_dict()
+
+
+def tiny_models(tmp: Path) -> tuple[Path, Path]:
+    """Two small random GPTs of one tokenizer, saved as checkpoints (for --tiny)."""
+    from tformer.config import config_from_dict
+    from tformer.data.tokenizers import CharTokenizer
+    from tformer.registry import get_family
+    from tformer.training.checkpoint import save_checkpoint
+
+    tokenizer = CharTokenizer(PROMPT)
+    paths = []
+    for name, layers in (("target", 2), ("draft", 1)):
+        cfg = config_from_dict({"model": {"family": "gpt", "vocab_size": tokenizer.vocab_size,
+                                          "n_layer": layers, "d_model": 32, "n_head": 2,
+                                          "context": 512}})
+        torch.manual_seed(layers)
+        model = get_family("gpt").model(cfg.model)
+        paths.append(save_checkpoint(tmp / name, cfg, model, tokenizer))
+    return paths[0], paths[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", help="the model whose output is wanted (a run)")
+    parser.add_argument("--draft", help="a small model of the same tokenizer (a run)")
+    parser.add_argument("--prompt-file", help="the prompt (default: a few lines of Romeo)")
+    parser.add_argument("--tokens", type=int, default=120, help="new tokens per run")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--int8", action="store_true", help="int8 weights for both models")
+    parser.add_argument("--tiny", action="store_true", help="random tiny models: a smoke run")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.tiny:
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp())
+        args.target, args.draft = map(str, tiny_models(tmp))
+        args.tokens, args.repeats = 30, 1
+    if args.target is None or args.draft is None:
+        parser.error("give --target and --draft (or --tiny)")
+    prompt = Path(args.prompt_file).read_text() if args.prompt_file else PROMPT
+    target = load(args.target, int8=args.int8, threads=1)
+    draft = load(args.draft, int8=args.int8, threads=1)
+    target.check_draft(draft)
+    print(f"target {target.label} ({target.description}); draft {draft.label} "
+          f"({draft.description}); {args.tokens} greedy tokens, median of {args.repeats}")
+
+    rows = []
+    for name, prompt_text, options in (
+        ("plain", prompt, {}),
+        *[(f"draft, K={k}", prompt, {"draft": draft, "draft_tokens": k}) for k in (2, 3, 4, 6)],
+        ("plain, repeated prompt", prompt + prompt, {}),
+        *[(f"prompt lookup 3, K={k}, repeated prompt", prompt + prompt,
+           {"prompt_lookup": 3, "draft_tokens": k}) for k in (4, 8)],
+    ):
+        seconds, text, stats = timed(target, prompt_text, args.tokens, args.repeats, **options)
+        rows.append((name, prompt_text, seconds, text, stats))
+
+    plain = {p: (s, t) for n, p, s, t, _ in rows if n.startswith("plain")}
+    print(f"\n| {'row':<38} | tokens/s | vs plain | accepted | same tokens |")
+    print(f"| {'-' * 38} | -------: | -------: | -------: | :---------: |")
+    for name, prompt_text, seconds, text, stats in rows:
+        base_seconds, base_text = plain[prompt_text]
+        accepted = (f"{100 * stats['acceptance_rate']:.0f}%" if stats["drafted"] else "-")
+        print(f"| {name:<38} | {stats['tokens'] / seconds:8.1f} | {base_seconds / seconds:7.2f}x "
+              f"| {accepted:>8} | {'yes' if text == base_text else 'NO':^11} |")
+    return 0 if all(t == plain[p][1] for _, p, _, t, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
