@@ -3,6 +3,9 @@ their temporary directories."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,3 +42,55 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+TINY_GPT = {
+    "model": {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "context": 16},
+    "train": {"steps": 6, "batch_size": 4, "eval_every": 3, "checkpoint_every": 3,
+              "keep_checkpoints": 3, "device": "cpu"},
+}
+"""The smallest GPT run the CLI and training tests train (a second or so)."""
+
+
+def toml_text(tables: dict[str, dict[str, object]]) -> str:
+    """Flat TOML tables of strings, numbers and booleans."""
+    lines = []
+    for table, fields in tables.items():
+        lines.append(f"[{table}]")
+        for key, value in fields.items():
+            shown = (str(value).lower() if isinstance(value, bool)
+                     else f'"{value}"' if isinstance(value, str) else repr(value))
+            lines.append(f"{key} = {shown}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path, tiny_corpus: Path):
+    """write(name="tiny.toml", model={...}, **train) -> the path of TINY_GPT's config on the
+    tiny corpus, with those [model] and [train] fields changed."""
+
+    def write(name: str = "tiny.toml", *, model: dict | None = None, **train: object) -> Path:
+        path = tmp_path / name
+        path.write_text(toml_text({
+            "model": {**TINY_GPT["model"], **(model or {})},
+            "data": {"path": str(tiny_corpus)},
+            "train": {**TINY_GPT["train"], **train},
+        }), encoding="utf-8")
+        return path
+
+    return write
+
+
+@pytest.fixture
+def start_tformer():
+    """start(*args, stdin=None, preexec_fn=None) -> a `python -m tformer ARGS` process on
+    one thread, its stdout and stderr piped (bytes)."""
+
+    def start(*args: str, stdin=None, preexec_fn=None) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen([sys.executable, "-m", "tformer", *args], env=env, stdin=stdin,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=preexec_fn)
+
+    return start

@@ -12,31 +12,10 @@ from hypothesis import strategies as st
 from tformer.cli import main
 from tformer.loading import load_checkpoint
 
-TINY = """
-[model]
-family = "gpt"
-n_layer = 1
-n_head = 2
-d_model = 16
-context = 16
-
-[data]
-path = "{corpus}"
-
-[train]
-steps = 6
-batch_size = 4
-eval_every = 3
-checkpoint_every = 3
-device = "cpu"
-"""
-
 
 @pytest.fixture
-def config(tmp_path, tiny_corpus):
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY.format(corpus=tiny_corpus))
-    return path
+def config(tiny_config):
+    return tiny_config()
 
 
 @pytest.fixture

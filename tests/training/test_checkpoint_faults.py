@@ -21,31 +21,10 @@ from tformer.tasks.gpt import GPTTask
 from tformer.training import checkpoint as ckpt
 from tformer.training.run import resume_point
 
-TINY = """
-[model]
-family = "gpt"
-n_layer = 1
-n_head = 2
-d_model = 16
-context = 16
-
-[data]
-path = "{corpus}"
-
-[train]
-steps = 6
-batch_size = 4
-eval_every = 3
-checkpoint_every = 3
-keep_checkpoints = 3
-device = "cpu"
-"""
-
 
 @pytest.fixture
-def run(tmp_path, tiny_corpus):
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY.format(corpus=tiny_corpus))
+def run(tmp_path, tiny_config):
+    config = tiny_config()
     out = tmp_path / "run"
     assert main(["train", str(config), "--out", str(out)]) == 0
     return out
@@ -173,7 +152,7 @@ def test_resume_falls_back_past_a_trainer_state_that_does_not_load(run, damage):
 # --- non-finite values -----------------------------------------------------------------
 
 
-def test_a_nan_validation_loss_never_becomes_best(tmp_path, tiny_corpus, monkeypatch):
+def test_a_nan_validation_loss_never_becomes_best(tmp_path, tiny_config, monkeypatch):
     real = GPTTask.evaluate
     calls = {"n": 0}
 
@@ -183,8 +162,7 @@ def test_a_nan_validation_loss_never_becomes_best(tmp_path, tiny_corpus, monkeyp
         return {k: math.nan for k in result} if calls["n"] == 1 else result
 
     monkeypatch.setattr(GPTTask, "evaluate", nan_first)
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY.format(corpus=tiny_corpus))
+    config = tiny_config()
     run = tmp_path / "run"
     assert main(["train", str(config), "--out", str(run), "train.steps=3"]) == 0
     assert not (run / "best").exists(), "the only evaluation was NaN"

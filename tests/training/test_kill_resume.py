@@ -6,7 +6,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,39 +14,6 @@ import pytest
 from tformer import loading
 from tformer.training import checkpoint as ckpt
 from tformer.training.run import resume_point
-
-CONFIG = """
-[model]
-family = "gpt"
-n_layer = 1
-n_head = 2
-d_model = 16
-context = 16
-dropout = 0.1
-
-[data]
-path = "{corpus}"
-
-[train]
-steps = {steps}
-batch_size = 4
-log_every = 1
-eval_every = 10
-checkpoint_every = 3
-keep_checkpoints = 3
-device = "cpu"
-"""
-
-
-def tformer(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tformer", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def finish(proc: subprocess.Popen) -> None:
@@ -67,21 +33,24 @@ def logged_steps(run_dir: Path) -> int:
         return 0
 
 
+KILLABLE = {"model": {"dropout": 0.1}, "log_every": 1, "eval_every": 10, "keep_checkpoints": 3}
+"""The tiny run with dropout (so resumed random streams matter), logged every step."""
+
+
 @pytest.fixture
-def config(tmp_path, tiny_corpus):
-    path = tmp_path / "config.toml"
-    path.write_text(CONFIG.format(corpus=tiny_corpus, steps=40))
-    return path
+def config(tiny_config):
+    return tiny_config("config.toml", steps=40, **KILLABLE)
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points_then_resume_matches_an_uninterrupted_run(config, tmp_path):
+def test_sigkill_at_random_points_then_resume_matches_an_uninterrupted_run(config, tmp_path,
+                                                                           start_tformer):
     straight = tmp_path / "straight"
-    finish(tformer("train", str(config), "--out", str(straight)))
+    finish(start_tformer("train", str(config), "--out", str(straight)))
 
     killed = tmp_path / "killed"
     rng = random.Random(7)
-    proc = tformer("train", str(config), "--out", str(killed))
+    proc = start_tformer("train", str(config), "--out", str(killed))
     kills = 0
     while kills < 3:
         target = logged_steps(killed) + rng.randint(3, 10)
@@ -95,9 +64,9 @@ def test_sigkill_at_random_points_then_resume_matches_an_uninterrupted_run(confi
         proc.wait()
         kills += 1
         if loading.latest_good_checkpoint(killed) is None:  # killed before the first checkpoint
-            proc = tformer("train", str(config), "--out", str(killed))
+            proc = start_tformer("train", str(config), "--out", str(killed))
         else:
-            proc = tformer("train", "--resume", "--out", str(killed))
+            proc = start_tformer("train", "--resume", "--out", str(killed))
     finish(proc)
     assert kills >= 1
     assert curve(killed) == curve(straight)
@@ -120,11 +89,10 @@ def flip_a_byte(path: Path) -> None:
     ],
     ids=["truncate", "flip", "delete"],
 )
-def test_resume_falls_back_to_the_newest_good_checkpoint(tmp_path, tiny_corpus, damage):
+def test_resume_falls_back_to_the_newest_good_checkpoint(tmp_path, tiny_config, damage):
     from tformer.cli import main
 
-    config = tmp_path / "config.toml"
-    config.write_text(CONFIG.format(corpus=tiny_corpus, steps=9))
+    config = tiny_config("config.toml", steps=9, **KILLABLE)
     run = tmp_path / "run"
     assert main(["train", str(config), "--out", str(run)]) == 0
     newest = loading.step_checkpoints(run)[-1]
@@ -135,11 +103,10 @@ def test_resume_falls_back_to_the_newest_good_checkpoint(tmp_path, tiny_corpus, 
     assert loading.step_checkpoints(run)[-1].name == "step-000012"
 
 
-def test_leftovers_of_a_killed_save_are_cleaned_up(tmp_path, tiny_corpus):
+def test_leftovers_of_a_killed_save_are_cleaned_up(tmp_path, tiny_config):
     from tformer.cli import main
 
-    config = tmp_path / "config.toml"
-    config.write_text(CONFIG.format(corpus=tiny_corpus, steps=6))
+    config = tiny_config("config.toml", steps=6, **KILLABLE)
     run = tmp_path / "run"
     assert main(["train", str(config), "--out", str(run)]) == 0
     # A save killed halfway, and a best checkpoint moved aside but not yet replaced.

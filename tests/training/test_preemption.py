@@ -13,32 +13,6 @@ from tformer import loading
 from tformer.cli import main
 from tformer.training.run import resume_point
 
-TINY = """
-[model]
-family = "gpt"
-n_layer = 1
-n_head = 2
-d_model = 16
-context = 16
-
-[data]
-path = "{corpus}"
-
-[train]
-steps = {steps}
-batch_size = 4
-eval_every = 3
-checkpoint_every = 3
-keep_checkpoints = 3
-device = "cpu"
-"""
-
-
-def config_file(tmp_path, corpus, steps):
-    path = tmp_path / f"tiny-{steps}.toml"
-    path.write_text(TINY.format(corpus=corpus, steps=steps))
-    return path
-
 
 def weights(checkpoint):
     return load_file(str(checkpoint / loading.WEIGHTS))
@@ -60,9 +34,9 @@ def rewrite_manifest(path):
 
 
 @pytest.fixture
-def uninterrupted(tmp_path, tiny_corpus):
+def uninterrupted(tmp_path, tiny_config):
     out = tmp_path / "uninterrupted"
-    assert main(["train", str(config_file(tmp_path, tiny_corpus, 9)), "--out", str(out)]) == 0
+    assert main(["train", str(tiny_config(steps=9)), "--out", str(out)]) == 0
     return out
 
 
@@ -82,10 +56,10 @@ def header_damaged(checkpoint):
 
 @pytest.mark.parametrize("damage", [shape_disagrees, header_damaged])
 def test_resume_falls_back_past_a_checkpoint_that_disagrees_with_itself(
-    tmp_path, tiny_corpus, uninterrupted, damage, caplog
+    tmp_path, tiny_config, uninterrupted, damage, caplog
 ):
     run = tmp_path / "run"
-    assert main(["train", str(config_file(tmp_path, tiny_corpus, 9)), "--out", str(run),
+    assert main(["train", str(tiny_config(steps=9)), "--out", str(run),
                  "train.steps=6"]) == 0
     newest = loading.step_checkpoints(run)[-1]
     assert newest.name == "step-000006"
@@ -107,10 +81,10 @@ main(sys.argv[1:])
 
 
 def test_resume_before_the_first_checkpoint_starts_the_run_again(
-    tmp_path, tiny_corpus, uninterrupted, caplog
+    tmp_path, tiny_config, uninterrupted, caplog
 ):
     run = tmp_path / "run"
-    config = config_file(tmp_path, tiny_corpus, 9)
+    config = tiny_config(steps=9)
     killed = subprocess.run(
         [sys.executable, "-c", DIE_AT_FIRST_CHECKPOINT, "train", str(config), "--out",
          str(run)], capture_output=True, timeout=120,

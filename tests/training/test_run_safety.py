@@ -17,53 +17,12 @@ from tformer import loading
 from tformer.training import checkpoint as ckpt
 from tformer.training.run import resume_point
 
-CONFIG = """
-[model]
-family = "gpt"
-n_layer = 1
-n_head = 2
-d_model = 16
-context = 16
-dropout = 0.1
 
-[data]
-path = "{corpus}"
-
-[train]
-steps = {steps}
-batch_size = 4
-log_every = {log_every}
-eval_every = {eval_every}
-checkpoint_every = {checkpoint_every}
-keep_checkpoints = 2
-warmup_steps = 2
-lr = 3e-3
-min_lr = 3e-4
-device = "cpu"
-"""
-
-
-def write_config(tmp_path, corpus, *, steps=12, log_every=4, eval_every=3, checkpoint_every=3):
-    path = tmp_path / "config.toml"
-    path.write_text(
-        CONFIG.format(
-            corpus=corpus, steps=steps, log_every=log_every, eval_every=eval_every,
-            checkpoint_every=checkpoint_every,
-        )
-    )
-    return path
-
-
-def tformer(*args: str, preexec_fn=None, stdin=None) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tformer", *args],
-        env=env,
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        preexec_fn=preexec_fn,
-    )
+def write_config(tiny_config, *, steps=12, log_every=4, eval_every=3, checkpoint_every=3):
+    """The tiny run with dropout (so resumed random streams matter) and these steps."""
+    return tiny_config("config.toml", model={"dropout": 0.1}, steps=steps, log_every=log_every,
+                       eval_every=eval_every, checkpoint_every=checkpoint_every,
+                       keep_checkpoints=2, warmup_steps=2, lr=3e-3, min_lr=3e-4)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
@@ -114,15 +73,16 @@ def no_temporaries(run_dir: Path) -> bool:
 # --- two writers, one run ----------------------------------------------------------------
 
 
-def test_a_second_writer_is_refused_and_a_signal_stops_the_first(tmp_path, tiny_corpus):
-    config = write_config(tmp_path, tiny_corpus, steps=100000, eval_every=50)
+def test_a_second_writer_is_refused_and_a_signal_stops_the_first(tmp_path, start_tformer,
+                                                                  tiny_config):
+    config = write_config(tiny_config, steps=100000, eval_every=50)
     run = tmp_path / "run"
-    first = tformer("train", str(config), "--out", str(run))
+    first = start_tformer("train", str(config), "--out", str(run))
     wait_for(lambda: (run / "metrics.csv").exists() and len(rows(run)) >= 2, first)
     wait_for(lambda: loading.latest_good_checkpoint(run) is not None, first)
 
     for args in (["train", str(config)], ["train", "--resume"]):
-        code, out, err = finish(tformer(*args, "--out", str(run)))
+        code, out, err = finish(start_tformer(*args, "--out", str(run)))
         assert code == 2
         assert f"is in use by another tformer process (pid {first.pid})" in error_line(err)
     assert first.poll() is None, "the first run goes on"
@@ -150,14 +110,14 @@ def test_a_second_writer_is_refused_and_a_signal_stops_the_first(tmp_path, tiny_
     [(signal.SIGINT, 130), pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)],
 )
 def test_a_signal_saves_and_the_resumed_metrics_equal_an_uninterrupted_run(
-    tmp_path, tiny_corpus, signum, code
+    tmp_path, signum, code, start_tformer, tiny_config
 ):
     # log_every=4 with checkpoints every 3 steps: the resumed run must carry on the training
     # loss averaged since the last logged row.
-    config = write_config(tmp_path, tiny_corpus, steps=24, log_every=4, checkpoint_every=3)
+    config = write_config(tiny_config, steps=24, log_every=4, checkpoint_every=3)
     straight, run = tmp_path / "straight", tmp_path / "stopped"
-    uninterrupted = tformer("train", str(config), "--out", str(straight))
-    proc = tformer("train", str(config), "--out", str(run))
+    uninterrupted = start_tformer("train", str(config), "--out", str(straight))
+    proc = start_tformer("train", str(config), "--out", str(run))
     wait_for(lambda: (run / "metrics.csv").exists() and len(rows(run)) >= 2, proc)
     proc.send_signal(signum)
     got, out, err = finish(proc)
@@ -166,20 +126,20 @@ def test_a_signal_saves_and_the_resumed_metrics_equal_an_uninterrupted_run(
     stopped_at = int(loading.step_checkpoints(run)[-1].name.split("-")[1])
     assert stopped_at < 24, "the signal came before the end"
 
-    assert finish(tformer("train", "--resume", "--out", str(run)))[0] == 0
+    assert finish(start_tformer("train", "--resume", "--out", str(run)))[0] == 0
     assert finish(uninterrupted)[0] == 0
     assert deterministic(run) == deterministic(straight)
     elapsed = [float(r["elapsed_s"]) for r in rows(run) if r["elapsed_s"]]
     assert elapsed == sorted(elapsed), "elapsed time goes on from the saved state"
 
 
-def test_ctrl_c_during_start_up_prints_no_traceback(tmp_path, tiny_corpus):
+def test_ctrl_c_during_start_up_prints_no_traceback(tmp_path, start_tformer, tiny_config):
     """Ctrl-C while tformer loads torch and its modules, or right after. (A signal that lands
     while the interpreter itself starts, before any of tformer's code has run, ends with
     Python's own traceback; so each interrupt waits until the process has mapped libtorch.)"""
-    config = write_config(tmp_path, tiny_corpus)
+    config = write_config(tiny_config)
     for delay in (0.0, 0.3, 1.0):
-        proc = tformer("train", str(config), "--out", str(tmp_path / f"run{delay}"))
+        proc = start_tformer("train", str(config), "--out", str(tmp_path / f"run{delay}"))
         wait_until_torch_is_loading(proc)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
@@ -223,18 +183,17 @@ print(loads, len(seen))
 """
 
 
-def test_readers_see_whole_checkpoints_while_training_saves(tmp_path, tiny_corpus):
+def test_readers_see_whole_checkpoints_while_training_saves(tmp_path, tiny_config,
+                                                            start_tformer):
     # A new best and a pruned step checkpoint at every step: as many switches as can be.
-    config = write_config(
-        tmp_path, tiny_corpus, steps=60, log_every=1, eval_every=1, checkpoint_every=1
-    )
+    config = write_config(tiny_config, steps=60, log_every=1, eval_every=1, checkpoint_every=1)
     run, stop, ready = tmp_path / "run", tmp_path / "stop", tmp_path / "ready"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reader = subprocess.Popen([sys.executable, "-c", READER, str(run), str(stop), str(ready)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(ready.exists, reader)
-    trainer = tformer("train", str(config), "--out", str(run), "train.lr=1e-2",
-                      "train.keep_checkpoints=1", "train.eval_batches=1")
+    trainer = start_tformer("train", str(config), "--out", str(run), "train.lr=1e-2",
+                            "train.keep_checkpoints=1", "train.eval_batches=1")
     code, out, err = finish(trainer)
     assert code == 0, err
     stop.touch()
@@ -267,10 +226,10 @@ sys.exit(main(sys.argv[2:]))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nth", [3, 4, 5, 6, 7, 9])
-def test_a_kill_on_a_checkpoint_rename_loses_nothing(tmp_path, tiny_corpus, nth):
-    config = write_config(tmp_path, tiny_corpus, steps=9, log_every=1)
+def test_a_kill_on_a_checkpoint_rename_loses_nothing(tmp_path, nth, start_tformer, tiny_config):
+    config = write_config(tiny_config, steps=9, log_every=1)
     straight, run = tmp_path / "straight", tmp_path / "run"
-    uninterrupted = tformer("train", str(config), "--out", str(straight))
+    uninterrupted = start_tformer("train", str(config), "--out", str(straight))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     killed = subprocess.run(
         [sys.executable, "-c", KILL_ON_RENAME, str(nth), "train", str(config), "--out", str(run)],
@@ -284,9 +243,9 @@ def test_a_kill_on_a_checkpoint_rename_loses_nothing(tmp_path, tiny_corpus, nth)
         import shutil
 
         shutil.rmtree(run)
-        code, out, err = finish(tformer("train", str(config), "--out", str(run)))
+        code, out, err = finish(start_tformer("train", str(config), "--out", str(run)))
     else:
-        code, out, err = finish(tformer("train", "--resume", "--out", str(run)))
+        code, out, err = finish(start_tformer("train", "--resume", "--out", str(run)))
     assert code == 0, err
     assert finish(uninterrupted)[0] == 0
     assert deterministic(run) == deterministic(straight)
@@ -297,10 +256,10 @@ def test_a_kill_on_a_checkpoint_rename_loses_nothing(tmp_path, tiny_corpus, nth)
 # --- full disk, read-only disk, file size limit --------------------------------------------
 
 
-def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, tiny_corpus):
-    config = write_config(tmp_path, tiny_corpus, steps=6)
+def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, start_tformer, tiny_config):
+    config = write_config(tiny_config, steps=6)
     run = tmp_path / "run"
-    assert finish(tformer("train", str(config), "--out", str(run)))[0] == 0
+    assert finish(start_tformer("train", str(config), "--out", str(run)))[0] == 0
     before = files_of(run)
     last = loading.step_checkpoints(run)[-1]
     weights = (last / loading.WEIGHTS).stat().st_size
@@ -312,7 +271,7 @@ def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, tiny_corpus):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     code, out, err = finish(
-        tformer("train", "--resume", "--out", str(run), "train.steps=9", preexec_fn=limited)
+        start_tformer("train", "--resume", "--out", str(run), "train.steps=9", preexec_fn=limited)
     )
     assert code == 2
     said = error_line(err)
@@ -323,7 +282,7 @@ def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, tiny_corpus):
         if name.startswith(("checkpoints/", ".best-")):
             assert after[name] == data, name
     loading.verify_checkpoint(last)
-    assert finish(tformer("train", "--resume", "--out", str(run), "train.steps=9"))[0] == 0
+    assert finish(start_tformer("train", "--resume", "--out", str(run), "train.steps=9"))[0] == 0
 
 
 @pytest.fixture
@@ -342,10 +301,10 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, tiny_corpus, small_fs):
-    config = write_config(tmp_path, tiny_corpus, steps=6)
+def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, small_fs, start_tformer, tiny_config):
+    config = write_config(tiny_config, steps=6)
     run = small_fs / "run"
-    assert finish(tformer("train", str(config), "--out", str(run)))[0] == 0
+    assert finish(start_tformer("train", str(config), "--out", str(run)))[0] == 0
     before = files_of(run)
     ballast = small_fs / "ballast"
     try:  # fill the disk to the last byte
@@ -355,7 +314,7 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, tiny_corpus, small_
                 f.flush()
     except OSError:
         pass
-    code, out, err = finish(tformer("train", "--resume", "--out", str(run), "train.steps=9"))
+    code, out, err = finish(start_tformer("train", "--resume", "--out", str(run), "train.steps=9"))
     assert code == 2
     said = error_line(err)
     assert "No space left on device" in said and str(run) in said
@@ -365,16 +324,16 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, tiny_corpus, small_
         k: v for k, v in before.items() if k != "metrics.csv"
     }
     ballast.unlink()
-    assert finish(tformer("train", "--resume", "--out", str(run), "train.steps=9"))[0] == 0
+    assert finish(start_tformer("train", "--resume", "--out", str(run), "train.steps=9"))[0] == 0
 
 
-def test_a_read_only_disk_is_one_line(tmp_path, tiny_corpus, small_fs):
-    config = write_config(tmp_path, tiny_corpus, steps=3)
+def test_a_read_only_disk_is_one_line(tmp_path, small_fs, start_tformer, tiny_config):
+    config = write_config(tiny_config, steps=3)
     run = small_fs / "run"
-    assert finish(tformer("train", str(config), "--out", str(run)))[0] == 0
+    assert finish(start_tformer("train", str(config), "--out", str(run)))[0] == 0
     before = files_of(run)
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
-    code, out, err = finish(tformer("train", "--resume", "--out", str(run), "train.steps=6"))
+    code, out, err = finish(start_tformer("train", "--resume", "--out", str(run), "train.steps=6"))
     assert code == 2
     said = error_line(err)
     assert "Read-only file system" in said and str(run) in said
