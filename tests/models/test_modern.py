@@ -1,0 +1,242 @@
+"""The modern decoder's options (RMSNorm, SwiGLU, rotary embeddings, grouped-query
+attention, q/k norms, q/k/v biases, a decoupled head size, sliding windows) against a
+forward pass written out here in float64: one head and one query at a time, rotations and
+frequencies from Python's math, every parameter random (norm weights included)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tformer.errors import TformerError
+from tformer.layers import Rotary, RotaryScaling
+from tformer.models.gpt import GPT, GPTConfig
+
+from .test_options import ACT, randomise
+
+
+def rms(x, module, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * module.weight.double()
+
+
+def layer_norm(x, module, eps):
+    mean = x.mean(-1, keepdim=True)
+    out = (x - mean) / torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True) + eps)
+    out = out * module.weight.double()
+    return out + module.bias.double() if module.bias is not None else out
+
+
+def normed(cfg, x, module):
+    if module is None:
+        return x
+    return (rms if cfg.norm_kind == "rmsnorm" else layer_norm)(x, module, cfg.norm_eps)
+
+
+def linear(x, layer):
+    out = x @ layer.weight.double().T
+    return out + layer.bias.double() if layer.bias is not None else out
+
+
+def frequencies(cfg, rotated: int) -> list[float]:
+    """Angle per position of each rotated pair, scaled as cfg says, in Python floats."""
+    out = []
+    for i in range(rotated // 2):
+        f = cfg.rope_theta ** (-2 * i / rotated)
+        if cfg.rope_scaling == "linear":
+            f /= cfg.rope_factor
+        elif cfg.rope_scaling == "llama3":
+            wavelength = 2 * math.pi / f
+            low = cfg.rope_original_context / cfg.rope_low_freq_factor
+            high = cfg.rope_original_context / cfg.rope_high_freq_factor
+            if wavelength > low:
+                f /= cfg.rope_factor
+            elif wavelength >= high:
+                s = ((cfg.rope_original_context / wavelength - cfg.rope_low_freq_factor)
+                     / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+                f = (1 - s) * f / cfg.rope_factor + s * f
+        out.append(f)
+    return out
+
+
+def rotate(cfg, vec: torch.Tensor, pos: int) -> torch.Tensor:
+    """One head's (d,) query or key at position `pos`, each pair turned by its angle."""
+    if not cfg.rotary:
+        return vec
+    d = vec.shape[0]
+    rotated = 2 * int(d * cfg.rope_fraction // 2)
+    out = vec.clone()
+    for i, f in enumerate(frequencies(cfg, rotated)):
+        a, b = (2 * i, 2 * i + 1) if cfg.rope_layout == "interleaved" else (i, i + rotated // 2)
+        c, s = math.cos(pos * f), math.sin(pos * f)
+        out[a], out[b] = vec[a] * c - vec[b] * s, vec[a] * s + vec[b] * c
+    return out
+
+
+def attention(cfg, attn, x):
+    """x (T, D) -> (T, D): causal (and windowed) grouped-query attention, written out."""
+    T = x.shape[0]
+    H, H_kv, d, dv = attn.n_head, attn.n_kv_head, attn.d_head, attn.d_value
+    qkv = linear(x, attn.qkv_proj)
+    q, k, v = qkv.split([H * d, H_kv * d, H_kv * dv], dim=-1)
+    heads = []
+    for h in range(H):
+        g = h // (H // H_kv)  # the key/value head this query head reads
+        out = torch.zeros(T, dv, dtype=torch.float64)
+        for i in range(T):
+            qi = q[i, h * d : (h + 1) * d]
+            if attn.q_norm is not None:
+                qi = rms(qi, attn.q_norm, cfg.norm_eps)
+            qi = rotate(cfg, qi, i)
+            scores, values = [], []
+            for j in range(i + 1):
+                if cfg.window is not None and i - j >= cfg.window:
+                    continue
+                kj = k[j, g * d : (g + 1) * d]
+                if attn.k_norm is not None:
+                    kj = rms(kj, attn.k_norm, cfg.norm_eps)
+                scores.append(float(qi @ rotate(cfg, kj, j)) / math.sqrt(d))
+                values.append(v[j, g * dv : (g + 1) * dv])
+            weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+            out[i] = sum(w * val for w, val in zip(weights, values, strict=True))
+        heads.append(out)
+    return linear(torch.cat(heads, -1), attn.out_proj)
+
+
+def feedforward(cfg, ff, x):
+    act = ACT[cfg.activation]
+    if cfg.feedforward == "gated":
+        return linear(act(linear(x, ff.gate)) * linear(x, ff.up), ff.down)
+    return linear(act(linear(x, ff.up)), ff.down)
+
+
+def naive(model: GPT, tokens: list[int]) -> torch.Tensor:
+    cfg = model.cfg
+    x = model.embed.weight.double()[tokens]
+    if cfg.position == "learned":
+        x = x + model.positions.table.weight.double()[: len(tokens)]
+    for block in model.blocks:
+        x = x + attention(cfg, block.attn, normed(cfg, x, block.attn_residual.norm))
+        x = x + feedforward(cfg, block.ff, normed(cfg, x, block.ff_residual.norm))
+    return linear(normed(cfg, x, model.final_norm), model.lm_head)
+
+
+LLAMA = {"position": "none", "rotary": True, "norm_kind": "rmsnorm", "norm_eps": 1e-6,
+         "feedforward": "gated", "activation": "silu", "bias": False}
+OPTIONS = [
+    {"norm_kind": "rmsnorm"},
+    {"feedforward": "gated", "activation": "silu"},
+    {"feedforward": "gated", "activation": "gelu_tanh", "bias": False},
+    {"rotary": True},
+    {"rotary": True, "position": "none", "rope_layout": "interleaved"},
+    {"rotary": True, "position": "none", "rope_fraction": 0.5, "rope_theta": 500.0},
+    {**LLAMA, "rope_scaling": "linear", "rope_factor": 4.0},
+    # Llama 3's scaling, with an original context that puts pairs in all three bands.
+    {**LLAMA, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 1.0,
+     "rope_high_freq_factor": 4.0, "rope_original_context": 16, "rope_theta": 500000.0},
+    {**LLAMA, "n_kv_head": 2},
+    {**LLAMA, "n_kv_head": 1},
+    {**LLAMA, "qkv_bias": True},  # Qwen2: biases on q, k, v only
+    {**LLAMA, "qk_norm": True, "d_head": 6, "n_kv_head": 2},  # Qwen3
+    {**LLAMA, "window": 3, "n_kv_head": 2},  # Mistral
+    {"window": 4, "attn_bias": False, "qkv_bias": True},
+]
+
+
+def named(options: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in options.items())
+
+
+def tiny(vocab: int = 11, **options) -> GPT:
+    cfg = GPTConfig(vocab_size=vocab, context=12, n_layer=2, n_head=4, d_model=16,
+                    tie_embeddings=False, **options)
+    return GPT(cfg).eval()
+
+
+def test_defaults_are_todays_layers():
+    block = tiny().blocks[0]
+    assert isinstance(block.attn_residual.norm, torch.nn.LayerNorm)
+    assert not hasattr(block.ff, "gate") and block.attn.rotary is None
+    assert block.attn.n_kv_head == block.attn.n_head and block.attn.q_norm is None
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=named)
+def test_option_matches_a_float64_forward_written_out(options):
+    model = tiny(**options)
+    randomise(model)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+    with torch.no_grad():
+        got = model(torch.tensor([tokens]))[0].double()
+        want = naive(model, tokens)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_qkv_bias_is_apart_from_the_output_projections():
+    attn = tiny(**{**LLAMA, "qkv_bias": True}).blocks[0].attn
+    assert attn.qkv_proj.bias is not None and attn.out_proj.bias is None
+    assert attn.qkv_proj.weight.shape == (4 * 4 + 2 * 4 * 4, 16)
+    gqa = tiny(n_kv_head=2, d_head=6).blocks[0].attn
+    assert gqa.qkv_proj.weight.shape == (4 * 6 + 2 * 2 * 6, 16)
+    assert gqa.out_proj.weight.shape == (16, 4 * 6)
+
+
+CACHED = [{**LLAMA, "n_kv_head": 2}, {**LLAMA, "n_kv_head": 1, "qk_norm": True},
+          {**LLAMA, "window": 4, "n_kv_head": 2}, {"window": 3}]
+
+
+@pytest.mark.parametrize("options", CACHED, ids=named)
+@torch.no_grad()
+def test_cached_decoding_equals_the_full_forward(options):
+    # Past the window's length: 12 tokens through a window of 3 or 4.
+    model = tiny(37, **options)
+    randomise(model, seed=3)
+    tokens = torch.randint(0, 37, (3, 12))
+    full = model(tokens)
+    cache = model.make_cache(3)
+    assert cache.self_attn[0].k.shape[1] == model.blocks[0].attn.n_kv_head
+    pieces = [model(tokens[:, :5], cache=cache)]
+    pieces += [model(tokens[:, t : t + 1], cache=cache) for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", CACHED, ids=named)
+@torch.no_grad()
+def test_a_left_padded_batch_equals_each_row_alone(options):
+    model = tiny(37, **options)
+    randomise(model, seed=4)
+    rows = [torch.randint(0, 37, (n,)) for n in (9, 5, 7)]
+    width = max(len(r) for r in rows)
+    tokens = torch.stack([torch.cat([torch.full((width - len(r),), 2), r]) for r in rows])
+    is_real = torch.stack([torch.arange(width) >= width - len(r) for r in rows])
+    batched = model(tokens, is_real)
+    cache = model.make_cache(3, padded=True)
+    model(tokens[:, :-2], is_real[:, :-2], cache=cache)
+    steps = [model(tokens[:, t : t + 1], is_real[:, t : t + 1], cache=cache)
+             for t in (width - 2, width - 1)]
+    for i, row in enumerate(rows):
+        alone = model(row[None])[0]
+        torch.testing.assert_close(batched[i, width - len(row):], alone, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.cat(steps, 1)[i], alone[-2:], atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_dot_products_depend_on_distance_only():
+    rotary = Rotary(8, theta=100.0, scaling=RotaryScaling("linear", 2.0))
+    q, k = torch.randn(2, 1, 1, 1, 8, dtype=torch.float64)
+    rotary = rotary.double()
+    dots = [float(rotary(q, torch.tensor([p + 3])) @ rotary(k, torch.tensor([p])).mT)
+            for p in (0, 5, 40)]
+    assert dots == pytest.approx([dots[0]] * 3, abs=1e-9)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"n_kv_head": 3}, "model.n_kv_head = 3 must divide model.n_head = 4"),
+    ({"norm_kind": "batchnorm"}, "model.norm_kind = 'batchnorm' is not allowed"),
+    ({"feedforward": "moe"}, "model.feedforward = 'moe' is not allowed"),
+    ({"rope_scaling": "yarn"}, "model.rope_scaling = 'yarn' is not allowed"),
+    ({"rotary": True, "rope_fraction": 0.1}, "model.rope_fraction = 0.1 rotates nothing"),
+    ({"window": 0}, "model.window"),
+])
+def test_bad_options_are_refused_by_name(options, message):
+    with pytest.raises(TformerError, match=message.replace("(", r"\(")):
+        GPTConfig(vocab_size=11, n_head=4, d_model=16, **options)
