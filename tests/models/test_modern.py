@@ -5,6 +5,7 @@ frequencies from Python's math, every parameter random (norm weights included)."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -240,3 +241,48 @@ def test_rotary_dot_products_depend_on_distance_only():
 def test_bad_options_are_refused_by_name(options, message):
     with pytest.raises(TformerError, match=message.replace("(", r"\(")):
         GPTConfig(vocab_size=11, n_head=4, d_model=16, **options)
+
+
+@torch.no_grad()
+def test_sampling_with_the_cache_equals_without_and_the_cpu_paths_take_the_options():
+    from tformer.decoding.lm import generate
+    from tformer.kernels.quantize import inference_model
+
+    model = tiny(37, **{**LLAMA, "n_kv_head": 2, "qk_norm": True, "window": 5})
+    randomise(model, seed=5)
+    prompt = torch.randint(0, 37, (2, 3))
+
+    def sample(m, use_cache):
+        g = torch.Generator().manual_seed(0)
+        return torch.stack(list(generate(m, prompt, max_new_tokens=8, top_k=5, generator=g,
+                                         use_cache=use_cache)), 1)
+
+    cached = sample(model, True)
+    assert torch.equal(cached, sample(model, False))
+    tokens = torch.randint(0, 37, (2, 10))
+    want = model(tokens)
+    torch.testing.assert_close(inference_model(model, int8=False)(tokens), want,
+                               atol=1e-5, rtol=1e-5)
+    # int8 weights: close, not equal (a per-channel int8 matrix keeps ~2-3 digits).
+    int8 = inference_model(model, int8=True)(tokens)
+    assert (int8 - want).abs().max() < 0.1 * want.abs().max()
+
+
+def test_a_modern_config_trains_a_step_and_its_checkpoint_loads(tmp_path):
+    from tformer.config import config_from_dict
+    from tformer.training import checkpoint as ckpt
+    from tformer.training.trainer import train
+
+    model = {"family": "gpt", "n_layer": 1, "n_head": 4, "d_model": 16, "context": 16,
+             **LLAMA, "n_kv_head": 2, "qk_norm": True, "window": 8, "rope_scaling": "llama3",
+             "rope_factor": 8.0, "rope_original_context": 8}
+    cfg = config_from_dict({"model": model}, [
+        "train.steps=1", "train.batch_size=2", "train.device=cpu", "train.eval_every=1",
+        "train.checkpoint_every=1", "train.eval_batches=1", "train.warmup_steps=0",
+        "train.schedule=noam", "model.dropout=0.1"])
+    result = train(cfg, tmp_path / "run")
+    assert result.step == 1 and result.skipped_steps == 0
+    loaded = ckpt.load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001")
+    saved = loaded.model.cfg
+    assert saved == dataclasses.replace(cfg.model, vocab_size=saved.vocab_size)
+    assert (saved.window, saved.n_kv_head, saved.rope_scaling) == (8, 2, "llama3")
