@@ -12,9 +12,10 @@ from tformer.interop import read_hf_config
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
     """model_type -> importer(src, dest). Imported lazily: each may need an extra."""
-    from tformer.interop import gpt2, marian
+    from tformer.interop import gpt2, llama, marian
 
-    return {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian}
+    found = {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian}
+    return found | dict.fromkeys(llama.MODEL_TYPES, llama.import_llama)
 
 
 def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
