@@ -157,3 +157,26 @@ def test_import_keeps_the_tokenizer_and_generates(saved, tmp_path):
         got = torch.stack(list(generate(loaded.model, prompt, max_new_tokens=20,
                                         temperature=0.0)), 1)
     assert torch.equal(got, expected), name
+
+    # ...and back out: the same family, every tensor bit for bit, the same tokens.
+    from tformer.interop.command import export_checkpoint
+
+    back = export_checkpoint(tmp_path / "ours", tmp_path / "back", "llama")
+    again = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    assert type(again) is type(hf)
+    theirs, ours = hf.state_dict(), again.state_dict()
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs), name
+    assert again.config.to_dict()["rope_parameters"] == hf.config.to_dict()["rope_parameters"]
+    assert getattr(again.config, "sliding_window", None) == getattr(hf.config, "sliding_window",
+                                                                    None)
+    assert transformers.AutoTokenizer.from_pretrained(back)(TRICKY[1])["input_ids"] == (
+        reference(TRICKY[1])["input_ids"])
+
+
+def test_a_layout_no_family_has_is_refused_with_every_difference():
+    from tformer.interop.llama import model_type_of
+    from tformer.models.gpt import GPTConfig
+
+    with pytest.raises(TformerError, match=r"model.position = 'learned' .*model.norm_kind"):
+        model_type_of(GPTConfig(vocab_size=11))

@@ -32,11 +32,14 @@ def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
 
 def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "gpt2") -> Path:
     """A tformer checkpoint -> a Hugging Face model directory at `dest`."""
-    from tformer.interop import gpt2
+    from tformer.interop import gpt2, llama
 
-    exporters = {"gpt2": gpt2.export_gpt2}
+    # llama: whichever of Llama, Qwen2, Qwen3 and Mistral the model's config is exactly.
+    exporters = {"gpt2": gpt2.export_gpt2, "llama": llama.export_llama}
     if format not in exporters:
-        raise TformerError(f"--format {format!r} is not known; choose one of: gpt2")
+        raise TformerError(
+            f"--format {format!r} is not known; choose one of: {', '.join(exporters)}"
+        )
     return exporters[format](Path(checkpoint), Path(dest))
 
 

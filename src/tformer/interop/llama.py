@@ -185,3 +185,127 @@ def import_llama(src: Path, dest: Path) -> Path:
     log.info("imported %s (%s) as a %d-layer GPT into %s", src, hf["model_type"],
              model.cfg.n_layer, dest)
     return dest
+
+
+# --- export -------------------------------------------------------------------------------
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def model_type_of(cfg: GPTConfig) -> str:
+    """The Hugging Face family whose layout `cfg` is exactly; an error listing every field
+    that differs where none is."""
+    wanted = {"position": "none", "rotary": True, "norm": "pre", "norm_kind": "rmsnorm",
+              "feedforward": "gated", "activation": "silu", "bias": False, "final_norm": True,
+              "output_bias": False, "scale_embeddings": False, "embed_norm": False,
+              "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None}
+    differ = [f"model.{key} = {getattr(cfg, key)!r} (Llama: {value!r})"
+              for key, value in wanted.items() if getattr(cfg, key) != value]
+    if cfg.qk_norm:
+        model_type = "qwen3"
+    elif cfg.qkv_bias and not cfg.attention_bias:
+        model_type = "qwen2"
+    elif cfg.window is not None:
+        model_type = "mistral"
+    else:
+        model_type = "llama"
+    if model_type != "llama" and cfg.attention_bias:
+        differ.append(f"model.attn_bias = true ({model_type}: no bias on o_proj)")
+    if model_type in ("qwen3", "qwen2") and cfg.window is not None:
+        differ.append(f"model.window = {cfg.window} ({model_type} with q/k norms or biases "
+                      f"has no window here)")
+    if model_type == "qwen3" and cfg.qkv_bias:
+        differ.append("model.qkv_bias = true (Qwen3: none)")
+    if differ:
+        raise TformerError("no Llama-layout family expresses this model: " + "; ".join(differ))
+    return model_type
+
+
+def hf_config(cfg: GPTConfig) -> dict[str, Any]:
+    """GPTConfig -> the config.json of its Hugging Face family (transformers 5.x form, which
+    4.x reads too through its rope_theta and rope_scaling keys, written as well)."""
+    model_type = model_type_of(cfg)
+    rope: dict[str, Any] = {"rope_type": {"none": "default"}.get(cfg.rope_scaling,
+                                                                  cfg.rope_scaling)}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        rope |= {"low_freq_factor": cfg.rope_low_freq_factor,
+                 "high_freq_factor": cfg.rope_high_freq_factor,
+                 "original_max_position_embeddings": cfg.rope_original_context}
+    hf = {
+        "model_type": model_type, "architectures": [ARCHITECTURES[model_type]],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ff_width, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head or cfg.n_head,
+        "head_dim": cfg.head_size, "hidden_act": "silu",
+        "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+        "attention_bias": cfg.attention_bias, "torch_dtype": "float32",
+    }
+    if cfg.rope_scaling != "none":
+        hf["rope_scaling"] = rope
+    if model_type == "mistral":
+        hf["sliding_window"] = cfg.window
+    if model_type == "qwen2":
+        hf |= {"use_sliding_window": False, "sliding_window": None}
+    return hf
+
+
+def hf_weights(model: GPT) -> dict[str, Tensor]:
+    """The model's tensors under their Hugging Face names, the fused q/k/v split apart."""
+    cfg, state = model.cfg, model.state_dict()
+    attn = model.blocks[0].attn
+    q, k, v = attn.widths
+    tensors: dict[str, Tensor] = {}
+    for ours, theirs in _names(cfg).items():
+        tensor = state[ours]
+        if isinstance(theirs, str):
+            tensors[theirs] = tensor.contiguous().clone()
+        else:
+            for name, part in zip(theirs, tensor.split([q, k, v]), strict=True):
+                tensors[name] = part.contiguous().clone()
+    return tensors
+
+
+def export_llama(checkpoint: Path, dest: Path) -> Path:
+    """A tformer GPT checkpoint of a Llama layout -> a directory its Hugging Face family's
+    from_pretrained and AutoTokenizer.from_pretrained load."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tformer.training.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(checkpoint, family="gpt")
+    hf = hf_config(loaded.model.cfg)
+    tokenizer = loaded.tokenizer
+    if getattr(tokenizer, "tok", None) is None:
+        raise TformerError(f"a Hugging Face tokenizer.json needs a BPE tokenizer; this "
+                           f"checkpoint's is {tokenizer.kind!r}")
+    if dest.exists() and any(dest.iterdir()):
+        raise TformerError(f"{dest} exists and is not empty; choose another directory")
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    names = getattr(tokenizer, "names", {"bos": "<s>", "eos": "</s>", "pad": "<pad>"})
+    specials = {f"{k}_token": v for k, v in names.items() if v is not None}
+    ids = {f"{k}_token_id": tokenizer.tok.token_to_id(v) for k, v in names.items()
+           if v is not None}
+    hf |= ids
+    save_file(hf_weights(loaded.model), tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "tokenizer.json").write_text(tokenizer.tok.to_str(), encoding="utf-8")
+    files = {
+        "config.json": hf,
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "model_max_length": hf["max_position_embeddings"], **specials},
+        "generation_config.json": ids,
+    }
+    for name, content in files.items():
+        (tmp / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    if dest.exists():
+        dest.rmdir()
+    tmp.rename(dest)
+    return dest
