@@ -108,6 +108,7 @@ def test_the_config_maps_each_family_difference(saved):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
     ({"num_local_experts": 8}, "cannot express num_local_experts"),
     ({"hidden_act": "gelu"}, "cannot express hidden_act = gelu"),
+    ({"hidden_size": None}, "config.json of a llama model has no hidden_size"),
 ])
 def test_what_tformer_cannot_express_is_named(change, message, tmp_path):
     hf = {"model_type": "llama", **COMMON, "hidden_act": "silu", **change}

@@ -67,6 +67,12 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
         refused.append(f"hidden_act = {hf['hidden_act']}")
     if refused:
         raise TformerError(f"{source}: tformer cannot express {', '.join(refused)}")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "max_position_embeddings")
+    missing = [key for key in required if not isinstance(hf.get(key), int)]
+    if missing:
+        raise TformerError(f"{source}: config.json of a {model_type} model has no "
+                           f"{', '.join(missing)}")
     d_model, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or d_model // n_head
     window = None
