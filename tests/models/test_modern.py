@@ -286,3 +286,24 @@ def test_a_modern_config_trains_a_step_and_its_checkpoint_loads(tmp_path):
     saved = loaded.model.cfg
     assert saved == dataclasses.replace(cfg.model, vocab_size=saved.vocab_size)
     assert (saved.window, saved.n_kv_head, saved.rope_scaling) == (8, 2, "llama3")
+
+
+@pytest.mark.parametrize("feedforward,norm_kind", [("gated", "layernorm"), ("plain", "rmsnorm")])
+@torch.no_grad()
+def test_a_gated_or_rmsnorm_translation_model_decodes_as_its_full_pass(feedforward, norm_kind):
+    # The one-call decoder step (kernels/step.py) runs plain feed-forward layers only: a
+    # gated model's cache carries none, and its layers run as modules.
+    from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+    model = Seq2Seq(Seq2SeqConfig(vocab_size=23, max_len=16, n_layer=2, n_head=2, d_model=16,
+                                  dropout=0.0, feedforward=feedforward, activation="silu",
+                                  norm_kind=norm_kind)).eval()
+    randomise(model, seed=6)
+    src, tgt = torch.randint(0, 23, (3, 7)), torch.randint(0, 23, (3, 6))
+    real = torch.ones_like(src, dtype=torch.bool)
+    full = model(src, real, tgt)
+    cache = model.make_cache(3, 6)
+    assert cache.step is None
+    memory = model.encode(src, real)
+    steps = [model.decode(tgt[:, t : t + 1], memory, real, cache=cache) for t in range(6)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)

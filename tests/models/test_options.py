@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tformer.config import config_from_dict
+from tformer.layers import RMSNorm
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
@@ -42,6 +43,8 @@ def sinusoid_table(n: int, d: int, layout: str) -> torch.Tensor:
 def norm(x, module):
     if module is None:
         return x
+    if isinstance(module, RMSNorm):  # x / rms(x) * weight, no mean taken out
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + module.eps) * module.weight.double()
     mean = x.mean(-1, keepdim=True)
     var = ((x - mean) ** 2).mean(-1, keepdim=True)
     out = (x - mean) / torch.sqrt(var + module.eps) * module.weight.double()
@@ -83,6 +86,9 @@ def cross_attention(x, memory, mha, n_head, may_attend):
 
 
 def feedforward(x, ff, activation):
+    if hasattr(ff, "gate"):  # SwiGLU's shape: down(act(gate x) * up x)
+        gated = ACT[activation](linear(x, ff.gate.weight, ff.gate.bias))
+        return linear(gated * linear(x, ff.up.weight, ff.up.bias), ff.down.weight, ff.down.bias)
     return linear(ACT[activation](linear(x, ff.up.weight, ff.up.bias)), ff.down.weight,
                   ff.down.bias)
 
@@ -129,6 +135,8 @@ GPT_OPTIONS = [
     {"activation": "gelu_tanh"},
     {"activation": "silu"},
     {"norm": "post", "embed_norm": True, "output_bias": True, "activation": "relu"},
+    {"norm_kind": "rmsnorm", "embed_norm": True},
+    {"norm": "post", "norm_kind": "rmsnorm", "feedforward": "gated"},
 ]
 
 
@@ -186,6 +194,9 @@ SEQ2SEQ_OPTIONS = [
     {"activation": "gelu_tanh"},
     # Marian's shape: post-norm, [sin | cos], SiLU, an output bias.
     {"norm": "post", "sinusoid_layout": "halves", "activation": "silu", "output_bias": True},
+    {"norm_kind": "rmsnorm", "norm_eps": 1e-6, "embed_norm": True},
+    {"feedforward": "gated", "activation": "silu", "bias": False},
+    {"norm": "post", "norm_kind": "rmsnorm", "feedforward": "gated"},
 ]
 
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 from torch import nn
 
 from tformer.checks import check_choice, check_heads, check_range
-from tformer.layers import ACTIVATIONS, SINUSOID_LAYOUTS
+from tformer.layers import ACTIVATIONS, FEEDFORWARDS, NORMS, SINUSOID_LAYOUTS, make_norm
 from tformer.layers.residual import NORM_POSITIONS
 
 
@@ -90,11 +90,23 @@ class StackConfig(ModelConfig):
     """A norm right after embeddings + positions (BERT, BLOOM, mBART)."""
     final_norm: bool = True
     """Pre-norm: the norm that closes each stack (GPT-2 has it)."""
+    norm_kind: str = "layernorm"
+    """layernorm or rmsnorm, for every norm of the model."""
+    norm_eps: float = 1e-5
+    feedforward: str = "plain"
+    """plain: down(act(up(x))); gated: down(act(gate(x)) * up(x)) (SwiGLU with silu)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.d_value is not None:
             check_range("model.d_value", self.d_value, low=1)
+        check_choice("model.norm_kind", self.norm_kind, tuple(NORMS))
+        check_range("model.norm_eps", self.norm_eps, low=0.0)
+        check_choice("model.feedforward", self.feedforward, FEEDFORWARDS)
+
+    def norm_module(self) -> nn.Module:
+        """A norm over d_model, of the kind the config names."""
+        return make_norm(self.norm_kind, self.d_model, eps=self.norm_eps, bias=self.bias)
 
     @property
     def attention_bias(self) -> bool:

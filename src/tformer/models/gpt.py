@@ -16,8 +16,6 @@ from torch import Tensor, nn
 from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError
 from tformer.layers import (
-    FEEDFORWARDS,
-    NORMS,
     POSITIONS,
     ROTARY_LAYOUTS,
     ROTARY_SCALINGS,
@@ -45,11 +43,6 @@ class GPTConfig(StackConfig):
     position: str = "learned"
     """Absolute positions added to the embeddings: learned, sinusoidal, or none (with
     rotary embeddings, which place tokens inside attention)."""
-    norm_kind: str = "layernorm"
-    """layernorm or rmsnorm, for every norm of the model."""
-    norm_eps: float = 1e-5
-    feedforward: str = "plain"
-    """plain: down(act(up(x))); gated: down(act(gate(x)) * up(x)) (SwiGLU with silu)."""
     n_kv_head: int | None = None
     """Key/value heads, shared by groups of query heads; none means n_head (1: multi-query)."""
     qkv_bias: bool | None = None
@@ -76,9 +69,6 @@ class GPTConfig(StackConfig):
         super().__post_init__()
         check_range("model.context", self.context, low=1)
         check_choice("model.position", self.position, tuple(POSITIONS))
-        check_choice("model.norm_kind", self.norm_kind, tuple(NORMS))
-        check_range("model.norm_eps", self.norm_eps, low=0.0)
-        check_choice("model.feedforward", self.feedforward, FEEDFORWARDS)
         if self.n_kv_head is not None:
             check_range("model.n_kv_head", self.n_kv_head, low=1, high=self.n_head)
             if self.n_head % self.n_kv_head:
@@ -102,9 +92,6 @@ class GPTConfig(StackConfig):
                                 self.rope_high_freq_factor, self.rope_original_context)
         return Rotary(self.head_size, theta=self.rope_theta, fraction=self.rope_fraction,
                       layout=self.rope_layout, scaling=scaling)
-
-    def norm_module(self) -> nn.Module:
-        return make_norm(self.norm_kind, self.d_model, eps=self.norm_eps, bias=self.bias)
 
 
 class GPTBlock(nn.Module):

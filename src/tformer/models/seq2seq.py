@@ -26,7 +26,6 @@ from tformer.kernels.step import DecoderStep
 from tformer.layers import (
     DecoderCache,
     Dropout,
-    FeedForward,
     KVCache,
     Lineage,
     MultiHeadAttention,
@@ -35,6 +34,7 @@ from tformer.layers import (
     StaticKV,
     attention_bias,
     lm_mask,
+    make_feedforward,
     padding_mask,
 )
 from tformer.models.base import Model, StackConfig
@@ -91,13 +91,14 @@ def _attention(cfg: Seq2SeqConfig, *, cross: bool) -> MultiHeadAttention:
 
 
 def _residual(cfg: Seq2SeqConfig) -> Residual:
-    return Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias)
+    return Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias,
+                    kind=cfg.norm_kind, eps=cfg.norm_eps)
 
 
-def _feedforward(cfg: Seq2SeqConfig) -> FeedForward:
-    return FeedForward(
-        cfg.d_model, cfg.ff_width, activation=cfg.activation, dropout=cfg.ff_dropout,
-        bias=cfg.bias,
+def _feedforward(cfg: Seq2SeqConfig) -> nn.Module:
+    return make_feedforward(
+        cfg.feedforward, cfg.d_model, cfg.ff_width, activation=cfg.activation,
+        dropout=cfg.ff_dropout, bias=cfg.bias,
     )
 
 
@@ -160,15 +161,15 @@ class Seq2Seq(Model):
         self.tgt_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.positions = SinusoidalPositions(cfg.max_len, cfg.d_model, cfg.sinusoid_layout)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
-        self.src_embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
-        self.tgt_embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
+        self.src_embed_norm = cfg.norm_module() if cfg.embed_norm else None
+        self.tgt_embed_norm = cfg.norm_module() if cfg.embed_norm else None
         self.dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layer))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
-        # Pre-norm leaves each stack's residual stream un-normalised: one LayerNorm closes it.
+        # Pre-norm leaves each stack's residual stream un-normalised: one norm closes it.
         pre = cfg.norm == "pre" and cfg.final_norm
-        self.encoder_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if pre else None
-        self.decoder_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if pre else None
+        self.encoder_norm = cfg.norm_module() if pre else None
+        self.decoder_norm = cfg.norm_module() if pre else None
         self.out_proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         self._init_weights()
         if cfg.tie_embeddings:
@@ -191,7 +192,7 @@ class Seq2Seq(Model):
     def _embed(
         self,
         embed: nn.Embedding,
-        norm: nn.LayerNorm | None,
+        norm: nn.Module | None,
         tokens: Tensor,
         start: int = 0,
         is_real: Tensor | None = None,
@@ -300,6 +301,7 @@ class Seq2Seq(Model):
             ],
             [StaticKV() for _ in layers],
         )
-        if lineage is not None:
+        # step.c computes plain feed-forward layers only: gated ones run as modules.
+        if lineage is not None and self.cfg.feedforward == "plain":
             cache.step = DecoderStep.of(self.decoder, cache)
         return cache
