@@ -224,10 +224,21 @@ def test_a_left_padded_batch_equals_each_row_alone(options):
 def test_rotary_dot_products_depend_on_distance_only():
     rotary = Rotary(8, theta=100.0, scaling=RotaryScaling("linear", 2.0))
     q, k = torch.randn(2, 1, 1, 1, 8, dtype=torch.float64)
-    rotary = rotary.double()
     dots = [float(rotary(q, torch.tensor([p + 3])) @ rotary(k, torch.tensor([p])).mT)
             for p in (0, 5, 40)]
-    assert dots == pytest.approx([dots[0]] * 3, abs=1e-9)
+    # The angles are float32, as the reference implementations make them.
+    assert dots == pytest.approx([dots[0]] * 3, abs=1e-5)
+
+
+def test_rotary_angles_stay_float32_in_a_bfloat16_model():
+    model = tiny(37, **LLAMA)
+    positions = torch.arange(300, 302)
+    x = torch.ones(1, 1, 2, 4)
+    want = model.blocks[0].attn.rotary(x, positions)
+    model.to(torch.bfloat16)
+    got = model.blocks[0].attn.rotary(x.bfloat16(), positions)
+    # bfloat16 rounding of the result only (a bfloat16 angle at 300 is off by ~1 radian).
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=0)
 
 
 @pytest.mark.parametrize("options,message", [

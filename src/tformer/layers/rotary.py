@@ -74,17 +74,29 @@ class Rotary(nn.Module):
         if self.rotated < 2:
             raise ValueError(f"a rotary fraction of {fraction} rotates no pair of {d_head}")
         self.interleaved = layout == "interleaved"
-        # float32 as the reference implementations keep it; the angles are formed from it.
-        self.register_buffer(
-            "inv_freq", inverse_frequencies(self.rotated, theta, scaling).float(),
-            persistent=False,
-        )
+        # Not a buffer: model.to(bfloat16) would round the frequencies to 3 digits (and a
+        # bfloat16 position is exact only up to 256). The angles are formed in float32, as
+        # the reference implementations form them, whatever the model's dtype.
+        self._frequencies = inverse_frequencies(self.rotated, theta, scaling).float()
+        self._last: tuple[Tensor, torch.dtype, Tensor, Tensor] | None = None
+        """The positions of the latest call and their cos and sin: every layer's queries and
+        keys of one forward pass are rotated by the same positions."""
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
+    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        if self._frequencies.device != positions.device:
+            self._frequencies = self._frequencies.to(positions.device)
+        angles = positions.float()[..., None] * self._frequencies
         if angles.dim() == 3:  # (B, T, r/2): one row of positions a sequence
             angles = angles[:, None]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        cos, sin = self._cos_sin(positions, x.dtype)
         rot, rest = x[..., : self.rotated], x[..., self.rotated :]
         if self.interleaved:
             even, odd = rot[..., 0::2], rot[..., 1::2]
