@@ -4,7 +4,10 @@ loops. Every parameter is random (LayerNorm weights and biases too)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,3 +284,22 @@ def test_transformer_xl_halves_layout_and_output_bias():
         without = model(tokens)
     assert torch.allclose(with_bias - without, bias.expand_as(with_bias), atol=1e-6)
     assert bias.abs().min() > 0
+
+
+SAVED = Path(__file__).parent / "data" / "saved_before_the_modern_options.json"
+"""The [model] table of a config.json as the code before the shared base config and the
+modern options wrote it, for each family, and the state dict's shapes of its model."""
+
+
+@pytest.mark.parametrize("family", ["gpt", "seq2seq", "transformer-xl"])
+def test_a_config_json_saved_before_loads_unchanged(family):
+    from tformer.registry import get_family
+
+    saved = json.loads(SAVED.read_text())[family]
+    cfg = config_from_dict({"model": saved["model"]})
+    now = cfg.to_dict()["model"]
+    assert {k: now[k] for k in saved["model"]} == saved["model"]
+    defaults = dataclasses.asdict(get_family(family).model_config())
+    assert all(now[k] == defaults[k] for k in set(now) - set(saved["model"]))
+    model = get_family(family).model(cfg.model)
+    assert {k: list(v.shape) for k, v in model.state_dict().items()} == saved["shapes"]
