@@ -34,16 +34,36 @@ def scaled_dot_product(
     dropout_p: dropout on the probabilities (0 outside training).
     recorded: a list to append the (B, H, T, S) probabilities to, or None.
     """
+    written = recorded is not None or runs_natively(q, dropout_p)
     if k.shape[1] != q.shape[1]:
+        if not (written or is_causal) and (mask is None or mask.shape[1] == 1):
+            return _grouped(q, k, v, mask, dropout_p)
         # Grouped-query attention (Ainslie et al. 2023): query head h reads key/value head
         # h // (H / H_kv).
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if recorded is not None or runs_natively(q, dropout_p):
+    if written:
         return written_out(q, k, v, mask, is_causal, dropout_p=dropout_p, recorded=recorded)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
     )
+
+
+def _grouped(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
+) -> Tensor:
+    """Grouped-query attention without copying keys and values per query head: the G
+    query heads that share a key/value head are stacked along the query axis, so each
+    key/value head is read once (a decoding step's cache is the largest operand). mask:
+    one for all heads, (B or 1, 1, T or 1, S)."""
+    B, H, T, _ = q.shape
+    H_kv = k.shape[1]
+    group = H // H_kv
+    q = q.reshape(B, H_kv, group * T, -1)
+    if mask is not None and mask.shape[2] == T and T > 1:
+        mask = mask.repeat(1, 1, group, 1)  # row g * T + t is query t of head g
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    return out.reshape(B, H, T, -1)
 
 
 def written_out(
