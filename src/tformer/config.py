@@ -2,10 +2,9 @@
 
 Each table becomes a frozen dataclass. The [model] and [data] classes belong to the family
 named by `model.family`: `tformer.registry` hands them to this module when it registers the
-family (`add_family`), so that reading a config needs no family, and no torch, here; [train]
-is shared. Every value is checked
-when the dataclass is built, so a typo fails at load time with the key's name, the bad value
-and what is allowed, never halfway through a run.
+family (`add_family`), so that this module imports no family, and no torch; [train] is
+shared. Every value is checked when the dataclass is built, so a typo fails at load time
+with the key's name, the bad value and what is allowed, never halfway through a run.
 
 Command-line overrides are dotted `key=value` pairs (`model.n_layer=6 train.lr=3e-4`); the
 value is read as a TOML literal when it is one (numbers, booleans, quoted strings) and as a
