@@ -1,7 +1,7 @@
 """A decoding step, tformer's two ways, side by side on the OPUS-MT-shaped model (opus_mt.py).
 
 --compare attention: the attention kernel reading caches that stay in place
-    (kernels/attend.py, layers.attention.Lineage), against torch's fused attention over
+    (kernels/attend.py, decoding.cache.Lineage), against torch's fused attention over
     caches copied into the beams' order after every step (what runs where the kernel is not
     built); every decoder layer runs as modules on both sides.
 --compare step: each decoder layer's step as one C call (kernels/step.py), against the
@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from opus_mt import Sides  # noqa: E402
 
+from tformer.decoding import cache  # noqa: E402
 from tformer.kernels import attend  # noqa: E402
 from tformer.kernels.step import DecoderStep  # noqa: E402
-from tformer.layers import attention  # noqa: E402
 from tformer.models import seq2seq  # noqa: E402
 
 COLUMNS = {"attention": ("in place + kernel", "copied + torch"),
@@ -42,15 +42,15 @@ COLUMNS = {"attention": ("in place + kernel", "copied + torch"),
 def kernel(on: bool):
     """Decoding with the attention kernel and caches in place (on), or as without the
     kernel; the layers run as modules either way."""
-    saved = attention.serves, seq2seq.serves_cache, DecoderStep.of
+    saved = cache.serves, seq2seq.serves_cache, DecoderStep.of
     DecoderStep.of = lambda *args: None
     if not on:
-        attention.serves = lambda x: False
+        cache.serves = lambda x: False
         seq2seq.serves_cache = lambda dtype, device: False
     try:
         yield
     finally:
-        attention.serves, seq2seq.serves_cache, DecoderStep.of = saved
+        cache.serves, seq2seq.serves_cache, DecoderStep.of = saved
 
 
 @contextmanager

@@ -158,3 +158,18 @@ def test_deep_nesting_is_one_line(tmp_path, depth):
     json_path.write_text('{"model": ' + nested + "}")
     with pytest.raises(TformerError):
         load_config(json_path)
+
+
+def test_without_the_registry_a_family_is_unknown_in_one_line():
+    import subprocess
+    import sys
+
+    code = ("from tformer.config import config_from_dict\n"
+            "from tformer.errors import TformerError\n"
+            "try:\n    config_from_dict({})\n"
+            "except TformerError as e:\n    print(e)\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONPATH": str(src)}).stdout
+    assert out == ("model.family = 'gpt' is not known; choose one of: none registered "
+                   "(import tformer.registry)\n")

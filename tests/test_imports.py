@@ -5,6 +5,8 @@ only the registry names the families."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -60,6 +62,10 @@ def edges(name: str) -> set[str]:
 
     visit(tree)
     out.discard(name)
+    # A module's own packages have run their __init__ before it runs: importing a sibling
+    # loads the sibling alone.
+    parts = name.split(".")
+    out.difference_update(".".join(parts[:i]) for i in range(1, len(parts)))
     return out
 
 
@@ -91,7 +97,7 @@ def find_cycle() -> list[str] | None:
 
 def test_the_graph_is_read_from_real_imports():
     # A check that the parser sees imports at all, including those inside functions.
-    assert "tformer.registry" in GRAPH["tformer.config"]
+    assert "tformer.config" in GRAPH["tformer.registry"]
     assert "tformer.kernels.quantize" in GRAPH["tformer.api"]
     assert "tformer.layers" in GRAPH["tformer.models.gpt"]
 
@@ -137,10 +143,36 @@ def test_the_command_line_reaches_the_families_only_through_the_registry():
 def test_importing_the_package_and_its_command_line_loads_no_torch():
     """`import tformer` and the `tformer` command's own module stay light: torch loads
     when a command needs it, after Ctrl-C is handled (tformer.cli)."""
-    import subprocess
-    import sys
-
     code = "import sys, tformer, tformer.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+                         check=True, env={"PYTHONPATH": str(SRC)})
     assert out.stdout.strip() == "False"
+
+
+def reachable(name: str) -> set[str]:
+    """Every tformer module that importing `name` runs, directly or through others."""
+    seen, todo = set(), [name]
+    while todo:
+        for nxt in GRAPH[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_the_config_is_a_leaf():
+    assert reachable("tformer.config") <= {"tformer.checks", "tformer.errors"}
+    # ...and reading one loads no torch: the families' dataclasses reach it from the registry.
+    code = ("import sys, tformer.config; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, env={"PYTHONPATH": str(SRC)})
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_attention_reads_without_the_kernels():
+    """The module's forward is the plain computation: the decoding kernels are the caches'
+    business (tformer.decoding.cache), and the dropout kernel scaled_dot_product's."""
+    kernels = {m for m in MODULES if m.startswith("tformer.kernels")}
+    assert not GRAPH["tformer.layers.attention"] & kernels
+    assert not GRAPH["tformer.layers.masks"] & kernels
+    assert GRAPH["tformer.decoding.cache"] & kernels  # (the check can see a kernel import)

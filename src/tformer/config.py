@@ -1,9 +1,10 @@
 """Run configuration: three tables, [model], [data] and [train], read from TOML.
 
 Each table becomes a frozen dataclass. The [model] and [data] classes belong to the family
-named by `model.family` (see `tformer.registry`); [train] is shared. Every value is checked
-when the dataclass is built, so a typo fails at load time with the key's name, the bad value
-and what is allowed, never halfway through a run.
+named by `model.family`: `tformer.registry` hands them to this module when it registers the
+family (`add_family`), so that this module imports no family, and no torch; [train] is
+shared. Every value is checked when the dataclass is built, so a typo fails at load time
+with the key's name, the bad value and what is allowed, never halfway through a run.
 
 Command-line overrides are dotted `key=value` pairs (`model.n_layer=6 train.lr=3e-4`); the
 value is read as a TOML literal when it is one (numbers, booleans, quoted strings) and as a
@@ -29,13 +30,51 @@ else:  # pragma: no cover
 
 from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError, did_you_mean, shown
-from tformer.registry import get_family
 
 Inherit = Callable[[str, Any, dict[str, Any]], tuple[str, dict[str, Any]]]
 """(train.init_from, the config's model.family or None, its [model] keys) -> the family and
 the complete [model] table (tformer.training.checkpoint.inherit_model)."""
 
 SECTIONS = ("model", "data", "train")
+
+
+# --- the families' tables ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FamilyTables:
+    """What reading a config needs of a family: its [model] and [data] dataclasses."""
+
+    model: type
+    data: type
+    noam_width: Callable[[Any], int] | None = None
+    """(the [model] config) -> d_model, which the noam schedule scales by; None where the
+    family has no such width."""
+
+
+FAMILY_TABLES: dict[str, FamilyTables] = {}
+"""By family name; filled by tformer.registry.register, one entry per registered family."""
+
+
+def add_family(name: str, tables: FamilyTables) -> None:
+    if name in FAMILY_TABLES:
+        raise TformerError(f"a family named {name!r} is already registered")
+    FAMILY_TABLES[name] = tables
+
+
+def remove_family(name: str) -> None:
+    del FAMILY_TABLES[name]
+
+
+def family_tables(name: str) -> FamilyTables:
+    try:
+        return FAMILY_TABLES[name]
+    except KeyError:
+        known = " | ".join(FAMILY_TABLES) or "none registered (import tformer.registry)"
+        raise TformerError(
+            f"model.family = {name!r} is not known{did_you_mean(name, FAMILY_TABLES)}; "
+            f"choose one of: {known}"
+        ) from None
 
 
 # --- the shared [train] table ------------------------------------------------------------
@@ -123,7 +162,8 @@ class RunConfig:
     train: TrainConfig
 
     def __post_init__(self) -> None:
-        if self.train.schedule == "noam" and not hasattr(self.model, "d_model"):
+        tables = FAMILY_TABLES.get(self.family)
+        if self.train.schedule == "noam" and (tables is None or tables.noam_width is None):
             raise TformerError(
                 f"train.schedule = noam scales the rate by model.d_model, which a "
                 f"{self.family} model does not have; choose cosine, linear or constant"
@@ -240,11 +280,11 @@ def config_from_dict(
     family_name = "gpt" if family_name is None else family_name
     if not isinstance(family_name, str):
         raise TformerError(f"model.family = {family_name!r} must be a string")
-    family = get_family(family_name)
+    family = family_tables(family_name)
     return RunConfig(
-        family=family.name,
-        model=build_dataclass(family.model_config, tables["model"], "model"),
-        data=build_dataclass(family.data_config, tables["data"], "data"),
+        family=family_name,
+        model=build_dataclass(family.model, tables["model"], "model"),
+        data=build_dataclass(family.data, tables["data"], "data"),
         train=build_dataclass(TrainConfig, tables["train"], "train"),
     )
 

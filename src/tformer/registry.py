@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from tformer.config import FamilyTables, add_family, remove_family
 from tformer.data.lm import LMDataConfig
 from tformer.data.parallel import ParallelDataConfig
 from tformer.decoding.beam import PENALTIES
@@ -51,6 +52,10 @@ class Option:
 
 def no_window(model: nn.Module) -> int | None:
     return None
+
+
+def model_width(model_config: Any) -> int:
+    return model_config.d_model
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,9 @@ class Family:
     attention: Callable[..., Any] | None = None
     """(model, tokenizer, text) -> the attention maps `tformer attention` draws: text is the
     source sentence of a family with `translate`, the text read for the others."""
+    noam_width: Callable[[Any], int] | None = None
+    """(model_config) -> the width the noam schedule scales the rate by (d_model, Vaswani
+    et al. 2017, eq. 3); None: the family has none, and train.schedule = noam is refused."""
 
 
 FAMILIES: dict[str, Family] = {}
@@ -106,6 +114,8 @@ def register(family: Family) -> Family:
         raise TformerError(
             f"family {family.name!r} must report a loss among its validation metrics"
         )
+    add_family(family.name, FamilyTables(family.model_config, family.data_config,
+                                         family.noam_width))
     FAMILIES[family.name] = family
     return family
 
@@ -113,6 +123,7 @@ def register(family: Family) -> Family:
 def unregister(name: str) -> None:
     """Remove a family added with `register` (for tests that add one of their own)."""
     del FAMILIES[name]
+    remove_family(name)
 
 
 def get_family(name: str) -> Family:
@@ -152,6 +163,7 @@ register(Family(
     progress_unit="tok",
     cost=cost.gpt_cost,
     attention=attention.gpt_attention,
+    noam_width=model_width,
 ))
 register(Family(
     name="seq2seq",
@@ -173,6 +185,7 @@ register(Family(
     progress_unit="line",
     cost=cost.seq2seq_cost,
     attention=attention.seq2seq_attention,
+    noam_width=model_width,
 ))
 register(Family(
     name="transformer-xl",
@@ -192,4 +205,5 @@ register(Family(
     progress_unit="tok",
     cost=cost.transformer_xl_cost,
     attention=attention.transformer_xl_attention,
+    noam_width=model_width,
 ))

@@ -128,9 +128,9 @@ def test_inexpressible_configs_are_named(gpt2_dir, imported, tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(TformerError, match="scale_attn_by_inverse_layer_idx"):
         import_checkpoint(src, tmp_path / "a")
-    config["model_type"] = "llama"
+    config["model_type"] = "gemma"
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(TformerError, match="'llama' cannot be imported"):
+    with pytest.raises(TformerError, match="'gemma' cannot be imported"):
         import_checkpoint(src, tmp_path / "b")
 
     # Export: a GPT with sinusoidal positions and an output bias is no GPT-2.

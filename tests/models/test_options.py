@@ -4,12 +4,16 @@ loops. Every parameter is random (LayerNorm weights and biases too)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from tformer.config import config_from_dict
+from tformer.layers import RMSNorm
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
@@ -42,6 +46,8 @@ def sinusoid_table(n: int, d: int, layout: str) -> torch.Tensor:
 def norm(x, module):
     if module is None:
         return x
+    if isinstance(module, RMSNorm):  # x / rms(x) * weight, no mean taken out
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + module.eps) * module.weight.double()
     mean = x.mean(-1, keepdim=True)
     var = ((x - mean) ** 2).mean(-1, keepdim=True)
     out = (x - mean) / torch.sqrt(var + module.eps) * module.weight.double()
@@ -83,6 +89,9 @@ def cross_attention(x, memory, mha, n_head, may_attend):
 
 
 def feedforward(x, ff, activation):
+    if hasattr(ff, "gate"):  # SwiGLU's shape: down(act(gate x) * up x)
+        gated = ACT[activation](linear(x, ff.gate.weight, ff.gate.bias))
+        return linear(gated * linear(x, ff.up.weight, ff.up.bias), ff.down.weight, ff.down.bias)
     return linear(ACT[activation](linear(x, ff.up.weight, ff.up.bias)), ff.down.weight,
                   ff.down.bias)
 
@@ -129,6 +138,8 @@ GPT_OPTIONS = [
     {"activation": "gelu_tanh"},
     {"activation": "silu"},
     {"norm": "post", "embed_norm": True, "output_bias": True, "activation": "relu"},
+    {"norm_kind": "rmsnorm", "embed_norm": True},
+    {"norm": "post", "norm_kind": "rmsnorm", "feedforward": "gated"},
 ]
 
 
@@ -186,6 +197,9 @@ SEQ2SEQ_OPTIONS = [
     {"activation": "gelu_tanh"},
     # Marian's shape: post-norm, [sin | cos], SiLU, an output bias.
     {"norm": "post", "sinusoid_layout": "halves", "activation": "silu", "output_bias": True},
+    {"norm_kind": "rmsnorm", "norm_eps": 1e-6, "embed_norm": True},
+    {"feedforward": "gated", "activation": "silu", "bias": False},
+    {"norm": "post", "norm_kind": "rmsnorm", "feedforward": "gated"},
 ]
 
 
@@ -270,3 +284,22 @@ def test_transformer_xl_halves_layout_and_output_bias():
         without = model(tokens)
     assert torch.allclose(with_bias - without, bias.expand_as(with_bias), atol=1e-6)
     assert bias.abs().min() > 0
+
+
+SAVED = Path(__file__).parent / "data" / "saved_before_the_modern_options.json"
+"""The [model] table of a config.json as the code before the shared base config and the
+modern options wrote it, for each family, and the state dict's shapes of its model."""
+
+
+@pytest.mark.parametrize("family", ["gpt", "seq2seq", "transformer-xl"])
+def test_a_config_json_saved_before_loads_unchanged(family):
+    from tformer.registry import get_family
+
+    saved = json.loads(SAVED.read_text())[family]
+    cfg = config_from_dict({"model": saved["model"]})
+    now = cfg.to_dict()["model"]
+    assert {k: now[k] for k in saved["model"]} == saved["model"]
+    defaults = dataclasses.asdict(get_family(family).model_config())
+    assert all(now[k] == defaults[k] for k in set(now) - set(saved["model"]))
+    model = get_family(family).model(cfg.model)
+    assert {k: list(v.shape) for k, v in model.state_dict().items()} == saved["shapes"]

@@ -15,9 +15,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tformer.cli import main
 from tformer.config import config_from_dict
+from tformer.decoding import cache as decoding_cache
 from tformer.kernels import matvec
 from tformer.kernels.step import DecoderStep
-from tformer.layers import attention
 from tformer.models.transformer_xl import Memory
 from tformer.registry import get_family
 from tformer.viz.cost import activation_bytes
@@ -26,7 +26,8 @@ from tformer.viz.info import parameters_by_module, summarize
 
 def counted(fn) -> int:
     matvec.load()  # its checks at load time run products of their own: not inside the count
-    with (sdpa_kernel(SDPBackend.MATH), mock.patch.object(attention, "serves", lambda q: False),
+    with (sdpa_kernel(SDPBackend.MATH),
+          mock.patch.object(decoding_cache, "serves", lambda q: False),
           mock.patch.object(DecoderStep, "of", lambda *a: None),
           FlopCounterMode(display=False) as counter):
         fn()

@@ -14,9 +14,10 @@ from tformer.interop import read_hf_config
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
     """model_type -> importer(src, dest). Imported lazily: each may need an extra."""
-    from tformer.interop import gpt2, marian
+    from tformer.interop import gpt2, llama, marian
 
-    return {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian}
+    found = {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian}
+    return found | dict.fromkeys(llama.MODEL_TYPES, llama.import_llama)
 
 
 def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
@@ -33,11 +34,14 @@ def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
 
 def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "gpt2") -> Path:
     """A tformer checkpoint -> a Hugging Face model directory at `dest`."""
-    from tformer.interop import gpt2
+    from tformer.interop import gpt2, llama
 
-    exporters = {"gpt2": gpt2.export_gpt2}
+    # llama: whichever of Llama, Qwen2, Qwen3 and Mistral the model's config is exactly.
+    exporters = {"gpt2": gpt2.export_gpt2, "llama": llama.export_llama}
     if format not in exporters:
-        raise TformerError(f"--format {format!r} is not known; choose one of: gpt2")
+        raise TformerError(
+            f"--format {format!r} is not known; choose one of: {', '.join(exporters)}"
+        )
     return exporters[format](Path(checkpoint), Path(dest))
 
 

@@ -1,18 +1,23 @@
 """Building blocks that every family shares."""
 
+from tformer.decoding.cache import DecoderCache, KVCache, Lineage, StaticKV
 from tformer.kernels.dropout import Dropout, dropout
-from tformer.layers.attention import (
-    DecoderCache,
-    KVCache,
-    Lineage,
-    MultiHeadAttention,
-    StaticKV,
+from tformer.layers.attention import MultiHeadAttention
+from tformer.layers.feedforward import (
+    ACTIVATIONS,
+    FEEDFORWARDS,
+    FeedForward,
+    GatedFeedForward,
+    make_feedforward,
+)
+from tformer.layers.masks import (
     attention_bias,
     causal_mask,
     lm_mask,
     padding_mask,
+    window_mask,
 )
-from tformer.layers.feedforward import ACTIVATIONS, FeedForward
+from tformer.layers.norm import NORMS, RMSNorm, make_norm
 from tformer.layers.position import (
     POSITIONS,
     SINUSOID_LAYOUTS,
@@ -21,18 +26,27 @@ from tformer.layers.position import (
     sinusoids,
 )
 from tformer.layers.residual import Residual
+from tformer.layers.rotary import ROTARY_LAYOUTS, ROTARY_SCALINGS, Rotary, RotaryScaling
 
 __all__ = [
     "ACTIVATIONS",
     "DecoderCache",
     "Dropout",
-    "POSITIONS",
+    "FEEDFORWARDS",
     "FeedForward",
+    "GatedFeedForward",
     "KVCache",
     "LearnedPositions",
     "Lineage",
     "MultiHeadAttention",
+    "NORMS",
+    "POSITIONS",
+    "RMSNorm",
+    "ROTARY_LAYOUTS",
+    "ROTARY_SCALINGS",
     "Residual",
+    "Rotary",
+    "RotaryScaling",
     "SINUSOID_LAYOUTS",
     "SinusoidalPositions",
     "StaticKV",
@@ -40,6 +54,9 @@ __all__ = [
     "causal_mask",
     "dropout",
     "lm_mask",
+    "make_feedforward",
+    "make_norm",
     "padding_mask",
     "sinusoids",
+    "window_mask",
 ]

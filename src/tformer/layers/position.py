@@ -19,24 +19,24 @@ def sinusoids(
     cos(...). halves: the same values with all sines first, then all cosines, as in
     Transformer-XL's original code, tensor2tensor, fairseq and Marian; a model trained with
     one layout reads garbage positions through the other. Transformer-XL feeds relative
-    distances through the same formula.
+    distances through the same formula. Computed in `dtype` throughout.
     """
     inv_freq = torch.exp(
-        torch.arange(0, d_model, 2, dtype=torch.float32, device=positions.device)
+        torch.arange(0, d_model, 2, dtype=dtype, device=positions.device)
         * (-math.log(10000.0) / d_model)
     )
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    enc = torch.zeros(positions.shape[0], d_model, device=positions.device)
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]
+    enc = torch.zeros(positions.shape[0], d_model, dtype=dtype, device=positions.device)
     if layout == "halves":
         half = (d_model + 1) // 2
         enc[:, :half] = torch.sin(angles)
         enc[:, half:] = torch.cos(angles[:, : d_model // 2])
-        return enc.float()
+        return enc
     if layout != "interleaved":
         raise ValueError(f"sinusoid layout must be one of {SINUSOID_LAYOUTS}, not {layout!r}")
     enc[:, 0::2] = torch.sin(angles)
     enc[:, 1::2] = torch.cos(angles[:, : d_model // 2])
-    return enc.float()
+    return enc
 
 
 class SinusoidalPositions(nn.Module):
@@ -47,7 +47,8 @@ class SinusoidalPositions(nn.Module):
         self.register_buffer(
             # In float64, as the table is made once: at position 500 a float32 angle is off
             # by ~3e-5, which reference implementations (built in float64) do not share.
-            "table", sinusoids(torch.arange(max_len), d_model, layout, torch.float64),
+            "table",
+            sinusoids(torch.arange(max_len), d_model, layout, torch.float64).float(),
             persistent=False,
         )
 
@@ -68,4 +69,15 @@ class LearnedPositions(nn.Module):
         return self.table(positions)
 
 
-POSITIONS = {"sinusoidal": SinusoidalPositions, "learned": LearnedPositions}
+class NoPositions(nn.Module):
+    """No absolute positions: a model whose attention places tokens itself (rotary)."""
+
+    def __init__(self, max_len: int, d_model: int, layout: str = "interleaved") -> None:
+        super().__init__()
+
+    def forward(self, positions: Tensor) -> None:
+        return None
+
+
+POSITIONS = {"sinusoidal": SinusoidalPositions, "learned": LearnedPositions,
+             "none": NoPositions}

@@ -1,4 +1,5 @@
-"""GPT: a decoder-only Transformer language model (Radford et al. 2018, 2019).
+"""GPT: a decoder-only Transformer language model (Radford et al. 2018, 2019), and the
+layouts that grew from it (Llama, Qwen, Mistral) as choices of its config.
 
 Shapes: B batch, T new tokens, S tokens attended (cached + new), D d_model, V vocabulary.
 """
@@ -12,131 +13,142 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from tformer.checks import check_choice, check_heads, check_range
+from tformer.checks import check_choice, check_range
+from tformer.errors import TformerError
 from tformer.layers import (
-    ACTIVATIONS,
     POSITIONS,
-    SINUSOID_LAYOUTS,
+    ROTARY_LAYOUTS,
+    ROTARY_SCALINGS,
     DecoderCache,
     Dropout,
-    FeedForward,
     KVCache,
     MultiHeadAttention,
     Residual,
+    Rotary,
+    RotaryScaling,
     lm_mask,
+    make_feedforward,
+    make_norm,
+    window_mask,
 )
+from tformer.models.base import Model, StackConfig
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(StackConfig):
     weight_free: ClassVar[frozenset[str]] = frozenset({"dropout"})
     """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
 
-    vocab_size: int = 0
-    """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
     context: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    d_ff: int = 0
-    """0 means 4 * d_model."""
-    d_head: int | None = None
-    """Query/key size per head; none means d_model / n_head."""
-    d_value: int | None = None
-    """Value size per head; none means d_head."""
-    dropout: float = 0.0
-    activation: str = "gelu"
     position: str = "learned"
-    norm: str = "pre"
-    tie_embeddings: bool = True
-    bias: bool = True
-    """Biases in every linear layer and LayerNorm (attention: unless attn_bias says)."""
-    attn_bias: bool | None = None
-    """Biases in the attention projections; none means the same as `bias`."""
-    output_bias: bool = False
-    """A bias on the projection to the vocabulary."""
-    scale_embeddings: bool = False
-    """Multiply token embeddings by sqrt(d_model) before adding positions (Vaswani et al.
-    2017, sec. 3.4)."""
-    embed_norm: bool = False
-    """A LayerNorm right after token + position embeddings (BERT, BLOOM)."""
-    final_norm: bool = True
-    """Pre-norm: the LayerNorm that closes the stack (GPT-2 has it)."""
-    sinusoid_layout: str = "interleaved"
-    """position = sinusoidal: interleaved sin/cos, or halves ([sin | cos])."""
+    """Absolute positions added to the embeddings: learned, sinusoidal, or none (with
+    rotary embeddings, which place tokens inside attention)."""
+    n_kv_head: int | None = None
+    """Key/value heads, shared by groups of query heads; none means n_head (1: multi-query)."""
+    qkv_bias: bool | None = None
+    """Biases on the q/k/v projections alone (Qwen2); none means attn_bias."""
+    qk_norm: bool = False
+    """A norm (of norm_kind) over each query and key head before rotary (Qwen3)."""
+    window: int | None = None
+    """Sliding-window attention: each token sees itself and the window - 1 before it."""
+    rotary: bool = False
+    """Rotary position embeddings on queries and keys (Su et al. 2021)."""
+    rope_theta: float = 10000.0
+    rope_fraction: float = 1.0
+    """The part of each head that rotates (the first dimensions)."""
+    rope_layout: str = "halves"
+    """halves (rotate-half: Llama's Hugging Face code) or interleaved (RoFormer, GPT-J)."""
+    rope_scaling: str = "none"
+    """none, linear, or llama3 (see layers.rotary.RotaryScaling)."""
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
 
     def __post_init__(self) -> None:
-        check_range("model.vocab_size", self.vocab_size, low=0)
-        for key in ("context", "n_layer", "n_head", "d_model"):
-            check_range(f"model.{key}", getattr(self, key), low=1)
-        check_range("model.d_ff", self.d_ff, low=0)
-        for key in ("d_head", "d_value"):
-            if getattr(self, key) is not None:
-                check_range(f"model.{key}", getattr(self, key), low=1)
-        check_heads("model", self.d_model, self.n_head, self.d_head)
-        check_range("model.dropout", self.dropout, low=0.0, high=1.0)
-        check_choice("model.activation", self.activation, tuple(ACTIVATIONS))
+        super().__post_init__()
+        check_range("model.context", self.context, low=1)
         check_choice("model.position", self.position, tuple(POSITIONS))
-        check_choice("model.norm", self.norm, ("pre", "post"))
-        check_choice("model.sinusoid_layout", self.sinusoid_layout, SINUSOID_LAYOUTS)
+        if self.n_kv_head is not None:
+            check_range("model.n_kv_head", self.n_kv_head, low=1, high=self.n_head)
+            if self.n_head % self.n_kv_head:
+                raise TformerError(f"model.n_kv_head = {self.n_kv_head} must divide "
+                                   f"model.n_head = {self.n_head}")
+        if self.window is not None:
+            check_range("model.window", self.window, low=1)
+        check_range("model.rope_theta", self.rope_theta, low=1.0)
+        check_range("model.rope_fraction", self.rope_fraction, low=0.0, high=1.0)
+        check_choice("model.rope_layout", self.rope_layout, ROTARY_LAYOUTS)
+        check_choice("model.rope_scaling", self.rope_scaling, ROTARY_SCALINGS)
+        check_range("model.rope_factor", self.rope_factor, low=1.0)
+        if self.rotary and 2 * int(self.head_size * self.rope_fraction // 2) < 2:
+            raise TformerError(f"model.rope_fraction = {self.rope_fraction} rotates nothing "
+                               f"of a head of {self.head_size}")
 
-    @property
-    def ff_width(self) -> int:
-        return self.d_ff or 4 * self.d_model
+    def rotary_module(self) -> Rotary | None:
+        if not self.rotary:
+            return None
+        scaling = RotaryScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
+                                self.rope_high_freq_factor, self.rope_original_context)
+        return Rotary(self.head_size, theta=self.rope_theta, fraction=self.rope_fraction,
+                      layout=self.rope_layout, scaling=scaling)
 
 
 class GPTBlock(nn.Module):
     """Causal self-attention then feed-forward, each inside a residual connection."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, rotary: Rotary | None) -> None:
         super().__init__()
-        self.attn = MultiHeadAttention(
-            cfg.d_model,
-            cfg.n_head,
-            d_head=cfg.d_head,
-            d_value=cfg.d_value,
-            dropout=cfg.dropout,
-            bias=cfg.bias if cfg.attn_bias is None else cfg.attn_bias,
-        )
-        self.ff = FeedForward(
-            cfg.d_model,
-            cfg.ff_width,
-            activation=cfg.activation,
-            dropout=cfg.dropout,
-            bias=cfg.bias,
-        )
-        self.attn_residual = Residual(
-            cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias
-        )
-        self.ff_residual = Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias)
+        qkv_bias = cfg.attention_bias if cfg.qkv_bias is None else cfg.qkv_bias
 
-    def forward(self, x: Tensor, mask: Tensor | None, cache: KVCache | None) -> Tensor:
+        def head_norm(d: int) -> nn.Module:
+            return make_norm(cfg.norm_kind, d, eps=cfg.norm_eps, bias=cfg.bias)
+
+        self.attn = MultiHeadAttention(
+            cfg.d_model, cfg.n_head, d_head=cfg.d_head, d_value=cfg.d_value,
+            n_kv_head=cfg.n_kv_head, dropout=cfg.dropout, bias=qkv_bias,
+            out_bias=cfg.attention_bias, qk_norm=head_norm if cfg.qk_norm else None,
+            rotary=rotary,
+        )
+        self.ff = make_feedforward(
+            cfg.feedforward, cfg.d_model, cfg.ff_width, activation=cfg.activation,
+            dropout=cfg.dropout, bias=cfg.bias,
+        )
+        self.attn_residual, self.ff_residual = (
+            Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias,
+                     kind=cfg.norm_kind, eps=cfg.norm_eps)
+            for _ in range(2)
+        )
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None, cache: KVCache | None, positions: Tensor
+    ) -> Tensor:
         # Without a mask, T > 1 new tokens are a prompt with nothing cached before it (the
         # model builds a mask otherwise), and a single new token may see every cached key.
         is_causal = mask is None and x.shape[1] > 1
         x = self.attn_residual(
-            x, lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=cache)
+            x, lambda h: self.attn(h, mask=mask, is_causal=is_causal, cache=cache,
+                                   positions=positions)
         )
         return self.ff_residual(x, self.ff)
 
 
-class GPT(nn.Module):
+class GPT(Model):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        if cfg.vocab_size < 1:
-            raise ValueError(
-                "GPTConfig.vocab_size must be set (from the tokenizer) to build a model"
-            )
+        cfg.require_vocab()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.positions = POSITIONS[cfg.position](cfg.context, cfg.d_model, cfg.sinusoid_layout)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
-        self.embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
+        self.embed_norm = cfg.norm_module() if cfg.embed_norm else None
         self.dropout = Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layer))
-        # Pre-norm leaves the residual stream un-normalised: one LayerNorm closes the stack.
+        # One rotary table for every layer (its buffer is not saved).
+        rotary = cfg.rotary_module()
+        self.blocks = nn.ModuleList(GPTBlock(cfg, rotary) for _ in range(cfg.n_layer))
+        # Pre-norm leaves the residual stream un-normalised: one norm closes the stack.
         closing_norm = cfg.norm == "pre" and cfg.final_norm
-        self.final_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if closing_norm else None
+        self.final_norm = cfg.norm_module() if closing_norm else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         self._init_weights()
         if cfg.tie_embeddings:
@@ -167,15 +179,8 @@ class GPT(nn.Module):
         param = self.embed.weight
         return DecoderCache(
             [
-                KVCache(
-                    batch,
-                    cfg.n_head,
-                    max_len,
-                    attn.d_head,
-                    attn.d_value,
-                    dtype=param.dtype,
-                    device=param.device,
-                )
+                KVCache(batch, attn.n_kv_head, max_len, attn.d_head, attn.d_value,
+                        dtype=param.dtype, device=param.device)
                 for _ in range(cfg.n_layer)
             ],
             track_padding=padded,
@@ -207,30 +212,35 @@ class GPT(nn.Module):
                 cache.is_real[:, past : past + T] = is_real
             keys_real = cache.is_real[:, : past + T]
         if keys_real is None:
-            positions = torch.arange(past, past + T, device=tokens.device)
+            key_positions = torch.arange(past + T, device=tokens.device)[None]
         else:
             # Position of each token = number of real tokens before it (in cache and input).
-            positions = (keys_real.cumsum(1) - 1).clamp(min=0)[:, past:]
+            key_positions = (keys_real.cumsum(1) - 1).clamp(min=0)
+        positions = key_positions[:, past:]
+        window = self.cfg.window
+        windowed = window is not None and past + T > window
 
         mask = None
-        if keys_real is not None or (past > 0 and T > 1):
+        if keys_real is not None or (past > 0 and T > 1) or windowed:
             mask = lm_mask(keys_real, T, past + T, tokens.device)
+            if windowed:
+                mask = mask & window_mask(key_positions, T, window)
 
         x = self.embed(tokens)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        x = x + self.positions(positions)
+        absolute = self.positions(positions if keys_real is not None else positions[0])
+        if absolute is not None:
+            x = x + absolute
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = self.dropout(x)
+        rotary_positions = positions if keys_real is not None else positions[0]
         for i, block in enumerate(self.blocks):
-            x = block(x, mask, cache.self_attn[i] if cache is not None else None)
+            x = block(x, mask, cache.self_attn[i] if cache is not None else None,
+                      rotary_positions)
         if last_only:
             x = x[:, -1:]
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.lm_head(x)
-
-    def num_params(self) -> int:
-        """Distinct parameters (a tied embedding counts once)."""
-        return sum(p.numel() for p in self.parameters())

@@ -20,15 +20,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from tformer.checks import check_choice, check_heads, check_range
+from tformer.checks import check_range
 from tformer.kernels.attend import serves_cache
 from tformer.kernels.step import DecoderStep
 from tformer.layers import (
-    ACTIVATIONS,
-    SINUSOID_LAYOUTS,
     DecoderCache,
     Dropout,
-    FeedForward,
     KVCache,
     Lineage,
     MultiHeadAttention,
@@ -37,83 +34,48 @@ from tformer.layers import (
     StaticKV,
     attention_bias,
     lm_mask,
+    make_feedforward,
     padding_mask,
 )
+from tformer.models.base import Model, StackConfig
 
 
 @dataclass(frozen=True)
-class Seq2SeqConfig:
+class Seq2SeqConfig(StackConfig):
     weight_free: ClassVar[frozenset[str]] = frozenset(
         {"dropout", "attn_dropout", "ff_dropout", "label_smoothing"}
     )
     """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
 
-    vocab_size: int = 0
-    """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
-    max_len: int = 256
-    """Longest source or target (in tokens) the position table covers."""
     n_layer: int = 6
     """Encoder layers; the decoder has as many unless n_decoder_layer says otherwise."""
-    n_decoder_layer: int | None = None
     n_head: int = 8
     d_model: int = 512
-    d_ff: int = 0
-    """0 means 4 * d_model."""
-    d_head: int | None = None
-    """Query/key size per head; none means d_model / n_head."""
-    d_value: int | None = None
-    """Value size per head; none means d_head."""
     dropout: float = 0.1
+    activation: str = "relu"
+    tie_embeddings: bool = True
+    """One matrix for the encoder embedding, the decoder embedding and the output
+    projection (sec. 3.4); needs the shared source/target vocabulary."""
+    scale_embeddings: bool = True
+    max_len: int = 256
+    """Longest source or target (in tokens) the position table covers."""
+    n_decoder_layer: int | None = None
     attn_dropout: float = 0.0
     """Dropout on attention weights (the paper uses none)."""
     ff_dropout: float = 0.0
     """Dropout inside the FFN, after the activation (the paper uses none; `dropout` already
     covers every sublayer's output)."""
-    activation: str = "relu"
-    norm: str = "pre"
-    """pre: LayerNorm before each sublayer, plus a final one per stack (stable with large
-    learning rates); post: the paper's LayerNorm(x + sublayer(x))."""
-    tie_embeddings: bool = True
-    """One matrix for the encoder embedding, the decoder embedding and the output
-    projection (sec. 3.4); needs the shared source/target vocabulary."""
     label_smoothing: float = 0.1
     """epsilon_ls of sec. 5.4."""
-    bias: bool = True
-    """Biases in every linear layer and LayerNorm (attention: unless attn_bias says)."""
-    attn_bias: bool | None = None
-    """Biases in the attention projections; none means the same as `bias`."""
-    output_bias: bool = False
-    """A bias on the projection to the vocabulary (Marian's final_logits_bias)."""
-    scale_embeddings: bool = True
-    """Multiply embeddings by sqrt(d_model) before adding positions (sec. 3.4)."""
-    embed_norm: bool = False
-    """A LayerNorm right after embeddings + positions, in both stacks (mBART)."""
-    final_norm: bool = True
-    """Pre-norm: the LayerNorm that closes each stack."""
-    sinusoid_layout: str = "interleaved"
-    """interleaved sin/cos (the paper), or halves ([sin | cos]: tensor2tensor, fairseq,
-    Marian)."""
 
     def __post_init__(self) -> None:
-        check_range("model.vocab_size", self.vocab_size, low=0)
-        for key in ("max_len", "n_layer", "n_head", "d_model"):
-            check_range(f"model.{key}", getattr(self, key), low=1)
-        check_range("model.d_ff", self.d_ff, low=0)
-        for key in ("n_decoder_layer", "d_head", "d_value"):
-            if getattr(self, key) is not None:
-                check_range(f"model.{key}", getattr(self, key), low=1)
-        check_heads("model", self.d_model, self.n_head, self.d_head)
-        check_range("model.dropout", self.dropout, low=0.0, high=1.0)
+        super().__post_init__()
+        check_range("model.max_len", self.max_len, low=1)
+        if self.n_decoder_layer is not None:
+            check_range("model.n_decoder_layer", self.n_decoder_layer, low=1)
         check_range("model.attn_dropout", self.attn_dropout, low=0.0, high=1.0)
         check_range("model.ff_dropout", self.ff_dropout, low=0.0, high=1.0)
         check_range("model.label_smoothing", self.label_smoothing, low=0.0, high=1.0)
-        check_choice("model.activation", self.activation, tuple(ACTIVATIONS))
-        check_choice("model.norm", self.norm, ("pre", "post"))
-        check_choice("model.sinusoid_layout", self.sinusoid_layout, SINUSOID_LAYOUTS)
-
-    @property
-    def ff_width(self) -> int:
-        return self.d_ff or 4 * self.d_model
 
     @property
     def decoder_layers(self) -> int:
@@ -123,19 +85,20 @@ class Seq2SeqConfig:
 def _attention(cfg: Seq2SeqConfig, *, cross: bool) -> MultiHeadAttention:
     return MultiHeadAttention(
         cfg.d_model, cfg.n_head, d_head=cfg.d_head, d_value=cfg.d_value,
-        dropout=cfg.attn_dropout, bias=cfg.bias if cfg.attn_bias is None else cfg.attn_bias,
+        dropout=cfg.attn_dropout, bias=cfg.attention_bias,
         cross=cross,
     )
 
 
 def _residual(cfg: Seq2SeqConfig) -> Residual:
-    return Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias)
+    return Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias,
+                    kind=cfg.norm_kind, eps=cfg.norm_eps)
 
 
-def _feedforward(cfg: Seq2SeqConfig) -> FeedForward:
-    return FeedForward(
-        cfg.d_model, cfg.ff_width, activation=cfg.activation, dropout=cfg.ff_dropout,
-        bias=cfg.bias,
+def _feedforward(cfg: Seq2SeqConfig) -> nn.Module:
+    return make_feedforward(
+        cfg.feedforward, cfg.d_model, cfg.ff_width, activation=cfg.activation,
+        dropout=cfg.ff_dropout, bias=cfg.bias,
     )
 
 
@@ -189,27 +152,24 @@ class DecoderLayer(nn.Module):
         return self.ff_residual(x, self.ff)
 
 
-class Seq2Seq(nn.Module):
+class Seq2Seq(Model):
     def __init__(self, cfg: Seq2SeqConfig) -> None:
         super().__init__()
-        if cfg.vocab_size < 1:
-            raise ValueError(
-                "Seq2SeqConfig.vocab_size must be set (from the tokenizer) to build a model"
-            )
+        cfg.require_vocab()
         self.cfg = cfg
         self.src_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.tgt_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.positions = SinusoidalPositions(cfg.max_len, cfg.d_model, cfg.sinusoid_layout)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
-        self.src_embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
-        self.tgt_embed_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.embed_norm else None
+        self.src_embed_norm = cfg.norm_module() if cfg.embed_norm else None
+        self.tgt_embed_norm = cfg.norm_module() if cfg.embed_norm else None
         self.dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layer))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
-        # Pre-norm leaves each stack's residual stream un-normalised: one LayerNorm closes it.
+        # Pre-norm leaves each stack's residual stream un-normalised: one norm closes it.
         pre = cfg.norm == "pre" and cfg.final_norm
-        self.encoder_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if pre else None
-        self.decoder_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias) if pre else None
+        self.encoder_norm = cfg.norm_module() if pre else None
+        self.decoder_norm = cfg.norm_module() if pre else None
         self.out_proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         self._init_weights()
         if cfg.tie_embeddings:
@@ -232,7 +192,7 @@ class Seq2Seq(nn.Module):
     def _embed(
         self,
         embed: nn.Embedding,
-        norm: nn.LayerNorm | None,
+        norm: nn.Module | None,
         tokens: Tensor,
         start: int = 0,
         is_real: Tensor | None = None,
@@ -341,11 +301,7 @@ class Seq2Seq(nn.Module):
             ],
             [StaticKV() for _ in layers],
         )
-        if lineage is not None:
+        # step.c computes plain feed-forward layers only: gated ones run as modules.
+        if lineage is not None and self.cfg.feedforward == "plain":
             cache.step = DecoderStep.of(self.decoder, cache)
         return cache
-
-    def num_params(self) -> int:
-        """Distinct parameters (tied matrices count once)."""
-        return sum(p.numel() for p in self.parameters())
-

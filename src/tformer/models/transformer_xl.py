@@ -20,10 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.checks import check_choice, check_heads, check_range
+from tformer.checks import check_range
 from tformer.layers import (
-    ACTIVATIONS,
-    SINUSOID_LAYOUTS,
     Dropout,
     FeedForward,
     Residual,
@@ -32,17 +30,28 @@ from tformer.layers import (
     lm_mask,
     sinusoids,
 )
+from tformer.models.base import Model, ModelConfig
 
 
 @dataclass(frozen=True)
-class TransformerXLConfig:
+class TransformerXLConfig(ModelConfig):
     weight_free: ClassVar[frozenset[str]] = frozenset(
         {"dropout", "attn_dropout", "mem_len", "eval_mem_len", "clamp_len"}
     )
     """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
+    norm_positions: ClassVar[tuple[str, ...]] = ("post", "pre")
 
-    vocab_size: int = 0
-    """Set from the tokenizer when training starts; 0 in a config file means 'from data'."""
+    d_head: int | None = None
+    """Size per head; none means d_model / n_head."""
+    activation: str = "relu"
+    norm: str = "post"
+    """post, as in the paper's code; pre for deeper stacks."""
+    bias: bool = True
+    """Biases in the feed-forward layers and the layer norms."""
+    sinusoid_layout: str = "interleaved"
+    """interleaved sin/cos, or halves ([sin | cos], the layout of the paper's own code)."""
+    output_bias: bool = False
+    """A bias on the projection to the vocabulary (the paper's code has one)."""
     context: int = 64
     """Segment length: tokens per training step and per evaluation step."""
     mem_len: int = 64
@@ -51,53 +60,19 @@ class TransformerXLConfig:
     """Memory for evaluation and generation; none means mem_len."""
     clamp_len: int = 0
     """Relative distances beyond this share its encoding; 0 is off."""
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    d_ff: int = 0
-    """0 means 4 * d_model."""
-    d_head: int | None = None
-    """Size per head; none means d_model / n_head."""
-    dropout: float = 0.0
     attn_dropout: float = 0.0
     """Dropout on the attention probabilities."""
-    activation: str = "relu"
-    norm: str = "post"
-    """post, as in the paper's code; pre for deeper stacks."""
     share_biases: bool = True
     """One pair of global biases u, v for all layers (the paper's code); false: per layer."""
-    tie_embeddings: bool = True
-    bias: bool = True
-    """Biases in the feed-forward layers and the layer norms."""
-    sinusoid_layout: str = "interleaved"
-    """interleaved sin/cos, or halves ([sin | cos], the layout of the paper's own code)."""
-    output_bias: bool = False
-    """A bias on the projection to the vocabulary (the paper's code has one)."""
 
     def __post_init__(self) -> None:
-        check_range("model.vocab_size", self.vocab_size, low=0)
-        for key in ("context", "n_layer", "n_head", "d_model"):
-            check_range(f"model.{key}", getattr(self, key), low=1)
-        for key in ("mem_len", "clamp_len", "d_ff"):
+        super().__post_init__()
+        check_range("model.context", self.context, low=1)
+        for key in ("mem_len", "clamp_len"):
             check_range(f"model.{key}", getattr(self, key), low=0)
         if self.eval_mem_len is not None:
             check_range("model.eval_mem_len", self.eval_mem_len, low=0)
-        if self.d_head is not None:
-            check_range("model.d_head", self.d_head, low=1)
-        check_heads("model", self.d_model, self.n_head, self.d_head)
-        check_range("model.dropout", self.dropout, low=0.0, high=1.0)
         check_range("model.attn_dropout", self.attn_dropout, low=0.0, high=1.0)
-        check_choice("model.activation", self.activation, tuple(ACTIVATIONS))
-        check_choice("model.norm", self.norm, ("post", "pre"))
-        check_choice("model.sinusoid_layout", self.sinusoid_layout, SINUSOID_LAYOUTS)
-
-    @property
-    def ff_width(self) -> int:
-        return self.d_ff or 4 * self.d_model
-
-    @property
-    def head_size(self) -> int:
-        return self.d_head or self.d_model // self.n_head
 
     @property
     def memory_for_eval(self) -> int:
@@ -348,15 +323,12 @@ class TransformerXLBlock(nn.Module):
         return self.ff_residual(x, self.ff), keys_values, pos_k
 
 
-class TransformerXL(nn.Module):
+class TransformerXL(Model):
     """A Transformer-XL language model: tied embeddings, relative attention, memory."""
 
     def __init__(self, cfg: TransformerXLConfig) -> None:
         super().__init__()
-        if cfg.vocab_size < 1:
-            raise ValueError(
-                "TransformerXLConfig.vocab_size must be set (from the tokenizer) to build a model"
-            )
+        cfg.require_vocab()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.embed_scale = math.sqrt(cfg.d_model)
@@ -451,7 +423,3 @@ class TransformerXL(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.lm_head(self.dropout(x))
-
-    def num_params(self) -> int:
-        """Distinct parameters (a tied embedding counts once)."""
-        return sum(p.numel() for p in self.parameters())

@@ -385,8 +385,10 @@ def restore(run: Run, state: dict[str, Any]) -> None:
 
 
 def schedule_width(cfg: RunConfig) -> int:
-    """d_model, which scales the noam schedule; the config checks that a noam run has one."""
-    return getattr(cfg.model, "d_model", 0) if cfg.train.schedule == "noam" else 0
+    """The width that scales the noam schedule (the family's entry says it; the config
+    checks that a noam run's family has one)."""
+    width = get_family(cfg.family).noam_width
+    return width(cfg.model) if cfg.train.schedule == "noam" and width is not None else 0
 
 
 # --- one optimizer step ------------------------------------------------------------------

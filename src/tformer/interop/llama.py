@@ -1,0 +1,317 @@
+"""Hugging Face's Llama-layout decoders in: LlamaForCausalLM (SmolLM2 and Llama 3.x are
+`llama`), Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM.
+
+They share one layout, and every piece of it is a GPTConfig field: pre-norm RMSNorm, no
+absolute positions, rotary embeddings in the rotate-half layout, SwiGLU feed-forward,
+grouped-query attention, no biases. They differ in a few fields: Qwen2 has biases on the
+q/k/v projections (not on the output one), Qwen3 a per-head RMSNorm on queries and keys and
+a head size of its own, Mistral a sliding window, Llama 3 its rope scaling. The separate
+q/k/v projections become our fused one, stacked in [q | k | v] order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tformer.config import RunConfig, TrainConfig
+from tformer.data.lm import LMDataConfig
+from tformer.data.tokenizers import PretrainedBPETokenizer
+from tformer.errors import TformerError
+from tformer.interop import read_hf_config, read_hf_weights, take
+from tformer.models.gpt import GPT, GPTConfig
+
+log = logging.getLogger(__name__)
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+
+
+def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
+    """The rotary fields, from transformers 4.x's rope_theta + rope_scaling or 5.x's
+    rope_parameters."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise TformerError(f"{source}: rope type {kind!r} cannot be expressed; "
+                           f"tformer has {', '.join(ROPE_TYPES)}")
+    fields: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": ROPE_TYPES[kind]}
+    if kind != "default":
+        fields["rope_factor"] = float(params["factor"])
+    if kind == "llama3":
+        fields.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                      rope_high_freq_factor=float(params["high_freq_factor"]),
+                      rope_original_context=int(params["original_max_position_embeddings"]))
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    fields["rope_fraction"] = float(fraction)
+    return fields
+
+
+def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
+    """A Llama-layout config.json -> GPTConfig; what tformer cannot express is an error."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise TformerError(f"{source}: model_type {model_type!r} is not one of "
+                           f"{', '.join(MODEL_TYPES)}")
+    refused = [key for key in ("num_local_experts", "num_experts", "attn_logit_softcapping",
+                               "final_logit_softcapping") if hf.get(key)]
+    if hf.get("mlp_bias"):
+        refused.append("mlp_bias")
+    if hf.get("hidden_act", "silu") != "silu":
+        refused.append(f"hidden_act = {hf['hidden_act']}")
+    if refused:
+        raise TformerError(f"{source}: tformer cannot express {', '.join(refused)}")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "max_position_embeddings")
+    missing = [key for key in required if not isinstance(hf.get(key), int)]
+    if missing:
+        raise TformerError(f"{source}: config.json of a {model_type} model has no "
+                           f"{', '.join(missing)}")
+    d_model, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or d_model // n_head
+    window = None
+    if model_type == "mistral" or hf.get("use_sliding_window"):
+        window = hf.get("sliding_window")
+    if window is not None and model_type == "qwen2" and (
+            hf.get("max_window_layers", hf["num_hidden_layers"]) < hf["num_hidden_layers"]):
+        raise TformerError(f"{source}: a sliding window on some layers only cannot be expressed")
+    attention_bias = bool(hf.get("attention_bias", False))
+    return GPTConfig(
+        vocab_size=int(hf["vocab_size"]), context=int(hf["max_position_embeddings"]),
+        n_layer=int(hf["num_hidden_layers"]), n_head=n_head, d_model=d_model,
+        d_ff=int(hf["intermediate_size"]),
+        d_head=None if head_dim * n_head == d_model else head_dim,
+        n_kv_head=int(hf.get("num_key_value_heads") or n_head), dropout=0.0,
+        activation="silu", position="none", norm="pre", norm_kind="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), feedforward="gated",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=False,
+        attn_bias=attention_bias, qkv_bias=True if model_type == "qwen2" else None,
+        qk_norm=model_type == "qwen3", window=window, rotary=True, rope_layout="halves",
+        **_rope(hf, source),
+    )
+
+
+def _names(cfg: GPTConfig) -> dict[str, str | tuple[str, ...]]:
+    """Ours -> theirs (several of theirs stacked into one of ours: the q/k/v projections)."""
+    names: dict[str, str | tuple[str, ...]] = {
+        "embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+    }
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        attn = theirs + "self_attn."
+        names |= {
+            ours + "attn_residual.norm.weight": theirs + "input_layernorm.weight",
+            ours + "ff_residual.norm.weight": theirs + "post_attention_layernorm.weight",
+            ours + "attn.qkv_proj.weight": tuple(attn + f"{p}_proj.weight" for p in "qkv"),
+            ours + "attn.out_proj.weight": attn + "o_proj.weight",
+            ours + "ff.gate.weight": theirs + "mlp.gate_proj.weight",
+            ours + "ff.up.weight": theirs + "mlp.up_proj.weight",
+            ours + "ff.down.weight": theirs + "mlp.down_proj.weight",
+        }
+        if cfg.qkv_bias or cfg.attn_bias:
+            names[ours + "attn.qkv_proj.bias"] = tuple(attn + f"{p}_proj.bias" for p in "qkv")
+        if cfg.attn_bias:
+            names[ours + "attn.out_proj.bias"] = attn + "o_proj.bias"
+        if cfg.qk_norm:
+            names[ours + "attn.q_norm.weight"] = attn + "q_norm.weight"
+            names[ours + "attn.k_norm.weight"] = attn + "k_norm.weight"
+    return names
+
+
+def llama_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path | str) -> GPT:
+    """A GPT with the weights of a Llama-layout model, from its config and its tensors (as
+    saved, or its state_dict()). `source` names it in errors."""
+    source = Path(source)
+    cfg = llama_config(hf, source)
+    weights = dict(weights)
+    if cfg.tie_embeddings:
+        weights.pop("lm_head.weight", None)  # state_dict() lists the tied copy too
+    for name in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
+        del weights[name]  # a buffer older versions saved
+    state = {}
+    for ours, theirs in _names(cfg).items():
+        parts = (theirs,) if isinstance(theirs, str) else theirs
+        state[ours] = torch.cat([take(weights, p, source).float() for p in parts])
+    if weights:
+        raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
+                           f"{', '.join(sorted(weights)[:5])}")
+    model = GPT(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise AssertionError(f"mapping mismatch: {missing} {unexpected}")
+    return model.eval()
+
+
+def read_tokenizer(src: Path, hf: dict[str, Any]) -> PretrainedBPETokenizer:
+    """tokenizer.json through the tokenizers library, its special and added tokens with it;
+    bos and eos named by tokenizer_config.json, else by config.json's ids."""
+    from tokenizers import Tokenizer
+
+    if not (src / "tokenizer.json").is_file():
+        raise TformerError(f"{src} has no tokenizer.json")
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    config: dict[str, Any] = {}
+    if (src / "tokenizer_config.json").is_file():
+        config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+
+    def special(key: str) -> str | None:
+        value = config.get(f"{key}_token")
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            ids = hf.get(f"{key}_token_id")
+            ids = ids[0] if isinstance(ids, list) and ids else ids
+            value = tok.id_to_token(ids) if isinstance(ids, int) else None
+        return value
+
+    return PretrainedBPETokenizer(tok, bos=special("bos"), eos=special("eos"),
+                                  pad=special("pad"))
+
+
+def import_llama(src: Path, dest: Path) -> Path:
+    """A local Llama / Qwen2 / Qwen3 / Mistral directory -> a tformer GPT checkpoint."""
+    from tformer.training.checkpoint import save_checkpoint
+
+    hf = read_hf_config(src)
+    model = llama_from_hf(hf, read_hf_weights(src), src)
+    tokenizer = read_tokenizer(src, hf)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise TformerError(f"{src}: the tokenizer has {tokenizer.vocab_size} tokens, the model "
+                           f"only {model.cfg.vocab_size}")
+    save_checkpoint(dest, RunConfig("gpt", model.cfg, LMDataConfig(), TrainConfig()), model,
+                    tokenizer)
+    log.info("imported %s (%s) as a %d-layer GPT into %s", src, hf["model_type"],
+             model.cfg.n_layer, dest)
+    return dest
+
+
+# --- export -------------------------------------------------------------------------------
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def model_type_of(cfg: GPTConfig) -> str:
+    """The Hugging Face family whose layout `cfg` is exactly; an error listing every field
+    that differs where none is."""
+    wanted = {"position": "none", "rotary": True, "norm": "pre", "norm_kind": "rmsnorm",
+              "feedforward": "gated", "activation": "silu", "bias": False, "final_norm": True,
+              "output_bias": False, "scale_embeddings": False, "embed_norm": False,
+              "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None}
+    differ = [f"model.{key} = {getattr(cfg, key)!r} (Llama: {value!r})"
+              for key, value in wanted.items() if getattr(cfg, key) != value]
+    if cfg.qk_norm:
+        model_type = "qwen3"
+    elif cfg.qkv_bias and not cfg.attention_bias:
+        model_type = "qwen2"
+    elif cfg.window is not None:
+        model_type = "mistral"
+    else:
+        model_type = "llama"
+    if model_type != "llama" and cfg.attention_bias:
+        differ.append(f"model.attn_bias = true ({model_type}: no bias on o_proj)")
+    if model_type in ("qwen3", "qwen2") and cfg.window is not None:
+        differ.append(f"model.window = {cfg.window} ({model_type} with q/k norms or biases "
+                      f"has no window here)")
+    if model_type == "qwen3" and cfg.qkv_bias:
+        differ.append("model.qkv_bias = true (Qwen3: none)")
+    if differ:
+        raise TformerError("no Llama-layout family expresses this model: " + "; ".join(differ))
+    return model_type
+
+
+def hf_config(cfg: GPTConfig) -> dict[str, Any]:
+    """GPTConfig -> the config.json of its Hugging Face family (transformers 5.x form, which
+    4.x reads too through its rope_theta and rope_scaling keys, written as well)."""
+    model_type = model_type_of(cfg)
+    rope: dict[str, Any] = {"rope_type": {"none": "default"}.get(cfg.rope_scaling,
+                                                                  cfg.rope_scaling)}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        rope |= {"low_freq_factor": cfg.rope_low_freq_factor,
+                 "high_freq_factor": cfg.rope_high_freq_factor,
+                 "original_max_position_embeddings": cfg.rope_original_context}
+    hf = {
+        "model_type": model_type, "architectures": [ARCHITECTURES[model_type]],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ff_width, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head or cfg.n_head,
+        "head_dim": cfg.head_size, "hidden_act": "silu",
+        "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+        "attention_bias": cfg.attention_bias, "torch_dtype": "float32",
+    }
+    if cfg.rope_scaling != "none":
+        hf["rope_scaling"] = rope
+    if model_type == "mistral":
+        hf["sliding_window"] = cfg.window
+    if model_type == "qwen2":
+        hf |= {"use_sliding_window": False, "sliding_window": None}
+    return hf
+
+
+def hf_weights(model: GPT) -> dict[str, Tensor]:
+    """The model's tensors under their Hugging Face names, the fused q/k/v split apart."""
+    cfg, state = model.cfg, model.state_dict()
+    attn = model.blocks[0].attn
+    q, k, v = attn.widths
+    tensors: dict[str, Tensor] = {}
+    for ours, theirs in _names(cfg).items():
+        tensor = state[ours]
+        if isinstance(theirs, str):
+            tensors[theirs] = tensor.contiguous().clone()
+        else:
+            for name, part in zip(theirs, tensor.split([q, k, v]), strict=True):
+                tensors[name] = part.contiguous().clone()
+    return tensors
+
+
+def export_llama(checkpoint: Path, dest: Path) -> Path:
+    """A tformer GPT checkpoint of a Llama layout -> a directory its Hugging Face family's
+    from_pretrained and AutoTokenizer.from_pretrained load."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tformer.training.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(checkpoint, family="gpt")
+    hf = hf_config(loaded.model.cfg)
+    tokenizer = loaded.tokenizer
+    if getattr(tokenizer, "tok", None) is None:
+        raise TformerError(f"a Hugging Face tokenizer.json needs a BPE tokenizer; this "
+                           f"checkpoint's is {tokenizer.kind!r}")
+    if dest.exists() and any(dest.iterdir()):
+        raise TformerError(f"{dest} exists and is not empty; choose another directory")
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    names = getattr(tokenizer, "names", {"bos": "<s>", "eos": "</s>", "pad": "<pad>"})
+    specials = {f"{k}_token": v for k, v in names.items() if v is not None}
+    ids = {f"{k}_token_id": tokenizer.tok.token_to_id(v) for k, v in names.items()
+           if v is not None}
+    hf |= ids
+    save_file(hf_weights(loaded.model), tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "tokenizer.json").write_text(tokenizer.tok.to_str(), encoding="utf-8")
+    files = {
+        "config.json": hf,
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "model_max_length": hf["max_position_embeddings"], **specials},
+        "generation_config.json": ids,
+    }
+    for name, content in files.items():
+        (tmp / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    if dest.exists():
+        dest.rmdir()
+    tmp.rename(dest)
+    return dest

@@ -1,0 +1,48 @@
+"""The norms a config may name: `layernorm` (Ba et al. 2016) and `rmsnorm` (Zhang & Sennrich
+2019, the norm of Llama, Qwen and Mistral)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, over the last axis.
+
+    The statistic and the division are computed in float32 whatever x's dtype, and the
+    result cast back before the weight multiplies it, as the Llama reference code does: in
+    bfloat16, the mean of squares loses most of its digits.
+    """
+
+    def __init__(self, d: int, *, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def layer_norm(d: int, *, eps: float, bias: bool) -> nn.Module:
+    return nn.LayerNorm(d, eps=eps, bias=bias)
+
+
+def rms_norm(d: int, *, eps: float, bias: bool) -> nn.Module:
+    # RMSNorm has no bias, whatever the other layers have (Zhang & Sennrich 2019, eq. 4).
+    return RMSNorm(d, eps=eps)
+
+
+NormFactory = Callable[..., nn.Module]
+NORMS: dict[str, NormFactory] = {"layernorm": layer_norm, "rmsnorm": rms_norm}
+"""(d, *, eps, bias) -> the norm over d features."""
+
+
+def make_norm(kind: str, d: int, *, eps: float = 1e-5, bias: bool = True) -> nn.Module:
+    if kind not in NORMS:
+        raise ValueError(f"norm kind must be one of {tuple(NORMS)}, not {kind!r}")
+    return NORMS[kind](d, eps=eps, bias=bias)

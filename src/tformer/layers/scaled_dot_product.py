@@ -1,0 +1,84 @@
+"""Scaled dot-product attention, softmax(q k^T / sqrt(d) + mask) v (Vaswani et al. 2017,
+sec. 3.2.1), on the path that suits the call.
+
+torch's fused kernel (scaled_dot_product_attention) never forms the probabilities, so two
+callers get them written out instead: attention maps, which record them, and training on a
+CPU with attention dropout. There SDPA's fused CPU kernel takes no dropout: with
+dropout_p > 0 it runs its math path, these same steps written out, with torch's dropout;
+written out here, the probabilities go through tformer's dropout kernel.
+
+Shapes: B batch, H query heads, H_kv key/value heads (H_kv divides H: grouped-query
+attention), T queries, S keys, d query/key size, d_value value size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tformer.kernels.dropout import dropout, runs_natively
+from tformer.layers.masks import attention_bias, causal_mask
+
+
+def scaled_dot_product(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, *,
+    dropout_p: float, recorded: list[Tensor] | None,
+) -> Tensor:
+    """q (B, H, T, d), k (B, H_kv, S, d), v (B, H_kv, S, d_value) -> (B, H, T, d_value).
+
+    mask: a boolean may-attend mask, or a float bias, broadcastable to (B, H, T, S).
+    is_causal: the causal mask, without building it (only where `mask` is None).
+    dropout_p: dropout on the probabilities (0 outside training).
+    recorded: a list to append the (B, H, T, S) probabilities to, or None.
+    """
+    written = recorded is not None or runs_natively(q, dropout_p)
+    if k.shape[1] != q.shape[1]:
+        if not (written or is_causal) and (mask is None or mask.shape[1] == 1):
+            return _grouped(q, k, v, mask, dropout_p)
+        # Grouped-query attention (Ainslie et al. 2023): query head h reads key/value head
+        # h // (H / H_kv).
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if written:
+        return written_out(q, k, v, mask, is_causal, dropout_p=dropout_p, recorded=recorded)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
+    )
+
+
+def _grouped(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
+) -> Tensor:
+    """Grouped-query attention without copying keys and values per query head: the G
+    query heads that share a key/value head are stacked along the query axis, so each
+    key/value head is read once (a decoding step's cache is the largest operand). mask:
+    one for all heads, (B or 1, 1, T or 1, S)."""
+    B, H, T, _ = q.shape
+    H_kv = k.shape[1]
+    group = H // H_kv
+    q = q.reshape(B, H_kv, group * T, -1)
+    if mask is not None and mask.shape[2] == T and T > 1:
+        mask = mask.repeat(1, 1, group, 1)  # row g * T + t is query t of head g
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    return out.reshape(B, H, T, -1)
+
+
+def written_out(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, *,
+    dropout_p: float, recorded: list[Tensor] | None,
+) -> Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v as SDPA computes it, with the probabilities kept in
+    `recorded` where that is a list and dropped by tformer's dropout."""
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if is_causal:
+        mask = causal_mask(q.shape[2], k.shape[2], q.device)
+    if mask is not None:
+        scores = scores + (attention_bias(mask, scores.dtype) if mask.dtype == torch.bool
+                           else mask)
+    probs = scores.softmax(dim=-1)
+    if recorded is not None:
+        recorded.append(probs.detach())
+    return dropout(probs, dropout_p, dropout_p > 0.0) @ v

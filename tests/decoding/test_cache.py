@@ -1,0 +1,67 @@
+"""The caches decide how a step attends: the attention kernel where it computes the same
+thing from their layout, torch's attention (over the keys gathered in the rows' order)
+where it cannot, e.g. for grouped-query heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer.decoding import cache as cache_module
+from tformer.decoding.cache import DecoderCache, KVCache, Lineage
+from tformer.kernels.attend import serves
+from tformer.layers import MultiHeadAttention
+
+CPU = torch.device("cpu")
+
+
+def caches(rows: int, heads: int, positions: int = 8) -> tuple[DecoderCache, DecoderCache]:
+    copying = DecoderCache([KVCache(rows, heads, positions, 4, 3, dtype=torch.float32,
+                                    device=CPU)])
+    lineage = Lineage(rows, positions, CPU)
+    following = DecoderCache([KVCache(rows, heads, positions, 4, 3, dtype=torch.float32,
+                                      device=CPU, lineage=lineage)])
+    return copying, following
+
+
+def steps(attn: MultiHeadAttention, copying: DecoderCache, following: DecoderCache) -> None:
+    """Beam search's steps, with reorders; the two caches must attend alike throughout."""
+    torch.manual_seed(1)
+    rows = 6
+    for index in ([5, 0, 0, 2, 3, 1], [1, 1, 4, 0, 0, 2], [3, 0, 2, 2], [1, 0, 3]):
+        x = torch.randn(rows, 1, 16)
+        want = attn(x, cache=copying.self_attn[0])
+        got = attn(x, cache=following.self_attn[0])
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        copying.reorder(torch.tensor(index))
+        following.reorder(torch.tensor(index))
+        rows = len(index)
+
+
+@torch.no_grad()
+def test_grouped_query_heads_take_torchs_path_over_a_lineage(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the attention kernel reads one key head per query head")
+
+    monkeypatch.setattr(cache_module, "attend_step", refuse)
+    attn = MultiHeadAttention(16, 4, d_head=4, d_value=3, n_kv_head=2).eval()
+    steps(attn, *caches(6, 2))
+
+
+@pytest.mark.skipif(not serves(torch.zeros(1)), reason="the attention kernel is not built")
+@torch.no_grad()
+def test_one_head_per_query_head_runs_the_kernel(monkeypatch):
+    calls = []
+    kernel = cache_module.attend_step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "attend_step", counted)
+    attn = MultiHeadAttention(16, 2, d_head=4, d_value=3).eval()
+    steps(attn, *caches(6, 2))
+    assert len(calls) == 4  # one a step, on the lineage cache only
+    attn.recorded = []  # recording: the probabilities are wanted, so no kernel
+    steps(attn, *caches(6, 2))
+    assert len(calls) == 4 and len(attn.recorded) == 8

@@ -1,0 +1,183 @@
+"""Llama-layout models from Hugging Face (Llama with Llama 3's rope scaling, Qwen2 with tied
+embeddings, Qwen3 with a head size of its own, Mistral with a window shorter than the
+sequence): tiny random models saved with save_pretrained, imported, and compared with
+transformers' own forward pass and generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer.decoding.lm import generate, left_pad
+from tformer.errors import TformerError
+from tformer.interop import read_hf_config, read_hf_weights
+from tformer.interop.llama import llama_config, llama_from_hf
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "rms_norm_eps": 1e-6}
+FAMILIES = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True,
+                                                      "rope_theta": 1000.0}),
+    "qwen3-head-dim": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 12,
+                                                          "tie_word_embeddings": False}),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5,
+                                                              "tie_word_embeddings": False}),
+}
+
+
+def randomise(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter random, norm weights around 1, so that no mapping mistake hides
+    behind ones."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.rand(p.shape, generator=g) - 0.5
+            p.copy_(1.0 + 0.4 * noise if "norm" in name else 0.4 * noise)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    config_class, model_class, fields = FAMILIES[request.param]
+    config = getattr(transformers, config_class)(**COMMON, **fields,
+                                                 attn_implementation="eager")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    randomise(model)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, path, model
+
+
+def imported(path):
+    return llama_from_hf(read_hf_config(path), read_hf_weights(path), path)
+
+
+ROWS = [[5, 17, 3, 88, 41, 9, 62, 23, 7, 1, 54], [12, 6, 90], [33, 2, 71, 45, 8, 19, 60]]
+
+
+@torch.no_grad()
+def test_logits_match_hugging_face_on_a_left_padded_batch(saved):
+    name, path, hf = saved
+    ours = imported(path)
+    tokens, is_real = left_pad(ROWS, pad_id=0)
+    got = ours(tokens, is_real)
+    # Each row alone, as Hugging Face computes it: the left-padded batch must change nothing
+    # (the window too counts real tokens only).
+    for i, row in enumerate(ROWS):
+        expected = hf(torch.tensor([row])).logits[0]
+        delta = (got[i][is_real[i]] - expected).abs().max()
+        assert delta <= 1e-5, (name, float(delta))
+    if name != "mistral-window":  # Hugging Face's window counts the padding
+        positions = (is_real.long().cumsum(1) - 1).clamp(min=0)
+        expected = hf(tokens, attention_mask=is_real.long(), position_ids=positions).logits
+        assert (got - expected).abs()[is_real].max() <= 1e-5
+
+
+@torch.no_grad()
+def test_greedy_tokens_match_hugging_face_generate(saved):
+    name, path, hf = saved
+    ours = imported(path)
+    prompt = torch.tensor([ROWS[0][:4]])
+    expected = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[:, prompt.shape[1]:]
+    got = torch.stack(list(generate(ours, prompt, max_new_tokens=20, temperature=0.0)), 1)
+    assert torch.equal(got, expected), name
+
+
+def test_the_config_maps_each_family_difference(saved):
+    name, path, _ = saved
+    cfg = llama_config(read_hf_config(path), path)
+    assert (cfg.n_kv_head, cfg.norm_kind, cfg.feedforward, cfg.position) == (
+        2, "rmsnorm", "gated", "none")
+    assert cfg.rope_scaling == ("llama3" if name == "llama3" else "none")
+    assert cfg.tie_embeddings == (name == "qwen2-tied")
+    assert cfg.qkv_bias == (True if name == "qwen2-tied" else None)
+    assert (cfg.qk_norm, cfg.d_head) == ((True, 12) if name == "qwen3-head-dim" else (False, None))
+    assert cfg.window == (5 if name == "mistral-window" else None)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "gemma2"}, "model_type 'gemma2' is not one of"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
+    ({"num_local_experts": 8}, "cannot express num_local_experts"),
+    ({"hidden_act": "gelu"}, "cannot express hidden_act = gelu"),
+    ({"hidden_size": None}, "config.json of a llama model has no hidden_size"),
+])
+def test_what_tformer_cannot_express_is_named(change, message, tmp_path):
+    hf = {"model_type": "llama", **COMMON, "hidden_act": "silu", **change}
+    with pytest.raises(TformerError, match=message):
+        llama_config(hf, tmp_path)
+
+
+def test_the_4x_config_form_reads_as_the_5x_one(saved):
+    name, path, _ = saved
+    hf = read_hf_config(path)
+    params = dict(hf.pop("rope_parameters"))
+    old = {**hf, "rope_theta": params.pop("rope_theta")}
+    if params.get("rope_type", "default") != "default":
+        old["rope_scaling"] = params
+    assert llama_config(old, path) == llama_config(read_hf_config(path), path)
+
+
+def test_import_keeps_the_tokenizer_and_generates(saved, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from tformer.interop.command import import_checkpoint
+    from tformer.training.checkpoint import load_checkpoint
+
+    from .conftest import TRICKY, generated_text
+
+    name, path, hf = saved
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(generated_text(200), trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>")
+    source = tmp_path / "source"
+    hf.save_pretrained(source)
+    fast.save_pretrained(source)
+    loaded = load_checkpoint(import_checkpoint(source, tmp_path / "ours"))
+    reference = transformers.AutoTokenizer.from_pretrained(source)
+    for text in [*TRICKY, "<s>a</s>"]:
+        assert loaded.tokenizer.encode(text) == reference(text, add_special_tokens=False)[
+            "input_ids"], text
+    assert (loaded.tokenizer.bos_id, loaded.tokenizer.eos_id) == (0, 1)
+    prompt = torch.tensor([loaded.tokenizer.encode("Kalo mi")])
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[:, prompt.shape[1]:]
+        got = torch.stack(list(generate(loaded.model, prompt, max_new_tokens=20,
+                                        temperature=0.0)), 1)
+    assert torch.equal(got, expected), name
+
+    # ...and back out: the same family, every tensor bit for bit, the same tokens.
+    from tformer.interop.command import export_checkpoint
+
+    back = export_checkpoint(tmp_path / "ours", tmp_path / "back", "llama")
+    again = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    assert type(again) is type(hf)
+    theirs, ours = hf.state_dict(), again.state_dict()
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs), name
+    assert again.config.to_dict()["rope_parameters"] == hf.config.to_dict()["rope_parameters"]
+    assert getattr(again.config, "sliding_window", None) == getattr(hf.config, "sliding_window",
+                                                                    None)
+    assert transformers.AutoTokenizer.from_pretrained(back)(TRICKY[1])["input_ids"] == (
+        reference(TRICKY[1])["input_ids"])
+
+
+def test_a_layout_no_family_has_is_refused_with_every_difference():
+    from tformer.interop.llama import model_type_of
+    from tformer.models.gpt import GPTConfig
+
+    with pytest.raises(TformerError, match=r"model.position = 'learned' .*model.norm_kind"):
+        model_type_of(GPTConfig(vocab_size=11))
