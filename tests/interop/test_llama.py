@@ -130,7 +130,7 @@ def test_import_keeps_the_tokenizer_and_generates(saved, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from tformer.interop.command import import_checkpoint
-    from tformer.training.checkpoint import load_checkpoint
+    from tformer.loading import load_checkpoint
 
     from .conftest import TRICKY, generated_text
 

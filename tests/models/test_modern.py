@@ -280,8 +280,8 @@ def test_sampling_with_the_cache_equals_without_and_the_cpu_paths_take_the_optio
 
 
 def test_a_modern_config_trains_a_step_and_its_checkpoint_loads(tmp_path):
+    from tformer import loading
     from tformer.config import config_from_dict
-    from tformer.training import checkpoint as ckpt
     from tformer.training.trainer import train
 
     model = {"family": "gpt", "n_layer": 1, "n_head": 4, "d_model": 16, "context": 16,
@@ -293,7 +293,7 @@ def test_a_modern_config_trains_a_step_and_its_checkpoint_loads(tmp_path):
         "train.schedule=noam", "model.dropout=0.1"])
     result = train(cfg, tmp_path / "run")
     assert result.step == 1 and result.skipped_steps == 0
-    loaded = ckpt.load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001")
+    loaded = loading.load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001")
     saved = loaded.model.cfg
     assert saved == dataclasses.replace(cfg.model, vocab_size=saved.vocab_size)
     assert (saved.window, saved.n_kv_head, saved.rope_scaling) == (8, 2, "llama3")

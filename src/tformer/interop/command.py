@@ -47,7 +47,8 @@ def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "g
 
 def import_command(
     source: Annotated[
-        str, Help("directory with config.json and the weights (GPT-2, Marian)")
+        str, Help("directory with config.json and the weights (GPT-2, Marian, Llama, Qwen2, "
+                  "Qwen3, Mistral)")
     ],
     *,
     out: Annotated[str, Help("the new checkpoint's directory")],
@@ -64,7 +65,8 @@ def export_command(
     checkpoint: Annotated[str, Help("run or checkpoint directory")],
     *,
     out: Annotated[str, Help("the new model directory")],
-    format: Annotated[str, Help("gpt2 (GPT2LMHeadModel)")] = "gpt2",
+    format: Annotated[str, Help("gpt2 (GPT2LMHeadModel), or llama (Llama, Qwen2, Qwen3 or "
+                                "Mistral: whichever the config is exactly)")] = "gpt2",
 ) -> int:
     export_checkpoint(checkpoint, out, format)
     print(f"exported {checkpoint} as {format} into {out}")

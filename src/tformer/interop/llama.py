@@ -283,7 +283,7 @@ def export_llama(checkpoint: Path, dest: Path) -> Path:
 
     from safetensors.torch import save_file
 
-    from tformer.training.checkpoint import load_checkpoint
+    from tformer.loading import load_checkpoint
 
     loaded = load_checkpoint(checkpoint, family="gpt")
     hf = hf_config(loaded.model.cfg)
