@@ -1,11 +1,12 @@
 """GPT speed: training tokens/s, and generation tokens/s with and without the KV cache.
 
-    .venv/bin/python benchmarks/gpt_speed.py [--repeats 5] [--json]
+    .venv/bin/python benchmarks/gpt_speed.py [--repeats 5] [--json] [--tiny]
 
 Two model sizes: nanoGPT's CPU shape (4 layers x 128, context 64, batch 12) and a larger
 one (6 x 384, context 256, batch 8). Measurements of one size are interleaved (train,
 cached, uncached, train, ...) and the table gives medians, so the machine's drift hits all
-columns alike; compare the ratios, not the absolute numbers across runs.
+columns alike; compare the ratios, not the absolute numbers across runs. --tiny times one
+tiny model instead, to check the script.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SIZES = {
     "4x128 ctx64 b12": dict(n_layer=4, n_head=4, d_model=128, context=64, batch=12),
     "6x384 ctx256 b8": dict(n_layer=6, n_head=6, d_model=384, context=256, batch=8),
 }
+TINY = {"2x32 ctx24 b2": dict(n_layer=2, n_head=2, d_model=32, context=24, batch=2)}
 VOCAB = 65
 PROMPT = 16
 
@@ -57,11 +59,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--tiny", action="store_true", help="one tiny model, to check the script")
     args = parser.parse_args()
     torch.manual_seed(0)
 
     rows = []
-    for name, size in SIZES.items():
+    for name, size in (TINY if args.tiny else SIZES).items():
+        size = dict(size)
         batch = size.pop("batch")
         model = GPT(GPTConfig(vocab_size=VOCAB, d_ff=4 * size["d_model"], **size))
         training_rate(model, batch, steps=2)  # warm-up

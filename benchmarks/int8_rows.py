@@ -1,7 +1,7 @@
 """Where the int8 product should change kernels: one linear layer at 1 to 64 rows, fp32
 beside int8, and int8 through each of its two kernels.
 
-    OMP_NUM_THREADS=1 python benchmarks/int8_rows.py [--repeats 7] [--threads 1]
+    OMP_NUM_THREADS=1 python benchmarks/int8_rows.py [--repeats 7] [--threads 1] [--tiny]
 
 Columns, per shape and number of rows (a decoding step multiplies batch x beam rows):
 - fp32: PackedLinear, what fp32 decoding runs (matvec's kernel up to 4 rows, oneDNN's
@@ -12,7 +12,8 @@ Columns, per shape and number of rows (a decoding step multiplies batch x beam r
   only; "-" elsewhere) and through torch._int_mm (oneDNN), whatever the number of rows.
   They give the same bits, so the fastest should serve: matvec.INT8_MAX_ROWS is where the
   few-row kernel hands over to the others.
-All in alternation, median of the repeats; the ratios compare columns of one run.
+All in alternation, median of the repeats; the ratios compare columns of one run. --tiny
+times one small shape at a few rows, to check the script.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ SHAPES = {  # name: (in_features, out_features)
     "gpt-2 ffn in (768 -> 3072)": (768, 3072),
 }
 ROWS = (1, 2, 4, 8, 12, 16, 32, 64)
+TINY_SHAPES, TINY_ROWS = {"tiny (40 -> 72)": (40, 72)}, (1, 8, 32)
 
 
 def int8_mm(lib, x, q, wscale, bias):
@@ -62,7 +64,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true", help="one small shape, to check the script")
     args = parser.parse_args()
+    # Enough calls for ~20 M weights' products a timing; --tiny: a few.
+    shapes, rows_tried, elements = (
+        (TINY_SHAPES, TINY_ROWS, 10**4) if args.tiny else (SHAPES, ROWS, 2 * 10**7))
     torch.set_num_threads(args.threads)
     lib = matvec.load()
     if lib is None:
@@ -74,11 +80,11 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     torch.manual_seed(0)
     with torch.no_grad():
-        for name, (k, n) in SHAPES.items():
+        for name, (k, n) in shapes.items():
             linear = nn.Linear(k, n)
             fp32, int8 = PackedLinear(linear), Int8Linear(linear)
-            calls = max(1, int(2e7 // (k * n)))
-            for rows in ROWS:
+            calls = max(1, elements // (k * n))
+            for rows in rows_tried:
                 x = torch.randn(rows, k)
                 weights = (int8.qweight, int8.scale, linear.bias)
                 sides = {

@@ -6,10 +6,16 @@ and in CTranslate2 (its own converter run on the same saved directory).
 Random weights translate random sources into outputs that run to the length limit, so every
 side does the same number of decoding steps. The pad token's embedding is zero, as in real
 OPUS-MT models: CTranslate2 starts the decoder from a zero vector instead of reading it.
+
+Run on its own, it builds the sides and checks what speed.py and decode_paths.py check
+before they time anything: tformer and MarianMTModel find the same beam-4 tokens.
+
+    python benchmarks/opus_mt.py [--batches 1 16] [--len 30]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import tempfile
@@ -132,3 +138,18 @@ class Sides:
             if self.tformer(src, max_len) != self.marian(src, max_len):
                 raise SystemExit(f"opus-mt beam 4 batch {batch}: tformer and MarianMTModel "
                                  f"disagree; not timing different work")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--len", type=int, default=30, help="output tokens per sentence")
+    args = parser.parse_args()
+    sides = Sides(torch.get_num_threads())
+    for batch in args.batches:
+        sides.check_same_tokens(batch, args.len)
+        print(f"batch {batch}: tformer and MarianMTModel find the same {args.len} tokens")
+
+
+if __name__ == "__main__":
+    main()

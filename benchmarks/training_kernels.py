@@ -3,7 +3,7 @@ cross-entropy (xent.c), against torch's, on their own and in training, timed sid
 one run.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/training_kernels.py [--repeats 7] \
-        [--config configs/seq2seq-multi30k.toml --steps 60 --rounds 2]
+        [--config configs/seq2seq-multi30k.toml --steps 60 --rounds 2] [--tiny]
 
 The first table times each operation forward and backward on the shapes one step of the
 Multi30k config makes (its batches of ~2,000 target tokens): dropout (p = 0.3) on the
@@ -12,7 +12,8 @@ the loss over the 8,000-token vocabulary (label smoothing 0.1); and the loss ove
 vocabulary, 2,048 tokens a batch. The second trains the config through the CLI with the
 kernels and without them (`TFORMER_NATIVE=0`: torch's dropout and F.cross_entropy), in
 alternation, and compares target tokens/s (the median over each run's logged windows after
-the first). --steps 0 leaves training out.
+the first). --steps 0 leaves training out; --tiny times the operations on tiny shapes, to
+check the script.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ LOSS = {  # name: (tokens, vocabulary, calls a step)
     "loss: GPT-2's vocabulary (2048 x 50257)": (2048, 50257, 1),
 }
 
+TINY_DROPOUT = {"dropout: tiny (64 x 16)": ((64, 16), 1)}
+TINY_LOSS = {"loss: tiny (32 x 100)": (32, 100, 1)}
+
 
 def seconds(fn) -> float:
     start = time.perf_counter()
@@ -74,15 +78,15 @@ def loss_step(loss, tokens: int, vocab: int):
     return step
 
 
-def op_table(repeats: int) -> None:
+def op_table(repeats: int, dropouts: dict, losses: dict) -> None:
     print(f"\nforward + backward, {torch.get_num_threads()} thread(s), median of {repeats} in "
           f"alternation\n")
     print("| operation | calls a step | torch (ms) | tformer (ms) | ratio |\n"
           "| --- | ---: | ---: | ---: | ---: |")
     cases = {name: (calls, dropout_step(F.dropout, shape), dropout_step(kd.dropout, shape))
-             for name, (shape, calls) in DROPOUT.items()}
+             for name, (shape, calls) in dropouts.items()}
     cases.update({name: (calls, loss_step(F.cross_entropy, n, v), loss_step(cross_entropy, n, v))
-                  for name, (n, v, calls) in LOSS.items()})
+                  for name, (n, v, calls) in losses.items()})
     for name, (calls, theirs, ours) in cases.items():
         theirs(), ours()  # warm-up
         times: dict[str, list[float]] = {"torch": [], "tformer": []}
@@ -131,10 +135,15 @@ def main() -> None:
     p.add_argument("--config", default="configs/seq2seq-multi30k.toml")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--tiny", action="store_true",
+                   help="the operations on tiny shapes, to check the script")
     args = p.parse_args()
     if matvec.load() is None:
         sys.exit("the kernel is not built here (see tformer/kernels/matvec.py): nothing to compare")
-    op_table(args.repeats)
+    if args.tiny:
+        op_table(args.repeats, TINY_DROPOUT, TINY_LOSS)
+    else:
+        op_table(args.repeats, DROPOUT, LOSS)
     if args.steps:
         training_table(args.config, args.steps, args.rounds)
 

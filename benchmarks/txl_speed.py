@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tformer.decoding.lm import generate
 from tformer.decoding.transformer_xl import generate_with_memory
 from tformer.layers import attention_bias
 from tformer.models.gpt import GPT, GPTConfig
@@ -90,13 +91,12 @@ def training_step(model, device: torch.device, steps: int, memory: Memory | None
 
 def generation(model, device: torch.device, new_tokens: int, skip: int = 0):
     """Tokens per second over the new tokens after the first `skip` ones."""
+    decode = generate_with_memory if isinstance(model, TransformerXL) else generate
     prompt = torch.randint(0, VOCAB, (1, CONTEXT), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(device)
 
     def run() -> float:
-        stream = generate_with_memory(
-            model, prompt, max_new_tokens=skip + new_tokens, temperature=0.0
-        )
+        stream = decode(model, prompt, max_new_tokens=skip + new_tokens, temperature=0.0)
         for _ in range(skip):
             next(stream)
         return timed(device, lambda: sum(1 for _ in stream))

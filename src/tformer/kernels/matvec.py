@@ -81,9 +81,10 @@ def load() -> ctypes.CDLL | None:
 
     The checks at load time draw random tensors, from a fork of torch's generator: training
     loads the library at its first dropout, and a run resumed from a checkpoint must draw the
-    same random numbers as one that never stopped."""
+    same random numbers as one that never stopped. They compare with torch in fp32, whatever
+    autocast a caller has on: the first load may come in a bf16 training step."""
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False):
             return _load()
     except _Unavailable as e:
         log.info("native kernels not built: %s", e)

@@ -1,0 +1,204 @@
+"""Every script in benchmarks/ imports without running, and runs its smallest configuration.
+
+Nothing else runs the benchmarks, so a name that moves in a refactor would otherwise break
+them unnoticed until someone next measures. The runs check that each script works and
+prints its table; they measure nothing (the suite asserts no timings).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tformer.cli import main as tformer_main
+from tformer.kernels import matvec
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = sorted(path.stem for path in BENCHMARKS.glob("*.py"))
+
+# Drop `broken` below once the script is fixed: these strict marks then fail, to say so.
+BROKEN_REASON = ("serve_load.py imports inference_model from tformer.serving.command, which no "
+                 "longer has it (ImportError)")
+IMPORT_BROKEN = pytest.mark.xfail(strict=True, raises=ImportError, reason=BROKEN_REASON)
+RUN_BROKEN = pytest.mark.xfail(strict=True, reason=BROKEN_REASON)
+
+# A tiny seq2seq on the built-in number pairs: no data to read, a second to train.
+TINY_SEQ2SEQ = """\
+[model]
+family = "seq2seq"
+n_layer = 1
+n_head = 2
+d_model = 16
+d_ff = 32
+max_len = 80
+
+[data]
+tokenizer = "char"
+builtin_pairs = 200
+builtin_max = 999
+max_tokens = 400
+max_len = 80
+max_ratio = 12.0
+
+[train]
+steps = 4
+warmup_steps = 1
+eval_every = 4
+checkpoint_every = 4
+log_every = 1
+"""
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """A script's smallest run: its arguments, a string its output must hold, the optional
+    packages it needs (skipped without them: ctranslate2 is only in the `bench` extra),
+    whether it needs the compiled kernel, whether it takes longer than a default test
+    should (over ~5 s), and whether it is known broken (a strict xfail)."""
+
+    args: tuple[str, ...]
+    expect: str
+    needs: tuple[str, ...] = ()
+    kernel: bool = False
+    slow: bool = False
+    broken: bool = False
+
+
+# The scripts whose smallest run needs nothing but its arguments; the others (which need a
+# trained run, a config or a second kernel source) have their own tests below.
+SMOKES = {
+    "compile_decoding": Smoke(("--size", "small", "--new-tokens", "2", "--rounds", "1"),
+                              "first compiled generation", slow=True),
+    "decode_paths": Smoke(("--repeats", "1", "--len", "2"), "sent/s",
+                          needs=("ctranslate2", "transformers", "sentencepiece"), kernel=True,
+                          slow=True),
+    "fp32_rows": Smoke(("--tiny", "--repeats", "1"), "40 -> 72", kernel=True),
+    "gpt_speed": Smoke(("--tiny", "--repeats", "1"), "2x32 ctx24 b2"),
+    "gpu": Smoke(("--device", "cpu", "--tiny", "--peak-tflops", "1", "--batch", "2",
+                  "--steps", "1", "--new-tokens", "4", "--repeats", "1"), "training MFU"),
+    "int8_rows": Smoke(("--tiny", "--repeats", "1"), "tiny (40 -> 72)", kernel=True),
+    "opus_mt": Smoke(("--batches", "1", "--len", "4"), "find the same 4 tokens",
+                     needs=("ctranslate2", "transformers", "sentencepiece"), slow=True),
+    "serve_load": Smoke(("--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64",
+                         "--context", "64", "--clients", "1", "2", "--requests", "1",
+                         "--prompt-tokens", "4", "--max-tokens", "2", "--repeats", "1"),
+                        "server tok/s", slow=True, broken=True),
+    # The machine's rows, which every run of speed.py measures first, and nothing else.
+    "speed": Smoke(("--only", "machine", "--repeats", "1", "--json"), "matmul_peak_gflops",
+                   slow=True),
+    "threads": Smoke(("--sizes", "0.8M", "--tokens", "2", "--repeats", "1"), "+1 busy",
+                     slow=True),
+    "training_kernels": Smoke(("--tiny", "--steps", "0", "--repeats", "1"), "loss: tiny",
+                              kernel=True),
+    "txl_speed": Smoke(("--rounds", "1", "--train-steps", "1", "--new-tokens", "2"),
+                       "relative attention", slow=True),
+}
+OWN_TESTS = {"kernel_ab", "multi30k", "translation_speed", "txl_memory"}
+
+
+def run_script(name: str, *args: str) -> str:
+    """The script's stdout; it must exit 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                      os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"benchmarks/{name}.py {' '.join(args)}:\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def needs_kernel() -> None:
+    if matvec.load() is None:
+        pytest.skip("the compiled kernel is not available here")
+
+
+def test_every_script_has_a_smoke_run():
+    assert set(SCRIPTS) == set(SMOKES) | OWN_TESTS
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[IMPORT_BROKEN] * (name in SMOKES and SMOKES[name].broken),
+                 id=f"{name}.py")
+    for name in SCRIPTS
+])
+def test_imports_without_running(name, monkeypatch, capsys):
+    # decode_paths.py puts benchmarks/ on sys.path to import opus_mt: undone afterwards.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    # A script that ran its main on import would fail on this argument.
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--not-an-option"])
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert callable(module.main)
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[pytest.mark.slow] * smoke.slow + [RUN_BROKEN] * smoke.broken,
+                 id=f"{name}.py")
+    for name, smoke in SMOKES.items()
+])
+def test_smallest_run(name):
+    smoke = SMOKES[name]
+    for package in smoke.needs:
+        pytest.importorskip(package)
+    if smoke.kernel:
+        needs_kernel()
+    assert smoke.expect in run_script(name, *smoke.args)
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "tiny-seq2seq.toml"
+    path.write_text(TINY_SEQ2SEQ, encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+def test_kernel_ab_two_sources(tmp_path):
+    """Two copies of today's kernel source (a git revision needs the repository's history,
+    which an installed copy may not have)."""
+    needs_kernel()
+    kernels = ROOT / "src" / "tformer" / "kernels"
+    versions = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for source in ("matvec.c", "vecmath.h"):
+            shutil.copy(kernels / source, tmp_path / name / source)
+        versions.append(str(tmp_path / name / "matvec.c"))
+    out = run_script("kernel_ab", *versions, "--tiny", "--repeats", "1", "--rows", "1")
+    assert "| int8 | 72 x 40 | 1 |" in out
+
+
+@pytest.mark.slow
+def test_multi30k_training_speed(tiny_config, tmp_path):
+    """The `speed` command on a tiny config of the built-in pairs; the others read
+    Multi30k's validation and test splits, and trained runs."""
+    out = run_script("multi30k", "speed", f"tiny={tiny_config}", "--steps", "20",
+                     "--rounds", "1")
+    assert "| tiny |" in out
+
+
+def test_translation_speed(tiny_config, tmp_path):
+    run = tmp_path / "run"
+    assert tformer_main(["train", str(tiny_config), "--out", str(run)]) == 0
+    source = tmp_path / "source.txt"
+    source.write_text("12\n347\n5\n", encoding="utf-8")
+    out = run_script("translation_speed", str(run), "--source", str(source), "--sentences",
+                     "3", "--repeats", "1", "--batches", "2", "--count-rows")
+    assert "beam 4" in out
+
+
+@pytest.mark.slow
+def test_txl_memory(tiny_corpus, tmp_path):
+    out = run_script("txl_memory", "--steps", "2", "--out", str(tmp_path / "runs"), "--data",
+                     str(tiny_corpus))
+    assert "same model, evaluated with mem_len 256" in out
