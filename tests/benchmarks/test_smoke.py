@@ -94,6 +94,7 @@ SMOKES = {
     # The machine's rows, which every run of speed.py measures first, and nothing else.
     "speed": Smoke(("--only", "machine", "--repeats", "1", "--json"), "matmul_peak_gflops",
                    slow=True),
+    "speculative": Smoke(("--tiny",), "prompt lookup 3, K=8"),
     "threads": Smoke(("--sizes", "0.8M", "--tokens", "2", "--repeats", "1"), "+1 busy",
                      slow=True),
     "training_kernels": Smoke(("--tiny", "--steps", "0", "--repeats", "1"), "loss: tiny",
