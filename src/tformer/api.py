@@ -14,6 +14,7 @@ on the same paths as the command line (prepacked or int8 weights, the decoding t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +162,10 @@ class Model:
 
     @property
     def device(self) -> torch.device:
-        return next(self.module.buffers(), next(self.module.parameters())).device
+        """Where the weights are (an int8 model's are buffers)."""
+        for tensor in itertools.chain(self.module.parameters(), self.module.buffers()):
+            return tensor.device
+        raise TformerError(f"{self.label} holds no weights")
 
     @property
     def description(self) -> str:

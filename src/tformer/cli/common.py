@@ -1,5 +1,5 @@
-"""What several commands share: the device and thread options, how a model is described in
-a start-up line, the figures table, and checks on output files."""
+"""What several commands share: the checkpoint, device, thread and ensemble options, the
+figures table, and checks on output files."""
 
 from __future__ import annotations
 
@@ -7,13 +7,10 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from tformer.arguments import Help
 from tformer.errors import TformerError
-
-if TYPE_CHECKING:
-    import torch
 
 Device = Annotated[str, Help("auto (CUDA if present) | cpu | cuda:N")]
 Threads = Annotated[int | None, Help("CPU threads (default: the decoding rule, see README)")]
@@ -23,18 +20,6 @@ Ensemble = Annotated[
          "distributions (repeat for more)", metavar="CHECKPOINT", repeat=True),
 ]
 Checkpoint = Annotated[str, Help("run or checkpoint directory")]
-
-
-def describe_model(model: torch.nn.Module) -> str:
-    n = sum(p.numel() for p in model.parameters())
-    return f"{n / 1e6:.1f}M parameters" if n >= 1e5 else f"{n:,} parameters"
-
-
-def describe_device(model: torch.nn.Module, threads: int) -> str:
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        return str(device)
-    return f"cpu, {threads} thread{'s' if threads != 1 else ''}"
 
 
 def print_metrics(
