@@ -273,6 +273,8 @@ def _load(path: Path, device: torch.device | str, family: str | None) -> Checkpo
     tokenizer = load_tokenizer(path / TOKENIZER)
     model = get_family(cfg.family).model(cfg.model)
     load_weights(model, path, device=device)
+    if cfg.train.lora is not None:  # merged: a plain model now, and saved as one
+        cfg = cfg.replace("train", lora=None)
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise TformerError(

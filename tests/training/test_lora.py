@@ -161,6 +161,15 @@ def test_a_lora_run_saves_adapters_and_a_base_reference(tmp_path, tiny_corpus, c
         assert not torch.equal(loaded.model(tokens), loading.load_checkpoint(base).model(tokens))
     assert main(["generate", str(tuned), "--prompt", "First", "--max-new-tokens", "4"]) == 0
     assert main(["evaluate", str(tuned), "--json"]) == 0
+    # Averaged, LoRA checkpoints are the mean of their merged weights, a plain checkpoint.
+    averaged = tmp_path / "averaged"
+    assert main(["average", str(tuned), "--last", "2", "--out", str(averaged)]) == 0
+    mean = loading.load_checkpoint(averaged)
+    assert mean.cfg.train.lora is None and (averaged / loading.WEIGHTS).is_file()
+    states = [loading.load_checkpoint(loading.step_dir(tuned, s)).model.state_dict()
+              for s in (2, 4)]
+    for name, tensor in mean.model.state_dict().items():
+        assert torch.allclose(tensor, (states[0][name] + states[1][name]) / 2, atol=1e-6), name
 
 
 def test_a_changed_or_missing_base_is_a_one_line_error(tmp_path, tiny_corpus, capsys):
