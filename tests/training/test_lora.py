@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -273,3 +274,25 @@ def test_a_seq2seq_lora_trains_and_translates(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("12\n347\n"))
     assert main(["translate", str(tuned), "--beam", "2"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_train_the_adapters_as_one(tmp_path, tiny_corpus, parallel):
+    config = gpt_config(tmp_path, tiny_corpus)
+    base = tmp_path / "base"
+    assert main(["train", str(config), "--out", str(base), *TINY]) == 0
+    args = [*TINY, "train.batch_size=4", "train.accumulate=2", f"train.parallel={parallel}",
+            f"train.init_from={base}", "train.lora.r=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for out, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc_per_node=2"])):
+        command = [sys.executable, *launcher, "-m", "tformer", "train", str(config), "--out",
+                   str(tmp_path / out), *args]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one = load_file(loading.step_dir(tmp_path / "one", 4) / loading.ADAPTERS)
+    two = load_file(loading.step_dir(tmp_path / "two", 4) / loading.ADAPTERS)
+    assert one.keys() == two.keys() and len(one) == 16
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=2e-5, rtol=1e-4, msg=name)
