@@ -244,6 +244,7 @@ def test_a_killed_and_resumed_lora_run_ends_as_an_uninterrupted_one(tmp_path, ti
                            "--out", str(killed), *lora_run], capture_output=True, timeout=120)
     assert proc.returncode == 9, proc.stderr.decode()[-2000:]
     assert loading.step_checkpoints(killed)[-1].name == "step-000004"
+    assert main(["train", "--resume", "--out", str(killed), "train.lora=none"]) == 2
     assert main(["train", "--resume", "--out", str(killed)]) == 0
     a = load_file(loading.step_dir(straight, 6) / loading.ADAPTERS)
     b = load_file(loading.step_dir(killed, 6) / loading.ADAPTERS)

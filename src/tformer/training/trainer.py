@@ -315,6 +315,12 @@ def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
     # Fine-tuning: weights and tokenizer from train.init_from, optimizer and schedule fresh.
     init = None if resume_from is not None else ckpt.initial_weights(tcfg.init_from)
     if resume_from is not None:
+        if (resume_from / loading.ADAPTERS).is_file() != (tcfg.lora is not None):
+            raise TformerError(
+                f"--resume cannot turn train.lora {'on' if tcfg.lora else 'off'}: {resume_from} "
+                f"was trained {'without' if tcfg.lora else 'with'} it; start a new run "
+                f"(train.init_from={resume_from}) instead"
+            )
         tokenizer = load_tokenizer(resume_from / loading.TOKENIZER)
         state = ckpt.load_trainer_state(resume_from)
     elif init is not None:
