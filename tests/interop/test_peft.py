@@ -12,7 +12,7 @@ import torch
 from tformer.cli import main
 from tformer.config import LoRAConfig
 from tformer.interop.command import import_checkpoint
-from tformer.loading import base_reference, load_checkpoint, resolve_checkpoint
+from tformer.loading import base_reference, load_checkpoint, read_config, resolve_checkpoint
 from tformer.training import lora
 from tformer.training.checkpoint import save_checkpoint
 
@@ -97,7 +97,7 @@ def test_a_peft_adapter_brought_in_reproduces_peft(gpt2_dir, imported, tmp_path)
     assert main(["import", str(tmp_path / "adapter"), "--base", str(imported),
                  "--out", str(out)]) == 0
     ours = load_checkpoint(out)
-    assert ours.cfg.train.lora.targets == ("down", "out_proj", "qkv_proj")
+    assert read_config(out).train.lora.targets == ("down", "out_proj", "qkv_proj")
     ids = tokens(ours.tokenizer.vocab_size)
     with torch.no_grad():
         assert (model.eval()(ids).logits - ours.model(ids)).abs().max() <= 1e-5
