@@ -83,6 +83,34 @@ HIGHER_IS_BETTER = {"loss": False, "bleu": True, "chrf": True}
 """The validation metrics train.best_metric may name, and which way is better."""
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """[train.lora]: low-rank adapters on the blocks' linear layers (Hu et al. 2021); the
+    base weights stay frozen (tformer.training.lora)."""
+
+    r: int = 8
+    alpha: float = 16.0
+    """The adapter's output is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input."""
+    targets: str | list[str] = "all"
+    """The blocks' linear layers to adapt, by their last name (["qkv_proj", "out_proj"]), or
+    "all" for every linear layer inside the blocks."""
+
+    def __post_init__(self) -> None:
+        check_range("train.lora.r", self.r, low=1)
+        check_range("train.lora.alpha", self.alpha, low=0.0)
+        check_range("train.lora.dropout", self.dropout, low=0.0, high=1.0)
+        names = [self.targets] if isinstance(self.targets, str) else list(self.targets)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise TformerError(
+                f"train.lora.targets = {self.targets!r}: give \"all\" or a list of the blocks' "
+                f"linear layer names, e.g. [\"qkv_proj\", \"out_proj\"]"
+            )
+        # A tuple, so that the frozen config stays hashable.
+        object.__setattr__(self, "targets", names[0] if names == ["all"] else tuple(names))
+
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -126,6 +154,8 @@ class TrainConfig:
     init_from: str | None = None
     """A checkpoint (or run) whose weights and tokenizer the run starts from, with a fresh
     optimizer and schedule: fine-tuning. The model fields come from it."""
+    lora: LoRAConfig | None = None
+    """[train.lora]: train low-rank adapters only; none trains every weight."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "accumulate", "eval_every", "checkpoint_every"):
@@ -206,6 +236,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if type(None) in allowed:
             return None
     for kind in allowed:
+        if dataclasses.is_dataclass(kind) and isinstance(value, Mapping):  # a nested table
+            return build_dataclass(kind, value, key)
+        if typing.get_origin(kind) is list and isinstance(value, (list, tuple)):
+            item = typing.get_args(kind)[0]
+            return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
         if kind is bool and isinstance(value, bool):
             return value
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
@@ -214,8 +249,16 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return float(value)
         if kind is str and isinstance(value, str):
             return value
-    names = " or ".join("none" if k is type(None) else k.__name__ for k in allowed)
+    names = " or ".join(_type_name(k) for k in allowed)
     raise TformerError(f"{key} = {value!r} has the wrong type; expected {names}")
+
+
+def _type_name(kind: Any) -> str:
+    if kind is type(None):
+        return "none"
+    if dataclasses.is_dataclass(kind):
+        return "a table"
+    return str(kind) if typing.get_origin(kind) else kind.__name__
 
 
 def _is_union(hint: Any) -> bool:
@@ -270,7 +313,14 @@ def config_from_dict(
         tables[section] = dict(table)
     for text in overrides:
         section, name, value = parse_override(text)
-        tables[section][name] = value
+        # train.lora.r=16 sets a key of the nested [train.lora] table, making it if need be.
+        *path, name = name.split(".")
+        table = tables[section]
+        for part in path:
+            if not isinstance(table.get(part), Mapping):
+                table[part] = {}
+            table[part] = table = dict(table[part])
+        table[name] = value
 
     family_name = tables["model"].pop("family", None)
     if inherit is not None and tables["train"].get("init_from") is not None:

@@ -10,6 +10,9 @@ training (training/checkpoint.py, which shares the layout defined here).
         model.safetensors    weights (tied tensors stored once)
         tokenizer.json
         trainer_state.pt     optimizer, step, RNG states, data cursor (training only)
+        adapters.safetensors a LoRA run's adapters (train.lora); with train.init_from its
+        lora_base.json       checkpoint holds no model.safetensors but this reference to
+                             the base: its path and its weights' sha256
         manifest.json        size and sha256 of every file above
       best -> .best-<version>  the checkpoint with the lowest validation loss so far
       .lock                  held (flock) by the one process that writes the run
@@ -48,6 +51,8 @@ WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 TRAINER_STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+ADAPTERS = "adapters.safetensors"
+LORA_BASE = "lora_base.json"
 CHECKPOINTS = "checkpoints"
 BEST = "best"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -100,7 +105,8 @@ def verify_checkpoint(path: Path) -> None:
             f"checkpoint file {manifest_path} is damaged: expected an object mapping file "
             f'names to {{"bytes": integer, "sha256": string}}'
         )
-    for name in (CONFIG, WEIGHTS, TOKENIZER):
+    weights = LORA_BASE if LORA_BASE in manifest else WEIGHTS
+    for name in (CONFIG, weights, TOKENIZER):
         if name not in manifest:
             raise TformerError(f"checkpoint {path} is incomplete: {name} is not in its manifest")
     for name, expected in manifest.items():
@@ -266,11 +272,9 @@ def _load(path: Path, device: torch.device | str, family: str | None) -> Checkpo
         )
     tokenizer = load_tokenizer(path / TOKENIZER)
     model = get_family(cfg.family).model(cfg.model)
-    check_weight_shapes(path, model)
-    try:
-        load_model(model, str(path / WEIGHTS), device=str(device))
-    except (RuntimeError, SafetensorError, OSError) as e:
-        raise TformerError(f"checkpoint file {path / WEIGHTS} does not load: {e}") from None
+    load_weights(model, path, device=device)
+    if cfg.train.lora is not None:  # merged: a plain model now, and saved as one
+        cfg = cfg.replace("train", lora=None)
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise TformerError(
@@ -279,6 +283,57 @@ def _load(path: Path, device: torch.device | str, family: str | None) -> Checkpo
             )
     model.to(device).eval()
     return Checkpoint(path, cfg, model, tokenizer)
+
+
+def load_weights(
+    model: nn.Module, path: Path, *, adapters: bool = True, device: torch.device | str = "cpu"
+) -> None:
+    """Checkpoint `path`'s weights into a plain `model` of its config. A LoRA checkpoint's
+    base weights are its own model.safetensors or, where it holds adapters alone, those of
+    the base it names (read the same way); `adapters` merges its adapters into them."""
+    base = lora_base(path)
+    if base is not None:
+        load_weights(model, base, device=device)
+    else:
+        check_weight_shapes(path, model)
+        try:
+            load_model(model, str(path / WEIGHTS), device=str(device))
+        except (RuntimeError, SafetensorError, OSError) as e:
+            raise TformerError(f"checkpoint file {path / WEIGHTS} does not load: {e}") from None
+    lora = read_config(path).train.lora
+    if adapters and lora is not None:
+        from tformer.training.lora import merge_adapters
+
+        merge_adapters(model, path / ADAPTERS, lora)
+
+
+def base_reference(base: Path) -> dict[str, str]:
+    """What a LoRA checkpoint records of the (verified) checkpoint its adapters were trained
+    on: its path, and the sha256 of the file its weights are in (from its manifest)."""
+    name = LORA_BASE if (base / LORA_BASE).is_file() else WEIGHTS
+    manifest = json.loads((base / MANIFEST).read_text(encoding="utf-8"))
+    return {"path": str(Path(base).absolute()), "file": name, "sha256": manifest[name]["sha256"]}
+
+
+def lora_base(path: Path) -> Path | None:
+    """The base checkpoint of a LoRA checkpoint that holds adapters alone, verified to be
+    the one they were trained on; None for any other checkpoint."""
+    file = Path(path) / LORA_BASE
+    if not file.is_file():
+        return None
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+        base = Path(saved["path"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TformerError(f"checkpoint file {file} is damaged: {e}") from None
+    if not is_checkpoint(base):
+        raise TformerError(f"checkpoint {path} holds LoRA adapters for the base checkpoint "
+                           f"{base}, which is missing")
+    verify_checkpoint(base)
+    if base_reference(base) != saved:
+        raise TformerError(f"checkpoint {path} holds LoRA adapters for the base checkpoint "
+                           f"{base}, which has changed since (its weights' checksum differs)")
+    return base
 
 
 def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -293,7 +348,10 @@ def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def check_weight_shapes(path: Path, model: nn.Module) -> None:
     """Every stored tensor must be one the model has, with its shape, and every tensor of
-    the model must be stored (tied weights once, under any of their names)."""
+    the model must be stored (tied weights once, under any of their names). A LoRA
+    checkpoint with adapters alone is checked when its base is read."""
+    if lora_base(path) is not None:
+        return
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     stored = weight_shapes(path)
     for name, shape in stored.items():

@@ -119,6 +119,11 @@ def training_summary(cfg: RunConfig, start: dict[str, Any], run_dir: Path, step:
         f"  model   {n / 1e6:.2f}M parameters, vocabulary {start['vocabulary']:,}",
         f"  device  {where}",
     ]
+    if t.lora is not None:
+        targets = t.lora.targets if t.lora.targets == "all" else ", ".join(t.lora.targets)
+        lines.append(f"  lora    {start['trainable']:,} of {n:,} parameters train "
+                     f"({100 * start['trainable'] / n:.2f}%): r {t.lora.r}, alpha "
+                     f"{t.lora.alpha:g}, targets {targets}")
     if "data" in start:
         lines.append(f"  data    {start['data']}")
     lines.append(

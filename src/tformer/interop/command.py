@@ -48,14 +48,29 @@ def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "g
 def import_command(
     source: Annotated[
         str, Help("directory with config.json and the weights (GPT-2, Marian, Llama, Qwen2, "
-                  "Qwen3, Mistral)")
+                  "Qwen3, Mistral), or a PEFT LoRA adapter directory (with --base)")
     ],
     *,
     out: Annotated[str, Help("the new checkpoint's directory")],
+    base: Annotated[
+        str | None, Help("a PEFT adapter's base: the checkpoint imported from its model")
+    ] = None,
 ) -> int:
+    from tformer.interop import peft
+
     dest = Path(out)
     if dest.exists() and any(dest.iterdir()):
         raise TformerError(f"--out {dest} exists and is not empty; choose another directory")
+    if peft.is_adapter_dir(Path(source)):
+        if base is None:
+            raise TformerError(f"{source} is a PEFT adapter: name the checkpoint it adapts "
+                               f"with --base (a model brought in by tformer import)")
+        peft.import_adapter(Path(source), base, dest)
+        print(f"imported the adapter {source} on {base} into {dest}")
+        return 0
+    if base is not None:
+        raise TformerError(f"--base is for PEFT adapter directories; {source} has no "
+                           f"{peft.ADAPTER_CONFIG}")
     import_checkpoint(source, dest)
     print(f"imported {source} into {dest}")
     return 0
@@ -67,7 +82,17 @@ def export_command(
     out: Annotated[str, Help("the new model directory")],
     format: Annotated[str, Help("gpt2 (GPT2LMHeadModel), or llama (Llama, Qwen2, Qwen3 or "
                                 "Mistral: whichever the config is exactly)")] = "gpt2",
+    adapter: Annotated[
+        bool, Help("a LoRA run's adapters alone, in PEFT's format, for its exported base "
+                   "(without it a LoRA run is exported with its adapters merged)")
+    ] = False,
 ) -> int:
+    if adapter:
+        from tformer.interop.peft import export_adapter
+
+        export_adapter(Path(checkpoint), Path(out))
+        print(f"exported the LoRA adapters of {checkpoint} in PEFT's format into {out}")
+        return 0
     export_checkpoint(checkpoint, out, format)
     print(f"exported {checkpoint} as {format} into {out}")
     return 0

@@ -1,4 +1,5 @@
-"""The GPT family's task: random windows of one token stream, next-token loss."""
+"""The GPT family's task: random windows of one token stream, next-token loss; or, for a
+.jsonl data.path, prompt/completion rows with the loss on completions (data/instruct.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import Tensor, nn
 
+from tformer.data.instruct import (
+    InstructData,
+    RandomRows,
+    encode_rows,
+    is_instruct_path,
+    read_rows,
+    sequential_rows,
+)
 from tformer.data.lm import LMBatch, LMData, RandomWindows
-from tformer.data.tokenizers import Tokenizer
-from tformer.evaluation.lm import evaluate_stream
+from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
+from tformer.evaluation.lm import evaluate_batches, evaluate_stream
 from tformer.evaluation.loss import lm_loss
 from tformer.evaluation.shard import WHOLE, Shard
 from tformer.tasks.lm import evaluate_lm_checkpoint, with_batch_size
@@ -25,20 +34,27 @@ class GPTTask:
         self, cfg: RunConfig, tokenizer: Tokenizer | None = None, *, cache: Path | None = None
     ) -> None:
         self.cfg = cfg
-        self.data = LMData(cfg.data, tokenizer, cache=cache)
+        self.data: LMData | InstructData
+        if is_instruct_path(cfg.data.path):
+            self.data = InstructData(cfg.data, tokenizer, cfg.model.context)
+        else:
+            self.data = LMData(cfg.data, tokenizer, cache=cache)
         self.tokenizer = self.data.tokenizer
 
     def model_fields(self) -> dict[str, Any]:
         return self.data.model_fields()
 
-    def train_batches(self, seed: int) -> RandomWindows:
+    def train_batches(self, seed: int) -> RandomWindows | RandomRows:
+        if isinstance(self.data, InstructData):
+            return RandomRows(self.data.train_rows, self.cfg.train.batch_size, seed)
         return RandomWindows(
             self.data.train_ids, self.cfg.train.batch_size, self.cfg.model.context, seed
         )
 
     def loss(self, model: nn.Module, batch: LMBatch, carry: None) -> tuple[Tensor, int, None]:
         """Windows are independent: nothing is carried from one step to the next."""
-        return lm_loss(model(batch.tokens), batch.targets), batch.num_tokens, None
+        n_targets = int((batch.targets != IGNORE_INDEX).sum())  # prompts and padding: none
+        return lm_loss(model(batch.tokens), batch.targets), n_targets, None
 
     def new_carry(self) -> None:
         return None
@@ -52,6 +68,9 @@ class GPTTask:
     def evaluate(
         self, model: nn.Module, max_batches: int = 0, shard: Shard = WHOLE, index: int = 0
     ) -> dict[str, float]:
+        if isinstance(self.data, InstructData):
+            batches = sequential_rows(self.data.val_rows, self.cfg.train.batch_size)
+            return evaluate_batches(model, batches, self.tokenizer, max_batches, shard=shard)
         return evaluate_text(
             model, self.data.val_ids, self.tokenizer, self.cfg, max_batches, shard
         )
@@ -79,6 +98,17 @@ def evaluate_checkpoint(
     checkpoint: Any, data: list[str], options: dict[str, Any], *, batch_size: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
-    """The registry's evaluate: metrics over a text file, or the run's validation split."""
+    """The registry's evaluate: metrics over a text file, or the run's validation split
+    (prompt/completion rows: over their completions)."""
     cfg = with_batch_size(checkpoint.cfg, batch_size)
+    rows_file = data[0] if data else cfg.data.path
+    if is_instruct_path(rows_file):
+        if data:
+            rows = encode_rows(read_rows(data[0]), checkpoint.tokenizer, cfg.model.context,
+                               data[0])
+        else:
+            rows = InstructData(cfg.data, checkpoint.tokenizer, cfg.model.context).val_rows
+        batches = sequential_rows(rows, cfg.train.batch_size)
+        return evaluate_batches(checkpoint.model, batches, checkpoint.tokenizer,
+                                progress=progress)
     return evaluate_lm_checkpoint(checkpoint, data, cfg, evaluate_text, progress)

@@ -34,9 +34,11 @@ from tformer.config import RunConfig
 from tformer.data.tokenizers import Tokenizer, save_tokenizer
 from tformer.errors import TformerError
 from tformer.loading import (
+    ADAPTERS,
     BEST,
     CHECKPOINTS,
     CONFIG,
+    LORA_BASE,
     MANIFEST,
     TOKENIZER,
     TRAINER_STATE,
@@ -48,6 +50,7 @@ from tformer.loading import (
     verify_checkpoint,
 )
 from tformer.registry import get_family
+from tformer.training import lora
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +153,14 @@ def save_checkpoint(
     model: nn.Module,
     tokenizer: Tokenizer,
     trainer_state: dict[str, Any] | None = None,
+    *,
+    lora_base: dict[str, str] | None = None,
 ) -> Path:
     """Write a checkpoint directory at `dest`, replacing any existing one atomically.
+
+    A LoRA model (cfg.train.lora) is saved as its adapters and either `lora_base`, the
+    reference to the checkpoint it was trained on (loading.base_reference), or, when it has
+    none (trained from scratch), its frozen base weights.
 
     A full disk, a read-only disk or a file size limit is a TformerError naming the path and
     the cause; the temporary directory is removed and the earlier checkpoints are untouched.
@@ -165,7 +174,7 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        _write_checkpoint_files(tmp, cfg, model, tokenizer, trainer_state)
+        _write_checkpoint_files(tmp, cfg, model, tokenizer, trainer_state, lora_base)
         if dest.name == BEST:
             _publish_version(tmp, dest)
         else:
@@ -185,11 +194,21 @@ def _write_checkpoint_files(
     model: nn.Module,
     tokenizer: Tokenizer,
     trainer_state: dict[str, Any] | None,
+    lora_base: dict[str, str] | None,
 ) -> None:
     config = cfg.to_dict()
     config["tokenizer"] = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    save_model(model, str(tmp / WEIGHTS))
+    if cfg.train.lora is None:
+        save_model(model, str(tmp / WEIGHTS))
+    else:
+        lora.save_adapters(model, tmp / ADAPTERS)
+        if lora_base is not None:
+            (tmp / LORA_BASE).write_text(json.dumps(lora_base, indent=2) + "\n",
+                                         encoding="utf-8")
+        else:
+            with lora.adapters_removed(model):
+                save_model(model, str(tmp / WEIGHTS))
     save_tokenizer(tokenizer, tmp / TOKENIZER)
     if trainer_state is not None:
         torch.save(trainer_state, tmp / TRAINER_STATE)

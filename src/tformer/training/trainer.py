@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model
 from torch import nn
 
 from tformer import loading
@@ -32,7 +31,7 @@ from tformer.errors import TformerError
 from tformer.evaluation.shard import Shard
 from tformer.registry import Family, get_family
 from tformer.training import checkpoint as ckpt
-from tformer.training import distributed
+from tformer.training import distributed, lora
 from tformer.training.device import autocast
 from tformer.training.schedule import Horizon, extend, learning_rate
 
@@ -202,6 +201,8 @@ class Run:
     """What one step hands the next besides the weights (Transformer-XL: its memory)."""
     horizon: Horizon
     metrics: MetricsLog | None
+    lora_base: dict[str, str] | None = None
+    """A LoRA run's reference to the checkpoint it adapts (loading.base_reference)."""
     window: LogWindow = dataclasses.field(default_factory=lambda: LogWindow())
     """What metrics.csv's next row sums up; saved, so a resumed run writes the same rows."""
     step: int = 0
@@ -293,6 +294,7 @@ def run_summary(run: Run) -> dict[str, Any]:
     described = getattr(run.task, "summary", dict)()
     return {
         "parameters": sum(p.numel() for p in run.model.parameters()),
+        "trainable": lora.trainable_parameters(run.model),
         "device": str(run.device), "threads": torch.get_num_threads(),
         "processes": run.procs.world_size, "vocabulary": run.task.tokenizer.vocab_size,
         **described,
@@ -313,6 +315,12 @@ def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
     # Fine-tuning: weights and tokenizer from train.init_from, optimizer and schedule fresh.
     init = None if resume_from is not None else ckpt.initial_weights(tcfg.init_from)
     if resume_from is not None:
+        if (resume_from / loading.ADAPTERS).is_file() != (tcfg.lora is not None):
+            raise TformerError(
+                f"--resume cannot turn train.lora {'on' if tcfg.lora else 'off'}: {resume_from} "
+                f"was trained {'without' if tcfg.lora else 'with'} it; start a new run "
+                f"(train.init_from={resume_from}) instead"
+            )
         tokenizer = load_tokenizer(resume_from / loading.TOKENIZER)
         state = ckpt.load_trainer_state(resume_from)
     elif init is not None:
@@ -322,9 +330,16 @@ def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
     if init is None:  # else the model fields are the checkpoint's (config_from_dict)
         cfg = cfg.replace("model", **task.model_fields())
     model = family.model(cfg.model).to(device)
-    if state is not None or init is not None:
-        weights = (resume_from if state is not None else init) / loading.WEIGHTS
-        load_model(model, str(weights), device=str(device))
+    if state is not None:  # a LoRA run's adapters are restored below, not merged
+        loading.load_weights(model, resume_from, adapters=False, device=device)
+    elif init is not None:
+        loading.load_weights(model, init, device=device)
+    base = loading.lora_base(resume_from) if state is not None else init
+    if tcfg.lora is not None:
+        lora.add_adapters(model, tcfg.lora)
+        if state is not None:
+            adapters = resume_from / loading.ADAPTERS
+            lora.load_adapters(model, lora.read_adapters(adapters), adapters)
     # Dropout differs between ranks, as it would between the rows of one large batch.
     torch.manual_seed(tcfg.seed + procs.rank)
     train_model = distributed.wrap(model, procs, device, tcfg.parallel)
@@ -335,6 +350,7 @@ def start_run(cfg: RunConfig, run_dir: Path, resume_from: Path | None) -> Run:
         model=model, train_model=train_model, optimizer=make_optimizer(model, tcfg, device),
         batches=task.train_batches(tcfg.seed), carry=task.new_carry(), horizon=Horizon(tcfg.steps),
         metrics=None,
+        lora_base=loading.base_reference(base) if tcfg.lora and base is not None else None,
     )
     if state is not None:
         restore(run, state)
@@ -582,6 +598,9 @@ def save(run: Run, path: Path) -> None:
         to_save = run.model
         if weights is not None:
             to_save = run.family.model(run.cfg.model)
+            if run.cfg.train.lora is not None:
+                lora.add_adapters(to_save, run.cfg.train.lora)
             to_save.load_state_dict(weights)
-        ckpt.save_checkpoint(path, run.cfg, to_save, run.task.tokenizer, trainer_state)
+        ckpt.save_checkpoint(path, run.cfg, to_save, run.task.tokenizer, trainer_state,
+                             lora_base=run.lora_base)
     distributed.barrier(procs)
