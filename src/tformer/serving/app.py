@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tformer.decoding.translate import SearchOptions
 from tformer.errors import TformerError
 from tformer.serving.scheduler import (
+    SEED_LIMIT,
     LMEngine,
     Sampling,
     Sequence,
@@ -93,6 +94,13 @@ class CompletionRequest(Strict):
     def _some_prompt(cls, value: str | list[str]) -> str | list[str]:
         if isinstance(value, list) and not 1 <= len(value) <= 64:
             raise ValueError("a list of prompts holds 1 to 64 strings")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value < SEED_LIMIT:
+            raise ValueError(f"must be between 0 and {SEED_LIMIT - 1}")
         return value
 
     @field_validator("stop")
@@ -244,9 +252,12 @@ class Mailbox:
 
 
 def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_name: str,
-               kind: str, api_key: str | None = None, limits: Limits | None = None) -> FastAPI:
-    """kind: 'lm' serves /v1/completions, 'seq2seq' serves /v1/translations."""
+               kind: str, api_key: str | None = None, limits: Limits | None = None,
+               created: int | None = None) -> FastAPI:
+    """kind: 'lm' serves /v1/completions, 'seq2seq' serves /v1/translations.
+    created: the model's Unix time (when its checkpoint was written); default now."""
     limits = limits or Limits()
+    created = int(time.time()) if created is None else created
     metrics = Metrics()
 
     @asynccontextmanager
@@ -294,11 +305,16 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
         return PlainTextResponse(metrics.render(engine),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "tformer"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                             "created": int(metrics.started),
-                                             "owned_by": "tformer"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return card
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -325,6 +341,7 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
 
 
 KNOWN_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/translations")
+"""Routes counted by name in /metrics (the rest as 'other')."""
 
 
 class Guard:
@@ -457,6 +474,7 @@ class Completion:
         self.first_token: float | None = None
         self.choices = [Choice(tokenizer, stops, incremental=body.stream) for _ in self.seqs]
         self.reasons: list[str | None] = [None] * len(self.seqs)
+        self.errors: list[str | None] = [None] * len(self.seqs)
         self.usage = {"prompt_tokens": sum(len(ids) for ids in encoded) * body.n,
                       "completion_tokens": 0, "total_tokens": 0}
 
@@ -485,15 +503,27 @@ class Completion:
             index, token, reason = self.events.get_nowait()
         except asyncio.QueueEmpty:
             index, token, reason = await self.events.get()
-        choice = self.choices[index]
+        choice, seq = self.choices[index], self.seqs[index]
         if token is not None:
+            if self.errors[index] is not None:
+                return index, None  # a token that was on its way when the choice failed
             if self.first_token is None:
                 self.first_token = time.perf_counter()
-            choice.add(token)
+            try:
+                choice.add(token)
+            except Exception as e:
+                log.error("detokenizing failed for one sequence: %s", e, exc_info=e)
+                self.errors[index] = f"detokenizing failed: {type(e).__name__}: {e}"
+                seq.cancel()
+                return index, None
             if choice.stopped:
-                self.seqs[index].cancel()
+                seq.cancel()
         else:
-            self.usage["completion_tokens"] += len(self.seqs[index].tokens)
+            self.usage["completion_tokens"] += len(seq.tokens)
+            if reason == "error" and self.errors[index] is None:
+                self.errors[index] = seq.error or "decoding failed"
+            if self.errors[index] is not None:
+                reason = "error"
             self.reasons[index] = "stop" if choice.stopped or reason == "stop" else reason
         return index, token
 
@@ -525,14 +555,19 @@ class Completion:
             while not self._finished():
                 index, token = await self._next()
                 choice = self.choices[index]
+                if self.errors[index] is not None:
+                    error = {"message": self.errors[index], "type": "server_error",
+                             "param": None, "code": None}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    return
                 if token is not None and not choice.stopped:
                     piece = choice.ready(final=False)
                     if piece:
                         yield self._chunk(index, piece, None)
                 elif token is None:
                     if self.reasons[index] == "error":
-                        error = {"message": "decoding failed", "type": "server_error",
-                                 "param": None, "code": None}
+                        error = {"message": self.errors[index] or "decoding failed",
+                                 "type": "server_error", "param": None, "code": None}
                         yield f"data: {json.dumps({'error': error})}\n\n"
                         return
                     yield self._chunk(index, choice.ready(final=True), self.reasons[index])
@@ -562,8 +597,9 @@ class Completion:
                         return JSONResponse({}, status_code=499)
         finally:
             self._cancel()
-        if "error" in self.reasons:
-            raise ApiError(500, "decoding failed", type="server_error")
+        failed = [e for e in self.errors if e is not None]
+        if failed:
+            raise ApiError(500, failed[0], type="server_error")
         end = time.perf_counter()
         log.info("%s: first token after %.3f s, done after %.3f s", self.id,
                  (self.first_token or end) - self.submitted, end - self.submitted)
@@ -619,8 +655,10 @@ async def translate_lines(body: TranslationRequest, request: Request,
             if await request.is_disconnected():
                 job.cancelled = True
                 return JSONResponse({}, status_code=499)
-    if results is None:
-        raise ApiError(500, "translation failed", type="server_error")
+    for i, hyps in enumerate(results):
+        if hyps is None:
+            raise ApiError(500, f"input line {i}: {job.errors.get(i, 'translation failed')}",
+                           type="server_error")
     data = []
     for i, hyps in enumerate(results):
         item: dict[str, Any] = {"index": i, "text": hyps[0].text}

@@ -13,13 +13,14 @@ Shapes: n sequences in flight, W cache columns in use, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,7 +38,11 @@ Generate = Callable[..., Iterator[torch.Tensor]]
 
 Deliver = Callable[[int | None, str | None], None]
 """Called from the decoding thread with (token, None) for each new token, then once with
-(None, finish_reason): 'stop' (end of text), 'length' (max_tokens), 'cancelled' or 'error'."""
+(None, finish_reason): 'stop' (end of text), 'length' (max_tokens), 'cancelled' or 'error'
+(then `Sequence.error` says what failed)."""
+
+SEED_LIMIT = 2**64
+"""Seeds are 0 <= seed < SEED_LIMIT: what torch.Generator.manual_seed takes."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class Sequence:
         self.finished = False
         self.stream: Iterator[Tensor] | None = None
         """The per-sequence decoder's token stream (models decoded one sequence per slot)."""
+        self.error: str | None = None
+        """Why the sequence ended with 'error'."""
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -78,7 +85,7 @@ class Sequence:
         seed = self.sampling.seed
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed % SEED_LIMIT)
         return self.generator
 
     def finish(self, reason: str) -> None:
@@ -86,18 +93,33 @@ class Sequence:
             self.finished = True
             self.deliver(None, reason)
 
+    def fail(self, what: str, exc: BaseException) -> None:
+        """End this sequence alone with an error answer."""
+        log.error("%s failed for one sequence: %s", what, exc, exc_info=exc)
+        self.error = f"{what} failed: {type(exc).__name__}: {exc}"
+        self.cancelled = True
+        try:
+            self.finish("error")
+        except Exception:  # its client cannot be told; the others go on
+            log.exception("the answer of a failed sequence could not be handed over")
 
-def sample(logits: Tensor, seqs: list[Sequence]) -> list[int]:
+
+def sample(logits: Tensor, seqs: list[Sequence]) -> list[int | None]:
     """(n, V) logits of the last position -> one token per sequence, each with its own
-    sampling options and random generator, so a sequence draws what it would draw alone."""
+    sampling options and random generator, so a sequence draws what it would draw alone.
+    A sequence whose draw fails gets None, and has been failed."""
     if all(s.sampling.temperature == 0 for s in seqs):
         return logits.argmax(dim=-1).tolist()
-    out = []
+    out: list[int | None] = []
     for row, seq in enumerate(seqs):
         opts = seq.sampling
-        token = next_token(logits[row : row + 1], temperature=opts.temperature,
-                           top_k=opts.top_k, top_p=opts.top_p, generator=seq.generator)
-        out.append(int(token[0]))
+        try:
+            token = next_token(logits[row : row + 1], temperature=opts.temperature,
+                               top_k=opts.top_k, top_p=opts.top_p, generator=seq.generator)
+            out.append(int(token[0]))
+        except Exception as e:
+            seq.fail("sampling", e)
+            out.append(None)
     return out
 
 
@@ -327,10 +349,11 @@ class LMEngine:
                     self._drop_cancelled()
                     if self.active:
                         self._step()
-            except Exception:
+            except Exception as e:
+                # A forward pass over the whole batch failed: no sequence can go on alone.
                 log.exception("decoding failed; ending the sequences in flight")
                 for seq in self.active:
-                    seq.finish("error")
+                    seq.fail("decoding", e)
                 self.active.clear()
                 if self.slots is not None:
                     self.slots.rows = self.slots.width = 0
@@ -341,9 +364,12 @@ class LMEngine:
         for seq in joining:
             if seq.cancelled:
                 seq.finish("cancelled")
+                continue
+            try:
+                seq.make_generator(self.device)
+            except Exception as e:
+                seq.fail("preparing", e)
         joining = [seq for seq in joining if not seq.finished]
-        for seq in joining:
-            seq.make_generator(self.device)
         if self.slots is None:
             for seq in joining:
                 opts = seq.sampling
@@ -357,7 +383,31 @@ class LMEngine:
             return
         if not joining:
             return
-        logits = self.slots.prefill([seq.prompt for seq in joining])
+        try:
+            logits = self.slots.prefill([seq.prompt for seq in joining])
+        except Exception as e:
+            if len(joining) == 1:
+                joining[0].fail("reading the prompt", e)
+                return
+            # Find the one that fails: each prompt read alone. A failed prefill leaves its
+            # rows unoccupied, so nothing needs undoing.
+            log.warning("reading %d prompts together failed (%s); reading them one by one",
+                        len(joining), e)
+            for seq in joining:
+                self._join_ready([seq])
+            return
+        self._join_ready(joining, logits)
+
+    def _join_ready(self, joining: list[Sequence], logits: Tensor | None = None) -> None:
+        """Seat sequences whose prompts are read (`logits`), or read them first."""
+        assert self.slots is not None
+        if logits is None:
+            try:
+                logits = self.slots.prefill([seq.prompt for seq in joining])
+            except Exception as e:
+                for seq in joining:
+                    seq.fail("reading the prompt", e)
+                return
         self.stats.prefills += 1
         self.active.extend(joining)
         tokens = sample(logits, joining)
@@ -368,11 +418,16 @@ class LMEngine:
             self._leave(row)
 
     def _step(self) -> None:
+        tokens: list[int | None]
         if self.slots is None:
             tokens = []
             for seq in self.active:
                 assert seq.stream is not None
-                tokens.append(int(next(seq.stream)[0]))
+                try:
+                    tokens.append(int(next(seq.stream)[0]))
+                except Exception as e:  # a sequence decoded alone fails alone
+                    seq.fail("decoding", e)
+                    tokens.append(None)
         else:
             logits = self.slots.step([seq.tokens[-1] for seq in self.active])
             tokens = sample(logits, self.active)
@@ -382,16 +437,22 @@ class LMEngine:
         for row in reversed(done):
             self._leave(row)
 
-    def _accept(self, seq: Sequence, token: int) -> bool:
-        """Hand a new token over; True when the sequence has ended."""
-        self.stats.generated_tokens += 1
-        if token == self.eos_id:
-            seq.finish("stop")
+    def _accept(self, seq: Sequence, token: int | None) -> bool:
+        """Hand a new token over; True when the sequence has ended (None: it failed)."""
+        if token is None:
             return True
-        seq.tokens.append(token)
-        seq.deliver(token, None)
-        if len(seq.tokens) >= seq.sampling.max_tokens:
-            seq.finish("length")
+        self.stats.generated_tokens += 1
+        try:
+            if token == self.eos_id:
+                seq.finish("stop")
+                return True
+            seq.tokens.append(token)
+            seq.deliver(token, None)
+            if len(seq.tokens) >= seq.sampling.max_tokens:
+                seq.finish("length")
+                return True
+        except Exception as e:
+            seq.fail("handing over the token", e)
             return True
         return False
 
@@ -418,8 +479,11 @@ class LMEngine:
 class TranslationJob:
     lines: list[str]
     options: SearchOptions
-    done: Callable[[list[list[Translation]] | None], None]
-    """Called from the batching thread with the results in order, or None on failure."""
+    done: Callable[[list[list[Translation] | None]], None]
+    """Called from the batching thread with the results in order; a line whose translation
+    failed has None (and its error in `errors`)."""
+    errors: dict[int, str] = field(default_factory=dict)
+    """Line index -> what failed."""
     cancelled: bool = False
 
 
@@ -483,7 +547,16 @@ class TranslationBatcher:
                 for job in group:
                     self.pending.remove(job)
                 self._busy = len(group)
-            self._translate([job for job in group if not job.cancelled])
+            live = [job for job in group if not job.cancelled]
+            try:
+                self._translate(live)
+            except Exception as e:  # the thread must outlive any one group
+                log.exception("translation failed")
+                for job in live:
+                    job.errors.update({i: f"translation failed: {e}"
+                                       for i in range(len(job.lines))})
+                    with contextlib.suppress(Exception):
+                        job.done([None] * len(job.lines))
             self._busy = 0
 
     def _translate(self, group: list[TranslationJob]) -> None:
@@ -492,19 +565,43 @@ class TranslationBatcher:
         lines = [line for job in group for line in job.lines]
         try:
             with torch.inference_mode():
-                results = translate(self.model, self.tokenizer, lines, group[0].options,
-                                    batch_size=self.batch_size)
-        except Exception:
-            log.exception("translation failed")
-            for job in group:
-                job.done(None)
-            return
+                results: list[list[Translation] | None] = list(translate(
+                    self.model, self.tokenizer, lines, group[0].options,
+                    batch_size=self.batch_size))
+            errors: list[str | None] = [None] * len(lines)
+        except Exception as e:
+            # One line may be what fails: translate each alone, so the others are answered.
+            log.warning("translating %d lines together failed (%s); translating them one "
+                        "by one", len(lines), e)
+            results, errors = self._one_by_one(lines, group[0].options)
         self.stats.steps += 1
         start = 0
         for job in group:
             part = results[start : start + len(job.lines)]
+            for i, error in enumerate(errors[start : start + len(job.lines)]):
+                if error is not None:
+                    job.errors[i] = error
             start += len(job.lines)
             self.stats.generated_tokens += sum(
                 len(self.tokenizer.encode(hyps[0].text)) for hyps in part if hyps)
             self.stats.finished_sequences += len(part)
-            job.done(part)
+            try:
+                job.done(part)
+            except Exception:
+                log.exception("a translation's answer could not be handed over")
+
+    def _one_by_one(self, lines: list[str], options: SearchOptions
+                    ) -> tuple[list[list[Translation] | None], list[str | None]]:
+        results: list[list[Translation] | None] = []
+        errors: list[str | None] = []
+        for line in lines:
+            try:
+                with torch.inference_mode():
+                    results.append(translate(self.model, self.tokenizer, [line], options,
+                                             batch_size=1)[0])
+                errors.append(None)
+            except Exception as e:
+                log.error("translating one line failed: %s", e, exc_info=e)
+                results.append(None)
+                errors.append(f"translation failed: {type(e).__name__}: {e}")
+        return results, errors
