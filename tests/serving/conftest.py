@@ -103,3 +103,13 @@ def long_checkpoint(tmp_path_factory) -> Path:
     """A model with room for long completions, to have requests in flight for a while."""
     return tiny_checkpoint(tmp_path_factory.mktemp("long") / "long-gpt", {
         "family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 64, "context": 512})
+
+
+@pytest.fixture(scope="session")
+def gpt_run(tmp_path_factory) -> Path:
+    """A run directory whose best/ is a link to a hidden `.best-<version>` checkpoint."""
+    run = tmp_path_factory.mktemp("runs") / "tiny-run"
+    tiny_checkpoint(run / "best", {"family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32,
+                                   "context": 64}, specials=True)
+    assert (run / "best").is_symlink()
+    return run

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 import pytest
 
-from tformer.cli import main
+from tformer.cli import build_parser, main
 from tformer.errors import TformerError
+from tformer.serving import command
 from tformer.serving.command import model_name, require_serving_packages
 
 
@@ -35,3 +37,22 @@ def test_the_model_is_named_after_its_run():
     assert model_name(Path("/runs/shakespeare/best")) == "shakespeare"
     assert model_name(Path("/runs/shakespeare/checkpoints/step-000250")) == "shakespeare"
     assert model_name(Path("/models/tiny-gpt")) == "tiny-gpt"
+    # What resolve_checkpoint gives for a run's best/: never the name shown.
+    assert model_name(Path("/runs/shakespeare/.best-18a2f3c9d0e")) == "shakespeare"
+    assert model_name("runs/shakespeare/") == "shakespeare"
+
+
+def test_the_command_module_parses_as_the_cli_does(monkeypatch):
+    """The serve options as serving/command.py declares them, with the CLI's defaults."""
+    ours = argparse.ArgumentParser()
+    command.add_arguments(ours)
+    args = ["ckpt", "--port", "8123", "--int8", "--name", "x"]
+    theirs = vars(build_parser().parse_args(["serve", *args]))
+    mine = vars(ours.parse_args(args))
+    assert {k: theirs[k] for k in mine if k in theirs} == {
+        k: v for k, v in mine.items() if k in theirs}
+    seen = {}
+    monkeypatch.setattr(command, "serve_command", lambda ckpt, **kw: seen.update(kw) or 0)
+    assert command.run(ours.parse_args(args)) == 0
+    assert seen["port"] == 8123 and seen["int8"] and seen["name"] == "x"
+    assert isinstance(command.HELP, str) and command.HELP

@@ -1,15 +1,54 @@
 """`tformer serve CKPT`: load a checkpoint and serve it over HTTP until SIGINT or SIGTERM,
-which let the requests in flight finish first."""
+which let the requests in flight finish first; the exit status is then 0.
+
+The CLI imports this module to build its parser: it keeps its imports light (no torch,
+fastapi or uvicorn at the top)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import logging
+import os
+import signal
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
+
+HELP = "serve a model over HTTP (OpenAI-style completions, translations)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="run or checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--int8", action="store_true", help="int8 weights (CPU)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--name", default=None,
+                        help="the model's name in the API (default: the run)")
+    parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    parser.add_argument("--max-waiting", type=int, default=64,
+                        help="sequences queued; past it requests get 503")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--batch-window-ms", type=float, default=10.0,
+                        help="translations arriving this close together share a batch")
+
+
+def run(args: argparse.Namespace) -> int:
+    return serve_command(
+        args.checkpoint, host=args.host, port=args.port, api_key=args.api_key,
+        int8=args.int8, device=args.device, name=args.name, max_batch=args.max_batch,
+        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+        batch_window_ms=args.batch_window_ms,
+    )
 
 
 def require_serving_packages() -> None:
@@ -65,7 +104,7 @@ def serve_command(
     kind = "lm" if family.generate is not None else "seq2seq"
     model = inference_model(loaded.model, int8)
     tokenizer = loaded.tokenizer
-    name = name or model_name(loaded.path)
+    name = name or model_name(checkpoint)
     if kind == "lm":
         # A model that offers a KV cache (tformer.decoding.lm's protocol) decodes by
         # continuous batching; one whose memory is its cache decodes one sequence per slot.
@@ -77,7 +116,8 @@ def serve_command(
         engine = TranslationBatcher(model, tokenizer, window=batch_window_ms / 1000,
                                     batch_size=max(max_batch, 32), max_waiting=max_waiting)
     app = create_app(engine, tokenizer, model_name=name, kind=kind, api_key=api_key,
-                     limits=Limits(max_body_bytes=max_body_bytes))
+                     limits=Limits(max_body_bytes=max_body_bytes),
+                     created=created_time(loaded.path))
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     print(f"tformer: serving {name} ({loaded.cfg.family}) at http://{host}:{port}",
@@ -87,16 +127,58 @@ def serve_command(
     # server is closing at that moment, and get a read error.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=None, timeout_keep_alive=15)
-    uvicorn.Server(config).run()
+    server = draining_server_class()(config)
+    server.run()
+    if server.signalled is not None:
+        log.info("stopped by %s after the requests in flight finished",
+                 signal.Signals(server.signalled).name)
     return 0
 
 
-def model_name(path: Path) -> str:
-    """The run's directory name: a checkpoint inside a run (best/, checkpoints/step-N/) is
-    named after the run."""
-    path = Path(path).resolve()
-    if path.name == "best":
+def draining_server_class() -> type:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, except that a SIGINT or SIGTERM it has drained on is not raised
+        again afterwards (uvicorn re-raises it, so the process would die by the signal, exit
+        status -15, after a clean shutdown)."""
+
+        signalled: int | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            def handle(sig: int, frame: object) -> None:
+                self.signalled = sig
+                self.handle_exit(sig, frame)
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, handle) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer
+
+
+def model_name(path: str | Path) -> str:
+    """The run's directory name, from the path as given (not as resolved: best/ is a link
+    to a hidden `.best-<version>` directory): a checkpoint inside a run (best/,
+    checkpoints/step-N/) is named after the run."""
+    path = Path(os.path.abspath(path))
+    if path.name == "best" or path.name.startswith(".best-"):
         return path.parent.name
     if path.parent.name == "checkpoints":
         return path.parent.parent.name
     return path.name
+
+
+def created_time(checkpoint: Path) -> int:
+    """When the checkpoint was written, as a Unix time (its config's modification time)."""
+    try:
+        return int((Path(checkpoint) / "config.json").stat().st_mtime)
+    except OSError:
+        return int(time.time())
