@@ -34,6 +34,7 @@ from tformer.serving.scheduler import (
     TranslationBatcher,
     TranslationJob,
 )
+from tformer.serving.tokens import TokenTexts
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,15 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+Prompt = str | list[str] | list[int] | list[list[int]]
+"""One text, several, one list of token ids, or several."""
+
+
 class CompletionRequest(Strict):
     model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1)
+    prompt: Prompt
+    max_tokens: int = Field(16, ge=0)
+    """0 with echo and logprobs: score the prompt only."""
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
@@ -85,15 +91,21 @@ class CompletionRequest(Strict):
     stop: str | list[str] | None = None
     seed: int | None = None
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _some_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and not 1 <= len(value) <= 64:
-            raise ValueError("a list of prompts holds 1 to 64 strings")
+    def _some_prompt(cls, value: Prompt) -> Prompt:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list holds no prompt")
+            if isinstance(value[0], list | str) and len(value) > 64:
+                raise ValueError("a list of prompts holds 1 to 64 of them")
+            if isinstance(value[0], list) and not all(value):
+                raise ValueError("a list of token ids may not be empty")
         return value
 
     @field_validator("seed")
@@ -428,6 +440,22 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return [tokenizer.bos_id] if tokenizer.bos_id is not None else tokenizer.encode("\n")
 
 
+def read_prompts(tokenizer: Any, prompt: Prompt) -> list[tuple[str, list[int]]]:
+    """Each prompt's text and token ids."""
+    if isinstance(prompt, str):
+        return [(prompt, encode_prompt(tokenizer, prompt))]
+    if isinstance(prompt[0], str):
+        return [(text, encode_prompt(tokenizer, text)) for text in prompt]
+    lists = [prompt] if isinstance(prompt[0], int) else prompt
+    vocab = tokenizer.vocab_size
+    for ids in lists:
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary "
+                           f"(0 to {vocab - 1})", param="prompt")
+    return [(tokenizer.decode(ids), list(ids)) for ids in lists]
+
+
 async def complete(body: CompletionRequest, request: Request, engine: LMEngine, tokenizer: Any,
                    model_name: str, limits: Limits) -> JSONResponse | StreamingResponse:
     run = Completion(body, engine, tokenizer, model_name, limits, request.app.state.mailbox)
@@ -444,9 +472,14 @@ class Completion:
     def __init__(self, body: CompletionRequest, engine: LMEngine, tokenizer: Any,
                  model_name: str, limits: Limits, mailbox: Mailbox) -> None:
         self.body, self.model_name = body, model_name
-        self.prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if body.logprobs is not None and not engine.batched:
+            raise ApiError(400, "logprobs are served for models decoded with a KV cache; "
+                           "this model's memory is its cache", param="logprobs")
+        read = read_prompts(tokenizer, body.prompt)
+        self.prompts = [text for text, _ in read]
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        encoded = [self._encode(tokenizer, text, engine, limits) for text in self.prompts]
+        encoded = [self._check(ids, engine, limits) for _, ids in read]
+        self.token_texts = TokenTexts(tokenizer)
 
         self.events: asyncio.Queue[tuple[int, int | None, str | None]] = asyncio.Queue()
         self.seqs: list[Sequence] = []
@@ -456,7 +489,8 @@ class Completion:
                 # choices differ.
                 seed = None if body.seed is None else body.seed + i
                 sampling = Sampling(body.max_tokens, body.temperature, body.top_k, body.top_p,
-                                    seed)
+                                    seed, logprobs=body.logprobs,
+                                    prompt_logprobs=body.echo and body.logprobs is not None)
                 self.seqs.append(Sequence(ids, sampling, self._deliver(len(self.seqs),
                                                                        mailbox)))
         if len(self.seqs) > engine.max_waiting:
@@ -475,16 +509,17 @@ class Completion:
         self.choices = [Choice(tokenizer, stops, incremental=body.stream) for _ in self.seqs]
         self.reasons: list[str | None] = [None] * len(self.seqs)
         self.errors: list[str | None] = [None] * len(self.seqs)
+        self.logprobs_sent = [0] * len(self.seqs)
+        """Stream: the log-probability entries (prompt's, then completion's) sent so far."""
         self.usage = {"prompt_tokens": sum(len(ids) for ids in encoded) * body.n,
                       "completion_tokens": 0, "total_tokens": 0}
 
-    def _encode(self, tokenizer: Any, text: str, engine: LMEngine, limits: Limits) -> list[int]:
+    def _check(self, ids: list[int], engine: LMEngine, limits: Limits) -> list[int]:
         body = self.body
         if body.max_tokens > limits.max_tokens:
             raise ApiError(400, f"max_tokens {body.max_tokens} is over this server's limit "
                            f"of {limits.max_tokens}", param="max_tokens")
         window = engine.max_total_tokens or limits.max_prompt_tokens + body.max_tokens
-        ids = encode_prompt(tokenizer, text)
         if len(ids) + body.max_tokens > window:
             raise ApiError(400, f"the prompt is {len(ids)} tokens and max_tokens is "
                            f"{body.max_tokens}; together they may be at most {window}",
@@ -535,23 +570,77 @@ class Completion:
             seq.cancel()
 
     def _echo(self, index: int) -> str:
-        return self.prompts[index // self.body.n] if self.body.echo else ""
+        return self._prompt_text(index) if self.body.echo else ""
+
+    def _stream_echo(self, index: int) -> str:
+        """The prompt, in the first chunk of a stream that echoes it with log-probabilities
+        (it is scored by then)."""
+        if self.body.logprobs is None or self.logprobs_sent[index] > 0:
+            return ""
+        return self._echo(index)
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model_name}
 
-    def _chunk(self, index: int, text: str, reason: str | None) -> str:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    def _logprobs(self, index: int, start: int = 0, end: int | None = None
+                  ) -> dict[str, Any] | None:
+        """OpenAI's legacy log-probabilities of choice `index`'s tokens [start, end) (the
+        prompt's first when echoed): each token's text, its log-probability (None for the
+        first prompt token), the likeliest tokens and the chosen one with theirs, and its
+        offset in the prompt + completion text."""
+        if self.body.logprobs is None:
+            return None
+        seq, choice = self.seqs[index], self.choices[index]
+        entries: list[tuple[int, Any]] = []
+        if self.body.echo:
+            entries += zip(seq.prompt, seq.prompt_logprobs or [None] * len(seq.prompt),
+                           strict=True)
+        entries += zip(choice.ids, seq.logprobs, strict=False)
+        texts = [self.token_texts(token) for token, _ in entries]
+        offset = 0 if self.body.echo else len(self._prompt_text(index))
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        top: list[dict[str, float] | None] = []
+        for (_, scored), text in zip(entries, texts, strict=True):
+            if scored is None:
+                top.append(None)
+                continue
+            likeliest = {self.token_texts(t): lp for t, lp in scored[1]}
+            top.append({**likeliest, text: scored[0]})
+        window = slice(start, end)
+        return {"tokens": texts[window],
+                "token_logprobs": [None if e is None else e[0] for _, e in entries][window],
+                "top_logprobs": top[window], "text_offset": offsets[window]}
+
+    def _prompt_text(self, index: int) -> str:
+        return self.prompts[index // self.body.n]
+
+    def _chunk(self, index: int, text: str, reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return f"data: {json.dumps({**self._head(), 'choices': [choice]})}\n\n"
+
+    def _chunk_logprobs(self, index: int) -> dict[str, Any] | None:
+        """The log-probabilities of the tokens not sent yet in a stream."""
+        if self.body.logprobs is None:
+            return None
+        done = self.logprobs_sent[index]
+        prompt = len(self.seqs[index].prompt) if self.body.echo else 0
+        self.logprobs_sent[index] = prompt + len(self.choices[index].ids)
+        return self._logprobs(index, done, self.logprobs_sent[index])
 
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events: a chunk per piece of final text, a last chunk per choice with
         its finish reason, usage if asked, then [DONE]."""
         try:
             for index in range(len(self.seqs)):
-                if self._echo(index):
+                if self._echo(index) and self.body.logprobs is None:
                     yield self._chunk(index, self._echo(index), None)
+                # With log-probabilities, the prompt is echoed with its first chunk, once
+                # it is scored.
             while not self._finished():
                 index, token = await self._next()
                 choice = self.choices[index]
@@ -563,14 +652,16 @@ class Completion:
                 if token is not None and not choice.stopped:
                     piece = choice.ready(final=False)
                     if piece:
-                        yield self._chunk(index, piece, None)
+                        yield self._chunk(index, self._stream_echo(index) + piece, None,
+                                          self._chunk_logprobs(index))
                 elif token is None:
                     if self.reasons[index] == "error":
                         error = {"message": self.errors[index] or "decoding failed",
                                  "type": "server_error", "param": None, "code": None}
                         yield f"data: {json.dumps({'error': error})}\n\n"
                         return
-                    yield self._chunk(index, choice.ready(final=True), self.reasons[index])
+                    yield self._chunk(index, self._stream_echo(index) + choice.ready(final=True),
+                                      self.reasons[index], self._chunk_logprobs(index))
             options = self.body.stream_options
             if options is not None and options.include_usage:
                 self.usage["total_tokens"] = (self.usage["prompt_tokens"]
@@ -607,8 +698,8 @@ class Completion:
         choices = []
         for i, choice in enumerate(self.choices):
             choice.ready(final=True)
-            choices.append({"index": i, "text": self._echo(i) + choice.text, "logprobs": None,
-                            "finish_reason": self.reasons[i]})
+            choices.append({"index": i, "text": self._echo(i) + choice.text,
+                            "logprobs": self._logprobs(i), "finish_reason": self.reasons[i]})
         return JSONResponse({**self._head(), "choices": choices, "usage": self.usage})
 
 

@@ -54,6 +54,14 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     """None: a fresh random seed."""
+    logprobs: int | None = None
+    """Keep each new token's log-probability and the `logprobs` likeliest (None: keep none)."""
+    prompt_logprobs: bool = False
+    """Also the prompt's tokens' log-probabilities (with as many likeliest)."""
+
+
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+"""A token's log-probability, and the likeliest tokens with theirs, best first."""
 
 
 class Sequence:
@@ -77,6 +85,10 @@ class Sequence:
         """The per-sequence decoder's token stream (models decoded one sequence per slot)."""
         self.error: str | None = None
         """Why the sequence ended with 'error'."""
+        self.logprobs: list[TokenLogprob] = []
+        """One per token drawn (an end-of-text token too), kept before it is handed over."""
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        """One per prompt token (None for the first, which nothing predicts), once read."""
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -121,6 +133,32 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> list[int | None]:
             seq.fail("sampling", e)
             out.append(None)
     return out
+
+
+def logprobs_of(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """(k, V) logits and the k tokens they were followed by -> each token's log-probability
+    under the model's own distribution (before temperature, top-k or top-p) and the `top`
+    likeliest tokens with theirs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(tokens, dtype=torch.long, device=logp.device)[:, None]
+    chosen = logp.gather(1, index)[:, 0].tolist()
+    if top == 0:
+        return [(c, []) for c in chosen]
+    values, ids = logp.topk(top, dim=-1)
+    return [(c, list(zip(i, v, strict=True)))
+            for c, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]
+
+
+def keep_logprobs(logits: Tensor, seqs: list[Sequence], tokens: list[int | None]) -> None:
+    """Record the drawn tokens' log-probabilities for the sequences that asked."""
+    for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+        top = seq.sampling.logprobs
+        if top is None or token is None or seq.finished:
+            continue
+        try:
+            seq.logprobs += logprobs_of(logits[row : row + 1], [token], top)
+        except Exception as e:
+            seq.fail("computing log-probabilities", e)
 
 
 # --- the cache as a pool of rows --------------------------------------------------------
@@ -181,9 +219,9 @@ class SlotPool:
         is_real[:n, :W] = self.is_real[:n, :W]
         self.pool, self.is_real = pool, is_real
 
-    def prefill(self, prompts: list[list[int]]) -> Tensor:
+    def prefill(self, prompts: list[list[int]], *, every_position: bool = False) -> Tensor:
         """Read prompts into the next free rows, in one forward pass; return their (k, V)
-        last-position logits.
+        last-position logits, or with `every_position` all (k, P, V).
 
         The prompts are left-padded to a common length P, so each row's last token sits in
         column P - 1, where the model's last-position logits are read.
@@ -201,11 +239,11 @@ class SlotPool:
         if not padded:
             cache.is_real = None  # one prompt, or equal lengths: the plain causal pass
         logits = self.model(ids.to(device), real.to(device) if padded else None, cache=cache,
-                            last_only=True)
+                            last_only=not every_position)
         self.is_real[rows, :P] = real.to(device)
         self.rows += k
         self.width = max(self.width, P)
-        return logits[:, -1]
+        return logits if every_position else logits[:, -1]
 
     def step(self, last_tokens: list[int]) -> Tensor:
         """One new token per occupied row -> (n, V) logits for the next ones."""
@@ -384,7 +422,7 @@ class LMEngine:
         if not joining:
             return
         try:
-            logits = self.slots.prefill([seq.prompt for seq in joining])
+            logits = self._prefill(joining)
         except Exception as e:
             if len(joining) == 1:
                 joining[0].fail("reading the prompt", e)
@@ -400,22 +438,51 @@ class LMEngine:
 
     def _join_ready(self, joining: list[Sequence], logits: Tensor | None = None) -> None:
         """Seat sequences whose prompts are read (`logits`), or read them first."""
-        assert self.slots is not None
         if logits is None:
             try:
-                logits = self.slots.prefill([seq.prompt for seq in joining])
+                logits = self._prefill(joining)
             except Exception as e:
                 for seq in joining:
                     seq.fail("reading the prompt", e)
                 return
         self.stats.prefills += 1
+        if logits.dim() == 3:
+            self._score_prompts(joining, logits)
+            logits = logits[:, -1]
         self.active.extend(joining)
         tokens = sample(logits, joining)
+        keep_logprobs(logits, joining, tokens)
         first = len(self.active) - len(joining)
-        done = [first + i for i, (seq, token) in enumerate(zip(joining, tokens, strict=True))
-                if self._accept(seq, token)]
+        done = []
+        for i, (seq, token) in enumerate(zip(joining, tokens, strict=True)):
+            if seq.sampling.max_tokens == 0 and not seq.finished:
+                seq.finish("length")  # the prompt scored, nothing generated
+                done.append(first + i)
+            elif self._accept(seq, token):
+                done.append(first + i)
         for row in reversed(done):
             self._leave(row)
+
+    def _prefill(self, joining: list[Sequence]) -> Tensor:
+        """(k, V) last-position logits, or (k, P, V) when a prompt is to be scored."""
+        assert self.slots is not None
+        score = any(seq.sampling.prompt_logprobs for seq in joining)
+        return self.slots.prefill([seq.prompt for seq in joining], every_position=score)
+
+    def _score_prompts(self, joining: list[Sequence], logits: Tensor) -> None:
+        """Each prompt token's log-probability given the ones before it, from the (k, P, V)
+        logits of the left-padded prompts (a row's L tokens sit in the last L columns)."""
+        P = logits.shape[1]
+        for row, seq in enumerate(joining):
+            if not seq.sampling.prompt_logprobs or seq.finished:
+                continue
+            try:
+                L = len(seq.prompt)
+                scored = logprobs_of(logits[row, P - L : P - 1], seq.prompt[1:],
+                                     seq.sampling.logprobs or 0)
+                seq.prompt_logprobs = [None, *scored]
+            except Exception as e:
+                seq.fail("scoring the prompt", e)
 
     def _step(self) -> None:
         tokens: list[int | None]
@@ -431,6 +498,7 @@ class LMEngine:
         else:
             logits = self.slots.step([seq.tokens[-1] for seq in self.active])
             tokens = sample(logits, self.active)
+            keep_logprobs(logits, self.active, tokens)
         self.stats.steps += 1
         done = [row for row, (seq, token) in enumerate(zip(self.active, tokens, strict=True))
                 if self._accept(seq, token)]
@@ -439,7 +507,7 @@ class LMEngine:
 
     def _accept(self, seq: Sequence, token: int | None) -> bool:
         """Hand a new token over; True when the sequence has ended (None: it failed)."""
-        if token is None:
+        if token is None or seq.finished:  # failed already
             return True
         self.stats.generated_tokens += 1
         try:
