@@ -34,7 +34,7 @@ from tformer.serving.scheduler import (
     TranslationBatcher,
     TranslationJob,
 )
-from tformer.serving.tokens import TokenTexts
+from tformer.serving.tokens import TokenTexts, special_names
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,18 @@ class CompletionRequest(Strict):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop holds up to 4 non-empty strings")
         return value
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    """Accepted for vLLM's clients; tformer's tokenizers add no special tokens to a text."""
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 class TranslationRequest(Strict):
@@ -265,9 +277,10 @@ class Mailbox:
 
 def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_name: str,
                kind: str, api_key: str | None = None, limits: Limits | None = None,
-               created: int | None = None) -> FastAPI:
+               created: int | None = None, chat_template: str | None = None) -> FastAPI:
     """kind: 'lm' serves /v1/completions, 'seq2seq' serves /v1/translations.
-    created: the model's Unix time (when its checkpoint was written); default now."""
+    created: the model's Unix time (when its checkpoint was written); default now.
+    chat_template: the Jinja template that renders chat messages as the model's prompt."""
     limits = limits or Limits()
     created = int(time.time()) if created is None else created
     metrics = Metrics()
@@ -319,6 +332,43 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
 
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "tformer"}
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves "
+                           f"{model_name!r}", param="model", code="model_not_found")
+
+    # The remote-tokenizer routes of vLLM's server, which lm-evaluation-harness looks for
+    # (lm_eval.utils.RemoteTokenizer) when it does not hold the model's tokenizer.
+    token_texts = TokenTexts(tokenizer)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        names = special_names(tokenizer)
+        return {"tokenizer_class": type(tokenizer).__name__, "kind": tokenizer.kind,
+                "eos_token": names["eos"], "bos_token": names["bos"],
+                "pad_token": names["pad"], "vocab_size": tokenizer.vocab_size,
+                "model_max_length": engine.max_total_tokens,
+                "chat_template": chat_template}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        try:
+            ids = token_texts.encode(body.prompt)
+        except TformerError as e:
+            raise ApiError(400, f"prompt: {e}", param="prompt") from None
+        return {"count": len(ids), "max_model_len": engine.max_total_tokens, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        vocab = tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary "
+                           f"(0 to {vocab - 1})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card]}
@@ -327,11 +377,6 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
     async def one_model(name: str) -> dict[str, Any]:
         check_model(name)
         return card
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise ApiError(404, f"model {name!r} is not served here; this server serves "
-                           f"{model_name!r}", param="model", code="model_not_found")
 
     if kind == "lm":
         assert isinstance(engine, LMEngine)
@@ -352,8 +397,13 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
     return app
 
 
-KNOWN_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/translations")
+KNOWN_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+                "/v1/translations", "/tokenizer_info", "/tokenize", "/detokenize")
 """Routes counted by name in /metrics (the rest as 'other')."""
+
+
+OPEN_ROUTES = ("/health", "/metrics")
+"""What answers without the API key."""
 
 
 class Guard:
@@ -392,7 +442,7 @@ class Guard:
         """Raise ApiError for a request to refuse; else a `receive` that replays the body."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope["headers"]}
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
+        if self.api_key is not None and scope["path"] not in OPEN_ROUTES:
             given = headers.get("authorization", "").encode()
             if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
@@ -588,7 +638,8 @@ class Completion:
         """OpenAI's legacy log-probabilities of choice `index`'s tokens [start, end) (the
         prompt's first when echoed): each token's text, its log-probability (None for the
         first prompt token), the likeliest tokens and the chosen one with theirs, and its
-        offset in the prompt + completion text."""
+        offset in the prompt + completion text (a special token shows its name, and takes
+        no room in the text)."""
         if self.body.logprobs is None:
             return None
         seq, choice = self.seqs[index], self.choices[index]
@@ -600,9 +651,9 @@ class Completion:
         texts = [self.token_texts(token) for token, _ in entries]
         offset = 0 if self.body.echo else len(self._prompt_text(index))
         offsets = []
-        for text in texts:
+        for token, _ in entries:
             offsets.append(offset)
-            offset += len(text)
+            offset += len(self.token_texts.piece(token))
         top: list[dict[str, float] | None] = []
         for (_, scored), text in zip(entries, texts, strict=True):
             if scored is None:

@@ -31,6 +31,7 @@ class TokenTexts:
                          for key, name in names.items() if name is not None}
         self.by_name = {name: token for token, name in self.specials.items()}
         self._seen: dict[int, str] = {}
+        self._pieces: dict[int, str] = {}
 
     def __call__(self, token: int) -> str:
         text = self._seen.get(token)
@@ -39,6 +40,14 @@ class TokenTexts:
             if text is None:
                 text = self.tokenizer.decode([token])
             self._seen[token] = text
+        return text
+
+    def piece(self, token: int) -> str:
+        """What the token adds to a decoded text (nothing, for a special token): what
+        text offsets count."""
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self.tokenizer.decode([token])
         return text
 
     def encode(self, text: str) -> list[int]:
