@@ -113,3 +113,25 @@ def gpt_run(tmp_path_factory) -> Path:
                                    "context": 64}, specials=True)
     assert (run / "best").is_symlink()
     return run
+
+
+@pytest.fixture(scope="module")
+def loaded(gpt_run):
+    from tformer.training.checkpoint import load_checkpoint
+
+    return load_checkpoint(gpt_run)
+
+
+@pytest.fixture(scope="module")
+def app_client(loaded):
+    """The app on gpt_run's model, in this process (fastapi's TestClient)."""
+    from fastapi.testclient import TestClient
+
+    from tformer.serving.app import create_app
+    from tformer.serving.scheduler import LMEngine
+
+    engine = LMEngine(loaded.model, eos_id=loaded.tokenizer.eos_id, max_batch=8,
+                      max_waiting=32, batched=True)
+    app = create_app(engine, loaded.tokenizer, model_name="tiny-run", kind="lm")
+    with TestClient(app) as client:
+        yield client

@@ -7,31 +7,14 @@ import json
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from tformer.data.tokenizers import SPECIALS
 from tformer.evaluation.loss import lm_loss
-from tformer.serving.app import create_app
 from tformer.serving.scheduler import LMEngine, Sampling, Sequence
-from tformer.training.checkpoint import load_checkpoint
 
 from .test_scheduler import Collect
 
 TEXT = "the quick brown fox, jumps!"
-
-
-@pytest.fixture(scope="module")
-def loaded(gpt_run):
-    return load_checkpoint(gpt_run)
-
-
-@pytest.fixture(scope="module")
-def client(loaded):
-    engine = LMEngine(loaded.model, eos_id=loaded.tokenizer.eos_id, max_batch=8,
-                      max_waiting=32, batched=True)
-    app = create_app(engine, loaded.tokenizer, model_name="tiny-run", kind="lm")
-    with TestClient(app) as client:
-        yield client
 
 
 def full_pass(model, ids: list[int]) -> torch.Tensor:
@@ -52,15 +35,15 @@ def text_of(tokenizer, token: int) -> str:
     return SPECIALS[token] if token < len(SPECIALS) else tokenizer.decode([token])
 
 
-def complete(client, **body) -> dict:
-    r = client.post("/v1/completions", json=body)
+def complete(app_client, **body) -> dict:
+    r = app_client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def test_scoring_a_prompt_equals_the_evaluation_losses(client, loaded):
+def test_scoring_a_prompt_equals_the_evaluation_losses(app_client, loaded):
     ids = loaded.tokenizer.encode(TEXT)
-    answer = complete(client, prompt=TEXT, echo=True, logprobs=3, max_tokens=0)
+    answer = complete(app_client, prompt=TEXT, echo=True, logprobs=3, max_tokens=0)
     choice = answer["choices"][0]
     lp = choice["logprobs"]
     assert choice["text"] == TEXT and choice["finish_reason"] == "length"
@@ -85,27 +68,27 @@ def test_scoring_a_prompt_equals_the_evaluation_losses(client, loaded):
     assert lp["text_offset"] == list(range(len(ids)))  # one character a token
 
 
-def test_token_id_prompts_score_as_their_text(client, loaded):
+def test_token_id_prompts_score_as_their_text(app_client, loaded):
     ids = loaded.tokenizer.encode(TEXT)
-    by_text = complete(client, prompt=TEXT, echo=True, logprobs=1, max_tokens=0)
-    by_ids = complete(client, prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    by_text = complete(app_client, prompt=TEXT, echo=True, logprobs=1, max_tokens=0)
+    by_ids = complete(app_client, prompt=ids, echo=True, logprobs=1, max_tokens=0)
     assert by_ids["choices"] == by_text["choices"]
     other = loaded.tokenizer.encode("zebra")
-    both = complete(client, prompt=[ids, other], echo=True, logprobs=0, max_tokens=0)
+    both = complete(app_client, prompt=[ids, other], echo=True, logprobs=0, max_tokens=0)
     assert [c["text"] for c in both["choices"]] == [TEXT, "zebra"]
     assert both["choices"][1]["logprobs"]["token_logprobs"][1:] == pytest.approx(
         [-x for x in evaluate_losses(loaded.model, other)], abs=1e-5)
-    bad = client.post("/v1/completions", json={"prompt": [1, 999], "max_tokens": 1})
+    bad = app_client.post("/v1/completions", json={"prompt": [1, 999], "max_tokens": 1})
     assert bad.status_code == 400 and "token id 999 is outside the vocabulary" in (
         bad.json()["error"]["message"])
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.7, "top_k": 5,
                                                           "top_p": 0.8, "seed": 3}])
-def test_generated_tokens_have_the_models_own_log_probabilities(client, loaded, sampling):
+def test_generated_tokens_have_the_models_own_log_probabilities(app_client, loaded, sampling):
     """Before temperature, top-k and top-p: the full pass's distribution, whatever drew."""
     prompt = loaded.tokenizer.encode("hello")
-    answer = complete(client, prompt="hello", logprobs=2, max_tokens=8, echo=True, **sampling)
+    answer = complete(app_client, prompt="hello", logprobs=2, max_tokens=8, echo=True, **sampling)
     lp = answer["choices"][0]["logprobs"]
     text = answer["choices"][0]["text"]
     by_text = {text_of(loaded.tokenizer, i): i for i in range(loaded.tokenizer.vocab_size)}
@@ -115,15 +98,15 @@ def test_generated_tokens_have_the_models_own_log_probabilities(client, loaded, 
     expected = [float(want[t - 1, ids[t]]) for t in range(1, len(ids))]
     assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
     # Without echo: the completion's tokens only, offsets counted from the prompt's end.
-    plain = complete(client, prompt="hello", logprobs=2, max_tokens=8, **sampling)
+    plain = complete(app_client, prompt="hello", logprobs=2, max_tokens=8, **sampling)
     assert plain["choices"][0]["text"] == text[len("hello"):]
     assert plain["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][5:]
     assert plain["choices"][0]["logprobs"]["text_offset"][0] == len("hello")
 
 
-def test_a_stream_carries_the_log_probabilities(client, loaded):
-    whole = complete(client, prompt="abc", logprobs=1, max_tokens=6, echo=True, temperature=0)
-    with client.stream("POST", "/v1/completions", json={
+def test_a_stream_carries_the_log_probabilities(app_client, loaded):
+    whole = complete(app_client, prompt="abc", logprobs=1, max_tokens=6, echo=True, temperature=0)
+    with app_client.stream("POST", "/v1/completions", json={
             "prompt": "abc", "logprobs": 1, "max_tokens": 6, "echo": True, "temperature": 0,
             "stream": True}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines()
@@ -137,9 +120,9 @@ def test_a_stream_carries_the_log_probabilities(client, loaded):
     assert merged == whole["choices"][0]["logprobs"]
 
 
-def test_logprobs_out_of_range_are_refused(client):
+def test_logprobs_out_of_range_are_refused(app_client):
     for value in (-1, 21):
-        r = client.post("/v1/completions", json={"prompt": "a", "logprobs": value})
+        r = app_client.post("/v1/completions", json={"prompt": "a", "logprobs": value})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
 
 

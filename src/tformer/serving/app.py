@@ -79,34 +79,26 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 """One text, several, one list of token ids, or several."""
 
 
-class CompletionRequest(Strict):
-    model: str | None = None
-    prompt: Prompt
-    max_tokens: int = Field(16, ge=0)
-    """0 with echo and logprobs: score the prompt only."""
+class SamplingFields(Strict):
+    """What completions and chat completions share: how to draw, how many, where to stop.
+
+    frequency_penalty and presence_penalty are OpenAI's: a token's logit is lowered by
+    frequency_penalty for each time it was drawn before in this completion, and by
+    presence_penalty once if it was; logit_bias adds to the logits of the token ids given.
+    `user` is accepted and ignored."""
+
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = None
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _some_prompt(cls, value: Prompt) -> Prompt:
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("an empty list holds no prompt")
-            if isinstance(value[0], list | str) and len(value) > 64:
-                raise ValueError("a list of prompts holds 1 to 64 of them")
-            if isinstance(value[0], list) and not all(value):
-                raise ValueError("a list of token ids may not be empty")
-        return value
 
     @field_validator("seed")
     @classmethod
@@ -121,6 +113,54 @@ class CompletionRequest(Strict):
         stops = [value] if isinstance(value, str) else value or []
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop holds up to 4 non-empty strings")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids; {key!r} is not one")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"token {key}: a bias is between -100 and 100, not {bias}")
+        if value is not None and len(value) > 1024:
+            raise ValueError("at most 1024 tokens may be biased")
+        return value
+
+    def bias_for(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, each id in the vocabulary."""
+        pairs = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
+        bad = next((t for t, _ in pairs if t >= vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary (0 to "
+                           f"{vocab_size - 1})", param="logit_bias")
+        return pairs
+
+
+class CompletionRequest(SamplingFields):
+    """OpenAI's completions request. Accepted for its clients with no effect: `user`, and
+    `best_of` when it equals n (one draw per choice is all this server makes)."""
+
+    model: str | None = None
+    prompt: Prompt
+    max_tokens: int = Field(16, ge=0)
+    """0 with echo and logprobs: score the prompt only."""
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1)
+    suffix: None = None
+    """OpenAI's insertion; only null (what clients send by default) is taken."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, value: Prompt) -> Prompt:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list holds no prompt")
+            if isinstance(value[0], list | str) and len(value) > 64:
+                raise ValueError("a list of prompts holds 1 to 64 of them")
+            if isinstance(value[0], list) and not all(value):
+                raise ValueError("a list of token ids may not be empty")
         return value
 
 
@@ -522,9 +562,18 @@ class Completion:
     def __init__(self, body: CompletionRequest, engine: LMEngine, tokenizer: Any,
                  model_name: str, limits: Limits, mailbox: Mailbox) -> None:
         self.body, self.model_name = body, model_name
-        if body.logprobs is not None and not engine.batched:
-            raise ApiError(400, "logprobs are served for models decoded with a KV cache; "
-                           "this model's memory is its cache", param="logprobs")
+        if body.best_of is not None and body.best_of != body.n:
+            raise ApiError(400, f"best_of {body.best_of} differs from n {body.n}: this "
+                           f"server draws each choice once", param="best_of")
+        if not engine.batched:
+            for name, used in [("logprobs", body.logprobs is not None),
+                               ("logit_bias", bool(body.logit_bias)),
+                               ("frequency_penalty", body.frequency_penalty != 0),
+                               ("presence_penalty", body.presence_penalty != 0)]:
+                if used:
+                    raise ApiError(400, f"{name} is served for models decoded with a KV "
+                                   f"cache; this model's memory is its cache", param=name)
+        bias = body.bias_for(tokenizer.vocab_size)
         read = read_prompts(tokenizer, body.prompt)
         self.prompts = [text for text, _ in read]
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -540,7 +589,9 @@ class Completion:
                 seed = None if body.seed is None else body.seed + i
                 sampling = Sampling(body.max_tokens, body.temperature, body.top_k, body.top_p,
                                     seed, logprobs=body.logprobs,
-                                    prompt_logprobs=body.echo and body.logprobs is not None)
+                                    prompt_logprobs=body.echo and body.logprobs is not None,
+                                    frequency_penalty=body.frequency_penalty,
+                                    presence_penalty=body.presence_penalty, logit_bias=bias)
                 self.seqs.append(Sequence(ids, sampling, self._deliver(len(self.seqs),
                                                                        mailbox)))
         if len(self.seqs) > engine.max_waiting:

@@ -58,6 +58,15 @@ class Sampling:
     """Keep each new token's log-probability and the `logprobs` likeliest (None: keep none)."""
     prompt_logprobs: bool = False
     """Also the prompt's tokens' log-probabilities (with as many likeliest)."""
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, added to its logit)."""
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits change before drawing (penalties, bias)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
 
 TokenLogprob = tuple[float, list[tuple[int, float]]]
@@ -116,6 +125,31 @@ class Sequence:
             log.exception("the answer of a failed sequence could not be handed over")
 
 
+def adjust(logits: Tensor, seqs: list[Sequence]) -> Tensor:
+    """(n, V) logits -> the logits each sequence draws from: OpenAI's frequency and
+    presence penalties over the tokens it has drawn so far, and its logit bias. A sequence
+    whose adjustment fails is failed (and dropped after this step)."""
+    if not any(seq.sampling.adjusts for seq in seqs):
+        return logits
+    logits = logits.float().clone()
+    V = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        opts = seq.sampling
+        if not opts.adjusts or seq.finished:
+            continue
+        try:
+            if seq.tokens and (opts.frequency_penalty or opts.presence_penalty):
+                counts = torch.bincount(torch.tensor(seq.tokens, device=logits.device),
+                                        minlength=V)[:V].to(logits.dtype)
+                logits[row] -= (counts * opts.frequency_penalty
+                                + (counts > 0).to(logits.dtype) * opts.presence_penalty)
+            for token, bias in opts.logit_bias:
+                logits[row, token] += bias
+        except Exception as e:
+            seq.fail("adjusting the logits", e)
+    return logits
+
+
 def sample(logits: Tensor, seqs: list[Sequence]) -> list[int | None]:
     """(n, V) logits of the last position -> one token per sequence, each with its own
     sampling options and random generator, so a sequence draws what it would draw alone.
@@ -137,8 +171,8 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> list[int | None]:
 
 def logprobs_of(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """(k, V) logits and the k tokens they were followed by -> each token's log-probability
-    under the model's own distribution (before temperature, top-k or top-p) and the `top`
-    likeliest tokens with theirs."""
+    under the distribution it was drawn from (the model's, after penalties and logit bias,
+    before temperature, top-k or top-p) and the `top` likeliest tokens with theirs."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     index = torch.tensor(tokens, dtype=torch.long, device=logp.device)[:, None]
     chosen = logp.gather(1, index)[:, 0].tolist()
@@ -450,6 +484,7 @@ class LMEngine:
             self._score_prompts(joining, logits)
             logits = logits[:, -1]
         self.active.extend(joining)
+        logits = adjust(logits, joining)
         tokens = sample(logits, joining)
         keep_logprobs(logits, joining, tokens)
         first = len(self.active) - len(joining)
@@ -496,7 +531,8 @@ class LMEngine:
                     seq.fail("decoding", e)
                     tokens.append(None)
         else:
-            logits = self.slots.step([seq.tokens[-1] for seq in self.active])
+            logits = adjust(self.slots.step([seq.tokens[-1] for seq in self.active]),
+                            self.active)
             tokens = sample(logits, self.active)
             keep_logprobs(logits, self.active, tokens)
         self.stats.steps += 1
