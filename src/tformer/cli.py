@@ -776,6 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--batch-window-ms", type=float, default=10.0,
                    help="translations arriving this close together share a batch")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template FILE")
 
     p = sub.add_parser("average", **for_help, help="average the weights of several checkpoints")
     p.add_argument("checkpoints", nargs="+", help="checkpoint directories, or one run with --last")
@@ -891,7 +892,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             args.checkpoint, host=args.host, port=args.port, api_key=args.api_key,
             int8=args.int8, device=args.device, name=args.name, max_batch=args.max_batch,
             max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-            batch_window_ms=args.batch_window_ms,
+            batch_window_ms=args.batch_window_ms, chat_template=args.chat_template,
         )
     if args.command == "average":
         return average_command(args.checkpoints, args.out, last=args.last)

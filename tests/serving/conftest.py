@@ -110,7 +110,7 @@ def gpt_run(tmp_path_factory) -> Path:
     """A run directory whose best/ is a link to a hidden `.best-<version>` checkpoint."""
     run = tmp_path_factory.mktemp("runs") / "tiny-run"
     tiny_checkpoint(run / "best", {"family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32,
-                                   "context": 64}, specials=True)
+                                   "context": 128}, specials=True)
     assert (run / "best").is_symlink()
     return run
 

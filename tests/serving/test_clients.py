@@ -84,7 +84,7 @@ def test_the_remote_tokenizer_of_the_evaluation_harness(run_server, gpt_run):
     assert remote.decode(loaded.tokenizer.encode(text)) == text
     assert remote.eos_token == "</s>" and remote.eos_token_id == loaded.tokenizer.eos_id
     info = httpx.get(run_server.url + "/tokenizer_info").json()
-    assert info["model_max_length"] == 64 and info["vocab_size"] == loaded.tokenizer.vocab_size
+    assert info["model_max_length"] == 128 and info["vocab_size"] == loaded.tokenizer.vocab_size
     bad = httpx.post(run_server.url + "/detokenize", json={"tokens": [5, 10**6]})
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
     unseen = httpx.post(run_server.url + "/tokenize", json={"prompt": "ÆØÅ"})

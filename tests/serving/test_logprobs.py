@@ -100,7 +100,8 @@ def test_generated_tokens_have_the_models_own_log_probabilities(app_client, load
     # Without echo: the completion's tokens only, offsets counted from the prompt's end.
     plain = complete(app_client, prompt="hello", logprobs=2, max_tokens=8, **sampling)
     assert plain["choices"][0]["text"] == text[len("hello"):]
-    assert plain["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][5:]
+    assert plain["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        lp["token_logprobs"][5:], abs=1e-5)  # one prompt pass reads all positions, one not
     assert plain["choices"][0]["logprobs"]["text_offset"][0] == len("hello")
 
 

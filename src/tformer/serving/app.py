@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tformer.decoding.translate import SearchOptions
 from tformer.errors import TformerError
+from tformer.serving.chat import TEMPLATE_FILE, ChatTemplate, ChatTemplateError
 from tformer.serving.scheduler import (
     SEED_LIMIT,
     LMEngine,
@@ -162,6 +163,66 @@ class CompletionRequest(SamplingFields):
             if isinstance(value[0], list) and not all(value):
                 raise ValueError("a list of token ids may not be empty")
         return value
+
+
+class ChatMessage(Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    """A text, or OpenAI's content parts, handed to the template as they are."""
+    name: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    """OpenAI's chat completions request.
+
+    Accepted for OpenAI's clients with no effect: `user`, `store`, `metadata`,
+    `service_tier`, `parallel_tool_calls`; `tools` empty, `tool_choice` "none" or "auto",
+    `response_format` {"type": "text"} (what they mean when they are given otherwise is not
+    served here, and is a 400)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    """Either; None: as many as the model's window leaves."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tool calls are not served here")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | None) -> str | None:
+        if value not in (None, "none", "auto"):
+            raise ValueError("tool calls are not served here; 'none' or 'auto' only")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is served here')
+        return value
+
+    def budget(self) -> int | None:
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ApiError(400, f"max_tokens {self.max_tokens} and max_completion_tokens "
+                           f"{self.max_completion_tokens} differ; give one",
+                           param="max_completion_tokens")
+        return self.max_completion_tokens or self.max_tokens
 
 
 class TokenizeRequest(Strict):
@@ -317,7 +378,8 @@ class Mailbox:
 
 def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_name: str,
                kind: str, api_key: str | None = None, limits: Limits | None = None,
-               created: int | None = None, chat_template: str | None = None) -> FastAPI:
+               created: int | None = None, chat_template: ChatTemplate | None = None
+               ) -> FastAPI:
     """kind: 'lm' serves /v1/completions, 'seq2seq' serves /v1/translations.
     created: the model's Unix time (when its checkpoint was written); default now.
     chat_template: the Jinja template that renders chat messages as the model's prompt."""
@@ -388,7 +450,7 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
                 "eos_token": names["eos"], "bos_token": names["bos"],
                 "pad_token": names["pad"], "vocab_size": tokenizer.vocab_size,
                 "model_max_length": engine.max_total_tokens,
-                "chat_template": chat_template}
+                "chat_template": chat_template.source if chat_template else None}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -426,6 +488,20 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
                               request: Request) -> JSONResponse | StreamingResponse:
             check_model(body.model)
             return await complete(body, request, engine, tokenizer, model_name, limits)
+
+        chat_stops = end_of_turn(chat_template, token_texts)
+
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat_completions(body: ChatRequest,
+                                   request: Request) -> JSONResponse | StreamingResponse:
+            check_model(body.model)
+            if chat_template is None:
+                raise ApiError(400, "this model has no chat template: put one in its "
+                               f"checkpoint directory as {TEMPLATE_FILE}, or start the server "
+                               "with --chat-template FILE", param="messages",
+                               code="no_chat_template")
+            return await chat(body, request, engine, tokenizer, model_name, limits,
+                              chat_template, chat_stops)
     else:
         assert isinstance(engine, TranslationBatcher)
 
@@ -548,25 +624,35 @@ def read_prompts(tokenizer: Any, prompt: Prompt) -> list[tuple[str, list[int]]]:
 
 async def complete(body: CompletionRequest, request: Request, engine: LMEngine, tokenizer: Any,
                    model_name: str, limits: Limits) -> JSONResponse | StreamingResponse:
-    run = Completion(body, engine, tokenizer, model_name, limits, request.app.state.mailbox)
-    if body.stream:
-        return StreamingResponse(run.stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return await run.whole(request)
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, f"best_of {body.best_of} differs from n {body.n}: this server "
+                       f"draws each choice once", param="best_of")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    run = Completion(body, engine, tokenizer, model_name, limits, request.app.state.mailbox,
+                     prompts=read_prompts(tokenizer, body.prompt), max_tokens=body.max_tokens,
+                     echo=body.echo, logprobs=body.logprobs, stops=stops)
+    return await run.answer(request)
 
 
 class Completion:
     """One completions request: its sequences (n per prompt) in the engine, and the text
     they make, as one answer or as a stream of chunks."""
 
-    def __init__(self, body: CompletionRequest, engine: LMEngine, tokenizer: Any,
-                 model_name: str, limits: Limits, mailbox: Mailbox) -> None:
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, body: SamplingFields, engine: LMEngine, tokenizer: Any,
+                 model_name: str, limits: Limits, mailbox: Mailbox, *,
+                 prompts: list[tuple[str, list[int]]], max_tokens: int | None, echo: bool,
+                 logprobs: int | None, stops: list[str], stop_tokens: tuple[int, ...] = ()
+                 ) -> None:
+        """prompts: each prompt's text and ids; max_tokens None: as many as the window
+        leaves (up to the server's limit); logprobs: how many likeliest tokens to show
+        beside each one's log-probability (None: none)."""
         self.body, self.model_name = body, model_name
-        if body.best_of is not None and body.best_of != body.n:
-            raise ApiError(400, f"best_of {body.best_of} differs from n {body.n}: this "
-                           f"server draws each choice once", param="best_of")
+        self.echo, self.logprobs = echo, logprobs
         if not engine.batched:
-            for name, used in [("logprobs", body.logprobs is not None),
+            for name, used in [("logprobs", logprobs is not None),
                                ("logit_bias", bool(body.logit_bias)),
                                ("frequency_penalty", body.frequency_penalty != 0),
                                ("presence_penalty", body.presence_penalty != 0)]:
@@ -574,24 +660,23 @@ class Completion:
                     raise ApiError(400, f"{name} is served for models decoded with a KV "
                                    f"cache; this model's memory is its cache", param=name)
         bias = body.bias_for(tokenizer.vocab_size)
-        read = read_prompts(tokenizer, body.prompt)
-        self.prompts = [text for text, _ in read]
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        encoded = [self._check(ids, engine, limits) for _, ids in read]
+        self.prompts = [text for text, _ in prompts]
+        encoded = [self._check(ids, max_tokens, engine, limits) for _, ids in prompts]
         self.token_texts = TokenTexts(tokenizer)
 
         self.events: asyncio.Queue[tuple[int, int | None, str | None]] = asyncio.Queue()
         self.seqs: list[Sequence] = []
-        for ids in encoded:
+        for ids, budget in encoded:
             for i in range(body.n):
                 # Choice i of a seeded request draws with seed + i: reproducible, and the
                 # choices differ.
                 seed = None if body.seed is None else body.seed + i
-                sampling = Sampling(body.max_tokens, body.temperature, body.top_k, body.top_p,
-                                    seed, logprobs=body.logprobs,
-                                    prompt_logprobs=body.echo and body.logprobs is not None,
+                sampling = Sampling(budget, body.temperature, body.top_k, body.top_p,
+                                    seed, logprobs=logprobs,
+                                    prompt_logprobs=echo and logprobs is not None,
                                     frequency_penalty=body.frequency_penalty,
-                                    presence_penalty=body.presence_penalty, logit_bias=bias)
+                                    presence_penalty=body.presence_penalty, logit_bias=bias,
+                                    stop_tokens=stop_tokens)
                 self.seqs.append(Sequence(ids, sampling, self._deliver(len(self.seqs),
                                                                        mailbox)))
         if len(self.seqs) > engine.max_waiting:
@@ -603,7 +688,7 @@ class Completion:
                            code="overloaded",
                            headers={"Retry-After": str(limits.retry_after_s)})
 
-        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.submitted = time.perf_counter()
         self.first_token: float | None = None
@@ -612,20 +697,34 @@ class Completion:
         self.errors: list[str | None] = [None] * len(self.seqs)
         self.logprobs_sent = [0] * len(self.seqs)
         """Stream: the log-probability entries (prompt's, then completion's) sent so far."""
-        self.usage = {"prompt_tokens": sum(len(ids) for ids in encoded) * body.n,
+        self.usage = {"prompt_tokens": sum(len(ids) for ids, _ in encoded) * body.n,
                       "completion_tokens": 0, "total_tokens": 0}
 
-    def _check(self, ids: list[int], engine: LMEngine, limits: Limits) -> list[int]:
-        body = self.body
-        if body.max_tokens > limits.max_tokens:
-            raise ApiError(400, f"max_tokens {body.max_tokens} is over this server's limit "
+    async def answer(self, request: Request) -> JSONResponse | StreamingResponse:
+        if self.body.stream:
+            return StreamingResponse(self.stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self.whole(request)
+
+    @staticmethod
+    def _check(ids: list[int], max_tokens: int | None, engine: LMEngine,
+               limits: Limits) -> tuple[list[int], int]:
+        """The prompt's ids and its completion's token budget, or a 400."""
+        if max_tokens is not None and max_tokens > limits.max_tokens:
+            raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit "
                            f"of {limits.max_tokens}", param="max_tokens")
-        window = engine.max_total_tokens or limits.max_prompt_tokens + body.max_tokens
-        if len(ids) + body.max_tokens > window:
+        window = engine.max_total_tokens or limits.max_prompt_tokens + (max_tokens or 0)
+        if max_tokens is None:
+            if len(ids) >= window:
+                raise ApiError(400, f"the prompt is {len(ids)} tokens; the model reads at "
+                               f"most {window}, with room for the reply",
+                               param="messages", code="context_length_exceeded")
+            return ids, min(window - len(ids), limits.max_tokens)
+        if len(ids) + max_tokens > window:
             raise ApiError(400, f"the prompt is {len(ids)} tokens and max_tokens is "
-                           f"{body.max_tokens}; together they may be at most {window}",
+                           f"{max_tokens}; together they may be at most {window}",
                            param="prompt", code="context_length_exceeded")
-        return ids
+        return ids, max_tokens
 
     def _deliver(self, index: int, mailbox: Mailbox):
         def deliver(token: int | None, reason: str | None) -> None:
@@ -671,18 +770,22 @@ class Completion:
             seq.cancel()
 
     def _echo(self, index: int) -> str:
-        return self._prompt_text(index) if self.body.echo else ""
+        return self._prompt_text(index) if self.echo else ""
 
     def _stream_echo(self, index: int) -> str:
         """The prompt, in the first chunk of a stream that echoes it with log-probabilities
         (it is scored by then)."""
-        if self.body.logprobs is None or self.logprobs_sent[index] > 0:
+        if self.logprobs is None or self.logprobs_sent[index] > 0:
             return ""
         return self._echo(index)
 
     def _head(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
+        return {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model_name}
+
+    def _chunk_head(self) -> dict[str, Any]:
+        """The head of a stream's chunk."""
+        return self._head()
 
     def _logprobs(self, index: int, start: int = 0, end: int | None = None
                   ) -> dict[str, Any] | None:
@@ -691,16 +794,16 @@ class Completion:
         first prompt token), the likeliest tokens and the chosen one with theirs, and its
         offset in the prompt + completion text (a special token shows its name, and takes
         no room in the text)."""
-        if self.body.logprobs is None:
+        if self.logprobs is None:
             return None
         seq, choice = self.seqs[index], self.choices[index]
         entries: list[tuple[int, Any]] = []
-        if self.body.echo:
+        if self.echo:
             entries += zip(seq.prompt, seq.prompt_logprobs or [None] * len(seq.prompt),
                            strict=True)
         entries += zip(choice.ids, seq.logprobs, strict=False)
         texts = [self.token_texts(token) for token, _ in entries]
-        offset = 0 if self.body.echo else len(self._prompt_text(index))
+        offset = 0 if self.echo else len(self._prompt_text(index))
         offsets = []
         for token, _ in entries:
             offsets.append(offset)
@@ -720,6 +823,18 @@ class Completion:
     def _prompt_text(self, index: int) -> str:
         return self.prompts[index // self.body.n]
 
+    def _opening(self, index: int) -> str | None:
+        """A stream's first chunk for a choice, before any token: the echoed prompt (with
+        log-probabilities, it goes with the first piece instead, once it is scored)."""
+        if self._echo(index) and self.logprobs is None:
+            return self._chunk(index, self._echo(index), None)
+        return None
+
+    def _choice_body(self, index: int) -> dict[str, Any]:
+        """Choice `index` in the whole answer."""
+        return {"index": index, "text": self._echo(index) + self.choices[index].text,
+                "logprobs": self._logprobs(index), "finish_reason": self.reasons[index]}
+
     def _chunk(self, index: int, text: str, reason: str | None,
                logprobs: dict[str, Any] | None = None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
@@ -727,10 +842,10 @@ class Completion:
 
     def _chunk_logprobs(self, index: int) -> dict[str, Any] | None:
         """The log-probabilities of the tokens not sent yet in a stream."""
-        if self.body.logprobs is None:
+        if self.logprobs is None:
             return None
         done = self.logprobs_sent[index]
-        prompt = len(self.seqs[index].prompt) if self.body.echo else 0
+        prompt = len(self.seqs[index].prompt) if self.echo else 0
         self.logprobs_sent[index] = prompt + len(self.choices[index].ids)
         return self._logprobs(index, done, self.logprobs_sent[index])
 
@@ -739,10 +854,9 @@ class Completion:
         its finish reason, usage if asked, then [DONE]."""
         try:
             for index in range(len(self.seqs)):
-                if self._echo(index) and self.body.logprobs is None:
-                    yield self._chunk(index, self._echo(index), None)
-                # With log-probabilities, the prompt is echoed with its first chunk, once
-                # it is scored.
+                opening = self._opening(index)
+                if opening is not None:
+                    yield opening
             while not self._finished():
                 index, token = await self._next()
                 choice = self.choices[index]
@@ -768,7 +882,7 @@ class Completion:
             if options is not None and options.include_usage:
                 self.usage["total_tokens"] = (self.usage["prompt_tokens"]
                                               + self.usage["completion_tokens"])
-                last = {**self._head(), "choices": [], "usage": self.usage}
+                last = {**self._chunk_head(), "choices": [], "usage": self.usage}
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -797,12 +911,94 @@ class Completion:
         log.info("%s: first token after %.3f s, done after %.3f s", self.id,
                  (self.first_token or end) - self.submitted, end - self.submitted)
         self.usage["total_tokens"] = self.usage["prompt_tokens"] + self.usage["completion_tokens"]
-        choices = []
-        for i, choice in enumerate(self.choices):
+        for choice in self.choices:
             choice.ready(final=True)
-            choices.append({"index": i, "text": self._echo(i) + choice.text,
-                            "logprobs": self._logprobs(i), "finish_reason": self.reasons[i]})
+        choices = [self._choice_body(i) for i in range(len(self.choices))]
         return JSONResponse({**self._head(), "choices": choices, "usage": self.usage})
+
+
+# --- chat completions -------------------------------------------------------------------
+
+
+def end_of_turn(template: ChatTemplate | None, token_texts: TokenTexts
+                ) -> tuple[list[str], tuple[int, ...]]:
+    """What ends a reply besides the end of text: the template's end-of-turn token when
+    the tokenizer has it as one token, else its text as a stop string."""
+    if template is None or template.end_of_turn is None:
+        return [], ()
+    try:
+        ids = token_texts.encode(template.end_of_turn)
+    except TformerError:
+        ids = []
+    if len(ids) == 1:
+        return [], (ids[0],)
+    return [template.end_of_turn], ()
+
+
+async def chat(body: ChatRequest, request: Request, engine: LMEngine, tokenizer: Any,
+               model_name: str, limits: Limits, template: ChatTemplate,
+               chat_stops: tuple[list[str], tuple[int, ...]]) -> JSONResponse | StreamingResponse:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+    stop_texts, stop_tokens = chat_stops
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    run = ChatCompletion(body, engine, tokenizer, model_name, limits,
+                         request.app.state.mailbox,
+                         prompts=[(text, encode_prompt(tokenizer, text))],
+                         max_tokens=body.budget(), echo=False,
+                         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                         stops=stops + stop_texts, stop_tokens=stop_tokens)
+    return await run.answer(request)
+
+
+class ChatCompletion(Completion):
+    """One chat completions request: a Completion of the rendered messages, answered as
+    chat.completion (or a stream of chat.completion.chunk objects with deltas)."""
+
+    object_name = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    def _chunk(self, index: int, text: str, reason: str | None,
+               logprobs: dict[str, Any] | None = None, *, role: bool = False) -> str:
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        if reason is not None and not text:
+            delta = {}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": reason}
+        chunk = {**self._chunk_head(), "choices": [choice]}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    def _chunk_head(self) -> dict[str, Any]:
+        return {**self._head(), "object": "chat.completion.chunk"}
+
+    def _opening(self, index: int) -> str | None:
+        return self._chunk(index, "", None, role=True)
+
+    def _choice_body(self, index: int) -> dict[str, Any]:
+        return {"index": index,
+                "message": {"role": "assistant", "content": self.choices[index].text},
+                "logprobs": self._logprobs(index), "finish_reason": self.reasons[index]}
+
+    def _logprobs(self, index: int, start: int = 0, end: int | None = None
+                  ) -> dict[str, Any] | None:
+        """OpenAI's chat log-probabilities of the reply's tokens [start, end): each token's
+        text, UTF-8 bytes, log-probability and the likeliest tokens with theirs."""
+        if self.logprobs is None:
+            return None
+        seq, choice = self.seqs[index], self.choices[index]
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.token_texts(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+                   for token, (lp, top) in zip(choice.ids, seq.logprobs, strict=False)]
+        return {"content": content[start:end]}
 
 
 # --- translations -----------------------------------------------------------------------

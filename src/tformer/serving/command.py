@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--batch-window-ms", type=float, default=10.0,
                         help="translations arriving this close together share a batch")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template for /v1/chat/completions (default: the "
+                        "checkpoint's chat_template.jinja, if it has one)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint, host=args.host, port=args.port, api_key=args.api_key,
         int8=args.int8, device=args.device, name=args.name, max_batch=args.max_batch,
         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-        batch_window_ms=args.batch_window_ms,
+        batch_window_ms=args.batch_window_ms, chat_template=args.chat_template,
     )
 
 
@@ -74,6 +77,7 @@ def serve_command(
     max_waiting: int = 64,
     max_body_bytes: int = 1 << 20,
     batch_window_ms: float = 10.0,
+    chat_template: str | None = None,
 ) -> int:
     require_serving_packages()
     import uvicorn
@@ -81,7 +85,9 @@ def serve_command(
     from tformer.kernels.quantize import inference_model
     from tformer.registry import get_family
     from tformer.serving.app import Limits, create_app
+    from tformer.serving.chat import load_chat_template
     from tformer.serving.scheduler import LMEngine, TranslationBatcher
+    from tformer.serving.tokens import special_names
     from tformer.training.checkpoint import load_checkpoint
     from tformer.training.device import pick_device
 
@@ -115,9 +121,12 @@ def serve_command(
     else:
         engine = TranslationBatcher(model, tokenizer, window=batch_window_ms / 1000,
                                     batch_size=max(max_batch, 32), max_waiting=max_waiting)
+    specials = {f"{key}_token": token for key, token in special_names(tokenizer).items()
+                if token is not None}
+    template = load_chat_template(loaded.path, chat_template, specials) if kind == "lm" else None
     app = create_app(engine, tokenizer, model_name=name, kind=kind, api_key=api_key,
                      limits=Limits(max_body_bytes=max_body_bytes),
-                     created=created_time(loaded.path))
+                     created=created_time(loaded.path), chat_template=template)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     print(f"tformer: serving {name} ({loaded.cfg.family}) at http://{host}:{port}",

@@ -62,6 +62,8 @@ class Sampling:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, added to its logit)."""
+    stop_tokens: tuple[int, ...] = ()
+    """Tokens that end the sequence as the end of text does (a chat's end of turn)."""
 
     @property
     def adjusts(self) -> bool:
@@ -547,7 +549,7 @@ class LMEngine:
             return True
         self.stats.generated_tokens += 1
         try:
-            if token == self.eos_id:
+            if token == self.eos_id or token in seq.sampling.stop_tokens:
                 seq.finish("stop")
                 return True
             seq.tokens.append(token)
