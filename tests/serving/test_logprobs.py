@@ -156,3 +156,16 @@ def test_scoring_and_generating_share_one_prompt_pass(loaded):
         got = [lp for lp, _ in seq.prompt_logprobs[1:]]
         assert got == pytest.approx([-x for x in evaluate_losses(loaded.model, ids)]
                                     if len(ids) > 1 else [], abs=1e-5)
+
+
+def test_the_end_of_text_token_is_listed_with_its_log_probability(app_client, loaded):
+    """It has no text, but scoring clients count on it being there (lm-evaluation-harness
+    drops the last entry as the generated token)."""
+    eos = loaded.tokenizer.eos_id
+    answer = complete(app_client, prompt="abc", max_tokens=3, logprobs=1, echo=True,
+                      logit_bias={str(eos): 100})
+    choice = answer["choices"][0]
+    assert choice["text"] == "abc" and choice["finish_reason"] == "stop"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["a", "b", "c", "</s>"] and lp["text_offset"][-1] == 3
+    assert lp["token_logprobs"][-1] == pytest.approx(0.0, abs=1e-3)  # biased by +100

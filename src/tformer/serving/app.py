@@ -796,12 +796,12 @@ class Completion:
         no room in the text)."""
         if self.logprobs is None:
             return None
-        seq, choice = self.seqs[index], self.choices[index]
+        seq = self.seqs[index]
         entries: list[tuple[int, Any]] = []
         if self.echo:
             entries += zip(seq.prompt, seq.prompt_logprobs or [None] * len(seq.prompt),
                            strict=True)
-        entries += zip(choice.ids, seq.logprobs, strict=False)
+        entries += zip(self._generated(index), seq.logprobs, strict=False)
         texts = [self.token_texts(token) for token, _ in entries]
         offset = 0 if self.echo else len(self._prompt_text(index))
         offsets = []
@@ -822,6 +822,13 @@ class Completion:
 
     def _prompt_text(self, index: int) -> str:
         return self.prompts[index // self.body.n]
+
+    def _generated(self, index: int) -> list[int]:
+        """The tokens choice `index` drew, with the end-of-text token that ended it (it has
+        no text, but clients that score text count on it: OpenAI's and vLLM's list it)."""
+        seq, choice = self.seqs[index], self.choices[index]
+        ended = seq.end_token is not None and self.reasons[index] is not None
+        return choice.ids + [seq.end_token] if ended and not choice.stopped else choice.ids
 
     def _opening(self, index: int) -> str | None:
         """A stream's first chunk for a choice, before any token: the echoed prompt (with
@@ -846,7 +853,7 @@ class Completion:
             return None
         done = self.logprobs_sent[index]
         prompt = len(self.seqs[index].prompt) if self.echo else 0
-        self.logprobs_sent[index] = prompt + len(self.choices[index].ids)
+        self.logprobs_sent[index] = prompt + len(self._generated(index))
         return self._logprobs(index, done, self.logprobs_sent[index])
 
     async def stream(self) -> AsyncIterator[str]:

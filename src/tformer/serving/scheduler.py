@@ -100,6 +100,8 @@ class Sequence:
         """One per token drawn (an end-of-text token too), kept before it is handed over."""
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         """One per prompt token (None for the first, which nothing predicts), once read."""
+        self.end_token: int | None = None
+        """The token that ended the sequence (end of text, or a stop token), if one did."""
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -550,6 +552,7 @@ class LMEngine:
         self.stats.generated_tokens += 1
         try:
             if token == self.eos_id or token in seq.sampling.stop_tokens:
+                seq.end_token = token
                 seq.finish("stop")
                 return True
             seq.tokens.append(token)
