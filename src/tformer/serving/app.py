@@ -449,7 +449,7 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
         return {"tokenizer_class": type(tokenizer).__name__, "kind": tokenizer.kind,
                 "eos_token": names["eos"], "bos_token": names["bos"],
                 "pad_token": names["pad"], "vocab_size": tokenizer.vocab_size,
-                "model_max_length": engine.max_total_tokens,
+                "model_max_length": engine.context,
                 "chat_template": chat_template.source if chat_template else None}
 
     @app.post("/tokenize")
@@ -459,7 +459,7 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
             ids = token_texts.encode(body.prompt)
         except TformerError as e:
             raise ApiError(400, f"prompt: {e}", param="prompt") from None
-        return {"count": len(ids), "max_model_len": engine.max_total_tokens, "tokens": ids}
+        return {"count": len(ids), "max_model_len": engine.context, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -713,17 +713,17 @@ class Completion:
         if max_tokens is not None and max_tokens > limits.max_tokens:
             raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit "
                            f"of {limits.max_tokens}", param="max_tokens")
-        window = engine.max_total_tokens or limits.max_prompt_tokens + (max_tokens or 0)
+        window = engine.context or limits.max_prompt_tokens
         if max_tokens is None:
+            # A chat reply may run to the end of the window (past it, the window slides).
             if len(ids) >= window:
                 raise ApiError(400, f"the prompt is {len(ids)} tokens; the model reads at "
                                f"most {window}, with room for the reply",
                                param="messages", code="context_length_exceeded")
             return ids, min(window - len(ids), limits.max_tokens)
-        if len(ids) + max_tokens > window:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens and max_tokens is "
-                           f"{max_tokens}; together they may be at most {window}",
-                           param="prompt", code="context_length_exceeded")
+        if len(ids) > window:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; the model reads at most "
+                           f"{window}", param="prompt", code="context_length_exceeded")
         return ids, max_tokens
 
     def _deliver(self, index: int, mailbox: Mailbox):

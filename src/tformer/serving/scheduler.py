@@ -352,8 +352,9 @@ class LMEngine:
 
     max_batch: sequences decoded together at most; max_waiting: sequences waiting for a
     row at most (past it `submit` refuses, and the server answers 503).
-    max_total_tokens: the longest prompt + completion a sequence may have (the model's
-    context for a KV cache; None when the model has no fixed window).
+    context: the longest prompt a sequence may have (a KV-cache model's window; None when
+    the model has no fixed window). A sequence that grows past it goes on as
+    tformer.decoding.lm.generate does, each token read from the last `context` ones.
     """
 
     def __init__(self, model: nn.Module, *, eos_id: int | None, max_batch: int = 16,
@@ -366,9 +367,13 @@ class LMEngine:
         self.max_waiting = max_waiting
         self.batched = batched
         self.device = next(model.parameters()).device
-        self.max_total_tokens: int | None = model.cfg.context if batched else None
+        self.context: int | None = model.cfg.context if batched else None
         self.slots = SlotPool(model, max_batch) if batched else None
         self.active: list[Sequence] = []
+        """In the pool, sequence i in row i."""
+        self.sliding: list[Sequence] = []
+        """Past the model's context: each step reads its last `context` tokens afresh, as
+        tformer.decoding.lm.generate slides its window (they hold no pool row)."""
         self.pending: deque[Sequence] = deque()
         self.stats = EngineStats()
         self._cond = threading.Condition()
@@ -396,7 +401,7 @@ class LMEngine:
 
     @property
     def running(self) -> int:
-        return len(self.active)
+        return len(self.active) + len(self.sliding)
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish every queued and running sequence, then end the thread."""
@@ -411,26 +416,27 @@ class LMEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self.pending and not self.active and not self._stopping:
+                while not self.pending and not self.running and not self._stopping:
                     self._cond.wait()
-                if self._stopping and not self.pending and not self.active:
+                if self._stopping and not self.pending and not self.running:
                     return
                 joining = []
-                while self.pending and len(self.active) + len(joining) < self.max_batch:
+                while self.pending and self.running + len(joining) < self.max_batch:
                     joining.append(self.pending.popleft())
             start = time.perf_counter()
             try:
                 with torch.inference_mode():
                     self._join(joining)
                     self._drop_cancelled()
-                    if self.active:
+                    if self.running:
                         self._step()
             except Exception as e:
                 # A forward pass over the whole batch failed: no sequence can go on alone.
                 log.exception("decoding failed; ending the sequences in flight")
-                for seq in self.active:
+                for seq in self.active + self.sliding:
                     seq.fail("decoding", e)
                 self.active.clear()
+                self.sliding.clear()
                 if self.slots is not None:
                     self.slots.rows = self.slots.width = 0
                     self.slots.is_real.zero_()
@@ -488,9 +494,7 @@ class LMEngine:
             self._score_prompts(joining, logits)
             logits = logits[:, -1]
         self.active.extend(joining)
-        logits = adjust(logits, joining)
-        tokens = sample(logits, joining)
-        keep_logprobs(logits, joining, tokens)
+        tokens = self._draw(logits, joining)
         first = len(self.active) - len(joining)
         done = []
         for i, (seq, token) in enumerate(zip(joining, tokens, strict=True)):
@@ -535,15 +539,43 @@ class LMEngine:
                     seq.fail("decoding", e)
                     tokens.append(None)
         else:
-            logits = adjust(self.slots.step([seq.tokens[-1] for seq in self.active]),
-                            self.active)
-            tokens = sample(logits, self.active)
-            keep_logprobs(logits, self.active, tokens)
+            self._start_sliding()
+            tokens = self._draw(self.slots.step([seq.tokens[-1] for seq in self.active]),
+                                self.active) if self.active else []
+            if self.sliding:
+                self._step_sliding()
         self.stats.steps += 1
         done = [row for row, (seq, token) in enumerate(zip(self.active, tokens, strict=True))
                 if self._accept(seq, token)]
         for row in reversed(done):
             self._leave(row)
+
+    def _draw(self, logits: Tensor, seqs: list[Sequence]) -> list[int | None]:
+        """(n, V) next-token logits -> each sequence's token, its log-probability kept."""
+        logits = adjust(logits, seqs)
+        tokens = sample(logits, seqs)
+        keep_logprobs(logits, seqs, tokens)
+        return tokens
+
+    def _start_sliding(self) -> None:
+        """Move the sequences whose next step would pass the context out of the pool."""
+        for row in reversed(range(len(self.active))):
+            seq = self.active[row]
+            if len(seq.prompt) + len(seq.tokens) > self.model.cfg.context:
+                self._unseat(row)
+                self.sliding.append(seq)
+
+    def _step_sliding(self) -> None:
+        """One token for each sliding sequence, from one pass over their windows (all
+        `context` tokens long, so no padding)."""
+        context = self.model.cfg.context
+        windows = [(seq.prompt + seq.tokens)[-context:] for seq in self.sliding]
+        logits = self.model(torch.tensor(windows, device=self.device), None, last_only=True)
+        tokens = self._draw(logits[:, -1], self.sliding)
+        ended = {id(seq) for seq, token in zip(self.sliding, tokens, strict=True)
+                 if self._accept(seq, token)}
+        self.stats.finished_sequences += len(ended)
+        self.sliding = [seq for seq in self.sliding if id(seq) not in ended]
 
     def _accept(self, seq: Sequence, token: int | None) -> bool:
         """Hand a new token over; True when the sequence has ended (None: it failed)."""
@@ -570,10 +602,18 @@ class LMEngine:
             if self.active[row].cancelled:
                 self.active[row].finish("cancelled")
                 self._leave(row)
+        for seq in self.sliding:
+            if seq.cancelled:
+                seq.finish("cancelled")
+                self.stats.finished_sequences += 1
+        self.sliding = [seq for seq in self.sliding if not seq.cancelled]
 
     def _leave(self, row: int) -> None:
         """Remove the sequence at `row`: the last one takes its place (in the pool too)."""
         self.stats.finished_sequences += 1
+        self._unseat(row)
+
+    def _unseat(self, row: int) -> None:
         if self.slots is not None:
             self.slots.remove(row)
         last = self.active.pop()
@@ -607,7 +647,7 @@ class TranslationBatcher:
         self.window = window
         self.batch_size = batch_size
         self.max_waiting = max_waiting
-        self.max_total_tokens: int | None = None
+        self.context: int | None = None
         self.pending: deque[TranslationJob] = deque()
         self.stats = EngineStats()
         self._busy = 0
