@@ -135,3 +135,18 @@ def app_client(loaded):
     app = create_app(engine, loaded.tokenizer, model_name="tiny-run", kind="lm")
     with TestClient(app) as client:
         yield client
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}. {{ m.content }} end!\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant.{% endif %}")
+"""Written in the tiny model's characters; a turn ends with 'end!'."""
+
+
+@pytest.fixture(scope="session")
+def run_server(gpt_run, tmp_path_factory):
+    """`tformer serve` on gpt_run with CHAT_TEMPLATE (--chat-template)."""
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    server = Server(gpt_run, "--max-batch", "8", "--chat-template", str(path))
+    yield server
+    server.stop()

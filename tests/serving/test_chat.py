@@ -14,7 +14,7 @@ from tformer.serving.app import end_of_turn
 from tformer.serving.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from tformer.serving.tokens import TokenTexts
 
-from .conftest import Server
+from .conftest import CHAT_TEMPLATE
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
           "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt "
@@ -111,25 +111,14 @@ def test_a_bad_template_or_file_is_one_clear_error(tmp_path):
 
 # --- the server ---------------------------------------------------------------------------
 
-TEMPLATE = ("{% for m in messages %}{{ m.role }}. {{ m.content }} end!\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant.{% endif %}")
-"""Written in the tiny model's characters; a turn ends with 'end!'."""
+TEMPLATE = CHAT_TEMPLATE
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def chat_server(gpt_run, tmp_path_factory):
-    path = tmp_path_factory.mktemp("template") / "chat.jinja"
-    path.write_text(TEMPLATE)
-    server = Server(gpt_run, "--chat-template", str(path))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(chat_server):
-    return openai.OpenAI(base_url=chat_server.url + "/v1", api_key="none", max_retries=0)
+def client(run_server):
+    return openai.OpenAI(base_url=run_server.url + "/v1", api_key="none", max_retries=0)
 
 
 def rendered() -> str:
@@ -192,7 +181,7 @@ def test_a_reply_stops_at_the_end_of_turn(client):
         assert reply.choices[0].message.content == text
 
 
-def test_chat_requests_refused(client, chat_server):
+def test_chat_requests_refused(client):
     for extra in [{"tools": [{"type": "function", "function": {"name": "f"}}]},
                   {"top_logprobs": 2}, {"max_tokens": 3, "max_completion_tokens": 4},
                   {"response_format": {"type": "json_object"}}, {"temperature": 3}]:
@@ -205,18 +194,13 @@ def test_chat_requests_refused(client, chat_server):
     assert accepted.usage.completion_tokens <= 2
 
 
-def test_a_model_without_a_template_says_how_to_give_one(run_server_without_template):
-    client = openai.OpenAI(base_url=run_server_without_template.url + "/v1", api_key="none",
-                           max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="--chat-template FILE"):
-        client.chat.completions.create(model="tiny-run", messages=MESSAGES)
-
-
-@pytest.fixture(scope="module")
-def run_server_without_template(gpt_run):
-    server = Server(gpt_run)
-    yield server
-    server.stop()
+def test_a_model_without_a_template_says_how_to_give_one(app_client):
+    r = app_client.post("/v1/chat/completions", json={"messages": MESSAGES})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == "no_chat_template"
+    assert "chat_template.jinja" in error["message"] and "--chat-template FILE" in (
+        error["message"])
 
 
 def test_an_end_of_turn_token_ends_the_reply(loaded):

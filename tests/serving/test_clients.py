@@ -15,15 +15,6 @@ import torch
 from tformer.data.tokenizers import SPECIALS
 from tformer.training.checkpoint import load_checkpoint
 
-from .conftest import Server
-
-
-@pytest.fixture(scope="module")
-def run_server(gpt_run):
-    server = Server(gpt_run, "--max-batch", "8")
-    yield server
-    server.stop()
-
 
 @pytest.fixture(scope="module")
 def client(run_server):

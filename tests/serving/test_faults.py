@@ -7,7 +7,6 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -101,17 +100,17 @@ def test_a_prompt_that_cannot_be_read_fails_alone(gpt):
         engine.stop(timeout=30)
 
 
-def test_a_seed_a_generator_cannot_take_is_refused(gpt_server):
+def test_a_seed_a_generator_cannot_take_is_refused(app_client):
     for seed in (100000000000000000000000, -1, 2**64):
-        r = httpx.post(gpt_server.url + "/v1/completions", timeout=30,
-                       json={"prompt": "a", "max_tokens": 2, "seed": seed})
+        r = app_client.post("/v1/completions",
+                            json={"prompt": "a", "max_tokens": 2, "seed": seed})
         assert r.status_code == 400
         error = r.json()["error"]
         assert error["param"] == "seed"
         assert "between 0 and 18446744073709551615" in error["message"]
     # The largest seed works, also for choices past it (they wrap around).
-    r = httpx.post(gpt_server.url + "/v1/completions", timeout=30,
-                   json={"prompt": "a", "max_tokens": 2, "seed": 2**64 - 1, "n": 2})
+    r = app_client.post("/v1/completions",
+                        json={"prompt": "a", "max_tokens": 2, "seed": 2**64 - 1, "n": 2})
     assert r.status_code == 200, r.text
 
 

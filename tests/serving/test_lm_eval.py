@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import SRC, Server
+from .conftest import SRC
 
 ITEMS = [
     {"question": "the cat sat on the", "choices": ["mat", "dog", "sky"], "answer": 0},
@@ -64,28 +64,24 @@ def harness() -> str:
 
 
 @pytest.mark.slow  # ~20 s, most of it the harness importing its own dependencies
-def test_the_evaluation_harness_scores_as_offline(gpt_run, loaded, tmp_path):
+def test_the_evaluation_harness_scores_as_offline(run_server, loaded, tmp_path):
     data = tmp_path / "items.jsonl"
     data.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "tiny_mc.yaml").write_text(TASK.format(data=data))
-    server = Server(gpt_run)
-    try:
-        env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1",
-               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
-        run = subprocess.run(
-            [harness(), "run",
-             "--model", "local-completions",
-             "--model_args", f"model=tiny-run,base_url={server.url}/v1/completions,"
-             "tokenizer_backend=remote,tokenized_requests=True,max_length=120",
-             "--batch_size", "4", "--tasks", "tiny_mc", "--include_path", str(tasks),
-             "--output_path", str(tmp_path / "out"), "--log_samples"],
-            env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-    finally:
-        server.stop()
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run(
+        [harness(), "run",
+         "--model", "local-completions",
+         "--model_args", f"model=tiny-run,base_url={run_server.url}/v1/completions,"
+         "tokenizer_backend=remote,tokenized_requests=True,max_length=120",
+         "--batch_size", "4", "--tasks", "tiny_mc", "--include_path", str(tasks),
+         "--output_path", str(tmp_path / "out"), "--log_samples"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
     samples = sorted((tmp_path / "out").rglob("samples_tiny_mc_*.jsonl"))
     assert samples, list((tmp_path / "out").rglob("*"))
     logged = sorted((json.loads(line) for line in samples[0].read_text().splitlines()),
