@@ -1,5 +1,10 @@
-"""The HTTP routes: OpenAI-style completions for language models, translations for seq2seq
-models, health and Prometheus metrics; with the limits and the errors of a public server.
+"""The HTTP routes: OpenAI-style completions (with log-probabilities) and chat completions
+for language models, translations for seq2seq models, the remote-tokenizer routes
+(/tokenizer_info, /tokenize, /detokenize), health and Prometheus metrics; with the limits
+and the errors of a public server.
+
+Log-probabilities are those of the distribution each token is drawn from: the model's,
+after frequency and presence penalties and logit bias, before temperature, top-k and top-p.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so that
 clients written for OpenAI's API report them as they would report OpenAI's own.
