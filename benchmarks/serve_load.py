@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from tformer.config import config_from_dict  # noqa: E402
 from tformer.data.tokenizers import CharTokenizer  # noqa: E402
 from tformer.decoding.lm import generate  # noqa: E402
+from tformer.kernels.quantize import inference_model  # noqa: E402
 from tformer.models.gpt import GPT  # noqa: E402
-from tformer.serving.command import inference_model  # noqa: E402
 from tformer.training.checkpoint import save_checkpoint  # noqa: E402
 
 FIRST_CHAR = 0x100  # one character per token id, so that any id decodes

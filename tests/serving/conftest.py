@@ -103,3 +103,50 @@ def long_checkpoint(tmp_path_factory) -> Path:
     """A model with room for long completions, to have requests in flight for a while."""
     return tiny_checkpoint(tmp_path_factory.mktemp("long") / "long-gpt", {
         "family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 64, "context": 512})
+
+
+@pytest.fixture(scope="session")
+def gpt_run(tmp_path_factory) -> Path:
+    """A run directory whose best/ is a link to a hidden `.best-<version>` checkpoint."""
+    run = tmp_path_factory.mktemp("runs") / "tiny-run"
+    tiny_checkpoint(run / "best", {"family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32,
+                                   "context": 128}, specials=True)
+    assert (run / "best").is_symlink()
+    return run
+
+
+@pytest.fixture(scope="module")
+def loaded(gpt_run):
+    from tformer.training.checkpoint import load_checkpoint
+
+    return load_checkpoint(gpt_run)
+
+
+@pytest.fixture(scope="module")
+def app_client(loaded):
+    """The app on gpt_run's model, in this process (fastapi's TestClient)."""
+    from fastapi.testclient import TestClient
+
+    from tformer.serving.app import create_app
+    from tformer.serving.scheduler import LMEngine
+
+    engine = LMEngine(loaded.model, eos_id=loaded.tokenizer.eos_id, max_batch=8,
+                      max_waiting=32, batched=True)
+    app = create_app(engine, loaded.tokenizer, model_name="tiny-run", kind="lm")
+    with TestClient(app) as client:
+        yield client
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}. {{ m.content }} end!\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant.{% endif %}")
+"""Written in the tiny model's characters; a turn ends with 'end!'."""
+
+
+@pytest.fixture(scope="session")
+def run_server(gpt_run, tmp_path_factory):
+    """`tformer serve` on gpt_run with CHAT_TEMPLATE (--chat-template)."""
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    server = Server(gpt_run, "--max-batch", "8", "--chat-template", str(path))
+    yield server
+    server.stop()

@@ -9,7 +9,9 @@ import pytest
 
 from tformer.cli import main
 from tformer.errors import TformerError
-from tformer.serving.command import model_name, require_serving_packages
+from tformer.loading import run_name
+from tformer.serving import command
+from tformer.serving.command import require_serving_packages
 
 
 def test_a_missing_package_names_the_extra(monkeypatch):
@@ -32,6 +34,21 @@ def test_a_checkpoint_that_is_not_there(tmp_path, capsys):
 
 
 def test_the_model_is_named_after_its_run():
-    assert model_name(Path("/runs/shakespeare/best")) == "shakespeare"
-    assert model_name(Path("/runs/shakespeare/checkpoints/step-000250")) == "shakespeare"
-    assert model_name(Path("/models/tiny-gpt")) == "tiny-gpt"
+    assert run_name(Path("/runs/shakespeare/best")) == "shakespeare"
+    assert run_name(Path("/runs/shakespeare/checkpoints/step-000250")) == "shakespeare"
+    assert run_name(Path("/models/tiny-gpt")) == "tiny-gpt"
+    # What resolve_checkpoint gives for a run's best/: never the name shown.
+    assert run_name(Path("/runs/shakespeare/.best-18a2f3c9d0e")) == "shakespeare"
+    assert run_name("runs/shakespeare/") == "shakespeare"
+
+
+def test_the_serve_options_reach_serve_command(monkeypatch):
+    """The serve options are serve_command's own parameters (tformer.arguments)."""
+    seen = {}
+    monkeypatch.setattr(command, "serve_command", lambda checkpoint, **kw: seen.update(
+        kw, checkpoint=checkpoint) or 0)
+    assert main(["serve", "ckpt", "--port", "8123", "--int8", "--name", "x",
+                 "--chat-template", "t.jinja"]) == 0
+    assert seen["checkpoint"] == "ckpt" and seen["port"] == 8123 and seen["int8"]
+    assert seen["name"] == "x" and seen["chat_template"] == "t.jinja"
+    assert seen["host"] == "127.0.0.1" and seen["max_batch"] == 16

@@ -112,10 +112,11 @@ def test_sigterm_finishes_the_requests_in_flight(long_checkpoint):
         for t in threads:
             t.start()
         wait_for(lambda: gauge(server.url, "tformer_running_sequences") == 4, "4 in flight")
-        server.terminate()
+        status = server.terminate()
         for t in threads:
             t.join(120)
         assert len(results) == 4 and all(r.status_code == 200 for r in results)
+        assert status == 0  # drained cleanly: not -15, death by the re-raised signal
         for r in results:
             if r.headers["content-type"].startswith("text/event-stream"):
                 assert r.text.rstrip().endswith("data: [DONE]")

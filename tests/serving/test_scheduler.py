@@ -78,7 +78,7 @@ def run_engine(model, requests, *, max_batch, batched=True, eos_id=None):
             joining.append(engine.pending.popleft())
         engine._join(joining)
         engine._drop_cancelled()
-        if engine.active:
+        if engine.running:
             engine._step()
         step += 1
         assert step < 500
@@ -203,3 +203,25 @@ def test_the_translation_queue_is_bounded():
     assert batcher.submit(jobs[0]) and batcher.submit(jobs[1])
     assert not batcher.submit(jobs[2])
     assert batcher.waiting == 2
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_sequences_past_the_context_slide_their_window_as_generate_does(max_batch):
+    """Prompt + completion longer than the context: each token after the window is full is
+    read from the last `context` tokens, as the library's generate does, while shorter
+    sequences go on in the pool beside them."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=16, n_layer=2, n_head=2, d_model=16)))
+    torch.manual_seed(5)
+    requests = []
+    for i in range(6):
+        prompt = torch.randint(0, 29, (int(torch.randint(1, 16, ())),)).tolist()
+        greedy = i % 2 == 0
+        sampling = Sampling(max_tokens=[40, 5, 33, 12, 16, 3][i],
+                            temperature=0.0 if greedy else 1.0, top_k=0 if greedy else 7,
+                            seed=i, logprobs=0)
+        requests.append((prompt, sampling, i))
+    sinks = run_engine(gpt, requests, max_batch=max_batch)
+    for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
+        assert sink.tokens == alone(gpt, prompt, sampling)
+        assert sink.reason == "length"
+    assert sum(len(p) + s.max_tokens > 16 for p, s, _ in requests) >= 3

@@ -132,7 +132,7 @@ BAD = [
     (json.dumps({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, None),
     (json.dumps({"prompt": "abc" * 30, "max_tokens": 2}).encode(), 400,
      "context_length_exceeded"),
-    (json.dumps({"prompt": "a", "max_tokens": 64}).encode(), 400, "context_length_exceeded"),
+    (json.dumps({"prompt": "a", "logprobs": 21}).encode(), 400, None),
     (json.dumps({"prompt": "\u00e9t\u00e9"}).encode(), 400, None),
     (json.dumps({"prompt": "x" * 5000}).encode(), 413, "body_too_large"),
 ]
@@ -162,3 +162,21 @@ def test_unknown_routes_and_methods(gpt_server):
     assert httpx.get(gpt_server.url + "/v1/nothing").status_code == 404
     assert httpx.get(gpt_server.url + "/v1/completions").status_code == 405
     assert httpx.post(gpt_server.url + "/v1/translations", json={}).status_code == 404
+
+
+def test_a_completion_runs_past_the_context_as_generate_does(gpt_server, gpt_checkpoint):
+    """The README's example: 6 prompt tokens and 60 new ones from a context-64 model (here
+    100 after 5): the window slides, as `tformer generate` slides it."""
+    import torch
+
+    from tformer.decoding.lm import generate
+    from tformer.training.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(gpt_checkpoint)
+    prompt = loaded.tokenizer.encode("hello")
+    with torch.no_grad():
+        want = [int(t[0]) for t in generate(loaded.model, torch.tensor([prompt]),
+                                             max_new_tokens=100, temperature=0.0)]
+    answer = complete(gpt_server.url, prompt="hello", max_tokens=100, temperature=0)
+    assert answer["choices"][0]["text"] == loaded.tokenizer.decode(want)
+    assert answer["usage"]["completion_tokens"] == 100

@@ -1,5 +1,10 @@
-"""The HTTP routes: OpenAI-style completions for language models, translations for seq2seq
-models, health and Prometheus metrics; with the limits and the errors of a public server.
+"""The HTTP routes: OpenAI-style completions (with log-probabilities) and chat completions
+for language models, translations for seq2seq models, the remote-tokenizer routes
+(/tokenizer_info, /tokenize, /detokenize), health and Prometheus metrics; with the limits
+and the errors of a public server.
+
+Log-probabilities are those of the distribution each token is drawn from: the model's,
+after frequency and presence penalties and logit bias, before temperature, top-k and top-p.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so that
 clients written for OpenAI's API report them as they would report OpenAI's own.
@@ -26,13 +31,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tformer.decoding.translate import SearchOptions
 from tformer.errors import TformerError
+from tformer.serving.chat import TEMPLATE_FILE, ChatTemplate, ChatTemplateError
 from tformer.serving.scheduler import (
+    SEED_LIMIT,
     LMEngine,
     Sampling,
     Sequence,
     TranslationBatcher,
     TranslationJob,
 )
+from tformer.serving.tokens import TokenTexts, special_names
 
 log = logging.getLogger(__name__)
 
@@ -73,26 +81,36 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class CompletionRequest(Strict):
-    model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1)
+Prompt = str | list[str] | list[int] | list[list[int]]
+"""One text, several, one list of token ids, or several."""
+
+
+class SamplingFields(Strict):
+    """What completions and chat completions share: how to draw, how many, where to stop.
+
+    frequency_penalty and presence_penalty are OpenAI's: a token's logit is lowered by
+    frequency_penalty for each time it was drawn before in this completion, and by
+    presence_penalty once if it was; logit_bias adds to the logits of the token ids given.
+    `user` is accepted and ignored."""
+
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = None
-    echo: bool = False
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("seed")
     @classmethod
-    def _some_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and not 1 <= len(value) <= 64:
-            raise ValueError("a list of prompts holds 1 to 64 strings")
+    def _seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value < SEED_LIMIT:
+            raise ValueError(f"must be between 0 and {SEED_LIMIT - 1}")
         return value
 
     @field_validator("stop")
@@ -102,6 +120,126 @@ class CompletionRequest(Strict):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop holds up to 4 non-empty strings")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids; {key!r} is not one")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"token {key}: a bias is between -100 and 100, not {bias}")
+        if value is not None and len(value) > 1024:
+            raise ValueError("at most 1024 tokens may be biased")
+        return value
+
+    def bias_for(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, each id in the vocabulary."""
+        pairs = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
+        bad = next((t for t, _ in pairs if t >= vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary (0 to "
+                           f"{vocab_size - 1})", param="logit_bias")
+        return pairs
+
+
+class CompletionRequest(SamplingFields):
+    """OpenAI's completions request. Accepted for its clients with no effect: `user`, and
+    `best_of` when it equals n (one draw per choice is all this server makes)."""
+
+    model: str | None = None
+    prompt: Prompt
+    max_tokens: int = Field(16, ge=0)
+    """0 with echo and logprobs: score the prompt only."""
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1)
+    suffix: None = None
+    """OpenAI's insertion; only null (what clients send by default) is taken."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, value: Prompt) -> Prompt:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list holds no prompt")
+            if isinstance(value[0], list | str) and len(value) > 64:
+                raise ValueError("a list of prompts holds 1 to 64 of them")
+            if isinstance(value[0], list) and not all(value):
+                raise ValueError("a list of token ids may not be empty")
+        return value
+
+
+class ChatMessage(Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    """A text, or OpenAI's content parts, handed to the template as they are."""
+    name: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    """OpenAI's chat completions request.
+
+    Accepted for OpenAI's clients with no effect: `user`, `store`, `metadata`,
+    `service_tier`, `parallel_tool_calls`; `tools` empty, `tool_choice` "none" or "auto",
+    `response_format` {"type": "text"} (what they mean when they are given otherwise is not
+    served here, and is a 400)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    """Either; None: as many as the model's window leaves."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tool calls are not served here")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | None) -> str | None:
+        if value not in (None, "none", "auto"):
+            raise ValueError("tool calls are not served here; 'none' or 'auto' only")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is served here')
+        return value
+
+    def budget(self) -> int | None:
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ApiError(400, f"max_tokens {self.max_tokens} and max_completion_tokens "
+                           f"{self.max_completion_tokens} differ; give one",
+                           param="max_completion_tokens")
+        return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    """Accepted for vLLM's clients; tformer's tokenizers add no special tokens to a text."""
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 class TranslationRequest(Strict):
@@ -244,9 +382,14 @@ class Mailbox:
 
 
 def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_name: str,
-               kind: str, api_key: str | None = None, limits: Limits | None = None) -> FastAPI:
-    """kind: 'lm' serves /v1/completions, 'seq2seq' serves /v1/translations."""
+               kind: str, api_key: str | None = None, limits: Limits | None = None,
+               created: int | None = None, chat_template: ChatTemplate | None = None
+               ) -> FastAPI:
+    """kind: 'lm' serves /v1/completions, 'seq2seq' serves /v1/translations.
+    created: the model's Unix time (when its checkpoint was written); default now.
+    chat_template: the Jinja template that renders chat messages as the model's prompt."""
     limits = limits or Limits()
+    created = int(time.time()) if created is None else created
     metrics = Metrics()
 
     @asynccontextmanager
@@ -294,16 +437,53 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
         return PlainTextResponse(metrics.render(engine),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                             "created": int(metrics.started),
-                                             "owned_by": "tformer"}]}
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "tformer"}
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ApiError(404, f"model {name!r} is not served here; this server serves "
                            f"{model_name!r}", param="model", code="model_not_found")
+
+    # The remote-tokenizer routes of vLLM's server, which lm-evaluation-harness looks for
+    # (lm_eval.utils.RemoteTokenizer) when it does not hold the model's tokenizer.
+    token_texts = TokenTexts(tokenizer)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        names = special_names(tokenizer)
+        return {"tokenizer_class": type(tokenizer).__name__, "kind": tokenizer.kind,
+                "eos_token": names["eos"], "bos_token": names["bos"],
+                "pad_token": names["pad"], "vocab_size": tokenizer.vocab_size,
+                "model_max_length": engine.context,
+                "chat_template": chat_template.source if chat_template else None}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        try:
+            ids = token_texts.encode(body.prompt)
+        except TformerError as e:
+            raise ApiError(400, f"prompt: {e}", param="prompt") from None
+        return {"count": len(ids), "max_model_len": engine.context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        vocab = tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary "
+                           f"(0 to {vocab - 1})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return card
 
     if kind == "lm":
         assert isinstance(engine, LMEngine)
@@ -313,6 +493,20 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
                               request: Request) -> JSONResponse | StreamingResponse:
             check_model(body.model)
             return await complete(body, request, engine, tokenizer, model_name, limits)
+
+        chat_stops = end_of_turn(chat_template, token_texts)
+
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat_completions(body: ChatRequest,
+                                   request: Request) -> JSONResponse | StreamingResponse:
+            check_model(body.model)
+            if chat_template is None:
+                raise ApiError(400, "this model has no chat template: put one in its "
+                               f"checkpoint directory as {TEMPLATE_FILE}, or start the server "
+                               "with --chat-template FILE", param="messages",
+                               code="no_chat_template")
+            return await chat(body, request, engine, tokenizer, model_name, limits,
+                              chat_template, chat_stops)
     else:
         assert isinstance(engine, TranslationBatcher)
 
@@ -324,7 +518,13 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
     return app
 
 
-KNOWN_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/translations")
+KNOWN_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+                "/v1/translations", "/tokenizer_info", "/tokenize", "/detokenize")
+"""Routes counted by name in /metrics (the rest as 'other')."""
+
+
+OPEN_ROUTES = ("/health", "/metrics")
+"""What answers without the API key."""
 
 
 class Guard:
@@ -363,7 +563,7 @@ class Guard:
         """Raise ApiError for a request to refuse; else a `receive` that replays the body."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope["headers"]}
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
+        if self.api_key is not None and scope["path"] not in OPEN_ROUTES:
             given = headers.get("authorization", "").encode()
             if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
@@ -411,35 +611,77 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return [tokenizer.bos_id] if tokenizer.bos_id is not None else tokenizer.encode("\n")
 
 
+def read_prompts(tokenizer: Any, prompt: Prompt) -> list[tuple[str, list[int]]]:
+    """Each prompt's text and token ids."""
+    if isinstance(prompt, str):
+        return [(prompt, encode_prompt(tokenizer, prompt))]
+    if isinstance(prompt[0], str):
+        return [(text, encode_prompt(tokenizer, text)) for text in prompt]
+    lists = [prompt] if isinstance(prompt[0], int) else prompt
+    vocab = tokenizer.vocab_size
+    for ids in lists:
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary "
+                           f"(0 to {vocab - 1})", param="prompt")
+    return [(tokenizer.decode(ids), list(ids)) for ids in lists]
+
+
 async def complete(body: CompletionRequest, request: Request, engine: LMEngine, tokenizer: Any,
                    model_name: str, limits: Limits) -> JSONResponse | StreamingResponse:
-    run = Completion(body, engine, tokenizer, model_name, limits, request.app.state.mailbox)
-    if body.stream:
-        return StreamingResponse(run.stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return await run.whole(request)
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, f"best_of {body.best_of} differs from n {body.n}: this server "
+                       f"draws each choice once", param="best_of")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    run = Completion(body, engine, tokenizer, model_name, limits, request.app.state.mailbox,
+                     prompts=read_prompts(tokenizer, body.prompt), max_tokens=body.max_tokens,
+                     echo=body.echo, logprobs=body.logprobs, stops=stops)
+    return await run.answer(request)
 
 
 class Completion:
     """One completions request: its sequences (n per prompt) in the engine, and the text
     they make, as one answer or as a stream of chunks."""
 
-    def __init__(self, body: CompletionRequest, engine: LMEngine, tokenizer: Any,
-                 model_name: str, limits: Limits, mailbox: Mailbox) -> None:
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, body: SamplingFields, engine: LMEngine, tokenizer: Any,
+                 model_name: str, limits: Limits, mailbox: Mailbox, *,
+                 prompts: list[tuple[str, list[int]]], max_tokens: int | None, echo: bool,
+                 logprobs: int | None, stops: list[str], stop_tokens: tuple[int, ...] = ()
+                 ) -> None:
+        """prompts: each prompt's text and ids; max_tokens None: as many as the window
+        leaves (up to the server's limit); logprobs: how many likeliest tokens to show
+        beside each one's log-probability (None: none)."""
         self.body, self.model_name = body, model_name
-        self.prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        encoded = [self._encode(tokenizer, text, engine, limits) for text in self.prompts]
+        self.echo, self.logprobs = echo, logprobs
+        if not engine.batched:
+            for name, used in [("logprobs", logprobs is not None),
+                               ("logit_bias", bool(body.logit_bias)),
+                               ("frequency_penalty", body.frequency_penalty != 0),
+                               ("presence_penalty", body.presence_penalty != 0)]:
+                if used:
+                    raise ApiError(400, f"{name} is served for models decoded with a KV "
+                                   f"cache; this model's memory is its cache", param=name)
+        bias = body.bias_for(tokenizer.vocab_size)
+        self.prompts = [text for text, _ in prompts]
+        encoded = [self._check(ids, max_tokens, engine, limits) for _, ids in prompts]
+        self.token_texts = TokenTexts(tokenizer)
 
         self.events: asyncio.Queue[tuple[int, int | None, str | None]] = asyncio.Queue()
         self.seqs: list[Sequence] = []
-        for ids in encoded:
+        for ids, budget in encoded:
             for i in range(body.n):
                 # Choice i of a seeded request draws with seed + i: reproducible, and the
                 # choices differ.
                 seed = None if body.seed is None else body.seed + i
-                sampling = Sampling(body.max_tokens, body.temperature, body.top_k, body.top_p,
-                                    seed)
+                sampling = Sampling(budget, body.temperature, body.top_k, body.top_p,
+                                    seed, logprobs=logprobs,
+                                    prompt_logprobs=echo and logprobs is not None,
+                                    frequency_penalty=body.frequency_penalty,
+                                    presence_penalty=body.presence_penalty, logit_bias=bias,
+                                    stop_tokens=stop_tokens)
                 self.seqs.append(Sequence(ids, sampling, self._deliver(len(self.seqs),
                                                                        mailbox)))
         if len(self.seqs) > engine.max_waiting:
@@ -451,27 +693,43 @@ class Completion:
                            code="overloaded",
                            headers={"Retry-After": str(limits.retry_after_s)})
 
-        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.submitted = time.perf_counter()
         self.first_token: float | None = None
         self.choices = [Choice(tokenizer, stops, incremental=body.stream) for _ in self.seqs]
         self.reasons: list[str | None] = [None] * len(self.seqs)
-        self.usage = {"prompt_tokens": sum(len(ids) for ids in encoded) * body.n,
+        self.errors: list[str | None] = [None] * len(self.seqs)
+        self.logprobs_sent = [0] * len(self.seqs)
+        """Stream: the log-probability entries (prompt's, then completion's) sent so far."""
+        self.usage = {"prompt_tokens": sum(len(ids) for ids, _ in encoded) * body.n,
                       "completion_tokens": 0, "total_tokens": 0}
 
-    def _encode(self, tokenizer: Any, text: str, engine: LMEngine, limits: Limits) -> list[int]:
-        body = self.body
-        if body.max_tokens > limits.max_tokens:
-            raise ApiError(400, f"max_tokens {body.max_tokens} is over this server's limit "
+    async def answer(self, request: Request) -> JSONResponse | StreamingResponse:
+        if self.body.stream:
+            return StreamingResponse(self.stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self.whole(request)
+
+    @staticmethod
+    def _check(ids: list[int], max_tokens: int | None, engine: LMEngine,
+               limits: Limits) -> tuple[list[int], int]:
+        """The prompt's ids and its completion's token budget, or a 400."""
+        if max_tokens is not None and max_tokens > limits.max_tokens:
+            raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit "
                            f"of {limits.max_tokens}", param="max_tokens")
-        window = engine.max_total_tokens or limits.max_prompt_tokens + body.max_tokens
-        ids = encode_prompt(tokenizer, text)
-        if len(ids) + body.max_tokens > window:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens and max_tokens is "
-                           f"{body.max_tokens}; together they may be at most {window}",
-                           param="prompt", code="context_length_exceeded")
-        return ids
+        window = engine.context or limits.max_prompt_tokens
+        if max_tokens is None:
+            # A chat reply may run to the end of the window (past it, the window slides).
+            if len(ids) >= window:
+                raise ApiError(400, f"the prompt is {len(ids)} tokens; the model reads at "
+                               f"most {window}, with room for the reply",
+                               param="messages", code="context_length_exceeded")
+            return ids, min(window - len(ids), limits.max_tokens)
+        if len(ids) > window:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; the model reads at most "
+                           f"{window}", param="prompt", code="context_length_exceeded")
+        return ids, max_tokens
 
     def _deliver(self, index: int, mailbox: Mailbox):
         def deliver(token: int | None, reason: str | None) -> None:
@@ -485,15 +743,27 @@ class Completion:
             index, token, reason = self.events.get_nowait()
         except asyncio.QueueEmpty:
             index, token, reason = await self.events.get()
-        choice = self.choices[index]
+        choice, seq = self.choices[index], self.seqs[index]
         if token is not None:
+            if self.errors[index] is not None:
+                return index, None  # a token that was on its way when the choice failed
             if self.first_token is None:
                 self.first_token = time.perf_counter()
-            choice.add(token)
+            try:
+                choice.add(token)
+            except Exception as e:
+                log.error("detokenizing failed for one sequence: %s", e, exc_info=e)
+                self.errors[index] = f"detokenizing failed: {type(e).__name__}: {e}"
+                seq.cancel()
+                return index, None
             if choice.stopped:
-                self.seqs[index].cancel()
+                seq.cancel()
         else:
-            self.usage["completion_tokens"] += len(self.seqs[index].tokens)
+            self.usage["completion_tokens"] += len(seq.tokens)
+            if reason == "error" and self.errors[index] is None:
+                self.errors[index] = seq.error or "decoding failed"
+            if self.errors[index] is not None:
+                reason = "error"
             self.reasons[index] = "stop" if choice.stopped or reason == "stop" else reason
         return index, token
 
@@ -505,42 +775,126 @@ class Completion:
             seq.cancel()
 
     def _echo(self, index: int) -> str:
-        return self.prompts[index // self.body.n] if self.body.echo else ""
+        return self._prompt_text(index) if self.echo else ""
+
+    def _stream_echo(self, index: int) -> str:
+        """The prompt, in the first chunk of a stream that echoes it with log-probabilities
+        (it is scored by then)."""
+        if self.logprobs is None or self.logprobs_sent[index] > 0:
+            return ""
+        return self._echo(index)
 
     def _head(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
+        return {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model_name}
 
-    def _chunk(self, index: int, text: str, reason: str | None) -> str:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    def _chunk_head(self) -> dict[str, Any]:
+        """The head of a stream's chunk."""
+        return self._head()
+
+    def _logprobs(self, index: int, start: int = 0, end: int | None = None
+                  ) -> dict[str, Any] | None:
+        """OpenAI's legacy log-probabilities of choice `index`'s tokens [start, end) (the
+        prompt's first when echoed): each token's text, its log-probability (None for the
+        first prompt token), the likeliest tokens and the chosen one with theirs, and its
+        offset in the prompt + completion text (a special token shows its name, and takes
+        no room in the text)."""
+        if self.logprobs is None:
+            return None
+        seq = self.seqs[index]
+        entries: list[tuple[int, Any]] = []
+        if self.echo:
+            entries += zip(seq.prompt, seq.prompt_logprobs or [None] * len(seq.prompt),
+                           strict=True)
+        entries += zip(self._generated(index), seq.logprobs, strict=False)
+        texts = [self.token_texts(token) for token, _ in entries]
+        offset = 0 if self.echo else len(self._prompt_text(index))
+        offsets = []
+        for token, _ in entries:
+            offsets.append(offset)
+            offset += len(self.token_texts.piece(token))
+        top: list[dict[str, float] | None] = []
+        for (_, scored), text in zip(entries, texts, strict=True):
+            if scored is None:
+                top.append(None)
+                continue
+            likeliest = {self.token_texts(t): lp for t, lp in scored[1]}
+            top.append({**likeliest, text: scored[0]})
+        window = slice(start, end)
+        return {"tokens": texts[window],
+                "token_logprobs": [None if e is None else e[0] for _, e in entries][window],
+                "top_logprobs": top[window], "text_offset": offsets[window]}
+
+    def _prompt_text(self, index: int) -> str:
+        return self.prompts[index // self.body.n]
+
+    def _generated(self, index: int) -> list[int]:
+        """The tokens choice `index` drew, with the end-of-text token that ended it (it has
+        no text, but clients that score text count on it: OpenAI's and vLLM's list it)."""
+        seq, choice = self.seqs[index], self.choices[index]
+        ended = seq.end_token is not None and self.reasons[index] is not None
+        return choice.ids + [seq.end_token] if ended and not choice.stopped else choice.ids
+
+    def _opening(self, index: int) -> str | None:
+        """A stream's first chunk for a choice, before any token: the echoed prompt (with
+        log-probabilities, it goes with the first piece instead, once it is scored)."""
+        if self._echo(index) and self.logprobs is None:
+            return self._chunk(index, self._echo(index), None)
+        return None
+
+    def _choice_body(self, index: int) -> dict[str, Any]:
+        """Choice `index` in the whole answer."""
+        return {"index": index, "text": self._echo(index) + self.choices[index].text,
+                "logprobs": self._logprobs(index), "finish_reason": self.reasons[index]}
+
+    def _chunk(self, index: int, text: str, reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return f"data: {json.dumps({**self._head(), 'choices': [choice]})}\n\n"
+
+    def _chunk_logprobs(self, index: int) -> dict[str, Any] | None:
+        """The log-probabilities of the tokens not sent yet in a stream."""
+        if self.logprobs is None:
+            return None
+        done = self.logprobs_sent[index]
+        prompt = len(self.seqs[index].prompt) if self.echo else 0
+        self.logprobs_sent[index] = prompt + len(self._generated(index))
+        return self._logprobs(index, done, self.logprobs_sent[index])
 
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events: a chunk per piece of final text, a last chunk per choice with
         its finish reason, usage if asked, then [DONE]."""
         try:
             for index in range(len(self.seqs)):
-                if self._echo(index):
-                    yield self._chunk(index, self._echo(index), None)
+                opening = self._opening(index)
+                if opening is not None:
+                    yield opening
             while not self._finished():
                 index, token = await self._next()
                 choice = self.choices[index]
+                if self.errors[index] is not None:
+                    error = {"message": self.errors[index], "type": "server_error",
+                             "param": None, "code": None}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    return
                 if token is not None and not choice.stopped:
                     piece = choice.ready(final=False)
                     if piece:
-                        yield self._chunk(index, piece, None)
+                        yield self._chunk(index, self._stream_echo(index) + piece, None,
+                                          self._chunk_logprobs(index))
                 elif token is None:
                     if self.reasons[index] == "error":
-                        error = {"message": "decoding failed", "type": "server_error",
-                                 "param": None, "code": None}
+                        error = {"message": self.errors[index] or "decoding failed",
+                                 "type": "server_error", "param": None, "code": None}
                         yield f"data: {json.dumps({'error': error})}\n\n"
                         return
-                    yield self._chunk(index, choice.ready(final=True), self.reasons[index])
+                    yield self._chunk(index, self._stream_echo(index) + choice.ready(final=True),
+                                      self.reasons[index], self._chunk_logprobs(index))
             options = self.body.stream_options
             if options is not None and options.include_usage:
                 self.usage["total_tokens"] = (self.usage["prompt_tokens"]
                                               + self.usage["completion_tokens"])
-                last = {**self._head(), "choices": [], "usage": self.usage}
+                last = {**self._chunk_head(), "choices": [], "usage": self.usage}
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -562,18 +916,101 @@ class Completion:
                         return JSONResponse({}, status_code=499)
         finally:
             self._cancel()
-        if "error" in self.reasons:
-            raise ApiError(500, "decoding failed", type="server_error")
+        failed = [e for e in self.errors if e is not None]
+        if failed:
+            raise ApiError(500, failed[0], type="server_error")
         end = time.perf_counter()
         log.info("%s: first token after %.3f s, done after %.3f s", self.id,
                  (self.first_token or end) - self.submitted, end - self.submitted)
         self.usage["total_tokens"] = self.usage["prompt_tokens"] + self.usage["completion_tokens"]
-        choices = []
-        for i, choice in enumerate(self.choices):
+        for choice in self.choices:
             choice.ready(final=True)
-            choices.append({"index": i, "text": self._echo(i) + choice.text, "logprobs": None,
-                            "finish_reason": self.reasons[i]})
+        choices = [self._choice_body(i) for i in range(len(self.choices))]
         return JSONResponse({**self._head(), "choices": choices, "usage": self.usage})
+
+
+# --- chat completions -------------------------------------------------------------------
+
+
+def end_of_turn(template: ChatTemplate | None, token_texts: TokenTexts
+                ) -> tuple[list[str], tuple[int, ...]]:
+    """What ends a reply besides the end of text: the template's end-of-turn token when
+    the tokenizer has it as one token, else its text as a stop string."""
+    if template is None or template.end_of_turn is None:
+        return [], ()
+    try:
+        ids = token_texts.encode(template.end_of_turn)
+    except TformerError:
+        ids = []
+    if len(ids) == 1:
+        return [], (ids[0],)
+    return [template.end_of_turn], ()
+
+
+async def chat(body: ChatRequest, request: Request, engine: LMEngine, tokenizer: Any,
+               model_name: str, limits: Limits, template: ChatTemplate,
+               chat_stops: tuple[list[str], tuple[int, ...]]) -> JSONResponse | StreamingResponse:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+    stop_texts, stop_tokens = chat_stops
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    run = ChatCompletion(body, engine, tokenizer, model_name, limits,
+                         request.app.state.mailbox,
+                         prompts=[(text, encode_prompt(tokenizer, text))],
+                         max_tokens=body.budget(), echo=False,
+                         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                         stops=stops + stop_texts, stop_tokens=stop_tokens)
+    return await run.answer(request)
+
+
+class ChatCompletion(Completion):
+    """One chat completions request: a Completion of the rendered messages, answered as
+    chat.completion (or a stream of chat.completion.chunk objects with deltas)."""
+
+    object_name = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    def _chunk(self, index: int, text: str, reason: str | None,
+               logprobs: dict[str, Any] | None = None, *, role: bool = False) -> str:
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        if reason is not None and not text:
+            delta = {}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": reason}
+        chunk = {**self._chunk_head(), "choices": [choice]}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    def _chunk_head(self) -> dict[str, Any]:
+        return {**self._head(), "object": "chat.completion.chunk"}
+
+    def _opening(self, index: int) -> str | None:
+        return self._chunk(index, "", None, role=True)
+
+    def _choice_body(self, index: int) -> dict[str, Any]:
+        return {"index": index,
+                "message": {"role": "assistant", "content": self.choices[index].text},
+                "logprobs": self._logprobs(index), "finish_reason": self.reasons[index]}
+
+    def _logprobs(self, index: int, start: int = 0, end: int | None = None
+                  ) -> dict[str, Any] | None:
+        """OpenAI's chat log-probabilities of the reply's tokens [start, end): each token's
+        text, UTF-8 bytes, log-probability and the likeliest tokens with theirs."""
+        if self.logprobs is None:
+            return None
+        seq, choice = self.seqs[index], self.choices[index]
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.token_texts(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+                   for token, (lp, top) in zip(choice.ids, seq.logprobs, strict=False)]
+        return {"content": content[start:end]}
 
 
 # --- translations -----------------------------------------------------------------------
@@ -619,8 +1056,10 @@ async def translate_lines(body: TranslationRequest, request: Request,
             if await request.is_disconnected():
                 job.cancelled = True
                 return JSONResponse({}, status_code=499)
-    if results is None:
-        raise ApiError(500, "translation failed", type="server_error")
+    for i, hyps in enumerate(results):
+        if hyps is None:
+            raise ApiError(500, f"input line {i}: {job.errors.get(i, 'translation failed')}",
+                           type="server_error")
     data = []
     for i, hyps in enumerate(results):
         item: dict[str, Any] = {"index": i, "text": hyps[0].text}

@@ -1,10 +1,18 @@
 """`tformer serve CKPT`: load a checkpoint and serve it over HTTP until SIGINT or SIGTERM,
-which let the requests in flight finish first."""
+which let the requests in flight finish first; the exit status is then 0.
+
+Its options are serve_command's parameters (tformer.arguments); the CLI imports this module to
+build its parser, so its own imports stay light (no torch, fastapi or uvicorn at the top)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +20,6 @@ from tformer.arguments import Help
 from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
-
 
 def require_serving_packages() -> None:
     try:
@@ -39,6 +46,10 @@ def serve_command(
     batch_window_ms: Annotated[
         float, Help("translations arriving this close together share a batch")
     ] = 10.0,
+    chat_template: Annotated[
+        str | None, Help("a Jinja chat template for /v1/chat/completions (default: the "
+                         "checkpoint's chat_template.jinja)", metavar="FILE")
+    ] = None,
 ) -> int:
     require_serving_packages()
     import uvicorn
@@ -47,7 +58,9 @@ def serve_command(
     from tformer.loading import load_checkpoint
     from tformer.registry import get_family
     from tformer.serving.app import Limits, create_app
+    from tformer.serving.chat import load_chat_template
     from tformer.serving.scheduler import LMEngine, TranslationBatcher
+    from tformer.serving.tokens import special_names
     from tformer.training.device import pick_device
 
     if not 1 <= port <= 65535:
@@ -69,7 +82,7 @@ def serve_command(
     kind = "lm" if family.generate is not None else "seq2seq"
     model = inference_model(loaded.model, int8)
     tokenizer = loaded.tokenizer
-    name = name or model_name(loaded.path)
+    name = name or loaded.name
     if kind == "lm":
         # A model that offers a KV cache (tformer.decoding.lm's protocol) decodes by
         # continuous batching; one whose memory is its cache decodes one sequence per slot.
@@ -80,8 +93,12 @@ def serve_command(
     else:
         engine = TranslationBatcher(model, tokenizer, window=batch_window_ms / 1000,
                                     batch_size=max(max_batch, 32), max_waiting=max_waiting)
+    specials = {f"{key}_token": token for key, token in special_names(tokenizer).items()
+                if token is not None}
+    template = load_chat_template(loaded.path, chat_template, specials) if kind == "lm" else None
     app = create_app(engine, tokenizer, model_name=name, kind=kind, api_key=api_key,
-                     limits=Limits(max_body_bytes=max_body_bytes))
+                     limits=Limits(max_body_bytes=max_body_bytes),
+                     created=created_time(loaded.path), chat_template=template)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     print(f"tformer: serving {name} ({loaded.cfg.family}) at http://{host}:{port}",
@@ -91,16 +108,46 @@ def serve_command(
     # server is closing at that moment, and get a read error.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=None, timeout_keep_alive=15)
-    uvicorn.Server(config).run()
+    server = draining_server_class()(config)
+    server.run()
+    if server.signalled is not None:
+        log.info("stopped by %s after the requests in flight finished",
+                 signal.Signals(server.signalled).name)
     return 0
 
 
-def model_name(path: Path) -> str:
-    """The run's directory name: a checkpoint inside a run (best/, checkpoints/step-N/) is
-    named after the run."""
-    path = Path(path).resolve()
-    if path.name == "best":
-        return path.parent.name
-    if path.parent.name == "checkpoints":
-        return path.parent.parent.name
-    return path.name
+def draining_server_class() -> type:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, except that a SIGINT or SIGTERM it has drained on is not raised
+        again afterwards (uvicorn re-raises it, so the process would die by the signal, exit
+        status -15, after a clean shutdown)."""
+
+        signalled: int | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            def handle(sig: int, frame: object) -> None:
+                self.signalled = sig
+                self.handle_exit(sig, frame)
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, handle) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer
+
+
+def created_time(checkpoint: Path) -> int:
+    """When the checkpoint was written, as a Unix time (its config's modification time)."""
+    try:
+        return int((Path(checkpoint) / "config.json").stat().st_mtime)
+    except OSError:
+        return int(time.time())

@@ -1,0 +1,129 @@
+"""Chat templates: messages -> the prompt text a chat model was trained on, rendered as
+Hugging Face transformers renders a tokenizer's `chat_template` (apply_chat_template), so
+that a template imported with a model gives the prompts the model knows.
+
+That is: Jinja2's immutable sandbox (templates come with downloaded models and are
+untrusted), `trim_blocks` and `lstrip_blocks`, the loop controls (`break`, `continue`),
+the `{% generation %}` block (rendered as its body), `raise_exception(message)`,
+`strftime_now(format)`, a `tojson` that leaves non-ASCII text and HTML characters alone;
+variables `messages`, `add_generation_prompt`, `tools`, `documents` and the tokenizer's
+special tokens (`bos_token`, `eos_token`, `pad_token`).
+
+A checkpoint's template is its `chat_template.jinja` file, or the one `serve
+--chat-template FILE` names.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tformer.errors import TformerError
+
+TEMPLATE_FILE = "chat_template.jinja"
+PROBE = "\x00end-of-turn probe\x00"
+"""An assistant message no template changes, to find what a template writes after one."""
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the messages (its raise_exception, or a rendering error)."""
+
+
+def _environment() -> Any:
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        """`{% generation %}...{% endgeneration %}` marks the assistant's text for training
+        masks; rendering keeps its body as it is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template with the special tokens it is rendered with."""
+
+    def __init__(self, source: str, *, special_tokens: dict[str, str] | None = None,
+                 origin: str = "the chat template") -> None:
+        import jinja2
+
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        try:
+            self.template = _environment().from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise TformerError(f"{origin} is not a valid Jinja template: line {e.lineno}: "
+                               f"{e.message}") from None
+        self.end_of_turn = self._find_end_of_turn()
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        import jinja2
+
+        try:
+            return self.template.render(messages=messages, tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens)
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(str(e)) from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise ChatTemplateError(f"the chat template could not render these messages: "
+                                    f"{type(e).__name__}: {e}") from None
+
+    def _find_end_of_turn(self) -> str | None:
+        """The text a template writes after an assistant's message (ChatML's <|im_end|>,
+        Llama 3's <|eot_id|>, Gemma's <end_of_turn>): where a reply ends, as the model
+        learnt it. None when it writes nothing there, or refuses the probe."""
+        try:
+            text = self.render([{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": PROBE}],
+                               add_generation_prompt=False)
+        except ChatTemplateError:
+            return None
+        if PROBE not in text:
+            return None
+        after = text.split(PROBE, 1)[1].split("\n", 1)[0].strip()
+        return after or None
+
+
+def load_chat_template(checkpoint: Path, override: str | Path | None,
+                       special_tokens: dict[str, str]) -> ChatTemplate | None:
+    """The template of `override` (a file) if given, else the checkpoint's
+    chat_template.jinja, else None."""
+    path = Path(override) if override is not None else Path(checkpoint) / TEMPLATE_FILE
+    if not path.is_file():
+        if override is not None:
+            raise TformerError(f"--chat-template {override}: no such file")
+        return None
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TformerError(f"cannot read the chat template {path}: {e}") from None
+    return ChatTemplate(source, special_tokens=special_tokens, origin=str(path))
