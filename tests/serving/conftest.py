@@ -117,7 +117,7 @@ def gpt_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(gpt_run):
-    from tformer.training.checkpoint import load_checkpoint
+    from tformer.loading import load_checkpoint
 
     return load_checkpoint(gpt_run)
 

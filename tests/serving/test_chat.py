@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from tformer.errors import TformerError
-from tformer.serving.app import end_of_turn
 from tformer.serving.chat import ChatTemplate, ChatTemplateError, load_chat_template
+from tformer.serving.completions import end_of_turn
 from tformer.serving.tokens import TokenTexts
 
 from .conftest import CHAT_TEMPLATE

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tformer.data.tokenizers import SPECIALS
-from tformer.training.checkpoint import load_checkpoint
+from tformer.loading import load_checkpoint
 
 
 @pytest.fixture(scope="module")

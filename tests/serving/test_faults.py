@@ -14,15 +14,11 @@ from fastapi.testclient import TestClient
 from tformer.data.tokenizers import CharTokenizer
 from tformer.decoding.translate import SearchOptions, Translation
 from tformer.models.gpt import GPT, GPTConfig
-from tformer.serving import scheduler
+from tformer.serving import sequence, translation
 from tformer.serving.app import create_app
-from tformer.serving.scheduler import (
-    LMEngine,
-    Sampling,
-    Sequence,
-    TranslationBatcher,
-    TranslationJob,
-)
+from tformer.serving.scheduler import LMEngine
+from tformer.serving.sequence import Sampling, Sequence
+from tformer.serving.translation import TranslationBatcher, TranslationJob
 
 from .conftest import TEXT
 from .test_scheduler import Collect, alone, decisive
@@ -39,7 +35,7 @@ def gpt() -> GPT:
 @pytest.fixture
 def poisoned_sampling(monkeypatch):
     """Sampling raises for the sequence seeded POISON_SEED, at its third draw."""
-    real = scheduler.next_token
+    real = sequence.next_token
     draws: weakref.WeakKeyDictionary[torch.Generator, int] = weakref.WeakKeyDictionary()
 
     def next_token(logits, *, temperature, top_k, top_p, generator):
@@ -50,7 +46,7 @@ def poisoned_sampling(monkeypatch):
         return real(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                     generator=generator)
 
-    monkeypatch.setattr(scheduler, "next_token", next_token)
+    monkeypatch.setattr(sequence, "next_token", next_token)
 
 
 def test_a_sampling_fault_ends_its_sequence_alone(gpt, poisoned_sampling):
@@ -172,7 +168,7 @@ def test_a_translation_fault_fails_its_line_alone(monkeypatch):
             raise RuntimeError("injected fault")
         return [[Translation(line[::-1], -1.0)] for line in lines]
 
-    monkeypatch.setattr(scheduler, "translate", fake_translate)
+    monkeypatch.setattr(translation, "translate", fake_translate)
     tokenizer = CharTokenizer(TEXT)
     batcher = TranslationBatcher(None, tokenizer, window=0.05)
     answers: dict[int, list] = {}

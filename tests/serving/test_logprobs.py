@@ -10,7 +10,8 @@ import torch
 
 from tformer.data.tokenizers import SPECIALS
 from tformer.evaluation.loss import lm_loss
-from tformer.serving.scheduler import LMEngine, Sampling, Sequence
+from tformer.serving.scheduler import LMEngine
+from tformer.serving.sequence import Sampling, Sequence
 
 from .test_scheduler import Collect
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tformer.decoding.sampling import next_token
-from tformer.serving.scheduler import LMEngine, Sampling, Sequence
+from tformer.serving.scheduler import LMEngine
+from tformer.serving.sequence import Sampling, Sequence
 
 from .test_scheduler import Collect
 

@@ -11,7 +11,8 @@ import torch
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import TransformerXL, TransformerXLConfig
 from tformer.registry import get_family
-from tformer.serving.scheduler import LMEngine, Sampling, Sequence, SlotPool
+from tformer.serving.scheduler import LMEngine, SlotPool
+from tformer.serving.sequence import Sampling, Sequence
 
 
 def decisive(model: torch.nn.Module, *, only_matrices: bool = False) -> torch.nn.Module:
@@ -196,7 +197,7 @@ def test_the_thread_drains_its_queue_on_stop(gpt):
 
 def test_the_translation_queue_is_bounded():
     from tformer.decoding.translate import SearchOptions
-    from tformer.serving.scheduler import TranslationBatcher, TranslationJob
+    from tformer.serving.translation import TranslationBatcher, TranslationJob
 
     batcher = TranslationBatcher(None, None, max_waiting=2)
     jobs = [TranslationJob(["a"], SearchOptions(), lambda r: None) for _ in range(3)]

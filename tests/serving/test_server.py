@@ -170,7 +170,7 @@ def test_a_completion_runs_past_the_context_as_generate_does(gpt_server, gpt_che
     import torch
 
     from tformer.decoding.lm import generate
-    from tformer.training.checkpoint import load_checkpoint
+    from tformer.loading import load_checkpoint
 
     loaded = load_checkpoint(gpt_checkpoint)
     prompt = loaded.tokenizer.encode("hello")
