@@ -270,3 +270,16 @@ def test_without_vnni_many_rows_never_reach_torch_int_mm(monkeypatch, reload_ker
     with torch.no_grad():
         int8(torch.randint(0, 61, (4, 20)))  # 80 rows a product
         matvec.linear_int8(torch.randn(64, 40), *quantize_rows(torch.randn(27, 40)), None)
+
+
+@pytest.mark.parametrize("k", [5, 1040, 2100])
+def test_torchs_integer_product_is_exact_whichever_route_it_takes(k):
+    # torch._int_mm where it sums exactly (not every oneDNN build does without VNNI), else
+    # fp32 products of slices short enough to be exact: both against int64 sums, with the
+    # largest terms int8 makes (past 2^24 in all, where one fp32 sum would round).
+    xq = torch.randint(-127, 128, (9, k), dtype=torch.int8)
+    q = torch.randint(-127, 128, (6, k), dtype=torch.int8)
+    xq[0], xq[1], q[0] = 127, -127, 127
+    want = xq.long() @ q.long().t()
+    assert torch.equal(matvec._float_integer_product(xq, q).long(), want)
+    assert torch.equal(matvec.integer_product(xq, q).long(), want)

@@ -59,6 +59,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -74,10 +75,10 @@ MAX_ROWS = 4
 """PackedLinear sends products of up to this many rows here. The kernel takes any number,
 four at a time, but from about eight rows on oneDNN's matrix-matrix kernels catch up."""
 INT8_MAX_ROWS = 8
-"""Without packed weights (pack_int8), linear_int8 sends products of up to this many rows to
-the few-row kernel, and more, on CPUs with VNNI, to oneDNN's int8 matrix product
-(torch._int_mm), which is faster from about there (benchmarks/int8_rows.py). Where the
-weights are packed, see PACKED_MIN_ROWS."""
+"""The few-row int8 kernel is the fast one up to about this many rows; from there the
+product over packed weights (pack_int8, PACKED_MIN_ROWS) or oneDNN's int8 matrix product
+(torch._int_mm, with VNNI) is faster (benchmarks/int8_rows.py). step.py gives int8 layers
+without packed weights no more rows than this."""
 ISAS = ("avx512", "avx2", "torch")
 """TFORMER_ISA's values (see the module's text)."""
 ISA_NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "torch": "torch"}
@@ -496,7 +497,7 @@ def _int_mm_scaled(
 ) -> Tensor:
     """int8_reference's product, the scaling done by the kernel: one pass over the sums,
     in place, instead of torch's four."""
-    acc = torch._int_mm(xq, q.t()).contiguous()
+    acc = integer_product(xq, q).contiguous()
     m, n = acc.shape
     lib.tformer_scale_int8(acc.data_ptr(), xscale.data_ptr(), wscale.data_ptr(),
                            None if bias is None else bias.data_ptr(), m, n,
@@ -525,11 +526,63 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 def int8_reference(
     xq: Tensor, xscale: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None
 ) -> Tensor:
-    """(xq q^T) * (xscale wscale^T) + bias through torch: the integer product is exact
-    (torch._int_mm sums in 32 bits), then the same fp32 operations, in the same order, as
-    the kernel's. Any number of rows; oneDNN makes it fast from about eight."""
-    y = torch._int_mm(xq, q.t()).float().mul_(xscale[:, None] * wscale)
+    """(xq q^T) * (xscale wscale^T) + bias through torch: the integer product exact
+    (integer_product), then the same fp32 operations, in the same order, as the kernel's."""
+    y = integer_product(xq, q).float().mul_(xscale[:, None] * wscale)
     return y if bias is None else y.add_(bias)
+
+
+EXACT_K = 1040
+"""fp32 sums of this many int8 products are exact: every partial sum is an integer below
+1040 * 127^2 < 2^24, which fp32 holds exactly, whatever order a matmul adds them in."""
+
+
+def integer_product(xq: Tensor, q: Tensor) -> Tensor:
+    """xq q^T (M x N int32) for int8 xq (M x K) and q (N x K), summed exactly, through torch:
+    torch._int_mm where it is exact and the faster (_int_mm_serves), else fp32 products of
+    slices of EXACT_K columns, each exact, added as integers."""
+    if _int_mm_serves():
+        return torch._int_mm(xq, q.t())
+    return _float_integer_product(xq, q)
+
+
+def _float_integer_product(xq: Tensor, q: Tensor) -> Tensor:
+    k = xq.shape[1]
+    total = None
+    for start in range(0, max(k, 1), EXACT_K):
+        part = F.linear(xq[:, start:start + EXACT_K].float(), q[:, start:start + EXACT_K].float())
+        part = part.to(torch.int32)
+        total = part if total is None else total.add_(part)
+    return total
+
+
+@functools.cache
+def _int_mm_serves() -> bool:
+    """Whether torch._int_mm sums exactly, and no slower than _float_integer_product, on
+    this CPU: decided once, on a product of 64 rows with the largest terms int8 makes. Where
+    the CPU lacks VNNI, oneDNN's int8 product can sum pairs of unsigned-by-signed products
+    in saturating 16-bit lanes (vpmaddubsw), and off by millions; or be exact but many
+    times slower than fp32's product."""
+    g = torch.Generator().manual_seed(0)
+    xq = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=g)
+    q = torch.randint(-127, 128, (256, 256), dtype=torch.int8, generator=g)
+    xq[0], xq[1], q[0] = 127, -127, 127
+    try:
+        if not torch.equal(torch._int_mm(xq, q.t()).long(), xq.long() @ q.long().t()):
+            log.info("torch._int_mm does not sum exactly here: int8 products through fp32")
+            return False
+    except RuntimeError:
+        return False
+
+    def fastest(fn) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn(xq, q)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return fastest(lambda a, b: torch._int_mm(a, b.t())) <= fastest(_float_integer_product)
 
 
 def fits_kernel(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -580,9 +633,9 @@ def linear_int8(
     """y = x W^T + b with x's rows and W rounded to int8 (quantize_rows; W as q and wscale):
     (xq q^T) * (xscale wscale^T) + bias, summed exactly. From `packed.min_rows` rows on
     (PACKED_MIN_ROWS), through the product over `packed` (pack_int8(q)) where it is given;
-    else up to INT8_MAX_ROWS rows (a decoding step's) through the few-row kernel, rounding
-    included, and more through torch._int_mm where the CPU has VNNI (the kernel rounding and
-    scaling); where there is no kernel, through torch. All give the same bits.
+    else through the few-row kernel, rounding included (fast up to INT8_MAX_ROWS rows, a
+    decoding step's); where there is no kernel, through torch (int8_reference). All give the
+    same bits.
 
     x: (M, K) fp32; q: (N, K) int8 and wscale: (N,) fp32, contiguous; bias: (N,) fp32 or
     None; all on the CPU (Int8Linear holds its tensors so).
@@ -609,6 +662,4 @@ def linear_int8_unchecked(
         return int8_reference(*_torch_quantize_rows(x), q, wscale, bias)
     if packed is not None and m >= packed.min_rows:
         return _call_linear_int8_packed(lib, x, packed, wscale, bias)
-    if m > INT8_MAX_ROWS and lib.tformer_isa(-1) == LAYOUT_VNNI:
-        return _int_mm_scaled(lib, *_call_quantize(lib, x), q, wscale, bias)
     return _call_linear_int8(lib, x, q, wscale, bias)
