@@ -86,10 +86,11 @@ ISA_NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "torch": "torch"}
 LAYOUT_AVX2, LAYOUT_VNNI = 1, 2
 """matvec.c's ISA_AVX2 and ISA_AVX512_VNNI: the instruction set the int8 products use, and
 the layout pack_int8 packs a weight in for it."""
-PACKED_MIN_ROWS = {LAYOUT_VNNI: 2, LAYOUT_AVX2: 4}
+PACKED_MIN_ROWS = {LAYOUT_VNNI: 2, LAYOUT_AVX2: 8}
 """linear_int8 sends products of this many rows and more to the product over packed weights
 (by their layout): one row reads the weights at about the memory's rate through either
-kernel; with VNNI the packed product is the faster from two rows on, with AVX2 from four
+kernel; with VNNI the packed product is the faster from two rows on; AVX2's packed weights
+are 16-bit, twice the bytes the few-row kernel streams, and it catches up at about eight
 (benchmarks/int8_rows.py)."""
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("matvec.c", "search.c", "attend.c", "step.c", "dropout.c", "xent.c")]
