@@ -426,9 +426,9 @@ VNNI512 static int vnni_gemm(const int8_t *x, const float *xscale, const int8_t 
  * vpmaddubsw (unsigned by signed bytes), whose pair sums saturate at 16 bits: 2 * 255 * 127
  * does not fit, so its sums would not be exact. Widened to int16 (vpmovsxbw: once for W,
  * when packing; once a call for x), vpmaddwd multiplies sixteen pairs and adds each two
- * neighbours into eight 32-bit sums exactly (2 * 127 * 127 fits in 16 bits' product sum,
- * and the 32-bit sums hold 133,000 terms). Two instructions for sixteen products, where
- * fp32 needs one FMA for eight, and the weights a half of fp32's bytes. Panels of 16
+ * neighbours into eight 32-bit sums, exactly (the 32-bit sums hold 133,000 terms of
+ * 127 * 127). Two instructions for sixteen products, where fp32 needs one FMA for eight,
+ * and the weights half of fp32's bytes (twice int8's). Panels of 16
  * outputs; within a panel, for each pair along k, the 16 x 2 int16 (two vectors) that one
  * broadcast pair of a row of x multiplies. Blocks of four rows of x pass over a panel: 8
  * sums, two weight vectors, the broadcast and a product in 12 of the 16 registers (with six
