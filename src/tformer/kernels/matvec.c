@@ -492,14 +492,16 @@ static inline __attribute__((always_inline)) void avx2_scale(
 /* Rows [0, M) of xw (int16, rows kp apart) times one panel: outputs j0 .. j0 + 15 (those
  * below n) of each row, scaled as int8_reference scales them. */
 static inline __attribute__((always_inline)) void avx2_panel_block(
-    const int16_t *xw, long kp, const int16_t *panel, const float *xscale, const float *wscale,
-    const float *b, float *y, long n, long j0, const int M)
+    const int16_t *xw, long kp, const int16_t *panel, const int16_t *next, const float *xscale,
+    const float *wscale, const float *b, float *y, long n, long j0, const int M)
 {
     __m256i acc[ROW_BLOCK2][2];
 #pragma GCC unroll 6
     for (int i = 0; i < M; i++)
         acc[i][0] = acc[i][1] = _mm256_setzero_si256();
     for (long g = 0; g < kp / 2; g++) {
+        if (next) /* a 64-byte line of the next panel a step: all of it by the block's end */
+            _mm_prefetch((const char *)(next + g * PANEL2 * 2), _MM_HINT_T0);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(panel + g * PANEL2 * 2));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(panel + g * PANEL2 * 2 + 16));
 #pragma GCC unroll 6
@@ -515,16 +517,17 @@ static inline __attribute__((always_inline)) void avx2_panel_block(
 }
 
 static void avx2_panel_rows(const int16_t *xw, long m, long kp, const int16_t *panel,
-                            const float *xscale, const float *wscale, const float *b, float *y,
-                            long n, long j0)
+                            const int16_t *next, const float *xscale, const float *wscale,
+                            const float *b, float *y, long n, long j0)
 {
     long i = 0;
     for (; i + ROW_BLOCK2 <= m; i += ROW_BLOCK2)
-        avx2_panel_block(xw + i * kp, kp, panel, xscale + i, wscale, b, y + i * n, n, j0,
-                         ROW_BLOCK2);
+        avx2_panel_block(xw + i * kp, kp, panel, i ? NULL : next, xscale + i, wscale, b,
+                         y + i * n, n, j0, ROW_BLOCK2);
 #define REST(R)                                                                            \
     case R:                                                                                \
-        avx2_panel_block(xw + i * kp, kp, panel, xscale + i, wscale, b, y + i * n, n, j0, R); \
+        avx2_panel_block(xw + i * kp, kp, panel, i ? NULL : next, xscale + i, wscale, b,   \
+                         y + i * n, n, j0, R);                                             \
         break;
     switch ((int)(m - i)) {
         REST(1) REST(2) REST(3)
@@ -552,8 +555,9 @@ static int avx2_gemm(const int8_t *x, const float *xscale, const int16_t *packed
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (long p = 0; p < panels; p++)
-        avx2_panel_rows(xw, m, kp, packed + p * PANEL2 * kp, xscale, wscale, b, y, n,
-                        p * PANEL2);
+        avx2_panel_rows(xw, m, kp, packed + p * PANEL2 * kp,
+                        p + 1 < panels ? packed + (p + 1) * PANEL2 * kp : NULL, xscale, wscale,
+                        b, y, n, p * PANEL2);
     free(xw);
     return 0;
 }
