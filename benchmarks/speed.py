@@ -364,6 +364,8 @@ def main() -> None:
                  partial(sides.ctranslate2, src, L, int8=True), "CTranslate2 int8"),
                 ("fp32", partial(sides.tformer, src, L), partial(sides.marian, src, L),
                  "MarianMTModel.generate"),
+                ("int8", partial(sides.tformer, src, L, int8=True),
+                 partial(sides.tformer, src, L), "tformer fp32"),
             )
             with torch.no_grad():
                 for label, ours, peer, peer_name in pairs:

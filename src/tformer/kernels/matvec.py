@@ -142,7 +142,8 @@ class _Unavailable(Exception):
 
 def _load(want: str | None) -> ctypes.CDLL:
     if want == "torch":
-        raise _Unavailable("TFORMER_ISA=torch")
+        off = os.environ.get("TFORMER_NATIVE") == "0"
+        raise _Unavailable("TFORMER_NATIVE=0" if off else "TFORMER_ISA=torch")
     if sys.platform != "linux" or platform.machine() != "x86_64":
         raise _Unavailable(f"written for x86-64 Linux, not {sys.platform} {platform.machine()}")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
