@@ -19,12 +19,22 @@ same greedy tokens before timing), and tformer's int8 weights against its fp32 o
 translation (d_model 256, 3 + 3 layers, vocabulary 8000, 20-token inputs, 30 output
 tokens) at batch 1 and 16 against MarianMTModel.generate; Transformer-XL training beside
 the GPT of the same size.
+
+Every row names the instruction set tformer's kernels ran (kernels.matvec.isa(): AVX-512
+VNNI, AVX2 or torch), and the header the switches that choose the libraries' own:
+
+    TFORMER_ISA=avx2 CT2_FORCE_CPU_ISA=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+        .venv/bin/python benchmarks/speed.py --only translate
+
+runs every side as an AVX2-only CPU would, on a machine with AVX-512.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +45,7 @@ import torch.nn.functional as F
 
 from tformer.decoding.lm import generate
 from tformer.evaluation.loss import lm_loss
+from tformer.kernels.matvec import ISA_NAMES, isa
 from tformer.kernels.prepack import PackedLinear, prepack, prepack_available
 from tformer.kernels.quantize import quantize_int8
 from tformer.models.gpt import GPT, GPTConfig
@@ -214,6 +225,12 @@ def gpt_generate(model, batch: int, new: int, ours: bool):
 # --- the table -----------------------------------------------------------------------------
 
 
+ISA_SWITCHES = ("TFORMER_ISA", "CT2_FORCE_CPU_ISA", "ONEDNN_MAX_CPU_ISA",
+                "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+"""The environment variables that choose each library's instruction set: tformer's kernels,
+CTranslate2's, oneDNN's, MKL's and torch's own."""
+
+
 def compare(ours: Callable, peer: Callable, work: float, repeats: int) -> tuple[float, float]:
     """Median rates (work per second) of two callables timed in alternation."""
     ours(), peer()  # warm-up
@@ -242,6 +259,8 @@ def main() -> None:
     rows: list[dict] = []
 
     def emit(**row) -> None:
+        if row["row"] != "machine":
+            row["isa"] = ISA_NAMES[isa()]
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
@@ -261,6 +280,8 @@ def main() -> None:
         matvec_linear_bandwidth_gbs=round(matvec_linear, 2),
         threads=torch.get_num_threads(),
         torch=torch.__version__,
+        torch_capability=torch.backends.cpu.get_cpu_capability(),
+        switches={name: os.environ[name] for name in ISA_SWITCHES if name in os.environ},
     )
 
     if wanted("gpt-train"):
@@ -343,6 +364,8 @@ def main() -> None:
                  partial(sides.ctranslate2, src, L, int8=True), "CTranslate2 int8"),
                 ("fp32", partial(sides.tformer, src, L), partial(sides.marian, src, L),
                  "MarianMTModel.generate"),
+                ("int8", partial(sides.tformer, src, L, int8=True),
+                 partial(sides.tformer, src, L), "tformer fp32"),
             )
             with torch.no_grad():
                 for label, ours, peer, peer_name in pairs:
@@ -404,9 +427,11 @@ def print_table(rows: list[dict]) -> None:
         f"{machine['matvec_onednn_bandwidth_gbs']:.1f} oneDNN prepacked, "
         f"{machine['matvec_linear_bandwidth_gbs']:.1f} F.linear)"
     )
+    switches = " ".join(f"{k}={v}" for k, v in machine["switches"].items()) or "none"
+    print(f"torch's kernels: {machine['torch_capability']}; instruction-set switches: {switches}")
     print(f"{'row':<34}{'unit':<13}{'tformer':>10}{'peer':>10}{'ratio':>8}  notes")
     for r in rows[1:]:
-        notes = [f"vs {r['peer_name']}"]
+        notes = [f"tformer on {r['isa']}", f"vs {r['peer_name']}"]
         if "mfu" in r:
             notes.append(f"MFU {r['mfu']:.0%}")
         if "peer_mfu" in r:

@@ -10,3 +10,24 @@ def reload_kernel():
     matvec.load.cache_clear()
     yield
     matvec.load.cache_clear()
+
+
+def use_isa(name: str, monkeypatch) -> str:
+    monkeypatch.setenv("TFORMER_ISA", name)
+    matvec.load.cache_clear()
+    if matvec.isa() != name:
+        pytest.skip(f"this CPU or build does not run {matvec.ISA_NAMES[name]}")
+    return name
+
+
+@pytest.fixture(params=matvec.ISAS)
+def isa(request, monkeypatch, reload_kernel):
+    """Each instruction set the int8 products can run on (TFORMER_ISA), in turn: tests that
+    take this fixture run once under each this CPU has, and are skipped under the others."""
+    return use_isa(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def kernel_isa(request, monkeypatch, reload_kernel):
+    """`isa` for the C kernels' instruction sets only."""
+    return use_isa(request.param, monkeypatch)

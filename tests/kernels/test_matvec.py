@@ -1,6 +1,7 @@
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tformer.errors import TformerError
 from tformer.kernels import matvec
 from tformer.kernels.prepack import PackedLinear, prepack_available
 
@@ -96,7 +98,58 @@ def test_without_a_compiler_decoding_keeps_to_the_library_kernels(
 
 def test_the_environment_can_turn_the_kernel_off(monkeypatch, reload_kernel):
     monkeypatch.setenv("TFORMER_NATIVE", "0")
-    assert matvec.load() is None
+    assert matvec.load() is None and matvec.isa() == "torch"
+
+
+def test_the_environment_can_force_avx2(monkeypatch, reload_kernel):
+    monkeypatch.setenv("TFORMER_ISA", "avx2")
+    assert matvec.isa() == ("avx2" if matvec.load() is not None else "torch")
+
+
+def test_an_unknown_instruction_set_is_a_clear_error(monkeypatch, reload_kernel):
+    monkeypatch.setenv("TFORMER_ISA", "neon")
+    with pytest.raises(TformerError, match="TFORMER_ISA='neon': use one of avx512, avx2, torch"):
+        matvec.load()
+
+
+TORCH_ONLY = """
+import torch
+from tformer.decoding.beam import beam_search
+from tformer.decoding.lm import generate
+from tformer.kernels import matvec
+from tformer.kernels.quantize import inference_model
+from tformer.kernels.xent import cross_entropy
+from tformer.models.gpt import GPT, GPTConfig
+from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+assert matvec.isa() == "torch"
+gpt = GPT(GPTConfig(vocab_size=31, context=16, n_layer=1, n_head=2, d_model=16, dropout=0.1))
+tokens = torch.randint(0, 31, (2, 9))
+logits = gpt(tokens[:, :-1])
+cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=-1,
+              label_smoothing=0.1).backward()
+for int8 in (False, True):
+    list(generate(inference_model(gpt.eval(), int8), tokens[:, :3], max_new_tokens=4))
+cfg = Seq2SeqConfig(vocab_size=31, n_layer=1, n_head=2, d_model=16, d_ff=24, dropout=0.0)
+translator = Seq2Seq(cfg).eval()
+for int8 in (False, True):
+    beam_search(inference_model(translator, int8), tokens, torch.ones_like(tokens, dtype=bool),
+                beam=3, bos_id=1, eos_id=2, pad_id=0)
+print("ran")
+"""
+
+
+def test_forced_to_torch_everything_runs_with_one_warning_line(tmp_path):
+    # A fresh process, as a user's: training (dropout, the loss), generation and beam search
+    # in fp32 and int8, every kernel's caller, and a single warning.
+    env = {**os.environ, "TFORMER_ISA": "torch", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", TORCH_ONLY], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ran"
+    lines = done.stderr.strip().splitlines()
+    assert lines == ["tformer's C kernels are not in use (TFORMER_ISA=torch): everything runs "
+                     "on torch"], done.stderr
 
 
 @native

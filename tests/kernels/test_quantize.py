@@ -10,6 +10,8 @@ from tformer.kernels.quantize import Int8Linear, quantize_int8
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
 
+BUILT = matvec.load() is not None
+
 
 @pytest.fixture
 def model() -> GPT:
@@ -54,7 +56,7 @@ def test_rows_are_rounded_to_int8_with_one_scale_each():
 
 
 @pytest.mark.parametrize("shape", [(1, 40), (3, 40), (2, 3, 40), (37, 40)])
-def test_an_int8_linear_computes_the_product_of_its_rounded_inputs_and_weights(shape):
+def test_an_int8_linear_computes_the_product_of_its_rounded_inputs_and_weights(shape, isa):
     linear = nn.Linear(40, 27)
     int8 = Int8Linear(linear)
     error = (int8.weight - linear.weight).abs()
@@ -70,78 +72,93 @@ def test_an_int8_linear_computes_the_product_of_its_rounded_inputs_and_weights(s
 
 
 @pytest.mark.parametrize("k", [16, 40, 300])
-def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(k):
-    # One row, a decoding step's few (the kernel) and many (torch._int_mm) give the same
-    # bits: batched and one-at-a-time decoding agree exactly.
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(k, isa):
+    # One row, a decoding step's few (the few-row kernel) and many (the packed product, or
+    # torch's) give the same bits: batched and one-at-a-time decoding agree exactly.
     int8 = Int8Linear(nn.Linear(k, 131))
     x = torch.randn(40, k)
     with torch.no_grad():
         alone = torch.cat([int8(x[i : i + 1]) for i in range(40)])
-        for rows in (2, 4, matvec.INT8_MAX_ROWS, matvec.INT8_MAX_ROWS + 1, 40):
+        for rows in (2, 3, 4, 5, matvec.INT8_MAX_ROWS, matvec.INT8_MAX_ROWS + 1, 40):
             assert torch.equal(int8(x[:rows]), alone[:rows]), rows
         assert torch.equal(int8(x.flip(0)), alone.flip(0))
 
 
+def exact_product(xq, xscale, q, wscale, bias):
+    """int8_reference's numbers by another route: the integer sums in int64 (exact by
+    construction), then the same fp32 operations."""
+    sums = (xq.long()[:, None, :] * q.long()[None, :, :]).sum(-1)
+    y = sums.float() * (xscale[:, None] * wscale)
+    return y if bias is None else y + bias
+
+
 @pytest.mark.parametrize("k", [37, 64, 512, 1000])
-def test_the_vnni_path_gives_the_avx2_paths_bits(k):
+def test_the_few_row_products_are_exact_on_every_instruction_set(k, kernel_isa):
     lib = matvec.load()
-    if lib is None:
-        pytest.skip("needs the kernel")
-    chosen = lib.tformer_int8_vnni(-1)
-    if not lib.tformer_int8_vnni(1):  # 1 turns it on where the CPU has it
-        pytest.skip("needs a CPU with AVX-512 VNNI")
-    assert chosen, "the load-time check turned the VNNI path off"
     q = torch.randint(-127, 128, (203, k), dtype=torch.int8)  # 203: a remainder of W's rows
     wscale, bias = torch.rand(203), torch.randn(203)
-    try:
-        for rows in range(1, 10):
-            # The extremes too: sums of products as large as int8 makes them.
-            xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
-            xq[0], xscale = 127, torch.rand(rows)
-            lib.tformer_int8_vnni(0)
-            avx2 = matvec._call_int8(lib, xq, xscale, q, wscale, bias)
-            lib.tformer_int8_vnni(1)
-            vnni = matvec._call_int8(lib, xq, xscale, q, wscale, bias)
-            assert torch.equal(vnni, avx2), rows
-            assert torch.equal(vnni, matvec.int8_reference(xq, xscale, q, wscale, bias)), rows
-    finally:
-        lib.tformer_int8_vnni(chosen)
-
-
-@pytest.mark.parametrize("n, k", [(45, 37), (203, 64), (64, 1000), (33, 4)])
-def test_the_packed_product_gives_the_exact_products_bits(n, k):
-    # The product over packed weights (AVX-512 VNNI) against torch._int_mm's exact sums:
-    # part panels (n not a multiple of 32), k not a multiple of 4, blocks of eight rows
-    # and remainders, the largest products int8 makes, with a bias and without.
-    lib = matvec.load()
-    if lib is None or not lib.tformer_gemm_int8_available():
-        pytest.skip("needs the kernel and a CPU with AVX-512 VNNI")
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    q[0] = -127
-    wscale, bias = torch.rand(n), torch.randn(n)
-    packed = matvec.pack_int8(q)
-    torch.testing.assert_close(packed.row_sums, q.sum(dim=1, dtype=torch.int32))
-    for rows in (1, 2, 7, 8, 9, 17, 64):
+    for rows in range(1, 10):
+        # The extremes too: sums of products as large as int8 makes them.
         xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
         xq[0], xscale = 127, torch.rand(rows)
+        want = exact_product(xq, xscale, q, wscale, bias)
+        assert torch.equal(matvec._call_int8(lib, xq, xscale, q, wscale, bias), want), rows
+        assert torch.equal(matvec.int8_reference(xq, xscale, q, wscale, bias), want), rows
+
+
+@pytest.mark.parametrize("n, k", [(45, 37), (203, 64), (64, 1000), (33, 4), (17, 3)])
+def test_the_packed_product_gives_the_exact_products_bits(n, k, kernel_isa):
+    # The product over packed weights (AVX-512 VNNI's or AVX2's) against exact integer
+    # sums: part panels (n not a multiple of 32 or 16), k not a multiple of 4 or 2, blocks
+    # of rows and remainders, the largest products int8 makes, with a bias and without.
+    lib = matvec.load()
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    q[0], q[1] = -127, 127
+    wscale, bias = torch.rand(n), torch.randn(n)
+    packed = matvec.pack_int8(q)
+    assert packed.layout == (matvec.LAYOUT_VNNI if kernel_isa == "avx512" else matvec.LAYOUT_AVX2)
+    torch.testing.assert_close(packed.row_sums, q.sum(dim=1, dtype=torch.int32))
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17, 64):
+        xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+        xq[0], xscale = 127, torch.rand(rows)
+        if rows > 1:
+            xq[1] = -127  # against q[0]: the largest positive products, 127 * 127 a term
         for b in (bias, None):
             got = matvec._call_gemm_int8(lib, xq, xscale, packed, wscale, b)
-            assert torch.equal(got, matvec.int8_reference(xq, xscale, q, wscale, b)), rows
+            assert torch.equal(got, exact_product(xq, xscale, q, wscale, b)), rows
         # From fp32 rows, rounded by the kernel in the same call (what linear_int8 runs).
         x = torch.randn(rows, k) * 3
-        want = matvec.int8_reference(*matvec._torch_quantize_rows(x), q, wscale, bias)
+        want = exact_product(*matvec._torch_quantize_rows(x), q, wscale, bias)
         assert torch.equal(matvec.linear_int8(x, q, wscale, bias, packed), want), rows
 
 
-def test_int8_linear_gives_the_same_bits_with_and_without_packed_weights():
+def test_int8_linear_gives_the_same_bits_with_and_without_packed_weights(kernel_isa):
     int8 = Int8Linear(nn.Linear(96, 70))
-    if int8.packed is None:
-        pytest.skip("the CPU does not run the packed product")
     x = torch.randn(20, 96)
     with torch.no_grad():
         packed = int8(x)
-        int8.packed = None  # the few-row kernel and torch._int_mm instead
+        int8.packed = None  # the few-row kernel, and torch._int_mm with VNNI, instead
         assert torch.equal(int8(x), packed)
+
+
+def test_every_instruction_set_gives_the_same_bits(monkeypatch, reload_kernel):
+    # The same layer and rows under each instruction set this CPU runs, from one row to
+    # many: AVX-512 VNNI, AVX2 and torch agree bit for bit.
+    linear = nn.Linear(70, 45)
+    x = torch.randn(33, 70)
+    results = {}
+    for name in matvec.ISAS:
+        monkeypatch.setenv("TFORMER_ISA", name)
+        matvec.load.cache_clear()
+        if matvec.isa() != name:
+            continue
+        int8 = Int8Linear(linear)
+        with torch.no_grad():
+            results[name] = [int8(x[:rows]) for rows in (1, 3, 8, 33)]
+    assert "torch" in results and ("avx2" in results or not BUILT)
+    first = next(iter(results.values()))
+    for name, got in results.items():
+        assert all(map(torch.equal, got, first)), name
 
 
 def test_int8_rounding_and_products_get_the_same_bits_without_the_kernel(
@@ -236,3 +253,33 @@ def test_an_int8_layer_converted_after_it_was_made_checks_its_tensors_again():
         layer.float()
         assert layer.native == (matvec.load() is not None)
         assert torch.equal(layer(x), want)
+
+
+def test_without_vnni_many_rows_never_reach_torch_int_mm(monkeypatch, reload_kernel, model):
+    # Where the CPU lacks VNNI, torch._int_mm can be many times slower than fp32's product:
+    # under TFORMER_ISA=avx2 the int8 layers and the model never call it, whatever the rows.
+    monkeypatch.setenv("TFORMER_ISA", "avx2")
+    if matvec.isa() != "avx2":
+        pytest.skip("the kernel is not built here")
+    int8 = quantize_int8(model)
+
+    def refuse(*args):
+        raise AssertionError("torch._int_mm called")
+
+    monkeypatch.setattr(torch, "_int_mm", refuse)
+    with torch.no_grad():
+        int8(torch.randint(0, 61, (4, 20)))  # 80 rows a product
+        matvec.linear_int8(torch.randn(64, 40), *quantize_rows(torch.randn(27, 40)), None)
+
+
+@pytest.mark.parametrize("k", [5, 1040, 2100])
+def test_torchs_integer_product_is_exact_whichever_route_it_takes(k):
+    # torch._int_mm where it sums exactly (not every oneDNN build does without VNNI), else
+    # fp32 products of slices short enough to be exact: both against int64 sums, with the
+    # largest terms int8 makes (past 2^24 in all, where one fp32 sum would round).
+    xq = torch.randint(-127, 128, (9, k), dtype=torch.int8)
+    q = torch.randint(-127, 128, (6, k), dtype=torch.int8)
+    xq[0], xq[1], q[0] = 127, -127, 127
+    want = xq.long() @ q.long().t()
+    assert torch.equal(matvec._float_integer_product(xq, q).long(), want)
+    assert torch.equal(matvec.integer_product(xq, q).long(), want)

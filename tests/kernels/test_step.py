@@ -119,11 +119,11 @@ def test_activations_hold_far_from_zero(activation):
 @native
 @pytest.mark.parametrize("norm", ["pre", "post"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_steps_match_the_int8_layers_and_store_the_same_keys(norm, bias):
-    # Two sentences of four beams (eight rows: the packed product where the CPU has it, the
-    # few-row one elsewhere), a sentence leaving mid-way. The products and attention are the
-    # modules' kernels; only the layer norms and activations round differently, which can
-    # move an input across an int8 rounding step now and then.
+def test_int8_steps_match_the_int8_layers_and_store_the_same_keys(norm, bias, kernel_isa):
+    # Two sentences of four beams (eight rows: the packed product of AVX-512 VNNI or AVX2),
+    # a sentence leaving mid-way (four rows: AVX2's few-row kernel). The products and
+    # attention are the modules' kernels; only the layer norms and activations round
+    # differently, which can move an input across an int8 rounding step now and then.
     model = inference_model(make_model(norm, bias=bias), int8=True)
     src, real = sources(sentences=2)
     got, got_cache = run_steps(model, src, real, beams=4, steps=7, fused=True)

@@ -239,15 +239,24 @@ void tformer_matvec(const float *x, const float *w, const float *b, float *y,
     }
 }
 
-/* Whether the int8 products use VNNI: use = 1 turns it on where the CPU has it, 0 off, -1
- * asks. On by default where the CPU has it; both paths give the same bits. */
-int tformer_int8_vnni(int use)
+/* The instruction set the int8 products use, decided once per process (matvec.py sets it
+ * at load time): ISA_AVX512_VNNI where the CPU has it and it was not turned down, else
+ * ISA_AVX2. want >= 0 sets it (capped at what the CPU runs), -1 asks. Every level gives the
+ * same bits. */
+enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
+static int isa_level = ISA_AVX2;
+
+static int cpu_has_vnni(void)
 {
-    static int on = -1;
-    if (use >= 0 || on < 0) /* every int8 product asks: only a change reads the CPU's flags */
-        on = use != 0 && __builtin_cpu_supports("avx512vnni")
-             && __builtin_cpu_supports("avx512vl");
-    return on;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+           && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+int tformer_isa(int want)
+{
+    if (want >= 0)
+        isa_level = want >= ISA_AVX512_VNNI && cpu_has_vnni() ? ISA_AVX512_VNNI : ISA_AVX2;
+    return isa_level;
 }
 
 /* y = (X Q^T) * (xscale wscale^T) + b with X (m x k) and Q (n x k) int8, xscale (m) and
@@ -260,20 +269,23 @@ void tformer_matvec_int8(const int8_t *x, const float *xscale, const int8_t *q,
     /* One row reads W at close to the memory's rate either way, and there the sums of w
      * that VNNI adds cost more than it saves (0.70-0.93x, benchmarks/kernel_ab.py). */
     static const i8_product by_rows_vnni[4] = {i8_1, i8v_2, i8v_3, i8v_4};
-    const i8_product *products = tformer_int8_vnni(-1) ? by_rows_vnni : by_rows;
+    const i8_product *products = isa_level == ISA_AVX512_VNNI ? by_rows_vnni : by_rows;
     for (long i = 0; i < m; i += 4) {
         const long rows = m - i < 4 ? m - i : 4;
         products[rows - 1](x + i * k, xscale + i, q, wscale, b, y + i * n, n, k, threads);
     }
 }
 
-/* --- Many rows: a blocked int8 product over weights packed once (AVX-512 VNNI) ----------
+/* --- Many rows: a blocked int8 product over weights packed once -------------------------
  *
  * From about eight rows on (beam search over a batch) a product is no longer a stream
  * through W but a matrix product, where each weight should be read from memory once and
  * then used for every row. torch._int_mm (oneDNN) does that, but reorders W into its own
- * layout at every call. Here W is packed once, when the layer is made, in the layout the
- * product reads: panels of 32 rows of W (32 outputs), and within a panel, for each group of
+ * layout at every call, and on CPUs without VNNI it can be slower than fp32's product by
+ * far. Here W is packed once, when the layer is made, in the layout of the instruction set
+ * the process uses (the `layout`: ISA_AVX512_VNNI or ISA_AVX2, below).
+ *
+ * AVX-512 VNNI: panels of 32 rows of W (32 outputs), and within a panel, for each group of
  * four along k, the 32 x 4 bytes that one vpdpbusd pair multiplies with four bytes of a row
  * of x. A panel at k = 512 is 16 KB and stays in the L1 cache while every block of up to 8
  * rows of x passes over it (16 sums of 16 lanes in registers), and the next panel is
@@ -286,15 +298,15 @@ void tformer_matvec_int8(const int8_t *x, const float *xscale, const int8_t *q,
 
 static inline long round_up(long a, long b) { return (a + b - 1) / b * b; }
 
-/* Bytes of W packed for the product: n rounded up to a panel, k to a group of four. */
-long tformer_packed_int8_size(long n, long k) { return round_up(n, PANEL) * round_up(k, 4); }
+/* Bytes of W packed for VNNI's product: n rounded up to a panel, k to a group of four. */
+static long vnni_packed_size(long n, long k) { return round_up(n, PANEL) * round_up(k, 4); }
 
-/* Pack q (n x k int8, row-major) into `packed` (tformer_packed_int8_size bytes), zeros
- * filling the last panel and group, and the sum of each row of q into colsum (n). */
-void tformer_pack_int8(const int8_t *q, long n, long k, int8_t *packed, int32_t *colsum)
+/* Pack q (n x k int8, row-major) into `packed` (vnni_packed_size bytes), zeros filling the
+ * last panel and group, and the sum of each row of q into colsum (n). */
+static void vnni_pack(const int8_t *q, long n, long k, int8_t *packed, int32_t *colsum)
 {
     const long kp = round_up(k, 4);
-    memset(packed, 0, (size_t)tformer_packed_int8_size(n, k));
+    memset(packed, 0, (size_t)vnni_packed_size(n, k));
     for (long j = 0; j < n; j++) {
         int8_t *panel = packed + (j / PANEL) * PANEL * kp;
         int32_t sum = 0;
@@ -384,19 +396,12 @@ VNNI512 static void panel_rows(const uint8_t *xu, long m, long kp, const int8_t 
 #undef REST
 }
 
-/* Whether this CPU runs tformer_gemm_int8 (AVX-512 F, BW and VNNI). */
-int tformer_gemm_int8_available(void)
-{
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-           && __builtin_cpu_supports("avx512vnni");
-}
-
-/* y = (X Q^T) * (xscale wscale^T) + b as tformer_matvec_int8, with Q packed by
- * tformer_pack_int8 (and its colsum). Returns 0, or -1 where it could not allocate the
- * unsigned copy of X. Only where tformer_gemm_int8_available(). */
-VNNI512 int tformer_gemm_int8(const int8_t *x, const float *xscale, const int8_t *packed,
-                              const int32_t *colsum, const float *wscale, const float *b,
-                              float *y, long m, long n, long k, int threads)
+/* y = (X Q^T) * (xscale wscale^T) + b as tformer_matvec_int8, with Q packed by vnni_pack
+ * (and its colsum). Returns 0, or -1 where it could not allocate the unsigned copy of X.
+ * Only where cpu_has_vnni(). */
+VNNI512 static int vnni_gemm(const int8_t *x, const float *xscale, const int8_t *packed,
+                             const int32_t *colsum, const float *wscale, const float *b,
+                             float *y, long m, long n, long k, int threads)
 {
     const long kp = round_up(k, 4), panels = round_up(n, PANEL) / PANEL;
     uint8_t *xu = malloc((size_t)(m * kp));
@@ -415,6 +420,175 @@ VNNI512 int tformer_gemm_int8(const int8_t *x, const float *xscale, const int8_t
                    wscale, b, y, n, p * PANEL);
     free(xu);
     return 0;
+}
+
+/* AVX2 alone: the same blocked product in 16-bit lanes. Without VNNI the byte product is
+ * vpmaddubsw (unsigned by signed bytes), whose pair sums saturate at 16 bits: 2 * 255 * 127
+ * does not fit, so its sums would not be exact. Widened to int16 (vpmovsxbw: once for W,
+ * when packing; once a call for x), vpmaddwd multiplies sixteen pairs and adds each two
+ * neighbours into eight 32-bit sums, exactly (the 32-bit sums hold 133,000 terms of
+ * 127 * 127). Two instructions for sixteen products, where fp32 needs one FMA for eight,
+ * and the weights half of fp32's bytes (twice int8's). Panels of 16
+ * outputs; within a panel, for each pair along k, the 16 x 2 int16 (two vectors) that one
+ * broadcast pair of a row of x multiplies. Blocks of four rows of x pass over a panel: 8
+ * sums, two weight vectors, the broadcast and a product in 12 of the 16 registers (with six
+ * rows, all 16 would be needed, and the compiler spilled sums to the stack: half the
+ * speed). */
+
+#define PANEL2 16 /* outputs per AVX2 panel: two vectors of 8 lanes */
+#define ROW_BLOCK2 4
+
+static long avx2_packed_size(long n, long k) { return round_up(n, PANEL2) * round_up(k, 2) * 2; }
+
+static void avx2_pack(const int8_t *q, long n, long k, int16_t *packed, int32_t *colsum)
+{
+    const long kp = round_up(k, 2);
+    memset(packed, 0, (size_t)avx2_packed_size(n, k));
+    for (long j = 0; j < n; j++) {
+        int16_t *panel = packed + (j / PANEL2) * PANEL2 * kp;
+        int32_t sum = 0;
+        for (long t = 0; t < k; t++) {
+            panel[(t / 2) * PANEL2 * 2 + (j % PANEL2) * 2 + t % 2] = q[j * k + t];
+            sum += q[j * k + t];
+        }
+        colsum[j] = sum;
+    }
+}
+
+/* The sums of M rows times a panel (outputs j0 .. j0 + 15, those below n), scaled as
+ * int8_reference scales them, into y. */
+static inline __attribute__((always_inline)) void avx2_scale(
+    const __m256i acc[][2], const float *xscale, const float *wscale, const float *b, float *y,
+    long n, long j0, const int M)
+{
+    const long left = n - j0 < PANEL2 ? n - j0 : PANEL2;
+    float ws[PANEL2] = {0}, bias[PANEL2] = {0};
+    memcpy(ws, wscale + j0, sizeof(float) * (size_t)left);
+    if (b)
+        memcpy(bias, b + j0, sizeof(float) * (size_t)left);
+    const __m256 ws0 = _mm256_loadu_ps(ws), ws1 = _mm256_loadu_ps(ws + 8);
+    const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < M; i++) {
+        const __m256 xs = _mm256_set1_ps(xscale[i]);
+        __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][0]), _mm256_mul_ps(xs, ws0));
+        __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][1]), _mm256_mul_ps(xs, ws1));
+        if (b) {
+            v0 = _mm256_add_ps(v0, b0);
+            v1 = _mm256_add_ps(v1, b1);
+        }
+        if (left == PANEL2) {
+            _mm256_storeu_ps(y + i * n + j0, v0);
+            _mm256_storeu_ps(y + i * n + j0 + 8, v1);
+        } else {
+            float out[PANEL2];
+            _mm256_storeu_ps(out, v0);
+            _mm256_storeu_ps(out + 8, v1);
+            memcpy(y + i * n + j0, out, sizeof(float) * (size_t)left);
+        }
+    }
+}
+
+/* Rows [0, M) of xw (int16, rows kp apart) times one panel: outputs j0 .. j0 + 15 (those
+ * below n) of each row, scaled as int8_reference scales them. */
+static inline __attribute__((always_inline)) void avx2_panel_block(
+    const int16_t *xw, long kp, const int16_t *panel, const int16_t *next, const float *xscale,
+    const float *wscale, const float *b, float *y, long n, long j0, const int M)
+{
+    __m256i acc[ROW_BLOCK2][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < M; i++)
+        acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    for (long g = 0; g < kp / 2; g++) {
+        if (next) /* a 64-byte line of the next panel a step: all of it by the block's end */
+            _mm_prefetch((const char *)(next + g * PANEL2 * 2), _MM_HINT_T0);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(panel + g * PANEL2 * 2));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(panel + g * PANEL2 * 2 + 16));
+#pragma GCC unroll 6
+        for (int i = 0; i < M; i++) {
+            int32_t two;
+            memcpy(&two, xw + i * kp + g * 2, sizeof two);
+            const __m256i xv = _mm256_set1_epi32(two);
+            acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(xv, w0));
+            acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(xv, w1));
+        }
+    }
+    avx2_scale(acc, xscale, wscale, b, y, n, j0, M);
+}
+
+static void avx2_panel_rows(const int16_t *xw, long m, long kp, const int16_t *panel,
+                            const int16_t *next, const float *xscale, const float *wscale,
+                            const float *b, float *y, long n, long j0)
+{
+    long i = 0;
+    for (; i + ROW_BLOCK2 <= m; i += ROW_BLOCK2)
+        avx2_panel_block(xw + i * kp, kp, panel, i ? NULL : next, xscale + i, wscale, b,
+                         y + i * n, n, j0, ROW_BLOCK2);
+#define REST(R)                                                                            \
+    case R:                                                                                \
+        avx2_panel_block(xw + i * kp, kp, panel, i ? NULL : next, xscale + i, wscale, b,   \
+                         y + i * n, n, j0, R);                                             \
+        break;
+    switch ((int)(m - i)) {
+        REST(1) REST(2) REST(3)
+    }
+#undef REST
+}
+
+/* vnni_gemm's product over W packed by avx2_pack. Returns 0, or -1 where it could not
+ * allocate the widened copy of X. */
+static int avx2_gemm(const int8_t *x, const float *xscale, const int16_t *packed,
+                     const float *wscale, const float *b, float *y, long m, long n, long k,
+                     int threads)
+{
+    const long kp = round_up(k, 2), panels = round_up(n, PANEL2) / PANEL2;
+    int16_t *xw = malloc((size_t)(m * kp) * sizeof(int16_t));
+    if (!xw)
+        return -1;
+    for (long i = 0; i < m; i++) {
+        const long k16 = k & ~15L;
+        for (long t = 0; t < k16; t += 16)
+            _mm256_storeu_si256((__m256i *)(xw + i * kp + t),
+                                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + i * k + t))));
+        for (long t = k16; t < kp; t++) /* the padding's weights are 0 */
+            xw[i * kp + t] = t < k ? x[i * k + t] : 0;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (long p = 0; p < panels; p++)
+        avx2_panel_rows(xw, m, kp, packed + p * PANEL2 * kp,
+                        p + 1 < panels ? packed + (p + 1) * PANEL2 * kp : NULL, xscale, wscale,
+                        b, y, n, p * PANEL2);
+    free(xw);
+    return 0;
+}
+
+/* Bytes of W packed for the product in `layout` (ISA_AVX2 or ISA_AVX512_VNNI). */
+long tformer_packed_int8_size(long n, long k, int layout)
+{
+    return layout == ISA_AVX512_VNNI ? vnni_packed_size(n, k) : avx2_packed_size(n, k);
+}
+
+/* Pack q (n x k int8, row-major) for the product in `layout` into `packed`
+ * (tformer_packed_int8_size bytes), and the sum of each row of q into colsum (n). */
+void tformer_pack_int8(const int8_t *q, long n, long k, int8_t *packed, int32_t *colsum,
+                       int layout)
+{
+    if (layout == ISA_AVX512_VNNI)
+        vnni_pack(q, n, k, packed, colsum);
+    else
+        avx2_pack(q, n, k, (int16_t *)packed, colsum);
+}
+
+/* y = (X Q^T) * (xscale wscale^T) + b as tformer_matvec_int8, with Q packed by
+ * tformer_pack_int8 in `layout` (VNNI's only where the CPU has it: matvec.py checks).
+ * Returns 0, or -1 where it could not allocate. */
+int tformer_gemm_int8(const int8_t *x, const float *xscale, const int8_t *packed,
+                      const int32_t *colsum, const float *wscale, const float *b, float *y,
+                      long m, long n, long k, int layout, int threads)
+{
+    if (layout == ISA_AVX512_VNNI)
+        return vnni_gemm(x, xscale, packed, colsum, wscale, b, y, m, n, k, threads);
+    return avx2_gemm(x, xscale, (const int16_t *)packed, wscale, b, y, m, n, k, threads);
 }
 
 /* The rows of x (m x k, fp32) in int8 with one scale each, the same numbers as
@@ -478,17 +652,18 @@ int tformer_linear_int8(const float *x, const int8_t *q, const float *wscale, co
 
 /* tformer_gemm_int8 on fp32 rows: x rounded to int8 (tformer_quantize_rows) first, as
  * tformer_linear_int8 does for tformer_matvec_int8. Returns 0, or -1 where it could not
- * allocate. Only where tformer_gemm_int8_available(). */
+ * allocate. */
 int tformer_linear_int8_packed(const float *x, const int8_t *packed, const int32_t *colsum,
                                const float *wscale, const float *b, float *y, long m, long n,
-                               long k, int threads)
+                               long k, int layout, int threads)
 {
     int8_t *xq = malloc((size_t)(m * k));
     float *xscale = malloc((size_t)m * sizeof(float));
     int ok = xq && xscale;
     if (ok) {
         tformer_quantize_rows(x, xq, xscale, m, k);
-        ok = tformer_gemm_int8(xq, xscale, packed, colsum, wscale, b, y, m, n, k, threads) == 0;
+        ok = tformer_gemm_int8(xq, xscale, packed, colsum, wscale, b, y, m, n, k, layout,
+                               threads) == 0;
     }
     free(xq);
     free(xscale);

@@ -9,7 +9,10 @@ third of a beam step at d_model 256. `matvec.c` streams the weights at about the
 and costs ~5 us a call (benchmarks/speed.py measures both effects end to end). Its int8
 product (quantize.py) reads a quarter of the bytes and sums in exact 32-bit integers; on
 CPUs with AVX-512 VNNI, products of two to eight rows use its 8-bit dot-product
-instruction, with the same sums. The same library holds beam search's choice of candidates
+instruction, with the same sums. Products of many int8 rows run over a copy of the weight
+packed once (pack_int8): with VNNI's instruction, else with AVX2's 16-bit multiply-add
+(never torch._int_mm, which on CPUs without VNNI can be many times slower than fp32's
+product). The same library holds beam search's choice of candidates
 (`search.c`, see search.py) and, for training, dropout (`dropout.c`, see dropout.py) and
 the label-smoothed cross-entropy (`xent.c`, see xent.py).
 
@@ -20,10 +23,23 @@ check can, so the kernel is built and loaded only from a directory that this use
 nobody else may write to, and only a library file with the same properties; where the
 cache directory fails that test, a private temporary directory serves this process (and is
 removed once the library is loaded). Where none of this can happen (no compiler, not x86-64
-Linux with AVX2 and FMA, `TFORMER_NATIVE=0` in the environment) `load()` returns None:
-fp32 decoding keeps to oneDNN, with the same results up to float rounding, and int8 to
-torch._int_mm, with the same results bit for bit, dropout to torch's (with other masks) and
-the loss to F.cross_entropy.
+Linux with AVX2 and FMA, `TFORMER_ISA=torch` in the environment) `load()` returns None, with
+one warning: fp32 decoding keeps to oneDNN, with the same results up to float rounding, and
+int8 to torch's integer product, with the same results bit for bit, dropout to torch's
+(with other masks) and the loss to F.cross_entropy.
+
+The instruction set is decided once per process (`isa()`), from the CPU and the
+environment variable `TFORMER_ISA`:
+
+    avx512   the default where the CPU has AVX-512 VNNI: the int8 products use it
+    avx2     AVX2 and FMA only, even where the CPU has more: what AVX2-only CPUs (AMD before
+             Zen 4, Intel's consumer chips since Alder Lake) run, to test and time it anywhere
+    torch    no C kernels: everything runs on torch, as where they cannot be built (Arm, no
+             compiler). `TFORMER_NATIVE=0` means the same.
+
+Every choice gives the same int8 bits. Only the kernels' own instructions follow the
+switch: torch's, oneDNN's and MKL's pick theirs (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS set them; benchmarks/README.md uses all four).
 
 The kernel threads with OpenMP. Linked after torch (whose Linux builds use GNU OpenMP), it
 resolves to the runtime torch already loaded and shares its threads; it uses
@@ -43,6 +59,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -50,19 +67,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tformer.errors import TformerError
+
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 4
 """PackedLinear sends products of up to this many rows here. The kernel takes any number,
 four at a time, but from about eight rows on oneDNN's matrix-matrix kernels catch up."""
 INT8_MAX_ROWS = 8
-"""linear_int8 sends products of up to this many rows to the kernel, more to oneDNN's int8
-matrix product (torch._int_mm), which is faster from about there (benchmarks/int8_rows.py);
-except where the weights are packed (pack_int8), see PACKED_MIN_ROWS."""
-PACKED_MIN_ROWS = 2
-"""Where the CPU runs the product over packed weights (AVX-512 VNNI), linear_int8 sends it
-products of this many rows and more: one row reads the weights at about the memory's rate
-through either kernel, and from two rows on the packed product is the faster of the three
+"""The few-row int8 kernel is the fast one up to about this many rows; from there the
+product over packed weights (pack_int8, PACKED_MIN_ROWS) or oneDNN's int8 matrix product
+(torch._int_mm, with VNNI) is faster (benchmarks/int8_rows.py). step.py gives int8 layers
+without packed weights no more rows than this."""
+ISAS = ("avx512", "avx2", "torch")
+"""TFORMER_ISA's values (see the module's text)."""
+ISA_NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "torch": "torch"}
+"""How tables name them."""
+LAYOUT_AVX2, LAYOUT_VNNI = 1, 2
+"""matvec.c's ISA_AVX2 and ISA_AVX512_VNNI: the instruction set the int8 products use, and
+the layout pack_int8 packs a weight in for it."""
+PACKED_MIN_ROWS = {LAYOUT_VNNI: 2, LAYOUT_AVX2: 8}
+"""linear_int8 sends products of this many rows and more to the product over packed weights
+(by their layout): one row reads the weights at about the memory's rate through either
+kernel; with VNNI the packed product is the faster from two rows on; AVX2's packed weights
+are 16-bit, twice the bytes the few-row kernel streams, and it catches up at about eight
 (benchmarks/int8_rows.py)."""
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("matvec.c", "search.c", "attend.c", "step.c", "dropout.c", "xent.c")]
@@ -85,19 +113,38 @@ def load() -> ctypes.CDLL | None:
     autocast a caller has on: the first load may come in a bf16 training step."""
     try:
         with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False):
-            return _load()
+            return _load(_requested_isa())
     except _Unavailable as e:
-        log.info("native kernels not built: %s", e)
+        log.warning("tformer's C kernels are not in use (%s): everything runs on torch", e)
         return None
+
+
+def _requested_isa() -> str | None:
+    """TFORMER_ISA's value (TFORMER_NATIVE=0: "torch"), or None where it is not set."""
+    if os.environ.get("TFORMER_NATIVE", "1") == "0":
+        return "torch"
+    want = os.environ.get("TFORMER_ISA", "").strip().lower() or None
+    if want is not None and want not in ISAS:
+        raise TformerError(f"TFORMER_ISA={want!r}: use one of {', '.join(ISAS)}")
+    return want
+
+
+def isa() -> str:
+    """The instruction set this process's kernels use, one of ISAS: decided by load(), once."""
+    lib = load()
+    if lib is None:
+        return "torch"
+    return "avx512" if lib.tformer_isa(-1) == LAYOUT_VNNI else "avx2"
 
 
 class _Unavailable(Exception):
     pass
 
 
-def _load() -> ctypes.CDLL:
-    if os.environ.get("TFORMER_NATIVE", "1") == "0":
-        raise _Unavailable("TFORMER_NATIVE=0")
+def _load(want: str | None) -> ctypes.CDLL:
+    if want == "torch":
+        off = os.environ.get("TFORMER_NATIVE") == "0"
+        raise _Unavailable("TFORMER_NATIVE=0" if off else "TFORMER_ISA=torch")
     if sys.platform != "linux" or platform.machine() != "x86_64":
         raise _Unavailable(f"written for x86-64 Linux, not {sys.platform} {platform.machine()}")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -136,20 +183,19 @@ def _load() -> ctypes.CDLL:
         + [ctypes.c_int] * 2
     )
     lib.tformer_top_logprobs.restype = None
-    lib.tformer_packed_int8_size.argtypes = [ctypes.c_long] * 2
+    lib.tformer_packed_int8_size.argtypes = [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.tformer_packed_int8_size.restype = ctypes.c_long
     lib.tformer_pack_int8.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [
-        ctypes.c_void_p] * 2
+        ctypes.c_void_p] * 2 + [ctypes.c_int]
     lib.tformer_pack_int8.restype = None
-    lib.tformer_gemm_int8.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.tformer_gemm_int8.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 3 + [
+        ctypes.c_int] * 2
     lib.tformer_gemm_int8.restype = ctypes.c_int
     lib.tformer_linear_int8_packed.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [
-        ctypes.c_int]
+        ctypes.c_int] * 2
     lib.tformer_linear_int8_packed.restype = ctypes.c_int
-    lib.tformer_gemm_int8_available.argtypes = []
-    lib.tformer_gemm_int8_available.restype = ctypes.c_int
-    lib.tformer_int8_vnni.argtypes = [ctypes.c_int]
-    lib.tformer_int8_vnni.restype = ctypes.c_int
+    lib.tformer_isa.argtypes = [ctypes.c_int]
+    lib.tformer_isa.restype = ctypes.c_int
     lib.tformer_attend_step.argtypes = (
         [ctypes.c_void_p, ctypes.c_long] + ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 2
         + [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long]
@@ -178,16 +224,20 @@ def _load() -> ctypes.CDLL:
     lib.tformer_xent_backward.restype = None
     # Both int8 paths are checked where the CPU has VNNI: the AVX2 one first, as it is the
     # one left if VNNI's fails.
-    vnni = bool(lib.tformer_int8_vnni(1))
-    lib.tformer_int8_vnni(0)
+    vnni = want != "avx2" and lib.tformer_isa(LAYOUT_VNNI) == LAYOUT_VNNI
+    if want == "avx512" and not vnni:
+        log.warning("TFORMER_ISA=avx512: this CPU lacks AVX-512 VNNI; using AVX2")
+    lib.tformer_isa(LAYOUT_AVX2)
     if not (_computes_right(lib) and _packs_right(lib) and _picks_right(lib)
             and _attends_right(lib) and _drops_right(lib) and _xent_right(lib)):
         raise _Unavailable(f"{library} computed a wrong product")
     if vnni:
-        lib.tformer_int8_vnni(1)
-        if not _computes_right(lib):
-            lib.tformer_int8_vnni(0)
+        lib.tformer_isa(LAYOUT_VNNI)
+        if not (_computes_right(lib) and _packs_right(lib)):
+            lib.tformer_isa(LAYOUT_AVX2)
             log.warning("the int8 products' VNNI path computed a wrong product; using AVX2")
+    log.info("tformer's C kernels use %s", ISA_NAMES["avx512" if lib.tformer_isa(-1) ==
+                                                     LAYOUT_VNNI else "avx2"])
     return lib
 
 
@@ -217,13 +267,11 @@ def _computes_right(lib: ctypes.CDLL) -> bool:
 
 
 def _packs_right(lib: ctypes.CDLL) -> bool:
-    """The same for the product over packed weights, where the CPU runs it: a block of
-    eight rows and a remainder, a part panel, and k not a multiple of four."""
-    if not lib.tformer_gemm_int8_available():
-        return True
+    """The same for the product over packed weights in the layout of the instruction set
+    set now: blocks of rows and a remainder, a part panel, and k not a multiple of four."""
     w, b = torch.randn(45, 37), torch.randn(45)
     q, wscale = _torch_quantize_rows(w)
-    packed = _call_pack(lib, q)
+    packed = _call_pack(lib, q, lib.tformer_isa(-1))
     for m in (1, 13):
         x = torch.randn(m, 37)
         xq, xscale = _torch_quantize_rows(x)
@@ -390,18 +438,23 @@ def _call_linear_int8(
 
 
 class PackedInt8(NamedTuple):
-    """An int8 weight (N x K) in the layout of the many-row product (tformer_pack_int8),
-    with the sum of each of its rows."""
+    """An int8 weight (N x K) in the layout of the many-row product (tformer_pack_int8) for
+    an instruction set (LAYOUT_AVX2 or LAYOUT_VNNI), with the sum of each of its rows, and
+    the fewest rows linear_int8 gives that product."""
 
     data: Tensor
     row_sums: Tensor
+    layout: int
+    min_rows: int
 
 
-def _call_pack(lib: ctypes.CDLL, q: Tensor) -> PackedInt8:
+def _call_pack(lib: ctypes.CDLL, q: Tensor, layout: int) -> PackedInt8:
     n, k = q.shape
-    packed = PackedInt8(torch.empty(lib.tformer_packed_int8_size(n, k), dtype=torch.int8),
-                        torch.empty(n, dtype=torch.int32))
-    lib.tformer_pack_int8(q.data_ptr(), n, k, packed.data.data_ptr(), packed.row_sums.data_ptr())
+    packed = PackedInt8(
+        torch.empty(lib.tformer_packed_int8_size(n, k, layout), dtype=torch.int8),
+        torch.empty(n, dtype=torch.int32), layout, PACKED_MIN_ROWS[layout])
+    lib.tformer_pack_int8(q.data_ptr(), n, k, packed.data.data_ptr(), packed.row_sums.data_ptr(),
+                          layout)
     return packed
 
 
@@ -414,7 +467,7 @@ def _call_gemm_int8(
     if lib.tformer_gemm_int8(xq.data_ptr(), xscale.data_ptr(), packed.data.data_ptr(),
                              packed.row_sums.data_ptr(), wscale.data_ptr(),
                              None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                             torch.get_num_threads()):
+                             packed.layout, torch.get_num_threads()):
         raise MemoryError(f"no memory for {m} x {k} int8 rows")
     return y
 
@@ -428,18 +481,18 @@ def _call_linear_int8_packed(
     if lib.tformer_linear_int8_packed(x.data_ptr(), packed.data.data_ptr(),
                                       packed.row_sums.data_ptr(), wscale.data_ptr(),
                                       None if bias is None else bias.data_ptr(), y.data_ptr(), m,
-                                      n, k, torch.get_num_threads()):
+                                      n, k, packed.layout, torch.get_num_threads()):
         raise MemoryError(f"no memory for {m} x {k} int8 rows")
     return y
 
 
 def pack_int8(q: Tensor) -> PackedInt8 | None:
-    """q (N x K int8, contiguous, on the CPU) packed for linear_int8's products of many rows,
-    or None where the kernel or the CPU cannot run them (AVX-512 VNNI is needed)."""
+    """q (N x K int8, contiguous, on the CPU) packed for linear_int8's products of many rows
+    with this process's instruction set, or None where there is no kernel."""
     lib = load()
-    if lib is None or not lib.tformer_gemm_int8_available():
+    if lib is None:
         return None
-    return _call_pack(lib, q.contiguous())
+    return _call_pack(lib, q.contiguous(), lib.tformer_isa(-1))
 
 
 def _int_mm_scaled(
@@ -447,7 +500,7 @@ def _int_mm_scaled(
 ) -> Tensor:
     """int8_reference's product, the scaling done by the kernel: one pass over the sums,
     in place, instead of torch's four."""
-    acc = torch._int_mm(xq, q.t()).contiguous()
+    acc = integer_product(xq, q).contiguous()
     m, n = acc.shape
     lib.tformer_scale_int8(acc.data_ptr(), xscale.data_ptr(), wscale.data_ptr(),
                            None if bias is None else bias.data_ptr(), m, n,
@@ -476,11 +529,63 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 def int8_reference(
     xq: Tensor, xscale: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None
 ) -> Tensor:
-    """(xq q^T) * (xscale wscale^T) + bias through torch: the integer product is exact
-    (torch._int_mm sums in 32 bits), then the same fp32 operations, in the same order, as
-    the kernel's. Any number of rows; oneDNN makes it fast from about eight."""
-    y = torch._int_mm(xq, q.t()).float().mul_(xscale[:, None] * wscale)
+    """(xq q^T) * (xscale wscale^T) + bias through torch: the integer product exact
+    (integer_product), then the same fp32 operations, in the same order, as the kernel's."""
+    y = integer_product(xq, q).float().mul_(xscale[:, None] * wscale)
     return y if bias is None else y.add_(bias)
+
+
+EXACT_K = 1040
+"""fp32 sums of this many int8 products are exact: every partial sum is an integer below
+1040 * 127^2 < 2^24, which fp32 holds exactly, whatever order a matmul adds them in."""
+
+
+def integer_product(xq: Tensor, q: Tensor) -> Tensor:
+    """xq q^T (M x N int32) for int8 xq (M x K) and q (N x K), summed exactly, through torch:
+    torch._int_mm where it is exact and the faster (_int_mm_serves), else fp32 products of
+    slices of EXACT_K columns, each exact, added as integers."""
+    if _int_mm_serves():
+        return torch._int_mm(xq, q.t())
+    return _float_integer_product(xq, q)
+
+
+def _float_integer_product(xq: Tensor, q: Tensor) -> Tensor:
+    k = xq.shape[1]
+    total = None
+    for start in range(0, max(k, 1), EXACT_K):
+        part = F.linear(xq[:, start:start + EXACT_K].float(), q[:, start:start + EXACT_K].float())
+        part = part.to(torch.int32)
+        total = part if total is None else total.add_(part)
+    return total
+
+
+@functools.cache
+def _int_mm_serves() -> bool:
+    """Whether torch._int_mm sums exactly, and no slower than _float_integer_product, on
+    this CPU: decided once, on a product of 64 rows with the largest terms int8 makes. Where
+    the CPU lacks VNNI, oneDNN's int8 product can sum pairs of unsigned-by-signed products
+    in saturating 16-bit lanes (vpmaddubsw), and off by millions; or be exact but many
+    times slower than fp32's product."""
+    g = torch.Generator().manual_seed(0)
+    xq = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=g)
+    q = torch.randint(-127, 128, (256, 256), dtype=torch.int8, generator=g)
+    xq[0], xq[1], q[0] = 127, -127, 127
+    try:
+        if not torch.equal(torch._int_mm(xq, q.t()).long(), xq.long() @ q.long().t()):
+            log.info("torch._int_mm does not sum exactly here: int8 products through fp32")
+            return False
+    except RuntimeError:
+        return False
+
+    def fastest(fn) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn(xq, q)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return fastest(lambda a, b: torch._int_mm(a, b.t())) <= fastest(_float_integer_product)
 
 
 def fits_kernel(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -529,11 +634,11 @@ def linear_int8(
     x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None, packed: PackedInt8 | None = None
 ) -> Tensor:
     """y = x W^T + b with x's rows and W rounded to int8 (quantize_rows; W as q and wscale):
-    (xq q^T) * (xscale wscale^T) + bias, summed exactly. Up to INT8_MAX_ROWS rows (a
-    decoding step's) go through the kernel, rounding included, more through torch._int_mm
-    (the kernel rounding and scaling where it can), as all do where there is no kernel; but
-    from PACKED_MIN_ROWS rows on, through the product over `packed` (pack_int8(q)) where it
-    is given. All give the same bits.
+    (xq q^T) * (xscale wscale^T) + bias, summed exactly. From `packed.min_rows` rows on
+    (PACKED_MIN_ROWS), through the product over `packed` (pack_int8(q)) where it is given;
+    else through the few-row kernel, rounding included (fast up to INT8_MAX_ROWS rows, a
+    decoding step's); where there is no kernel, through torch (int8_reference). All give the
+    same bits.
 
     x: (M, K) fp32; q: (N, K) int8 and wscale: (N,) fp32, contiguous; bias: (N,) fp32 or
     None; all on the CPU (Int8Linear holds its tensors so).
@@ -558,8 +663,6 @@ def linear_int8_unchecked(
     lib, m = load(), x.shape[0]
     if lib is None:
         return int8_reference(*_torch_quantize_rows(x), q, wscale, bias)
-    if packed is not None and m >= PACKED_MIN_ROWS:
+    if packed is not None and m >= packed.min_rows:
         return _call_linear_int8_packed(lib, x, packed, wscale, bias)
-    if m > INT8_MAX_ROWS:
-        return _int_mm_scaled(lib, *_call_quantize(lib, x), q, wscale, bias)
     return _call_linear_int8(lib, x, q, wscale, bias)

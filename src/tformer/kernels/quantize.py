@@ -14,9 +14,9 @@ integer product does twice the work of fp32's per instruction. Embedding tables 
 
 A row's result depends on that row alone (its scale is its own and the sums are exact),
 bit for bit, whichever kernel computes the product: matvec's for the few rows of a
-decoding step, oneDNN's (torch._int_mm) for more and wherever matvec's kernel cannot be
-built, and on CPUs with AVX-512 VNNI matvec's product over a copy of the weight packed
-once (for two rows and more). kernels/matvec.py does the rounding and the products.
+decoding step, and for more its product over a copy of the weight packed once (with AVX-512
+VNNI where the CPU has it, else AVX2), and torch's integer product wherever matvec's
+kernel cannot be built. kernels/matvec.py does the rounding and the products.
 Batched decoding can still differ from one sentence at a time where attention over padding
 rounds differently and that moves an input across a rounding step.
 """
@@ -47,8 +47,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = linear.bias
-        # The same weight in the layout of the product of many rows, where the CPU runs it
-        # (not a buffer: derived from qweight, so not saved).
+        # The same weight in the layout of the product of many rows, where the kernel is
+        # built (not a buffer: derived from qweight, so not saved).
         self.packed = matvec.pack_int8(qweight)
         # Checked once here rather than at every call (the weight side does not change).
         self.native = matvec.fits_int8_kernel(qweight, scale, self.bias)

@@ -32,15 +32,15 @@ int tformer_linear_int8(const float *x, const int8_t *q, const float *wscale, co
                         float *y, long m, long n, long k, int threads);
 int tformer_linear_int8_packed(const float *x, const int8_t *packed, const int32_t *colsum,
                                const float *wscale, const float *b, float *y, long m, long n,
-                               long k, int threads);
+                               long k, int layout, int threads);
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
                         long k_pos, const float *v, long v_row, long v_head, long v_pos,
                         const int64_t *rows, long rows_row, long group, const float *bias,
                         long bias_row, float *out, long n, long r, long heads, long T, long d,
                         long dv, float scale, int threads);
 
-/* A linear layer y = x W^T + b: fp32 (weight) or int8 (qweight, scale, and where the CPU
- * runs the many-row product, packed and row_sums). The structures mirror step.py's. */
+/* A linear layer y = x W^T + b: fp32 (weight) or int8 (qweight, scale, and for the
+ * many-row product, packed and row_sums in `layout`). The structures mirror step.py's. */
 struct tformer_linear {
     const float *weight;
     const int8_t *qweight;
@@ -49,6 +49,7 @@ struct tformer_linear {
     const float *scale;
     const float *bias; /* or NULL */
     long out_features, in_features;
+    long layout; /* of packed: matvec.c's ISA_AVX2 or ISA_AVX512_VNNI */
 };
 
 struct tformer_norm {
@@ -83,7 +84,7 @@ static int linear(const struct tformer_linear *l, const float *x, float *y, long
     }
     if (l->packed && m >= packed_min)
         return tformer_linear_int8_packed(x, l->packed, l->row_sums, l->scale, l->bias, y, m, n,
-                                          k, threads);
+                                          k, (int)l->layout, threads);
     return tformer_linear_int8(x, l->qweight, l->scale, l->bias, y, m, n, k, threads);
 }
 

@@ -32,7 +32,8 @@ _p, _long = ctypes.c_void_p, ctypes.c_long
 
 class _Linear(ctypes.Structure):
     _fields_ = [("weight", _p), ("qweight", _p), ("packed", _p), ("row_sums", _p),
-                ("scale", _p), ("bias", _p), ("out_features", _long), ("in_features", _long)]
+                ("scale", _p), ("bias", _p), ("out_features", _long), ("in_features", _long),
+                ("layout", _long)]
 
 
 class _Norm(ctypes.Structure):
@@ -84,14 +85,14 @@ def _linear(module: nn.Module) -> tuple[_Linear, int] | None:
                        None if packed is None else packed.data.data_ptr(),
                        None if packed is None else packed.row_sums.data_ptr(),
                        module.scale.data_ptr(), _ptr(module.bias), module.out_features,
-                       module.in_features), limit
+                       module.in_features, 0 if packed is None else packed.layout), limit
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if not (isinstance(weight, Tensor) and weight.dim() == 2 and _is_f32_cpu(weight)
             and _is_f32_cpu(bias)):
         return None
     # fp32 rows: matvec's kernel, which PackedLinear runs up to MAX_ROWS rows.
     return (_Linear(weight.data_ptr(), None, None, None, None, _ptr(bias), weight.shape[0],
-                    weight.shape[1]), matvec.MAX_ROWS)
+                    weight.shape[1], 0), matvec.MAX_ROWS)
 
 
 def _norm(module: nn.LayerNorm) -> _Norm | None:
@@ -105,7 +106,7 @@ def _norm(module: nn.LayerNorm) -> _Norm | None:
 def _packed(layer: nn.Module) -> list[Tensor]:
     """The packed int8 weights of a layer's Int8Linears (not buffers: made, not saved)."""
     return [t for m in layer.modules() if isinstance(m, Int8Linear) and m.packed is not None
-            for t in m.packed]
+            for t in (m.packed.data, m.packed.row_sums)]
 
 
 def _kv(k: Tensor, v: Tensor) -> _KV:
@@ -167,9 +168,15 @@ class DecoderStep:
             return None
         if (cross_attn.d_head, cross_attn.d_value) != (self_attn.d_head, self_attn.d_value):
             return None
+        # step.c gives the packed product one least number of rows: the layouts' (one a
+        # process, as the instruction set is).
+        min_rows = {m.packed.min_rows for m in layer.modules()
+                    if isinstance(m, Int8Linear) and m.packed is not None}
+        if len(min_rows) > 1:
+            return None
         struct = _Layer(*(s for s, _ in linears), *norms, self_attn.n_head, self_attn.d_head,
                         self_attn.d_value, self_attn.d_head**-0.5, int(pre.pop()), activation,
-                        matvec.PACKED_MIN_ROWS)
+                        min_rows.pop() if min_rows else 1 << 30)
         return struct, min(limit for _, limit in linears)
 
     def serves(self, x: Tensor, memory_bias: Tensor) -> bool:
