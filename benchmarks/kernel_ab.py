@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tformer.kernels import matvec
+from tformer.kernels.build import FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [  # (out_features n, in_features k): OPUS-MT's products, and GPT-2's FFN
@@ -56,7 +56,7 @@ def build(version: str, out: Path) -> ctypes.CDLL:
     c_file, library = folder / "matvec.c", folder / "matvec.so"
     c_file.write_text(source)
     compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
-    subprocess.run([compiler, *matvec._FLAGS, f"-I{headers}", str(c_file), "-o", str(library)],
+    subprocess.run([compiler, *FLAGS, f"-I{headers}", str(c_file), "-o", str(library)],
                    check=True)
     lib = ctypes.CDLL(str(library))
     lib.tformer_matvec.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from tformer.decoding.lm import generate
 from tformer.evaluation.loss import lm_loss
-from tformer.kernels.matvec import ISA_NAMES, isa
+from tformer.kernels.build import ISA_NAMES
+from tformer.kernels.matvec import isa
 from tformer.kernels.prepack import PackedLinear, prepack, prepack_available
 from tformer.kernels.quantize import quantize_int8
 from tformer.models.gpt import GPT, GPTConfig

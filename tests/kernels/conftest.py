@@ -1,6 +1,6 @@
 import pytest
 
-from tformer.kernels import matvec
+from tformer.kernels import build, matvec
 
 
 @pytest.fixture
@@ -16,11 +16,11 @@ def use_isa(name: str, monkeypatch) -> str:
     monkeypatch.setenv("TFORMER_ISA", name)
     matvec.load.cache_clear()
     if matvec.isa() != name:
-        pytest.skip(f"this CPU or build does not run {matvec.ISA_NAMES[name]}")
+        pytest.skip(f"this CPU or build does not run {build.ISA_NAMES[name]}")
     return name
 
 
-@pytest.fixture(params=matvec.ISAS)
+@pytest.fixture(params=build.ISAS)
 def isa(request, monkeypatch, reload_kernel):
     """Each instruction set the int8 products can run on (TFORMER_ISA), in turn: tests that
     take this fixture run once under each this CPU has, and are skipped under the others."""

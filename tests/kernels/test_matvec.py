@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.errors import TformerError
-from tformer.kernels import matvec
+from tformer.kernels import build, matvec
 from tformer.kernels.prepack import PackedLinear, prepack_available
 
 native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
@@ -267,23 +267,23 @@ def test_a_library_others_may_write_is_never_loaded(monkeypatch, tmp_path, reloa
 def test_private_means_owned_by_this_user_and_writable_by_no_one_else(tmp_path):
     folder = tmp_path / "d"
     folder.mkdir(mode=0o700)
-    matvec.check_private(folder)
+    build.check_private(folder)
     for mode in (0o770, 0o707, 0o777):
         os.chmod(folder, mode)
-        with pytest.raises(matvec._Unavailable, match="others may write"):
-            matvec.check_private(folder)
+        with pytest.raises(build.Unavailable, match="others may write"):
+            build.check_private(folder)
     os.chmod(folder, 0o700)
     link = tmp_path / "link"
     link.symlink_to(folder)
-    with pytest.raises(matvec._Unavailable, match="not a plain directory"):
-        matvec.check_private(link)
+    with pytest.raises(build.Unavailable, match="not a plain directory"):
+        build.check_private(link)
     library = folder / "x.so"
     library.write_bytes(b"")
     os.chmod(library, 0o755)
-    matvec.check_private(library, directory=False)
+    build.check_private(library, directory=False)
     os.chmod(library, 0o757)
-    with pytest.raises(matvec._Unavailable, match="others may write"):
-        matvec.check_private(library, directory=False)
+    with pytest.raises(build.Unavailable, match="others may write"):
+        build.check_private(library, directory=False)
 
 
 # --- a packed copy never goes stale ------------------------------------------------------

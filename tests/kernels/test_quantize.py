@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.decoding.lm import generate
-from tformer.kernels import matvec
+from tformer.kernels import build, matvec
 from tformer.kernels.matvec import quantize_rows
 from tformer.kernels.quantize import Int8Linear, quantize_int8
 from tformer.models.gpt import GPT, GPTConfig
@@ -147,7 +147,7 @@ def test_every_instruction_set_gives_the_same_bits(monkeypatch, reload_kernel):
     linear = nn.Linear(70, 45)
     x = torch.randn(33, 70)
     results = {}
-    for name in matvec.ISAS:
+    for name in build.ISAS:
         monkeypatch.setenv("TFORMER_ISA", name)
         matvec.load.cache_clear()
         if matvec.isa() != name:

@@ -16,13 +16,8 @@ product). The same library holds beam search's choice of candidates
 (`search.c`, see search.py) and, for training, dropout (`dropout.c`, see dropout.py) and
 the label-smoothed cross-entropy (`xent.c`, see xent.py).
 
-The C sources ship with the package and are compiled on first use with the system's C
-compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
-a hash of the sources and the command. Loading a library runs its constructors before any
-check can, so the kernel is built and loaded only from a directory that this user owns and
-nobody else may write to, and only a library file with the same properties; where the
-cache directory fails that test, a private temporary directory serves this process (and is
-removed once the library is loaded). Where none of this can happen (no compiler, not x86-64
+The C sources ship with the package and are compiled on first use, into a private cache
+directory (kernels/build.py). Where that cannot happen (no compiler, not x86-64
 Linux with AVX2 and FMA, `TFORMER_ISA=torch` in the environment) `load()` returns None, with
 one warning: fp32 decoding keeps to oneDNN, with the same results up to float rounding, and
 int8 to torch's integer product, with the same results bit for bit, dropout to torch's
@@ -55,19 +50,16 @@ import logging
 import os
 import platform
 import shutil
-import stat
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tformer.errors import TformerError
+from tformer.kernels import build
+from tformer.kernels.build import ISA_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +71,6 @@ INT8_MAX_ROWS = 8
 product over packed weights (pack_int8, PACKED_MIN_ROWS) or oneDNN's int8 matrix product
 (torch._int_mm, with VNNI) is faster (benchmarks/int8_rows.py). step.py gives int8 layers
 without packed weights no more rows than this."""
-ISAS = ("avx512", "avx2", "torch")
-"""TFORMER_ISA's values (see the module's text)."""
-ISA_NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "torch": "torch"}
-"""How tables name them."""
 LAYOUT_AVX2, LAYOUT_VNNI = 1, 2
 """matvec.c's ISA_AVX2 and ISA_AVX512_VNNI: the instruction set the int8 products use, and
 the layout pack_int8 packs a weight in for it."""
@@ -92,17 +80,6 @@ PACKED_MIN_ROWS = {LAYOUT_VNNI: 2, LAYOUT_AVX2: 8}
 kernel; with VNNI the packed product is the faster from two rows on; AVX2's packed weights
 are 16-bit, twice the bytes the few-row kernel streams, and it catches up at about eight
 (benchmarks/int8_rows.py)."""
-_SOURCES = [Path(__file__).with_name(name)
-            for name in ("matvec.c", "search.c", "attend.c", "step.c", "dropout.c", "xent.c")]
-"""Built into one library: the products, beam search's candidates (search.py), a decoding
-step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
-(dropout.py) and the cross-entropy (xent.py)."""
-_HEADERS = [Path(__file__).with_name("vecmath.h")]
-"""Included by the sources: part of the key the built library is cached under."""
-_PRIVATE_PREFIX = "tformer-kernel-"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, or None (with the reason logged) where it is not available.
@@ -113,20 +90,10 @@ def load() -> ctypes.CDLL | None:
     autocast a caller has on: the first load may come in a bf16 training step."""
     try:
         with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False):
-            return _load(_requested_isa())
-    except _Unavailable as e:
+            return _load(build.requested_isa())
+    except build.Unavailable as e:
         log.warning("tformer's C kernels are not in use (%s): everything runs on torch", e)
         return None
-
-
-def _requested_isa() -> str | None:
-    """TFORMER_ISA's value (TFORMER_NATIVE=0: "torch"), or None where it is not set."""
-    if os.environ.get("TFORMER_NATIVE", "1") == "0":
-        return "torch"
-    want = os.environ.get("TFORMER_ISA", "").strip().lower() or None
-    if want is not None and want not in ISAS:
-        raise TformerError(f"TFORMER_ISA={want!r}: use one of {', '.join(ISAS)}")
-    return want
 
 
 def isa() -> str:
@@ -137,36 +104,33 @@ def isa() -> str:
     return "avx512" if lib.tformer_isa(-1) == LAYOUT_VNNI else "avx2"
 
 
-class _Unavailable(Exception):
-    pass
-
-
 def _load(want: str | None) -> ctypes.CDLL:
     if want == "torch":
         off = os.environ.get("TFORMER_NATIVE") == "0"
-        raise _Unavailable("TFORMER_NATIVE=0" if off else "TFORMER_ISA=torch")
+        raise build.Unavailable("TFORMER_NATIVE=0" if off else "TFORMER_ISA=torch")
     if sys.platform != "linux" or platform.machine() != "x86_64":
-        raise _Unavailable(f"written for x86-64 Linux, not {sys.platform} {platform.machine()}")
+        raise build.Unavailable(
+            f"written for x86-64 Linux, not {sys.platform} {platform.machine()}")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise _Unavailable("the CPU lacks AVX2")
+        raise build.Unavailable("the CPU lacks AVX2")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise _Unavailable("no C compiler (set $CC)")
-    source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    directory = _cache_dir()
+        raise build.Unavailable("no C compiler (set $CC)")
+    source = b"".join(path.read_bytes() for path in [*build.SOURCES, *build.HEADERS])
+    key = hashlib.sha256(source + " ".join([compiler, *build.FLAGS]).encode()).hexdigest()[:16]
+    directory = build.cache_dir()
     library = directory / f"matvec-{key}.so"
     try:
         if not library.exists():
-            _compile(compiler, library)
+            build.compile_library(compiler, library)
         # Checked again right before loading: the directory may have changed since.
-        check_private(directory)
-        check_private(library, directory=False)
+        build.check_private(directory)
+        build.check_private(library, directory=False)
         lib = ctypes.CDLL(str(library))
     except OSError as e:
-        raise _Unavailable(f"cannot load {library}: {e}") from None
+        raise build.Unavailable(f"cannot load {library}: {e}") from None
     finally:
-        if directory.name.startswith(_PRIVATE_PREFIX):
+        if directory.name.startswith(build.PRIVATE_PREFIX):
             shutil.rmtree(directory, ignore_errors=True)  # a loaded library stays mapped
     lib.tformer_matvec.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.tformer_matvec.restype = None
@@ -230,7 +194,7 @@ def _load(want: str | None) -> ctypes.CDLL:
     lib.tformer_isa(LAYOUT_AVX2)
     if not (_computes_right(lib) and _packs_right(lib) and _picks_right(lib)
             and _attends_right(lib) and _drops_right(lib) and _xent_right(lib)):
-        raise _Unavailable(f"{library} computed a wrong product")
+        raise build.Unavailable(f"{library} computed a wrong product")
     if vnni:
         lib.tformer_isa(LAYOUT_VNNI)
         if not (_computes_right(lib) and _packs_right(lib)):
@@ -351,52 +315,6 @@ def _xent_right(lib: ctypes.CDLL) -> bool:
     want_grad[[0, 2], [5, 36]] -= 0.9
     want_grad[1] = 0.0
     return torch.allclose(loss, want, atol=1e-5) and torch.allclose(grad, want_grad, atol=1e-6)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = Path(base) / "tformer"
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        check_private(path)
-        return path
-    except (OSError, _Unavailable) as e:
-        log.info("not building the kernel in %s (%s): using a private temporary directory",
-                 path, e)
-    # mkdtemp makes a new directory only this user can enter, under a name nobody can guess.
-    return Path(tempfile.mkdtemp(prefix=_PRIVATE_PREFIX))
-
-
-def check_private(path: Path, *, directory: bool = True) -> None:
-    """Raise _Unavailable unless `path` is a real directory (or file) owned by this user that
-    neither its group nor others may write."""
-    info = os.lstat(path)
-    kind = stat.S_ISDIR if directory else stat.S_ISREG
-    if not kind(info.st_mode):
-        raise _Unavailable(f"{path} is not a plain {'directory' if directory else 'file'}")
-    if info.st_uid != os.geteuid():
-        raise _Unavailable(f"{path} belongs to another user")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise _Unavailable(f"others may write to {path}")
-
-
-def _compile(compiler: str, library: Path) -> None:
-    # Build under a temporary name and rename: a process that finds the library finds all
-    # of it, even while another one is compiling.
-    fd, tmp = tempfile.mkstemp(dir=library.parent, suffix=".so.tmp")
-    os.close(fd)
-    cmd = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise _Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
-        os.chmod(tmp, 0o755)  # whatever the umask: nobody else may write it
-        os.replace(tmp, library)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise _Unavailable(f"{' '.join(cmd)} failed: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _call(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
