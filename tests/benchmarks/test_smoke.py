@@ -25,8 +25,7 @@ BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = sorted(path.stem for path in BENCHMARKS.glob("*.py"))
 
 # Drop `broken` below once the script is fixed: these strict marks then fail, to say so.
-BROKEN_REASON = ("serve_load.py imports inference_model from tformer.serving.command, which no "
-                 "longer has it (ImportError)")
+BROKEN_REASON = "known broken: the Smoke entry says why"
 IMPORT_BROKEN = pytest.mark.xfail(strict=True, raises=ImportError, reason=BROKEN_REASON)
 RUN_BROKEN = pytest.mark.xfail(strict=True, reason=BROKEN_REASON)
 
@@ -90,10 +89,15 @@ SMOKES = {
     "serve_load": Smoke(("--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64",
                          "--context", "64", "--clients", "1", "2", "--requests", "1",
                          "--prompt-tokens", "4", "--max-tokens", "2", "--repeats", "1"),
-                        "server tok/s", slow=True, broken=True),
+                        "server tok/s", slow=True),
     # The machine's rows, which every run of speed.py measures first, and nothing else.
     "speed": Smoke(("--only", "machine", "--repeats", "1", "--json"), "matmul_peak_gflops",
                    slow=True),
+    "lm_eval_speed": Smoke(("--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "300",
+                            "--context", "64", "--items", "4", "--batch-size", "4"),
+                           "hf", needs=("lm_eval",), slow=True),
+    "lora": Smoke(("--tiny", "--repeats", "1", "--steps", "1"), "trainable parameters",
+                  slow=True),
     "speculative": Smoke(("--tiny",), "prompt lookup 3, K=8"),
     "threads": Smoke(("--sizes", "0.8M", "--tokens", "2", "--repeats", "1"), "+1 busy",
                      slow=True),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -45,8 +46,13 @@ def test_the_model_is_named_after_its_run():
 def test_the_serve_options_reach_serve_command(monkeypatch):
     """The serve options are serve_command's own parameters (tformer.arguments)."""
     seen = {}
-    monkeypatch.setattr(command, "serve_command", lambda checkpoint, **kw: seen.update(
-        kw, checkpoint=checkpoint) or 0)
+
+    @functools.wraps(command.serve_command)  # the same parameters, so the same options
+    def fake(checkpoint, **options):
+        seen.update(options, checkpoint=checkpoint)
+        return 0
+
+    monkeypatch.setattr(command, "serve_command", fake)
     assert main(["serve", "ckpt", "--port", "8123", "--int8", "--name", "x",
                  "--chat-template", "t.jinja"]) == 0
     assert seen["checkpoint"] == "ckpt" and seen["port"] == 8123 and seen["int8"]
