@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ SMALL = ["model.n_layer=1", "model.n_head=2", "model.d_model=16", "model.d_ff=32
 SEQ2SEQ_DATA = ["data.train_src={tmp}/train.en", "data.train_tgt={tmp}/train.de",
                 "data.val_src={tmp}/val.en", "data.val_tgt={tmp}/val.de",
                 "data.tokenizer=char", "data.max_tokens=300"]
-LM_DATA = ["data.path={tmp}/corpus.txt", "model.context=16", "train.batch_size=4"]
+LM_DATA = ["data.path={tmp}/corpus.txt", "model.context=40", "train.batch_size=4"]
 
 
 def readme_commands() -> list[str]:
@@ -54,13 +55,16 @@ def test_the_readme_has_commands_for_every_subcommand():
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("readme")
-    text = "ROMEO:\nBefore we proceed any further, hear me speak.\n" * 40
+    # Shakespeare's characters, those of the README's chat template among them.
+    text = "ROMEO:\nBefore we proceed any further, hear me speak.\nUSER: ASSISTANT:\n" * 40
     (tmp / "corpus.txt").write_text(text, encoding="utf-8")
     (tmp / "other-text.txt").write_text(text[:600], encoding="utf-8")
     en = [str(n) for n in range(1, 60)]
     de = [f"z{n}" for n in range(1, 60)]
-    # The sentence the README draws a translation model's attention for, in its vocabulary.
-    train_en, train_de = [*en, "A man rides a bike."], [*de, "Ein Mann fährt Fahrrad."]
+    # The sentences the README draws attention for and translates over HTTP, in the
+    # character vocabulary.
+    train_en = [*en, "A man rides a bike.", "a man is sleeping .", "two dogs play ."]
+    train_de = [*de, "Ein Mann fährt Fahrrad.", "ein mann schläft .", "zwei hunde spielen ."]
     for name, lines in (("train.en", train_en), ("train.de", train_de), ("val.en", en[:5]),
                         ("val.de", de[:5]), ("sentences.en", en[:3]), ("input.en", en[:3]),
                         ("test.en", en[:4]), ("test.de", de[:4])):
@@ -163,3 +167,68 @@ def test_make_says_what_it_does_before_any_slow_step(target):
     lines = (ROOT / "Makefile").read_text(encoding="utf-8").splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(target))
     assert lines[start + 1].strip().startswith("@echo ")
+
+
+def serving_section() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("## Serving over HTTP")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_the_serving_examples_run_on_the_readme_runs(workdir):
+    """Each `tformer serve` line of the serving section starts a real server on the README's
+    runs (on a free port instead of the README's), and the curl lines after it and the
+    OpenAI client example run against it as written. The lm_eval line needs a downloaded
+    task: tests/serving/test_lm_eval.py runs the same command on a local one."""
+    import json
+    import shutil
+    import subprocess
+
+    from .serving.conftest import Server
+
+    if shutil.which("curl") is None:
+        pytest.skip("no curl on this machine")
+    assert (workdir / "runs" / "shakespeare").is_dir(), "runs after the README's commands"
+    section = serving_section()
+    (template,) = re.findall(r"```jinja\n(.*?)```", section, flags=re.S)
+    (workdir / "chat.jinja").write_text(template, encoding="utf-8")
+    answers: dict[str, list[str]] = {}
+    servers = {}
+    try:
+        for block in re.findall(r"```sh\n(.*?)```", section, flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words[:2] == ["tformer", "serve"]:
+                    port = words[words.index("--port") + 1] if "--port" in words else "8000"
+                    args = words[2:]
+                    if "--port" in args:
+                        del args[args.index("--port"):args.index("--port") + 2]
+                    args = [str(workdir / a) if (workdir / a).exists() else a for a in args]
+                    servers[port] = Server(Path(args[0]), *args[1:])
+                elif words[:1] == ["curl"]:
+                    (url,) = [w for w in words if w.startswith("localhost:")]
+                    port = url.split(":")[1].split("/")[0]
+                    words[words.index(url)] = url.replace(
+                        f"localhost:{port}", servers[port].url)
+                    out = subprocess.run(words, capture_output=True, text=True, timeout=120,
+                                         check=True).stdout
+                    answers.setdefault(url.split("/", 1)[1], []).append(out)
+        completion, streamed = answers["v1/completions"]
+        assert json.loads(completion)["model"] == "shakespeare"
+        assert json.loads(completion)["usage"]["completion_tokens"] == 60  # past context 40
+        assert streamed.rstrip().endswith("data: [DONE]")
+        (translations,) = answers["v1/translations"]
+        assert len(json.loads(translations).get("data", [])) == 2, translations
+        (chat,) = answers["v1/chat/completions"]
+        assert json.loads(chat).get("choices", [{}])[0].get("message", {}).get("role") == (
+            "assistant"), chat
+        # The OpenAI client example, pointed at the first server.
+        (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+        example = example.replace("http://127.0.0.1:8000", servers["8000"].url)
+        run = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.strip()
+    finally:
+        for server in servers.values():
+            server.stop()
