@@ -213,7 +213,8 @@ class Model:
         stats: SpeculationStats | None = None,
     ) -> Iterator[str]:
         """The continuation of `prompt` (text, or token ids), as pieces of text as they are
-        decoded; it stops at the model's end-of-text token.
+        decoded; it stops at the model's end-of-text token (any of them, where its tokenizer
+        has several).
 
         draft (a model of the same tokenizer) or prompt_lookup (an n-gram size): speculative
         decoding, draft_tokens at a time (tformer.decoding.speculative): the same
@@ -252,7 +253,7 @@ class Model:
                 self.module, torch.tensor([ids], device=self.device),
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                 top_p=top_p, generator=generator, use_cache=use_cache,
-                eos_id=self.tokenizer.eos_id,
+                eos_id=self.tokenizer.eos_ids,
             ):
                 if stats is not None:
                     stats.tokens += 1
@@ -267,7 +268,7 @@ class Model:
             self.module, [ids], max_new_tokens=max_new_tokens,
             draft=draft.module if draft is not None else None, lookup=prompt_lookup,
             draft_tokens=draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            generator=generator, eos_id=self.tokenizer.eos_id, stats=stats,
+            generator=generator, eos_id=self.tokenizer.eos_ids, stats=stats,
         ):
             yield new[0]
 

@@ -9,6 +9,7 @@ training (training/checkpoint.py, which shares the layout defined here).
         config.json          family, hyperparameters, tokenizer kind
         model.safetensors    weights (tied tensors stored once)
         tokenizer.json
+        chat_template.jinja  the tokenizer's chat template, where it has one (serve's chat)
         trainer_state.pt     optimizer, step, RNG states, data cursor (training only)
         adapters.safetensors a LoRA run's adapters (train.lora); with train.init_from its
         lora_base.json       checkpoint holds no model.safetensors but this reference to

@@ -79,7 +79,8 @@ class Family:
     eval_options: tuple[Option, ...] = ()
     generate: Callable[..., Iterator[Tensor]] | None = None
     """Language models: (model, (B, T) prompt, *, max_new_tokens, temperature, top_k, top_p,
-    generator, use_cache, eos_id) yields (B,) new tokens (tformer.decoding.lm.generate)."""
+    generator, use_cache, eos_id) yields (B,) new tokens (tformer.decoding.lm.generate);
+    eos_id is None, an id, or a sequence of ids, any of which ends a row."""
     window: Callable[[nn.Module], int | None] = no_window
     """The most prompt tokens `generate` reads (a longer prompt loses its start), or None."""
     translate: Callable[..., list[Any]] | None = None

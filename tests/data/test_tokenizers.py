@@ -12,6 +12,7 @@ from tformer.data.tokenizers import (
     BPEDropout,
     BPETokenizer,
     CharTokenizer,
+    PretrainedBPETokenizer,
     load_tokenizer,
     save_tokenizer,
     tokenizer_from_json,
@@ -102,6 +103,35 @@ def test_bpe_specials_and_save_load(bpe, tmp_path):
     assert loaded.kind == "bpe"
     assert loaded.encode(SAMPLE) == bpe.encode(SAMPLE)
     assert len(bpe.encode(SAMPLE)) < len(SAMPLE) / 2, "BPE merges common pieces"
+
+
+def test_a_pretrained_tokenizer_keeps_every_eos_id_and_old_files_load(bpe, tmp_path):
+    """Several end-of-text ids, eos_id first, saved and loaded; a file saved before they
+    were kept (no eos_ids) loads with eos_id alone."""
+    more = [bpe.tok.token_to_id(BOS), 7, bpe.tok.token_to_id(EOS)]
+    tok = PretrainedBPETokenizer(bpe.tok, bos=BOS, eos=EOS, pad=PAD, more_eos=more)
+    assert tok.eos_ids == (bpe.eos_id, bpe.bos_id, 7)
+    save_tokenizer(tok, tmp_path / "tokenizer.json")
+    assert load_tokenizer(tmp_path / "tokenizer.json").eos_ids == tok.eos_ids
+    old = tokenizer_from_json(PretrainedBPETokenizer(bpe.tok, bos=BOS, eos=EOS).to_json())
+    assert "eos_ids" not in old.to_json() and old.eos_ids == (bpe.eos_id,)
+    with pytest.raises(TformerError, match="end-of-text id 300 is not a token"):
+        PretrainedBPETokenizer(bpe.tok, bos=BOS, eos=EOS, more_eos=[300])
+
+
+def test_a_chat_template_is_saved_and_loaded_beside_the_tokenizer(bpe, tmp_path):
+    bpe.chat_template = "{{ messages[0]['content'] }}"
+    try:
+        save_tokenizer(bpe, tmp_path / "tokenizer.json")
+    finally:
+        bpe.chat_template = None
+    assert (tmp_path / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
+    assert load_tokenizer(tmp_path / "tokenizer.json").chat_template == (
+        "{{ messages[0]['content'] }}")
+    (tmp_path / "plain").mkdir()
+    save_tokenizer(bpe, tmp_path / "plain" / "tokenizer.json")
+    assert load_tokenizer(tmp_path / "plain" / "tokenizer.json").chat_template is None
+    assert not (tmp_path / "plain" / "chat_template.jinja").exists()
 
 
 def test_unknown_kind_and_bad_file(tmp_path):

@@ -59,6 +59,20 @@ def test_generation_stops_at_eos(model):
     assert torch.equal(out[1], free[1, :expected]), "unfinished rows are unchanged"
 
 
+def test_generation_stops_at_any_of_several_eos_ids(model):
+    """Each row ends at the first of the ids it produces; a finished row repeats the first
+    id of the list, whichever ended it."""
+    prompt = torch.randint(0, 23, (2, 3))
+    free = run(model, prompt, max_new_tokens=10, temperature=0.0)
+    ends = (int(free[1, 4]), int(free[0, 1]))
+    out = run(model, prompt, max_new_tokens=10, temperature=0.0, eos_id=ends)
+    stops = [next(i for i, t in enumerate(row.tolist()) if t in ends) for row in free]
+    assert out.shape[1] == max(stops) + 1
+    for row, stop in enumerate(stops):
+        assert torch.equal(out[row, : stop + 1], free[row, : stop + 1])
+        assert out[row, stop + 1 :].eq(ends[0]).all()
+
+
 def test_left_pad():
     ids, is_real = left_pad([[4, 5], [6]], pad_id=0)
     assert ids.tolist() == [[4, 5], [0, 6]]

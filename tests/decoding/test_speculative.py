@@ -111,6 +111,17 @@ def test_eos_inside_a_draft_ends_the_row_there(target):
     assert got[0] == expected
 
 
+def test_any_of_several_eos_ids_ends_the_row(target):
+    prompt = PROMPTS[0]
+    free = plain(target, prompt, 30)
+    ends = (free[9], free[5])
+    stop = next(i for i, t in enumerate(free) if t in ends)
+    expected = free[: stop + 1]
+    assert plain(target, prompt, 30, eos_id=ends) == expected
+    got = speculative(target, [prompt], 30, draft=target, draft_tokens=6, eos_id=list(ends))
+    assert got[0] == expected
+
+
 def test_past_the_context_the_window_slides_as_in_plain_decoding(draft):
     small = gpt(3, context=24, n_layer=2, d_model=32, n_head=4)
     prompt = list(range(1, 21))

@@ -216,3 +216,22 @@ def test_a_gpt_trained_here_exports_with_its_bpe_tokenizer(tmp_path):
     tokens = torch.tensor([tokenizer.encode(TRICKY[0])])
     with torch.no_grad():
         assert (hf_model(tokens).logits - model(tokens)).abs().max() <= 1e-5
+
+
+def test_a_chat_template_in_tokenizer_config_is_kept_and_exported(gpt2_dir, tmp_path):
+    """tokenizer_config.json's chat_template becomes the checkpoint's chat_template.jinja,
+    and the export renders the same prompt through transformers."""
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n"
+                "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    source = tmp_path / "source"
+    shutil.copytree(gpt2_dir, source)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                              "chat_template": template}))
+    ckpt = import_checkpoint(source, tmp_path / "ckpt")
+    assert (ckpt / "chat_template.jinja").read_text() == template
+    out = export_checkpoint(ckpt, tmp_path / "out")
+    messages = [{"role": "user", "content": "Kalo?"}]
+    rendered = [transformers.AutoTokenizer.from_pretrained(path).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True) for path in (source, out)]
+    assert rendered[0] == rendered[1] == "user: Kalo?<|endoftext|>\nassistant:"

@@ -126,22 +126,30 @@ def test_the_4x_config_form_reads_as_the_5x_one(saved):
     assert llama_config(old, path) == llama_config(read_hf_config(path), path)
 
 
-def test_import_keeps_the_tokenizer_and_generates(saved, tmp_path):
+def bpe_tokenizer(specials: tuple[str, ...] = ()):
+    """A byte-level BPE of 300 tokens trained here, <s> and </s> its ids 0 and 1 (and
+    `specials` after them), as transformers' PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from tformer.interop.command import import_checkpoint
-    from tformer.loading import load_checkpoint
+    from .conftest import generated_text
 
-    from .conftest import TRICKY, generated_text
-
-    name, path, hf = saved
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator(generated_text(200), trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"],
+        vocab_size=300, special_tokens=["<s>", "</s>", *specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
                                                 eos_token="</s>")
+
+
+def test_import_keeps_the_tokenizer_and_generates(saved, tmp_path):
+    from tformer.interop.command import import_checkpoint
+    from tformer.loading import load_checkpoint
+
+    from .conftest import TRICKY
+
+    name, path, hf = saved
+    fast = bpe_tokenizer()
     source = tmp_path / "source"
     hf.save_pretrained(source)
     fast.save_pretrained(source)
@@ -181,3 +189,174 @@ def test_a_layout_no_family_has_is_refused_with_every_difference():
 
     with pytest.raises(TformerError, match=r"model.position = 'learned' .*model.norm_kind"):
         model_type_of(GPTConfig(vocab_size=11))
+
+
+# --- an instruct model: several end-of-text ids, a chat template -------------------------
+
+CHAT = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
+        "<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "{% endif %}")
+"""Llama 3's chat template, in small."""
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": " Kalo mi ré? "}]
+PROMPT = "Kalo mi"
+
+
+@pytest.fixture(scope="module")
+def instruct(tmp_path_factory):
+    """A tiny Llama whose generation_config.json ends a text at any of three ids, as Llama
+    3's instruct models do: </s>, <|eom_id|> (which greedy decoding never draws) and the
+    token greedy decoding draws at step k, the first that is new. config.json names </s>
+    alone. Its tokenizer has a chat template. -> (directory, prompt ids, k)."""
+    config_class, model_class, fields = FAMILIES["llama3"]
+    config = getattr(transformers, config_class)(**COMMON, **fields, bos_token_id=0,
+                                                 eos_token_id=1, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    randomise(model)
+    tokenizer = bpe_tokenizer(("<|eot_id|>", "<|eom_id|>"))
+    tokenizer.chat_template = CHAT
+    prompt = torch.tensor([tokenizer(PROMPT, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        free = model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)[0, prompt.shape[1]:].tolist()
+    eom = tokenizer.convert_tokens_to_ids("<|eom_id|>")
+    k = next(i for i in range(3, 20) if free[i] not in free[:i] and free[i] > eom)
+    assert 1 not in free and eom not in free
+    path = tmp_path_factory.mktemp("llama3-instruct")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=[1, eom, free[k]]).save_pretrained(
+        path)
+    return path, prompt, k
+
+
+def test_generation_stops_at_any_eos_id_of_the_generation_config(instruct, tmp_path):
+    """tformer's generate, the API (plain and speculative) and the exported model stop where
+    transformers' generate stops with the same list: at the third id, after k + 1 tokens."""
+    import tformer
+    from tformer.interop.command import export_checkpoint, import_checkpoint
+    from tformer.loading import load_checkpoint
+
+    source, prompt, k = instruct
+    ckpt = import_checkpoint(source, tmp_path / "ours")
+    loaded = load_checkpoint(ckpt)
+    generation = transformers.GenerationConfig.from_pretrained(source)
+    assert loaded.tokenizer.eos_ids == tuple(generation.eos_token_id)
+    assert loaded.tokenizer.eos_id == 1
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=20, do_sample=False,
+                               pad_token_id=0)[0, prompt.shape[1]:]
+        assert len(expected) == k + 1 and int(expected[-1]) == generation.eos_token_id[2]
+        got = torch.stack(list(generate(loaded.model, prompt, max_new_tokens=20,
+                                        temperature=0.0, eos_id=loaded.tokenizer.eos_ids)), 1)
+    assert torch.equal(got[0], expected)
+    model = tformer.load(ckpt)
+    text = loaded.tokenizer.decode(expected.tolist())
+    assert model.generate(PROMPT, max_new_tokens=20, temperature=0.0) == text
+    assert model.generate(PROMPT, max_new_tokens=20, temperature=0.0, prompt_lookup=1) == text
+
+    back = export_checkpoint(ckpt, tmp_path / "back", "llama")
+    assert transformers.GenerationConfig.from_pretrained(back).eos_token_id == (
+        generation.eos_token_id)
+    assert transformers.AutoConfig.from_pretrained(back).eos_token_id == (
+        generation.eos_token_id)
+    again = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    with torch.no_grad():
+        assert torch.equal(again.generate(prompt, max_new_tokens=20, do_sample=False,
+                                          pad_token_id=0)[0, prompt.shape[1]:], expected)
+
+
+def test_the_chat_template_survives_import_serve_and_export(instruct, tmp_path):
+    """The template rendered by `tformer serve` from the imported checkpoint is the prompt
+    transformers' apply_chat_template gives, from the source and from the export."""
+    from tformer.interop.command import export_checkpoint, import_checkpoint
+    from tformer.loading import load_checkpoint
+    from tformer.serving.chat import load_chat_template
+
+    source, _, _ = instruct
+    loaded = load_checkpoint(import_checkpoint(source, tmp_path / "ours"))
+    assert (loaded.path / "chat_template.jinja").read_text() == CHAT
+    ours = load_chat_template(loaded.path, None, {"bos_token": "<s>", "eos_token": "</s>"})
+    back = export_checkpoint(loaded.path, tmp_path / "back", "llama")
+    for directory in (source, back):
+        want = transformers.AutoTokenizer.from_pretrained(directory).apply_chat_template(
+            MESSAGES, tokenize=False, add_generation_prompt=True)
+        assert ours.render(MESSAGES) == want, directory
+    assert ours.end_of_turn == "<|eot_id|>"
+
+
+@pytest.mark.parametrize("form", ["text", "named", "file"])
+def test_each_form_of_a_hugging_face_chat_template_is_read(form, tmp_path):
+    from tformer.interop import read_chat_template
+
+    config = {"text": {"chat_template": CHAT},
+              "named": {"chat_template": [{"name": "tool_use", "template": "{{ tools }}"},
+                                          {"name": "default", "template": CHAT}]},
+              "file": {"chat_template": "an older one, which the file replaces"}}[form]
+    if form == "file":
+        (tmp_path / "chat_template.jinja").write_text(CHAT)
+    assert read_chat_template(tmp_path, config) == CHAT
+    assert read_chat_template(tmp_path / "none", {}) is None
+    with pytest.raises(TformerError, match="chat_template is neither a text"):
+        read_chat_template(tmp_path / "none", {"chat_template": 3})
+
+
+def test_an_eos_id_outside_the_tokenizer_is_a_one_line_error(instruct, tmp_path):
+    import json
+    import shutil
+
+    from tformer.interop.command import import_checkpoint
+
+    source = tmp_path / "source"
+    shutil.copytree(instruct[0], source)
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 4000]}))
+    with pytest.raises(TformerError, match=r"source: end-of-text id 4000 is not a token"):
+        import_checkpoint(source, tmp_path / "ours")
+
+
+def test_readme_llama_example(instruct, tmp_path, monkeypatch, capsys):
+    """The README's commands on the tiny instruct model: import, generate, a LoRA fine-tune
+    that keeps the end-of-text ids and the chat template, and its export."""
+    import json
+    from pathlib import Path
+
+    from tformer.cli import main
+    from tformer.loading import load_checkpoint
+    from tformer.serving.chat import load_chat_template
+
+    from .conftest import generated_text
+
+    source, _, _ = instruct
+    monkeypatch.chdir(tmp_path)
+    lines = generated_text(40, seed=2)
+    with open("instructions.jsonl", "w", encoding="utf-8") as f:
+        for prompt, completion in zip(lines[::2], lines[1::2], strict=False):
+            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    config = readme.split("cat > smollm-lora.toml <<'END'\n")[1].split("END\n")[0]
+    config = config.replace("steps = 200", "steps = 4").replace("warmup_steps = 20",
+                                                                "warmup_steps = 1")
+    Path("smollm-lora.toml").write_text(config + "eval_every = 2\ncheckpoint_every = 2\n")
+    assert main(["import", str(source), "--out", "runs/smollm"]) == 0
+    assert main(["generate", "runs/smollm", "--prompt", "The capital of France is",
+                 "--greedy", "--max-new-tokens", "30"]) == 0
+    assert main(["train", "smollm-lora.toml", "--out", "runs/smollm-lora",
+                 "train.lora.r=8"]) == 0
+    tuned = load_checkpoint("runs/smollm-lora")
+    assert tuned.tokenizer.eos_ids == load_checkpoint("runs/smollm").tokenizer.eos_ids
+    template = load_chat_template(tuned.path, None, {"bos_token": "<s>"})
+    assert template is not None and template.source == CHAT
+    capsys.readouterr()
+    assert main(["info", "runs/smollm-lora"]) == 0
+    shown = capsys.readouterr().out
+    assert "end-of-text ids" in shown and "chat_template.jinja" in shown
+    assert main(["export", "runs/smollm-lora", "--format", "llama", "--out",
+                 "smollm-mine"]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained("smollm-mine")
+    assert exported.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == (
+        template.render(MESSAGES))
+    eos = transformers.GenerationConfig.from_pretrained(source).eos_token_id
+    assert transformers.GenerationConfig.from_pretrained("smollm-mine").eos_token_id == eos

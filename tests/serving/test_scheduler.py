@@ -134,6 +134,23 @@ def test_the_end_of_text_token_ends_a_sequence(gpt):
     assert sinks[1].tokens == alone(gpt, [4, 5], Sampling(9, 0.0), eos_id=eos)
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_any_of_several_end_of_text_tokens_ends_a_sequence(gpt, batched):
+    """Llama 3 ends a text at any of three ids: a sequence stops at the first it draws."""
+    prompts = [[1, 2, 3], [4, 5]]
+    free = [alone(gpt, p, Sampling(max_tokens=9, temperature=0.0)) for p in prompts]
+    unused = [t for t in range(29) if t not in free[0] + free[1]]
+    eos = free[0][3]
+    ends = (unused[0], eos, unused[1])
+    sinks = run_engine(gpt, [(p, Sampling(9, 0.0), 0) for p in prompts], max_batch=2,
+                       batched=batched, eos_id=ends)
+    for sink, tokens in zip(sinks, free, strict=True):
+        stop = next((i for i, t in enumerate(tokens) if t in ends), None)
+        assert sink.tokens == tokens[:stop]
+        assert sink.reason == ("length" if stop is None else "stop")
+    assert sinks[0].reason == "stop"
+
+
 def test_compaction_keeps_what_every_row_sees(gpt):
     pool = SlotPool(gpt, capacity=3)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]

@@ -4,7 +4,9 @@ or a pretrained model's own (GPT-2's byte-level BPE, imported with its weights).
 Each saves to one JSON file (tokenizer.json in every checkpoint) and loads back from it with
 `load_tokenizer`. Special tokens (padding, begin and end of sequence) are handled here and
 nowhere else: ids 0, 1, 2 when a tokenizer trained here has them; a pretrained tokenizer
-names its own.
+names its own, and may end a text at several ids. A chat template, where a tokenizer has
+one, is saved beside its JSON file as chat_template.jinja, as Hugging Face saves it beside
+its tokenizer files.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ KINDS = ("char", "bpe")
 LM_KINDS = (*KINDS, "word")
 """Language models may also read words (translation needs the special tokens)."""
 UNK, LINE_END = "<unk>", "\n"
+CHAT_TEMPLATE = "chat_template.jinja"
 
 
 class Tokenizer(Protocol):
@@ -33,6 +36,11 @@ class Tokenizer(Protocol):
     pad_id: int | None
     bos_id: int | None
     eos_id: int | None
+    eos_ids: tuple[int, ...]
+    """Every id that ends a text, eos_id first; empty where there is none."""
+    chat_template: str | None
+    """The Jinja template that renders chat messages as the model's prompt (a checkpoint's
+    chat_template.jinja), or None."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -55,6 +63,7 @@ class CharTokenizer:
     """One id per character seen in training, after the special tokens (if any)."""
 
     kind = "char"
+    chat_template: str | None = None
 
     def __init__(self, chars: Iterable[str], *, specials: bool = False) -> None:
         self.specials = SPECIALS if specials else ()
@@ -62,6 +71,7 @@ class CharTokenizer:
         self.itos = list(self.specials) + self.chars
         self.stoi = {c: i for i, c in enumerate(self.itos) if c not in self.specials}
         self.pad_id, self.bos_id, self.eos_id = (0, 1, 2) if specials else (None, None, None)
+        self.eos_ids = (2,) if specials else ()
 
     @property
     def vocab_size(self) -> int:
@@ -103,6 +113,8 @@ class WordTokenizer:
 
     kind = "word"
     pad_id = bos_id = eos_id = None
+    eos_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
 
     def __init__(self, words: Iterable[str]) -> None:
         self.itos = [UNK, LINE_END] + sorted(set(words) - {UNK, LINE_END})
@@ -142,6 +154,7 @@ class BPETokenizer:
     """Byte-level BPE (GPT-2 style): any text encodes, and decoding gives it back exactly."""
 
     kind = "bpe"
+    chat_template: str | None = None
 
     def __init__(self, tokenizer) -> None:  # a tokenizers.Tokenizer
         self.tok = tokenizer
@@ -150,6 +163,7 @@ class BPETokenizer:
         self.pad_id = tokenizer.token_to_id(PAD)
         self.bos_id = tokenizer.token_to_id(BOS)
         self.eos_id = tokenizer.token_to_id(EOS)
+        self.eos_ids = () if self.eos_id is None else (self.eos_id,)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -250,18 +264,30 @@ class PretrainedBPETokenizer:
 
     Text that contains a special token's name encodes to that token, as Hugging Face's
     tokenizer does: a fine-tuning corpus marks its documents' ends with <|endoftext|>.
+
+    A model may end a text at more ids than its eos token: Llama 3's instruct models list
+    <|end_of_text|>, <|eom_id|> and <|eot_id|> in their generation config. `more_eos` are
+    those ids; eos_ids is eos_id followed by them.
     """
 
     kind = "gpt2"
+    chat_template: str | None = None
 
     def __init__(
-        self, tokenizer, *, bos: str | None, eos: str | None, pad: str | None = None
+        self, tokenizer, *, bos: str | None, eos: str | None, pad: str | None = None,
+        more_eos: Sequence[int] = (),
     ) -> None:  # tokenizer: a tokenizers.Tokenizer
         self.tok = tokenizer
         self.names = {"bos": bos, "eos": eos, "pad": pad}
         self.bos_id = self._id(bos)
         self.eos_id = self._id(eos)
         self.pad_id = self._id(pad)
+        for token in more_eos:
+            if not isinstance(token, int) or self.tok.id_to_token(token) is None:
+                raise TformerError(f"end-of-text id {token!r} is not a token of the tokenizer "
+                                   f"(0 to {self.vocab_size - 1})")
+        ends = [self.eos_id, *more_eos] if self.eos_id is not None else list(more_eos)
+        self.eos_ids = tuple(dict.fromkeys(ends))
 
     def _id(self, token: str | None) -> int | None:
         if token is None:
@@ -288,8 +314,10 @@ class PretrainedBPETokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
     def to_json(self) -> str:
+        more = {"eos_ids": list(self.eos_ids)} if self.eos_ids[1:] else {}
         return json.dumps(
-            {"kind": self.kind, **self.names, "tokenizer": json.loads(self.tok.to_str())},
+            {"kind": self.kind, **self.names, **more,
+             "tokenizer": json.loads(self.tok.to_str())},
             ensure_ascii=False,
         )
 
@@ -304,6 +332,7 @@ class SentencePieceTokenizer:
     """
 
     kind = "sentencepiece"
+    chat_template: str | None = None
 
     def __init__(
         self, source: bytes, target: bytes, vocab: dict[str, int], *, eos: str, unk: str,
@@ -320,6 +349,7 @@ class SentencePieceTokenizer:
             if name not in vocab:
                 raise TformerError(f"the vocabulary has no {name!r} token")
         self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
+        self.eos_ids = (self.eos_id,)
         self.bos_id = bos_id
         self.special = {self.eos_id, self.unk_id, self.pad_id, bos_id}
 
@@ -416,17 +446,31 @@ def tokenizer_from_json(text: str) -> Tokenizer:
         return PretrainedBPETokenizer(
             HFTokenizer.from_str(json.dumps(data["tokenizer"])),
             bos=data["bos"], eos=data["eos"], pad=data["pad"],
+            more_eos=data.get("eos_ids", [])[1:],  # none before several could be kept
         )
     return BPETokenizer(HFTokenizer.from_str(text))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer saved at `path`, with the chat template saved beside it if there is
+    one (so that a run fine-tuned from a checkpoint keeps its template)."""
     path = Path(path)
     try:
-        return tokenizer_from_json(path.read_text(encoding="utf-8"))
+        tokenizer = tokenizer_from_json(path.read_text(encoding="utf-8"))
     except Exception as e:  # tokenizers raises its own exception types
         raise TformerError(f"cannot read tokenizer {path}: {e}") from e
+    template = path.with_name(CHAT_TEMPLATE)
+    if template.is_file():
+        try:
+            tokenizer.chat_template = template.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TformerError(f"cannot read the chat template {template}: {e}") from None
+    return tokenizer
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
+    """The tokenizer's JSON at `path`, its chat template (if any) beside it."""
     Path(path).write_text(tokenizer.to_json(), encoding="utf-8")
+    if tokenizer.chat_template is not None:
+        Path(path).with_name(CHAT_TEMPLATE).write_text(tokenizer.chat_template,
+                                                        encoding="utf-8")

@@ -13,12 +13,48 @@ Shapes: B batch, T prompt length, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from tformer.decoding.sampling import next_token
+
+EosIds = int | Sequence[int] | None
+"""The ids that end a text: none, one, or several (Llama 3 ends one at <|end_of_text|>, at
+<|eot_id|> after a turn and at <|eom_id|> after a tool call)."""
+
+
+def stop_ids(eos_id: EosIds) -> tuple[int, ...]:
+    """eos_id, as the tuple of every id that ends a text (its first: what finished rows
+    repeat)."""
+    if eos_id is None:
+        return ()
+    if isinstance(eos_id, Sequence):
+        return tuple(int(i) for i in eos_id)
+    return (int(eos_id),)
+
+
+class Finished:
+    """Which rows of a batch have ended: a row ends at the first of its tokens that is one
+    of the eos ids, and repeats the first eos id from then on."""
+
+    def __init__(self, eos_id: EosIds, batch: int, device: torch.device) -> None:
+        self.ids = stop_ids(eos_id)
+        self.stops = torch.tensor(self.ids, device=device) if self.ids else None
+        self.rows = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    def update(self, token: Tensor) -> Tensor:
+        """(B,) new tokens -> the same, finished rows' replaced by the first eos id."""
+        if self.stops is None:
+            return token
+        token = token.masked_fill(self.rows, self.ids[0])
+        self.rows |= torch.isin(token, self.stops)
+        return token
+
+    @property
+    def all(self) -> bool:
+        return self.stops is not None and bool(self.rows.all())
 
 
 @torch.no_grad()
@@ -33,22 +69,22 @@ def generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
-    eos_id: int | None = None,
+    eos_id: EosIds = None,
 ) -> Iterator[Tensor]:
     """Yield (B,) new tokens, one step at a time, after a (B, T) prompt.
 
     is_real: (B, T) False at padding, for left-padded prompts of different lengths.
     A model with a fixed context sees the last `context` tokens: once the cache is full, the
     window slides by running the model afresh over it, so cached and uncached generation
-    always see the same tokens and agree exactly. With eos_id, stops once every row has
-    produced it (finished rows repeat it).
+    always see the same tokens and agree exactly. With eos_id (an id, or several), stops once
+    every row has produced one of them (finished rows repeat the first).
     """
     B = prompt.shape[0]
     context = model.cfg.context
     padded = is_real is not None
     tokens = prompt
     real = is_real if padded else None
-    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
+    finished = Finished(eos_id, B, prompt.device)
 
     cache = None
     fresh = True  # the next forward pass reads the whole window
@@ -67,14 +103,12 @@ def generate(
         token = next_token(
             logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )
-        if eos_id is not None:
-            token = token.masked_fill(done, eos_id)
-            done |= token == eos_id
+        token = finished.update(token)
         tokens = torch.cat([tokens, token[:, None]], dim=1)
         if padded:
             real = torch.cat([real, torch.ones_like(token, dtype=torch.bool)[:, None]], dim=1)
         yield token
-        if eos_id is not None and bool(done.all()):
+        if finished.all:
             break
 
 

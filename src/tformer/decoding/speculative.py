@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.lm import left_pad
+from tformer.decoding.lm import EosIds, left_pad, stop_ids
 from tformer.decoding.sampling import filter_top_k, filter_top_p
 from tformer.errors import TformerError
 
@@ -101,14 +101,14 @@ def speculative_generate(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
-    eos_id: int | None = None,
+    eos_id: EosIds = None,
     stats: SpeculationStats | None = None,
 ) -> Iterator[list[list[int]]]:
     """Yield, round by round, each row's new tokens of that round (a list per row; a
     finished row's is empty). draft: a drafting model of the target's vocabulary; lookup: the
-    n-gram size of prompt lookup (used where `draft` is None). A row ends at eos_id or after
-    max_new_tokens; past the target's context, rounds are plain steps over the sliding
-    window, as tformer.decoding.lm.generate takes them."""
+    n-gram size of prompt lookup (used where `draft` is None). A row ends at eos_id (or at
+    any of several) or after max_new_tokens; past the target's context, rounds are plain
+    steps over the sliding window, as tformer.decoding.lm.generate takes them."""
     if not callable(getattr(target, "make_cache", None)) or (
             draft is not None and not callable(getattr(draft, "make_cache", None))):
         raise TformerError("speculative decoding needs models with a KV cache (gpt)")
@@ -125,9 +125,10 @@ def speculative_generate(
     history = [list(p) for p in prompts]
     produced = [0] * B
     done = [False] * B
+    stops = frozenset(stop_ids(eos_id))
 
     def finished(row: int, token: int) -> bool:
-        return (eos_id is not None and token == eos_id) or produced[row] >= max_new_tokens
+        return token in stops or produced[row] >= max_new_tokens
 
     while not all(done):
         longest = max(len(h) for h in history)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from tformer.decoding.lm import EosIds, Finished
 from tformer.decoding.sampling import next_token
 from tformer.models.transformer_xl import Memory
 
@@ -55,7 +56,7 @@ def generate_with_memory(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
-    eos_id: int | None = None,
+    eos_id: EosIds = None,
     mem_len: int | None = None,
 ) -> Iterator[Tensor]:
     """Yield (B,) new tokens, one step at a time, after a (B, T) prompt.
@@ -68,7 +69,7 @@ def generate_with_memory(
     mem_len = model.cfg.memory_for_eval if mem_len is None else mem_len
     tokens = prompt
     real = is_real
-    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
+    finished = Finished(eos_id, B, prompt.device)
     memory = Memory(mem_len, cache_keys=True)
 
     for step in range(max_new_tokens):
@@ -84,12 +85,10 @@ def generate_with_memory(
         token = next_token(
             logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )
-        if eos_id is not None:
-            token = token.masked_fill(done, eos_id)
-            done |= token == eos_id
+        token = finished.update(token)
         tokens = torch.cat([tokens, token[:, None]], dim=1)
         if real is not None:
             real = torch.cat([real, torch.ones_like(token, dtype=torch.bool)[:, None]], dim=1)
         yield token
-        if eos_id is not None and bool(done.all()):
+        if finished.all:
             break

@@ -5,8 +5,7 @@ the entry points.
 `import_checkpoint` (tformer.interop.command) reads a local Hugging Face model directory,
 finds its format from config.json's `model_type`, and writes a tformer checkpoint
 directory; `export_checkpoint` writes a tformer checkpoint back out in a format another
-library loads. Nothing is
-downloaded: every source is a path.
+library loads. Nothing is downloaded: every source is a path.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tformer.data.tokenizers import CHAT_TEMPLATE
 from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
@@ -30,10 +30,73 @@ def read_hf_config(src: Path) -> dict[str, Any]:
         raise TformerError(f"{src} is not a directory (expected a Hugging Face model directory)")
     if not path.is_file():
         raise TformerError(f"{src} has no config.json: it is not a Hugging Face model directory")
+    return read_json(path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        found = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise TformerError(f"cannot read {path}: {e}") from None
+    if not isinstance(found, dict):
+        raise TformerError(f"{path} is not a JSON object")
+    return found
+
+
+def special_ids(src: Path, hf: dict[str, Any], key: str) -> list[int]:
+    """The ids generation_config.json and config.json give `{key}_token_id` ("bos", "eos",
+    "pad"), each an id or a list of them; generation_config's first, as Hugging Face's
+    generate reads it. Llama 3's instruct models end a text at any of three."""
+    generation = src / "generation_config.json"
+    found: list[int] = []
+    for config in (read_json(generation) if generation.is_file() else {}, hf):
+        value = config.get(f"{key}_token_id")
+        found += [v for v in (value if isinstance(value, list) else [value])
+                  if isinstance(v, int)]
+    return list(dict.fromkeys(found))
+
+
+def read_chat_template(src: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """A Hugging Face directory's chat template: its chat_template.jinja (which transformers
+    prefers too), else tokenizer_config.json's `chat_template`, a text or a list of named
+    ones (of which the "default"); None when it has none."""
+    file = src / CHAT_TEMPLATE
+    if file.is_file():
+        try:
+            return file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TformerError(f"cannot read {file}: {e}") from None
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            log.warning("%s: no chat template is named 'default' (%s); none is kept", src,
+                        ", ".join(map(str, named)))
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise TformerError(f"{src}: tokenizer_config.json's chat_template is neither a text "
+                           f"nor a list of {{name, template}}")
+    return template
+
+
+def export_token_ids(tokenizer: Any, names: dict[str, str | None]) -> dict[str, Any]:
+    """`{key}_token_id` of the named special tokens, for config.json and
+    generation_config.json: eos_token_id the list of every end-of-text id where the tokenizer
+    has several (transformers' generate stops at any of a list)."""
+    ids: dict[str, Any] = {f"{key}_token_id": tokenizer.tok.token_to_id(name)
+                           for key, name in names.items() if name is not None}
+    if len(tokenizer.eos_ids) > 1:
+        ids["eos_token_id"] = list(tokenizer.eos_ids)
+    return ids
+
+
+def write_chat_template(tokenizer: Any, dest: Path, tokenizer_config: dict[str, Any]) -> None:
+    """The tokenizer's chat template, if it has one, as dest/chat_template.jinja (what
+    transformers 4.43 and later read) and in `tokenizer_config` (what older versions read)."""
+    if tokenizer.chat_template is None:
+        return
+    (dest / CHAT_TEMPLATE).write_text(tokenizer.chat_template, encoding="utf-8")
+    tokenizer_config["chat_template"] = tokenizer.chat_template
 
 
 def read_hf_weights(src: Path) -> dict[str, Tensor]:

@@ -22,7 +22,14 @@ from tformer.config import RunConfig, TrainConfig
 from tformer.data.lm import LMDataConfig
 from tformer.data.tokenizers import PretrainedBPETokenizer
 from tformer.errors import TformerError
-from tformer.interop import read_hf_config, read_hf_weights, take
+from tformer.interop import (
+    export_token_ids,
+    read_chat_template,
+    read_hf_config,
+    read_hf_weights,
+    take,
+    write_chat_template,
+)
 from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
@@ -139,12 +146,14 @@ def read_tokenizer(src: Path) -> PretrainedBPETokenizer:
         tok.add_special_tokens([AddedToken(t, special=True) for t in sorted(specials - {None})])
     else:
         raise TformerError(f"{src} has no tokenizer.json, nor vocab.json and merges.txt")
-    return PretrainedBPETokenizer(
+    tokenizer = PretrainedBPETokenizer(
         tok,
         bos=_special(config, "bos_token", ENDOFTEXT),
         eos=_special(config, "eos_token", ENDOFTEXT),
         pad=_special(config, "pad_token", None),
     )
+    tokenizer.chat_template = read_chat_template(src, config)
+    return tokenizer
 
 
 def gpt_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path | str) -> GPT:
@@ -277,8 +286,9 @@ def export_gpt2(checkpoint: Path, dest: Path) -> Path:
     tmp.mkdir(parents=True)
     tokenizer_config = _write_tokenizer(loaded.tokenizer, tmp)
     tokenizer_config["model_max_length"] = cfg.context
-    ids = {k.removesuffix("_token") + "_token_id": loaded.tokenizer.tok.token_to_id(v)
-           for k, v in tokenizer_config.items() if k in ("bos_token", "eos_token", "pad_token")}
+    write_chat_template(loaded.tokenizer, tmp, tokenizer_config)
+    ids = export_token_ids(loaded.tokenizer, {
+        key: tokenizer_config.get(f"{key}_token") for key in ("bos", "eos", "pad")})
     hf.update(ids)
     state = loaded.model.state_dict()
     tensors: dict[str, Tensor] = {}
@@ -291,10 +301,8 @@ def export_gpt2(checkpoint: Path, dest: Path) -> Path:
     (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
     (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n",
                                                encoding="utf-8")
-    (tmp / "generation_config.json").write_text(
-        json.dumps({k: v for k, v in ids.items() if v is not None}, indent=2) + "\n",
-        encoding="utf-8",
-    )
+    (tmp / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n",
+                                                encoding="utf-8")
     if dest.exists():
         dest.rmdir()
     tmp.rename(dest)

@@ -23,7 +23,16 @@ from tformer.config import RunConfig, TrainConfig
 from tformer.data.lm import LMDataConfig
 from tformer.data.tokenizers import PretrainedBPETokenizer
 from tformer.errors import TformerError
-from tformer.interop import read_hf_config, read_hf_weights, take
+from tformer.interop import (
+    export_token_ids,
+    read_chat_template,
+    read_hf_config,
+    read_hf_weights,
+    read_json,
+    special_ids,
+    take,
+    write_chat_template,
+)
 from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
@@ -152,7 +161,9 @@ def llama_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path |
 
 def read_tokenizer(src: Path, hf: dict[str, Any]) -> PretrainedBPETokenizer:
     """tokenizer.json through the tokenizers library, its special and added tokens with it;
-    bos and eos named by tokenizer_config.json, else by config.json's ids."""
+    bos and eos named by tokenizer_config.json, else by generation_config.json's or
+    config.json's ids. Every end-of-text id those two list ends a text, and the chat
+    template comes along."""
     from tokenizers import Tokenizer
 
     if not (src / "tokenizer.json").is_file():
@@ -160,20 +171,24 @@ def read_tokenizer(src: Path, hf: dict[str, Any]) -> PretrainedBPETokenizer:
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     config: dict[str, Any] = {}
     if (src / "tokenizer_config.json").is_file():
-        config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config = read_json(src / "tokenizer_config.json")
+    ids = {key: special_ids(src, hf, key) for key in ("bos", "eos", "pad")}
 
     def special(key: str) -> str | None:
         value = config.get(f"{key}_token")
         if isinstance(value, dict):
             value = value.get("content")
-        if value is None:
-            ids = hf.get(f"{key}_token_id")
-            ids = ids[0] if isinstance(ids, list) and ids else ids
-            value = tok.id_to_token(ids) if isinstance(ids, int) else None
+        if value is None and ids[key]:
+            value = tok.id_to_token(ids[key][0])
         return value
 
-    return PretrainedBPETokenizer(tok, bos=special("bos"), eos=special("eos"),
-                                  pad=special("pad"))
+    try:
+        tokenizer = PretrainedBPETokenizer(tok, bos=special("bos"), eos=special("eos"),
+                                           pad=special("pad"), more_eos=ids["eos"])
+    except TformerError as e:
+        raise TformerError(f"{src}: {e}") from None
+    tokenizer.chat_template = read_chat_template(src, config)
+    return tokenizer
 
 
 def import_llama(src: Path, dest: Path) -> Path:
@@ -298,17 +313,15 @@ def export_llama(checkpoint: Path, dest: Path) -> Path:
     tmp.mkdir(parents=True)
     names = getattr(tokenizer, "names", {"bos": "<s>", "eos": "</s>", "pad": "<pad>"})
     specials = {f"{k}_token": v for k, v in names.items() if v is not None}
-    ids = {f"{k}_token_id": tokenizer.tok.token_to_id(v) for k, v in names.items()
-           if v is not None}
+    ids = export_token_ids(tokenizer, names)
     hf |= ids
     save_file(hf_weights(loaded.model), tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "tokenizer.json").write_text(tokenizer.tok.to_str(), encoding="utf-8")
-    files = {
-        "config.json": hf,
-        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
-                                  "model_max_length": hf["max_position_embeddings"], **specials},
-        "generation_config.json": ids,
-    }
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                        "model_max_length": hf["max_position_embeddings"], **specials}
+    write_chat_template(tokenizer, tmp, tokenizer_config)
+    files = {"config.json": hf, "tokenizer_config.json": tokenizer_config,
+             "generation_config.json": ids}
     for name, content in files.items():
         (tmp / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
     if dest.exists():

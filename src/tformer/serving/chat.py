@@ -9,7 +9,8 @@ the `{% generation %}` block (rendered as its body), `raise_exception(message)`,
 variables `messages`, `add_generation_prompt`, `tools`, `documents` and the tokenizer's
 special tokens (`bos_token`, `eos_token`, `pad_token`).
 
-A checkpoint's template is its `chat_template.jinja` file, or the one `serve
+A checkpoint's template is its `chat_template.jinja` file (its tokenizer's, which `tformer
+import` brings from a Hugging Face model and fine-tuning keeps), or the one `serve
 --chat-template FILE` names.
 """
 
@@ -20,9 +21,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tformer.data.tokenizers import CHAT_TEMPLATE
 from tformer.errors import TformerError
 
-TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_FILE = CHAT_TEMPLATE
 PROBE = "\x00end-of-turn probe\x00"
 """An assistant message no template changes, to find what a template writes after one."""
 

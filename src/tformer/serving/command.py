@@ -90,7 +90,7 @@ def serve_command(
         # continuous batching; one whose memory is its cache decodes one sequence per slot.
         batched = callable(getattr(model, "make_cache", None))
         engine: LMEngine | TranslationBatcher = LMEngine(
-            model, eos_id=tokenizer.eos_id, max_batch=max_batch, max_waiting=max_waiting,
+            model, eos_id=tokenizer.eos_ids, max_batch=max_batch, max_waiting=max_waiting,
             batched=batched, generate=family.generate)
     else:
         engine = TranslationBatcher(model, tokenizer, window=batch_window_ms / 1000,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.lm import generate, left_pad
+from tformer.decoding.lm import EosIds, generate, left_pad, stop_ids
 from tformer.layers import DecoderCache
 from tformer.serving.sequence import Sequence, adjust, keep_logprobs, logprobs_of, sample
 
@@ -191,12 +191,13 @@ class LMEngine:
     tformer.decoding.lm.generate does, each token read from the last `context` ones.
     """
 
-    def __init__(self, model: nn.Module, *, eos_id: int | None, max_batch: int = 16,
+    def __init__(self, model: nn.Module, *, eos_id: EosIds, max_batch: int = 16,
                  max_waiting: int = 64, batched: bool, generate: Generate = generate) -> None:
         self.model = model
         self.generate = generate
         """Decodes one sequence when it cannot share a batch (its family's generate)."""
-        self.eos_id = eos_id
+        self.eos_ids = stop_ids(eos_id)
+        """A sequence ends at any of them (Llama 3 has three)."""
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.batched = batched
@@ -293,7 +294,7 @@ class LMEngine:
                     self.model, torch.tensor([seq.prompt], device=self.device),
                     max_new_tokens=opts.max_tokens, temperature=opts.temperature,
                     top_k=opts.top_k, top_p=opts.top_p, generator=seq.generator,
-                    eos_id=self.eos_id,
+                    eos_id=self.eos_ids,
                 )
                 self.active.append(seq)
             return
@@ -417,7 +418,7 @@ class LMEngine:
             return True
         self.stats.generated_tokens += 1
         try:
-            if token == self.eos_id or token in seq.sampling.stop_tokens:
+            if token in self.eos_ids or token in seq.sampling.stop_tokens:
                 seq.end_token = token
                 seq.finish("stop")
                 return True

@@ -96,7 +96,9 @@ def summarize(checkpoint: str | Path) -> dict[str, Any]:
         "memory_bytes": {**memory, "assumes": f"fp32, AdamW, {cost.assumes}"},
         "step": step,
         "validation": validation_metrics(loaded.path, step),
-        "tokenizer": {"kind": loaded.tokenizer.kind, "vocab_size": loaded.tokenizer.vocab_size},
+        "tokenizer": {"kind": loaded.tokenizer.kind, "vocab_size": loaded.tokenizer.vocab_size,
+                      "eos_ids": list(loaded.tokenizer.eos_ids),
+                      "chat_template": loaded.tokenizer.chat_template is not None},
     }
 
 
@@ -149,5 +151,9 @@ def format_summary(info: dict[str, Any]) -> str:
     checkpoint_rows += [(f"validation {k}", f"{v:.4f}") for k, v in info["validation"].items()]
     tok = info["tokenizer"]
     checkpoint_rows += [("tokenizer", f"{tok['kind']}, {tok['vocab_size']:,} tokens")]
+    if len(tok["eos_ids"]) > 1:
+        checkpoint_rows += [("end-of-text ids", ", ".join(map(str, tok["eos_ids"])))]
+    if tok["chat_template"]:
+        checkpoint_rows += [("chat template", "chat_template.jinja")]
     table("checkpoint", checkpoint_rows)
     return "\n".join(lines).rstrip() + "\n"
