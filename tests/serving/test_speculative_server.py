@@ -146,6 +146,9 @@ def test_bad_speculation_options_are_one_line_errors(target, small_draft, tmp_pa
     txl = tiny_checkpoint(tmp_path / "txl", {
         "family": "transformer-xl", "n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32,
         "context": 8, "mem_len": 8})
+    translation = tiny_checkpoint(tmp_path / "mt", {
+        "family": "seq2seq", "n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32,
+        "max_len": 32, "dropout": 0.0}, specials=True)
     for args, message in [
         ([str(target), "--draft", str(other_vocabulary)], "its tokenizer is not"),
         ([str(target), "--draft", str(small_draft), "--prompt-lookup", "2"],
@@ -155,6 +158,7 @@ def test_bad_speculation_options_are_one_line_errors(target, small_draft, tmp_pa
         ([str(target), "--prompt-lookup", "-1"], "--prompt-lookup -1"),
         ([str(txl), "--prompt-lookup", "2"], "needs models with a KV cache"),
         ([str(target), "--draft", str(txl)], "needs models with a KV cache"),
+        ([str(translation), "--prompt-lookup", "2"], "is for language models"),
     ]:
         assert main(["serve", *args, "--device", "cpu"]) == 2
         err = capsys.readouterr().err

@@ -6,7 +6,9 @@ flight; a new request joins at the next step, a finished or abandoned one leaves
 Its cache is a pool of rows (`SlotPool`), one per sequence. A model whose memory is not a
 KV cache (Transformer-XL) decodes through its own generation path, one sequence per slot,
 the slots taking turns step by step. Translations are grouped for a short window and
-decoded as one batch by beam search (serving/translation.py).
+decoded as one batch by beam search (serving/translation.py). With a drafter
+(serving/speculation.py), a step of the pool is one speculative round, and a sequence may
+take several tokens from it.
 
 Shapes: n sequences in flight, W cache columns in use, V vocabulary.
 """
@@ -130,8 +132,8 @@ class SlotPool:
 
     def extend(self, tokens: Tensor, real: Tensor, *, last_only: bool = False) -> Tensor:
         """(n, T) new tokens per occupied row, False in `real` where a row has none ->
-        (n, T, V) logits, or (n, 1, V) with `last_only`. The caller sees that every row's
-        real tokens, the new ones included, fit in the context."""
+        (n, T, V) logits, or (n, 1, V) with `last_only`. The caller makes sure that every
+        row's real tokens, the new ones included, fit in the context."""
         n, T = tokens.shape
         longest = int(self.is_real[:n].sum(1).max())
         if self.width + T > self.context or self.width > 2 * longest + 16:
