@@ -8,8 +8,13 @@ for one batch of that many prompts decoded by tformer.decoding.lm.generate (same
 prepacked weights, prompt reading included on both sides). The two sides alternate
 --repeats times; the table shows medians, and the ratio of each pair.
 
+With --prompt-lookup N a second server speculates (`tformer serve --prompt-lookup N
+--draft-tokens K`) and two more columns show its tokens per second and its ratio to the plain
+server's; --repetitive prompts repeat a short motif, the case prompt lookup is for.
+
     python benchmarks/serve_load.py                 # GPT-2 small: 12 x 768, context 1024
     python benchmarks/serve_load.py --layers 4 --clients 1 4 16   # a smaller run
+    python benchmarks/serve_load.py --clients 1 --repetitive --prompt-lookup 3
 """
 
 from __future__ import annotations
@@ -53,15 +58,16 @@ def build_checkpoint(dest: Path, *, layers: int, d_model: int, heads: int, vocab
     return save_checkpoint(dest, cfg, model, tokenizer), model, tokenizer
 
 
-def prompt_text(i: int, length: int, vocab: int) -> str:
+def prompt_text(i: int, length: int, vocab: int, motif: int = 0) -> str:
+    """Random tokens; with `motif`, a random motif of that many tokens repeated."""
     g = torch.Generator().manual_seed(i)
-    return "".join(chr(FIRST_CHAR + int(t)) for t in torch.randint(0, vocab, (length,),
-                                                                     generator=g))
+    ids = torch.randint(0, vocab, (motif or length,), generator=g).tolist()
+    return "".join(chr(FIRST_CHAR + t) for t in (ids * length)[:length])
 
 
 def offline_tokens_per_s(model, tokenizer, batch: int, prompt_tokens: int, max_tokens: int,
-                         vocab: int) -> float:
-    prompts = torch.tensor([tokenizer.encode(prompt_text(i, prompt_tokens, vocab))
+                         vocab: int, motif: int = 0) -> float:
+    prompts = torch.tensor([tokenizer.encode(prompt_text(i, prompt_tokens, vocab, motif))
                             for i in range(batch)])
     start = time.perf_counter()
     n = sum(1 for _ in generate(model, prompts, max_new_tokens=max_tokens, temperature=0.0))
@@ -69,7 +75,7 @@ def offline_tokens_per_s(model, tokenizer, batch: int, prompt_tokens: int, max_t
 
 
 async def load(url: str, clients: int, requests: int, prompt_tokens: int, max_tokens: int,
-               vocab: int) -> dict[str, float]:
+               vocab: int, motif: int = 0) -> dict[str, float]:
     latencies: list[float] = []
     failed = 0
     tokens = 0
@@ -79,7 +85,7 @@ async def load(url: str, clients: int, requests: int, prompt_tokens: int, max_to
         async def client(c: int) -> None:
             nonlocal failed, tokens
             for r in range(requests):
-                body = {"prompt": prompt_text(c * requests + r, prompt_tokens, vocab),
+                body = {"prompt": prompt_text(c * requests + r, prompt_tokens, vocab, motif),
                         "max_tokens": max_tokens, "temperature": 0}
                 t0 = time.perf_counter()
                 try:
@@ -113,6 +119,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(ckpt: Path, clients: int, *options: str) -> tuple[subprocess.Popen, str]:
+    """`tformer serve` on a free port, once /health answers."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tformer", "serve", str(ckpt), "--port", str(port),
+         "--device", "cpu", "--max-batch", str(clients), "--max-waiting", str(4 * clients),
+         *options], env=env)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise SystemExit("the server did not start")
+        time.sleep(0.2)
+
+
+def figures(url: str, *names: str) -> str:
+    return " ".join(line for line in httpx.get(url + "/metrics").text.splitlines()
+                    if line.startswith(names))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -126,66 +159,70 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3,
                         help="server and offline runs alternate this many times; medians")
+    parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                        help="also a server with --prompt-lookup N (0: none)")
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--repetitive", action="store_true",
+                        help="prompts that repeat a motif of 4 tokens")
     args = parser.parse_args()
+    motif = 4 if args.repetitive else 0
+    shape = (args.prompt_tokens, args.max_tokens, args.vocab, motif)
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, model, tokenizer = build_checkpoint(
             Path(tmp) / "gpt2-small-random", layers=args.layers, d_model=args.d_model,
             heads=args.heads, vocab=args.vocab, context=args.context)
         fast = inference_model(model, int8=False)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "tformer", "serve", str(ckpt), "--port", str(port),
-             "--device", "cpu", "--max-batch", str(max(args.clients)),
-             "--max-waiting", str(4 * max(args.clients))], env=env)
+        servers = [start_server(ckpt, max(args.clients))]
+        if args.prompt_lookup:
+            servers.append(start_server(ckpt, max(args.clients), "--prompt-lookup",
+                                        str(args.prompt_lookup), "--draft-tokens",
+                                        str(args.draft_tokens)))
+        url = servers[0][1]
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the server did not start")
-                time.sleep(0.2)
             print(f"model: {args.layers} layers x {args.d_model}, {args.heads} heads, vocab "
                   f"{args.vocab}; {args.requests} requests per client of {args.prompt_tokens} "
-                  f"prompt + {args.max_tokens} new tokens; torch threads "
-                  f"{torch.get_num_threads()}")
+                  f"{'repetitive ' if motif else ''}prompt + {args.max_tokens} new tokens; "
+                  f"torch threads {torch.get_num_threads()}")
+            lookup = (f" {'lookup tok/s':>12} {'vs plain':>8}" if args.prompt_lookup else "")
             print(f"{'clients':>7} {'server tok/s':>12} {'offline tok/s':>13} {'ratio':>6} "
-                  f"{'p50 s':>7} {'p99 s':>7} {'failed':>6}")
-            # Warm both sides up once.
-            asyncio.run(load(url, 1, 1, args.prompt_tokens, 4, args.vocab))
+                  f"{'p50 s':>7} {'p99 s':>7} {'failed':>6}{lookup}")
+            # Warm every side up once.
+            for _, each in servers:
+                asyncio.run(load(each, 1, 1, args.prompt_tokens, 4, args.vocab, motif))
             offline_tokens_per_s(fast, tokenizer, 1, args.prompt_tokens, 4, args.vocab)
             for clients in args.clients:
-                # Alternate the two sides so that a busy moment of a shared machine lands
-                # on both; report medians.
-                runs, offline = [], []
+                # Alternate the sides so that a busy moment of a shared machine lands on
+                # all of them; report medians.
+                runs, offline, speculated = [], [], []
                 for _ in range(args.repeats):
-                    runs.append(asyncio.run(load(url, clients, args.requests,
-                                                 args.prompt_tokens, args.max_tokens,
-                                                 args.vocab)))
-                    offline.append(offline_tokens_per_s(fast, tokenizer, clients,
-                                                        args.prompt_tokens, args.max_tokens,
-                                                        args.vocab))
+                    runs.append(asyncio.run(load(url, clients, args.requests, *shape)))
+                    offline.append(offline_tokens_per_s(fast, tokenizer, clients, *shape))
+                    if args.prompt_lookup:
+                        speculated.append(asyncio.run(load(servers[1][1], clients,
+                                                           args.requests, *shape)))
                 served = {key: statistics.median(r[key] for r in runs)
                           for key in ("tokens_per_s", "p50", "p99")}
-                print("  " + " ".join(
-                    line for line in httpx.get(url + "/metrics").text.splitlines()
-                    if line.startswith(("tformer_decoding_steps_total",
-                                        "tformer_prefill_passes_total"))), file=sys.stderr)
+                for _, each in servers:
+                    print("  " + figures(each, "tformer_decoding_steps_total",
+                                         "tformer_prefill_passes_total", "tformer_draft",
+                                         "tformer_accepted"), file=sys.stderr)
                 ratios = [r["tokens_per_s"] / o for r, o in zip(runs, offline, strict=True)]
-                failed = sum(r["failed"] for r in runs)
+                failed = sum(r["failed"] for r in runs + speculated)
+                extra = ""
+                if speculated:
+                    gains = [s["tokens_per_s"] / r["tokens_per_s"]
+                             for s, r in zip(speculated, runs, strict=True)]
+                    extra = (f" {statistics.median(s['tokens_per_s'] for s in speculated):>12.1f}"
+                             f" {statistics.median(gains):>8.2f}")
                 print(f"{clients:>7} {served['tokens_per_s']:>12.1f} "
                       f"{statistics.median(offline):>13.1f} {statistics.median(ratios):>6.2f} "
-                      f"{served['p50']:>7.2f} {served['p99']:>7.2f} {failed:>6}   "
+                      f"{served['p50']:>7.2f} {served['p99']:>7.2f} {failed:>6}{extra}   "
                       f"ratios {' '.join(f'{x:.2f}' for x in ratios)}", flush=True)
         finally:
-            server.terminate()
-            server.wait(120)
+            for server, _ in servers:
+                server.terminate()
+                server.wait(120)
 
 
 if __name__ == "__main__":

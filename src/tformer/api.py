@@ -18,8 +18,9 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+from tformer.arguments import Help
 from tformer.errors import TformerError
 
 if TYPE_CHECKING:
@@ -58,6 +59,44 @@ def check_generation_args(
         raise TformerError(f"--top-p {top_p} must be in (0, 1]")
     if num_samples < 1:
         raise TformerError(f"--num-samples {num_samples} must be at least 1")
+
+
+# Speculative decoding's options, as `tformer generate` and `tformer serve` both take them.
+Draft = Annotated[
+    str | None, Help("speculative decoding: a small model of the same tokenizer drafts, this "
+                     "one verifies (same output distribution)", metavar="CKPT")
+]
+DraftTokens = Annotated[int, Help("tokens drafted a round (--draft, --prompt-lookup)")]
+PromptLookup = Annotated[
+    int, Help("speculative decoding without a draft model: propose what followed the last N "
+              "tokens' earlier occurrence in the text (0 is off)", metavar="N")
+]
+DRAFT_TOKENS = 4
+
+
+def check_speculation_args(draft: str | None, draft_tokens: int, prompt_lookup: int) -> None:
+    if draft is not None and prompt_lookup:
+        raise TformerError("--draft and --prompt-lookup are two ways to draft; choose one")
+    if prompt_lookup < 0:
+        raise TformerError(f"--prompt-lookup {prompt_lookup} must be 1 or more (0 is off)")
+    if draft_tokens < 1:
+        raise TformerError(f"--draft-tokens {draft_tokens} must be at least 1")
+
+
+def check_draft(target: Checkpoint, draft: Checkpoint) -> None:
+    """A draft model proposes the target's tokens: the same tokenizer, a language model."""
+    from tformer.registry import get_family
+
+    family = get_family(draft.cfg.family)
+    if family.generate is None:
+        raise TformerError(f"--draft {draft.label} is a {family.name} model; a draft is a "
+                           f"language model")
+    if draft.tokenizer.to_json() != target.tokenizer.to_json():
+        raise TformerError(
+            f"--draft {draft.label}: its tokenizer is not {target.label}'s (vocabulary "
+            f"{draft.tokenizer.vocab_size:,} against {target.tokenizer.vocab_size:,}); a "
+            f"draft must share the target's tokenizer"
+        )
 
 
 def load(
@@ -209,7 +248,7 @@ class Model:
         use_cache: bool = True,
         draft: Model | None = None,
         prompt_lookup: int = 0,
-        draft_tokens: int = 4,
+        draft_tokens: int = DRAFT_TOKENS,
         stats: SpeculationStats | None = None,
     ) -> Iterator[str]:
         """The continuation of `prompt` (text, or token ids), as pieces of text as they are
@@ -274,15 +313,7 @@ class Model:
 
     def check_draft(self, draft: Model) -> None:
         """A draft model proposes this model's tokens: the same tokenizer, a language model."""
-        if draft.family.generate is None:
-            raise TformerError(f"--draft {draft.label} is a {draft.family.name} model; a "
-                               f"draft is a language model")
-        if draft.tokenizer.to_json() != self.tokenizer.to_json():
-            raise TformerError(
-                f"--draft {draft.label}: its tokenizer is not {self.label}'s (vocabulary "
-                f"{draft.tokenizer.vocab_size:,} against {self.tokenizer.vocab_size:,}); a "
-                f"draft must share the target's tokenizer"
-            )
+        check_draft(self.checkpoint, draft.checkpoint)
 
     def generate(
         self,
@@ -296,7 +327,7 @@ class Model:
         use_cache: bool = True,
         draft: Model | None = None,
         prompt_lookup: int = 0,
-        draft_tokens: int = 4,
+        draft_tokens: int = DRAFT_TOKENS,
     ) -> str:
         """The continuation of `prompt` (the prompt itself not included). temperature 0 is
         greedy; the same seed gives the same text as `tformer generate --seed`. draft,

@@ -88,8 +88,9 @@ SMOKES = {
                      needs=("ctranslate2", "transformers", "sentencepiece"), slow=True),
     "serve_load": Smoke(("--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64",
                          "--context", "64", "--clients", "1", "2", "--requests", "1",
-                         "--prompt-tokens", "4", "--max-tokens", "2", "--repeats", "1"),
-                        "server tok/s", slow=True),
+                         "--prompt-tokens", "4", "--max-tokens", "3", "--repeats", "1",
+                         "--prompt-lookup", "2", "--repetitive"),
+                        "lookup tok/s", slow=True),
     # The machine's rows, which every run of speed.py measures first, and nothing else.
     "speed": Smoke(("--only", "machine", "--repeats", "1", "--json"), "matmul_peak_gflops",
                    slow=True),

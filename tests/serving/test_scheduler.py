@@ -63,10 +63,10 @@ class Collect:
             self.event.set()
 
 
-def run_engine(model, requests, *, max_batch, batched=True, eos_id=None):
+def run_engine(model, requests, *, max_batch, batched=True, eos_id=None, speculator=None):
     """Step an engine by hand: request i joins before step `requests[i][2]`."""
     engine = LMEngine(model, eos_id=eos_id, max_batch=max_batch, max_waiting=100,
-                      batched=batched, generate=decoder_of(model))
+                      batched=batched, generate=decoder_of(model), speculator=speculator)
     sinks = [Collect() for _ in requests]
     seqs = [Sequence(p, s, sink) for (p, s, _), sink in zip(requests, sinks, strict=True)]
     step = 0

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Annotated
 
-from tformer.api import SAMPLING
+from tformer.api import DRAFT_TOKENS, SAMPLING, Draft, DraftTokens, PromptLookup
 from tformer.arguments import Help
 from tformer.cli.common import Checkpoint, Device, Threads
 
@@ -30,34 +30,22 @@ def generate(
     int8: Annotated[bool, Help("int8 weights (CPU): faster, ~same text")] = False,
     device: Device = "auto",
     threads: Threads = None,
-    draft: Annotated[
-        str | None, Help("speculative decoding: a small model of the same tokenizer drafts, "
-                         "this one verifies (same output distribution)", metavar="CKPT")
-    ] = None,
-    draft_tokens: Annotated[int, Help("tokens drafted a round (--draft, --prompt-lookup)")] = 4,
-    prompt_lookup: Annotated[
-        int, Help("speculative decoding without a draft model: propose what followed the last "
-                  "N tokens' earlier occurrence in the text (0 is off)", metavar="N")
-    ] = 0,
+    draft: Draft = None,
+    draft_tokens: DraftTokens = DRAFT_TOKENS,
+    prompt_lookup: PromptLookup = 0,
     as_json: Annotated[
         bool, Help("one JSON object a sample (text, tokens, speed, speculation)",
                    flags=("--json",))
     ] = False,
 ) -> int:
-    from tformer.api import check_generation_args, load
+    from tformer.api import check_generation_args, check_speculation_args, load
     from tformer.data.corpus import check_utf8
     from tformer.decoding.speculative import SpeculationStats
-    from tformer.errors import TformerError
 
     temperature = 0.0 if greedy else temperature
     check_generation_args(max_new_tokens, temperature, top_k, top_p, num_samples)
     check_utf8(prompt, "--prompt")
-    if draft is not None and prompt_lookup:
-        raise TformerError("--draft and --prompt-lookup are two ways to draft; choose one")
-    if prompt_lookup < 0:
-        raise TformerError(f"--prompt-lookup {prompt_lookup} must be 1 or more (0 is off)")
-    if draft_tokens < 1:
-        raise TformerError(f"--draft-tokens {draft_tokens} must be at least 1")
+    check_speculation_args(draft, draft_tokens, prompt_lookup)
     model = load(checkpoint, int8=int8, device=device, threads=threads, needs="generate")
     drafter = None
     if draft is not None:

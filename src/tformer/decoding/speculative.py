@@ -164,7 +164,7 @@ def speculative_generate(
             verify = torch.cat([pending, drafted.tokens], dim=1)
             logits = models[0].step(verify, torch.ones_like(verify, dtype=torch.bool))
             p = sampling_probs(logits, temperature, top_k, top_p)
-            new_tokens, n_accepted = _accept(p, q, drafted, temperature, generator)
+            new_tokens, n_accepted = accept(p, q, drafted, temperature, generator)
             round_out: list[list[int]] = []
             for row in range(B):
                 if done[row]:
@@ -204,7 +204,7 @@ def speculative_generate(
 
 
 @dataclass
-class _Drafted:
+class Drafted:
     tokens: Tensor
     """(B, K) proposed tokens (rows with fewer proposals are filled up: see count)."""
     count: Tensor
@@ -215,7 +215,7 @@ def _propose(
     models: list[_Model], draft: nn.Module | None, lookup: int, history: list[list[int]],
     pending: Tensor, extra: Tensor | None, k: int, alive: Tensor, temperature: float,
     top_k: int, top_p: float, generator: torch.Generator | None,
-) -> tuple[_Drafted, Tensor | None]:
+) -> tuple[Drafted, Tensor | None]:
     """k draft tokens a row, and q (B, K, V) where a model drafted them (None: lookup)."""
     B = pending.shape[0]
     device = pending.device
@@ -227,7 +227,7 @@ def _propose(
             if proposal:
                 tokens[row, :len(proposal)] = torch.tensor(proposal, device=device)
                 count[row] = len(proposal)
-        return _Drafted(tokens, count), None
+        return Drafted(tokens, count), None
     dm = models[1]
     feed, real = pending, torch.ones_like(pending, dtype=torch.bool)
     if extra is not None:
@@ -246,11 +246,11 @@ def _propose(
             feed, real = token[:, None], torch.ones(B, 1, dtype=torch.bool, device=device)
     tokens = torch.stack(drafted, dim=1)
     count = torch.where(alive, k, 0)
-    return _Drafted(tokens, count), torch.stack(qs, dim=1)
+    return Drafted(tokens, count), torch.stack(qs, dim=1)
 
 
-def _accept(
-    p: Tensor, q: Tensor | None, drafted: _Drafted, temperature: float,
+def accept(
+    p: Tensor, q: Tensor | None, drafted: Drafted, temperature: float,
     generator: torch.Generator | None,
 ) -> tuple[list[list[int]], Tensor]:
     """Each row's tokens of this round (its accepted drafts, then the target's own), and

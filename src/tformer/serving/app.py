@@ -13,7 +13,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +35,9 @@ from tformer.serving.protocol import (
 from tformer.serving.scheduler import LMEngine
 from tformer.serving.tokens import TokenTexts, special_names
 from tformer.serving.translation import TranslationBatcher
+
+if TYPE_CHECKING:
+    from tformer.decoding.speculative import SpeculationStats
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +87,26 @@ class Metrics:
             ("running_sequences", "gauge", "Sequences being decoded.", engine.running),
             ("uptime_seconds", "gauge", "Seconds since start.",
              round(time.monotonic() - self.started, 3)),
-        ]:
+        ] + speculation_figures(stats.speculation):
             lines += [f"# HELP tformer_{name} {help_}", f"# TYPE tformer_{name} {kind}",
                       f"tformer_{name} {value}"]
         return "\n".join(lines) + "\n"
+
+
+def speculation_figures(spec: SpeculationStats | None) -> list[tuple[str, str, str, Any]]:
+    """/metrics' lines of speculative decoding (none where the server does not draft)."""
+    if spec is None:
+        return []
+    return [
+        ("draft_tokens_total", "counter", "Tokens drafted (--draft, --prompt-lookup).",
+         spec.drafted),
+        ("accepted_draft_tokens_total", "counter", "Drafted tokens the model accepted.",
+         spec.accepted),
+        ("speculative_rounds_total", "counter", "Decoding steps that verified drafts.",
+         spec.rounds),
+        ("draft_acceptance_rate", "gauge", "Accepted of drafted tokens since start.",
+         round(spec.acceptance_rate, 4)),
+    ]
 
 
 # --- the application --------------------------------------------------------------------

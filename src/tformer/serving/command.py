@@ -14,10 +14,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
+from tformer.api import DRAFT_TOKENS, Draft, DraftTokens, PromptLookup, check_speculation_args
 from tformer.arguments import Help
 from tformer.errors import TformerError
+
+if TYPE_CHECKING:
+    from tformer.loading import Checkpoint
+    from tformer.serving.speculation import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,9 @@ def serve_command(
         str | None, Help("a Jinja chat template for /v1/chat/completions (default: the "
                          "checkpoint's chat_template.jinja)", metavar="FILE")
     ] = None,
+    draft: Draft = None,
+    draft_tokens: DraftTokens = DRAFT_TOKENS,
+    prompt_lookup: PromptLookup = 0,
 ) -> int:
     require_serving_packages()
     import uvicorn
@@ -76,8 +84,10 @@ def serve_command(
         raise TformerError(f"--batch-window-ms {batch_window_ms} must be 0 or more")
     if api_key is not None and not api_key:
         raise TformerError("--api-key must not be empty")
+    check_speculation_args(draft, draft_tokens, prompt_lookup)
 
-    loaded = load_checkpoint(checkpoint, device=pick_device(device))
+    where = pick_device(device)
+    loaded = load_checkpoint(checkpoint, device=where)
     family = get_family(loaded.cfg.family)
     if family.generate is None and family.translate is None:
         raise TformerError(f"the {family.name} family neither generates nor translates")
@@ -89,10 +99,16 @@ def serve_command(
         # A model that offers a KV cache (tformer.decoding.lm's protocol) decodes by
         # continuous batching; one whose memory is its cache decodes one sequence per slot.
         batched = callable(getattr(model, "make_cache", None))
+        speculator = speculator_for(loaded, model, draft=draft, draft_tokens=draft_tokens,
+                                    prompt_lookup=prompt_lookup, int8=int8,
+                                    device=where, capacity=max_batch)
         engine: LMEngine | TranslationBatcher = LMEngine(
             model, eos_id=tokenizer.eos_ids, max_batch=max_batch, max_waiting=max_waiting,
-            batched=batched, generate=family.generate)
+            batched=batched, generate=family.generate, speculator=speculator)
     else:
+        if draft is not None or prompt_lookup:
+            raise TformerError(f"speculative decoding is for language models; "
+                               f"{loaded.label} is a {family.name} model")
         engine = TranslationBatcher(model, tokenizer, window=batch_window_ms / 1000,
                                     batch_size=max(max_batch, 32), max_waiting=max_waiting)
     specials = {f"{key}_token": token for key, token in special_names(tokenizer).items()
@@ -103,7 +119,11 @@ def serve_command(
                      created=created_time(loaded.path), chat_template=template)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
-    print(f"tformer: serving {name} ({loaded.cfg.family}) at http://{host}:{port}",
+    how = ""
+    if draft is not None or prompt_lookup:
+        how = (f"; {'prompt lookup' if prompt_lookup else draft} drafts {draft_tokens} "
+               f"tokens a round")
+    print(f"tformer: serving {name} ({loaded.cfg.family}) at http://{host}:{port}{how}",
           file=sys.stderr, flush=True)
     # Keep idle connections longer than clients do (httpx and many others drop theirs after
     # 5 s, uvicorn's default too): else a client may send a request on a connection the
@@ -116,6 +136,33 @@ def serve_command(
         log.info("stopped by %s after the requests in flight finished",
                  signal.Signals(server.signalled).name)
     return 0
+
+
+def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_tokens: int,
+                   prompt_lookup: int, int8: bool, device: Any, capacity: int
+                   ) -> Speculator | None:
+    """What drafts for the engine (--draft, --prompt-lookup), checked; None without either."""
+    if draft is None and not prompt_lookup:
+        return None
+    from tformer.api import check_draft
+    from tformer.kernels.quantize import inference_model
+    from tformer.loading import load_checkpoint
+    from tformer.serving.speculation import Speculator
+
+    def check_cache(module: Any, checkpoint: Checkpoint) -> None:
+        if not callable(getattr(module, "make_cache", None)):
+            raise TformerError(f"speculative decoding needs models with a KV cache (gpt); "
+                               f"{checkpoint.label} is a {checkpoint.cfg.family} model")
+
+    check_cache(model, loaded)
+    drafter = None
+    if draft is not None:
+        other = load_checkpoint(draft, device=device)
+        check_draft(loaded, other)
+        drafter = inference_model(other.model, int8)
+        check_cache(drafter, other)
+    return Speculator(context=model.cfg.context, capacity=capacity, draft=drafter,
+                      lookup=prompt_lookup, draft_tokens=draft_tokens)
 
 
 def draining_server_class() -> type:

@@ -59,6 +59,10 @@ class Choice:
         self.stopped = False
 
     def add(self, token: int) -> None:
+        """Take the next token; once a stop string has matched, the ones still on their way
+        (decoded in the same step, or before the engine saw the cancel) are dropped."""
+        if self.stopped:
+            return
         self.ids.append(token)
         if not self.incremental:
             return
@@ -275,7 +279,7 @@ class Completion:
             if choice.stopped:
                 seq.cancel()
         else:
-            self.usage["completion_tokens"] += len(seq.tokens)
+            self.usage["completion_tokens"] += len(choice.ids if choice.stopped else seq.tokens)
             if reason == "error" and self.errors[index] is None:
                 self.errors[index] = seq.error or "decoding failed"
             if self.errors[index] is not None:

@@ -6,7 +6,9 @@ flight; a new request joins at the next step, a finished or abandoned one leaves
 Its cache is a pool of rows (`SlotPool`), one per sequence. A model whose memory is not a
 KV cache (Transformer-XL) decodes through its own generation path, one sequence per slot,
 the slots taking turns step by step. Translations are grouped for a short window and
-decoded as one batch by beam search (serving/translation.py).
+decoded as one batch by beam search (serving/translation.py). With a drafter
+(serving/speculation.py), a step of the pool is one speculative round, and a sequence may
+take several tokens from it.
 
 Shapes: n sequences in flight, W cache columns in use, V vocabulary.
 """
@@ -19,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +29,10 @@ from torch import Tensor, nn
 from tformer.decoding.lm import EosIds, generate, left_pad, stop_ids
 from tformer.layers import DecoderCache
 from tformer.serving.sequence import Sequence, adjust, keep_logprobs, logprobs_of, sample
+
+if TYPE_CHECKING:
+    from tformer.decoding.speculative import SpeculationStats
+    from tformer.serving.speculation import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -119,18 +126,35 @@ class SlotPool:
 
     def step(self, last_tokens: list[int]) -> Tensor:
         """One new token per occupied row -> (n, V) logits for the next ones."""
-        n = self.rows
+        tokens = torch.tensor(last_tokens, device=self.is_real.device)[:, None]
+        real = torch.ones_like(tokens, dtype=torch.bool)
+        return self.extend(tokens, real, last_only=True)[:, -1]
+
+    def extend(self, tokens: Tensor, real: Tensor, *, last_only: bool = False) -> Tensor:
+        """(n, T) new tokens per occupied row, False in `real` where a row has none ->
+        (n, T, V) logits, or (n, 1, V) with `last_only`. The caller makes sure that every
+        row's real tokens, the new ones included, fit in the context."""
+        n, T = tokens.shape
         longest = int(self.is_real[:n].sum(1).max())
-        if self.width + 1 > self.context or self.width > 2 * longest + 16:
+        if self.width + T > self.context or self.width > 2 * longest + 16:
             self.compact(longest)
-        self._reserve(n, self.width + 1)
-        device = self.is_real.device
-        tokens = torch.tensor(last_tokens, device=device)[:, None]
-        real = torch.ones(n, 1, dtype=torch.bool, device=device)
+        self._reserve(n, self.width + T)
         cache = self.pool.narrow(slice(0, n), self.width)
-        logits = self.model(tokens, real, cache=cache, last_only=True)
-        self.width += 1
-        return logits[:, -1]
+        logits = self.model(tokens, real, cache=cache, last_only=last_only)
+        self.width += T
+        return logits
+
+    def truncate(self, kept: Tensor, written: int) -> None:
+        """Row i keeps the first kept[i] of the `written` columns the last `extend` wrote:
+        speculation's rollback of the drafts a row rejected."""
+        n, W = self.rows, self.width
+        columns = torch.arange(written, device=kept.device)
+        self.is_real[:n, W - written : W] &= columns[None] < kept[:, None]
+
+    def clear(self) -> None:
+        """Free every row."""
+        self.rows = self.width = 0
+        self.is_real.zero_()
 
     def compact(self, longest: int) -> None:
         """Gather each row's real columns, in order, into the last `longest` columns of a
@@ -179,6 +203,8 @@ class EngineStats:
     finished_sequences: int = 0
     busy_seconds: float = 0.0
     """Time spent reading prompts and decoding (the rest the thread waits for work)."""
+    speculation: SpeculationStats | None = None
+    """What the drafts bought, where the engine speculates."""
 
 
 class LMEngine:
@@ -189,10 +215,12 @@ class LMEngine:
     context: the longest prompt a sequence may have (a KV-cache model's window; None when
     the model has no fixed window). A sequence that grows past it goes on as
     tformer.decoding.lm.generate does, each token read from the last `context` ones.
+    speculator: drafts tokens for the pool's rows (serving/speculation.py), or None.
     """
 
     def __init__(self, model: nn.Module, *, eos_id: EosIds, max_batch: int = 16,
-                 max_waiting: int = 64, batched: bool, generate: Generate = generate) -> None:
+                 max_waiting: int = 64, batched: bool, generate: Generate = generate,
+                 speculator: Speculator | None = None) -> None:
         self.model = model
         self.generate = generate
         """Decodes one sequence when it cannot share a batch (its family's generate)."""
@@ -210,7 +238,8 @@ class LMEngine:
         """Past the model's context: each step reads its last `context` tokens afresh, as
         tformer.decoding.lm.generate slides its window (they hold no pool row)."""
         self.pending: deque[Sequence] = deque()
-        self.stats = EngineStats()
+        self.speculator = speculator if batched else None
+        self.stats = EngineStats(speculation=speculator.stats if self.speculator else None)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tformer-decode", daemon=True)
@@ -273,8 +302,9 @@ class LMEngine:
                 self.active.clear()
                 self.sliding.clear()
                 if self.slots is not None:
-                    self.slots.rows = self.slots.width = 0
-                    self.slots.is_real.zero_()
+                    self.slots.clear()
+                if self.speculator is not None:
+                    self.speculator.clear()
             self.stats.busy_seconds += time.perf_counter() - start
 
     def _join(self, joining: list[Sequence]) -> None:
@@ -345,7 +375,15 @@ class LMEngine:
         """(k, V) last-position logits, or (k, P, V) when a prompt is to be scored."""
         assert self.slots is not None
         score = any(seq.sampling.prompt_logprobs for seq in joining)
-        return self.slots.prefill([seq.prompt for seq in joining], every_position=score)
+        logits = self.slots.prefill([seq.prompt for seq in joining], every_position=score)
+        if self.speculator is not None:
+            try:
+                self.speculator.join([seq.prompt for seq in joining])
+            except Exception:
+                for _ in joining:  # the rows the target read, unoccupied again
+                    self.slots.remove(self.slots.rows - 1)
+                raise
+        return logits
 
     def _score_prompts(self, joining: list[Sequence], logits: Tensor) -> None:
         """Each prompt token's log-probability given the ones before it, from the (k, P, V)
@@ -363,27 +401,45 @@ class LMEngine:
                 seq.fail("scoring the prompt", e)
 
     def _step(self) -> None:
-        tokens: list[int | None]
+        runs: list[list[int | None]]  # each active sequence's new tokens, in order
         if self.slots is None:
-            tokens = []
+            runs = []
             for seq in self.active:
                 assert seq.stream is not None
                 try:
-                    tokens.append(int(next(seq.stream)[0]))
+                    runs.append([int(next(seq.stream)[0])])
                 except Exception as e:  # a sequence decoded alone fails alone
                     seq.fail("decoding", e)
-                    tokens.append(None)
+                    runs.append([None])
         else:
             self._start_sliding()
-            tokens = self._draw(self.slots.step([seq.tokens[-1] for seq in self.active]),
-                                self.active) if self.active else []
+            runs = self._step_pool() if self.active else []
             if self.sliding:
                 self._step_sliding()
         self.stats.steps += 1
-        done = [row for row, (seq, token) in enumerate(zip(self.active, tokens, strict=True))
-                if self._accept(seq, token)]
+        done = [row for row, (seq, run) in enumerate(zip(self.active, runs, strict=True))
+                if self._accept_run(seq, run)]
         for row in reversed(done):
             self._leave(row)
+
+    def _step_pool(self) -> list[list[int | None]]:
+        """A speculative round where rows draft, else one token for every row."""
+        assert self.slots is not None
+        if self.speculator is not None:
+            runs = self.speculator.round(self.slots, self.active, self._draw)
+            if runs is not None:
+                return runs
+        tokens = self._draw(self.slots.step([seq.tokens[-1] for seq in self.active]),
+                            self.active)
+        return [[token] for token in tokens]
+
+    def _accept_run(self, seq: Sequence, run: list[int | None]) -> bool:
+        """Hand a step's tokens over up to the one that ends the sequence (those after it
+        are dropped); True when it has ended."""
+        for token in run:
+            if self._accept(seq, token):
+                return True
+        return False
 
     def _draw(self, logits: Tensor, seqs: list[Sequence]) -> list[int | None]:
         """(n, V) next-token logits -> each sequence's token, its log-probability kept."""
@@ -451,6 +507,8 @@ class LMEngine:
     def _unseat(self, row: int) -> None:
         if self.slots is not None:
             self.slots.remove(row)
+        if self.speculator is not None:
+            self.speculator.remove(row)
         last = self.active.pop()
         if row < len(self.active):
             self.active[row] = last
