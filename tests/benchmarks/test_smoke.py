@@ -84,6 +84,7 @@ SMOKES = {
     "gpu": Smoke(("--device", "cpu", "--tiny", "--peak-tflops", "1", "--batch", "2",
                   "--steps", "1", "--new-tokens", "4", "--repeats", "1"), "training MFU"),
     "int8_rows": Smoke(("--tiny", "--repeats", "1"), "tiny (40 -> 72)", kernel=True),
+    "modern_config": Smoke(("--tiny", "--seeds", "1"), "mean val loss", slow=True),
     "opus_mt": Smoke(("--batches", "1", "--len", "4"), "find the same 4 tokens",
                      needs=("ctranslate2", "transformers", "sentencepiece"), slow=True),
     "serve_load": Smoke(("--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64",
