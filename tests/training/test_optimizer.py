@@ -60,6 +60,13 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(family):
     assert head in to_adamw
 
 
+def test_a_model_without_matrices_in_blocks_cannot_take_muon():
+    _, cfg = model_and_config("gpt")
+    bigram = torch.nn.Sequential(torch.nn.Embedding(20, 20))
+    with pytest.raises(TformerError, match="no trainable weight matrices in its blocks"):
+        make_optimizer(bigram, cfg.train, torch.device("cpu"))
+
+
 def test_steps_are_those_of_muon_and_adamw_built_by_hand():
     model, cfg = model_and_config("gpt", "train.weight_decay=0.1", "train.muon_lr=0.05",
                                   "model.tie_embeddings=false")

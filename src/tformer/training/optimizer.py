@@ -3,10 +3,11 @@
 adamw: AdamW over every weight that trains.
 muon:  Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural
        networks"; torch.optim.Muon) for the weight matrices of the blocks, AdamW for the
-       rest: embeddings, the output head, norms and biases. That is the split of
-       modded-nanogpt and nanochat. Muon orthogonalises each matrix's momentum, which only
-       means something for a linear map between hidden states; an embedding is a lookup
-       table, and the output head is left to AdamW as they leave it.
+       rest: embeddings, the output head, norms and biases, as modded-nanogpt and nanochat
+       split them. Muon replaces each matrix's momentum by its nearest semi-orthogonal
+       matrix, an update of the same size in every direction: right for a map between
+       hidden states, while an embedding row moves only when its token is seen; Muon's
+       authors keep the input and output layers on AdamW.
 
 The trainer sets one learning rate per step (training.schedule) and each parameter group
 scales it by its "lr_scale" (absent: 1): Muon's groups follow the same schedule at
@@ -23,8 +24,6 @@ from torch import nn
 from tformer.config import TrainConfig
 from tformer.errors import TformerError
 from tformer.training.lora import block_linears
-
-Optimizer = torch.optim.Optimizer
 
 
 def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -48,9 +47,10 @@ def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [w for w in weights if w.requires_grad and w.dim() == 2]
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> Any:
-    """The optimizer `cfg.optimizer` names over the model's trainable weights: a
-    torch.optim.AdamW, or a MuonWithAdamW."""
+def make_optimizer(
+    model: nn.Module, cfg: TrainConfig, device: torch.device
+) -> torch.optim.AdamW | MuonWithAdamW:
+    """The optimizer `cfg.optimizer` names over the model's trainable weights."""
     decay, no_decay = decay_groups(model)
     if cfg.optimizer == "adamw":
         return adamw(decay, no_decay, cfg, device)
