@@ -7,7 +7,7 @@ The model is GPT-2-small-shaped (12 x 768, vocabulary 50257, context 256, batch 
 random weights, or with --tiny a 2 x 64 one. Each way of training runs in its own process
 (peak RSS only grows within a process), the two alternating `repeats` times; each process
 times `steps` optimizer steps after one warm-up step, with the trainer's own optimizer
-(tformer.training.trainer.make_optimizer: fused AdamW over the parameters that train). LoRA
+(tformer.training.optimizer.make_optimizer: fused AdamW over the parameters that train). LoRA
 adapts qkv_proj and out_proj at r = 8 (Hu et al. 2021's GPT-3 setting adapts the query and
 value projections). Rows give medians; the ratio is LoRA / full.
 """
@@ -38,7 +38,7 @@ def one_run(shape: str, mode: str, steps: int) -> dict[str, float]:
     from tformer.evaluation.loss import lm_loss
     from tformer.models.gpt import GPT, GPTConfig
     from tformer.training import lora
-    from tformer.training.trainer import make_optimizer
+    from tformer.training.optimizer import make_optimizer
 
     sizes = dict(SHAPES[shape])
     batch = sizes.pop("batch")

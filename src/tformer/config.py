@@ -122,7 +122,14 @@ class TrainConfig:
     min_lr: float = 1e-4
     warmup_steps: int = 100
     schedule: str = "cosine"
+    optimizer: str = "adamw"
+    """adamw: AdamW for every weight. muon: Muon for the blocks' weight matrices, AdamW for
+    the embeddings, the output head, norms and biases (tformer.training.optimizer)."""
+    muon_lr: float = 0.02
+    """Muon's peak rate; the schedule scales it as it scales lr (Muon's rate is lr's times
+    muon_lr / lr at every step)."""
     weight_decay: float = 0.1
+    """On linear maps and embeddings; Muon's matrices too, decayed by its rate times this."""
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0
@@ -175,9 +182,29 @@ class TrainConfig:
         check_choice("train.schedule", self.schedule, ("cosine", "linear", "noam", "constant"))
         check_choice("train.precision", self.precision, ("auto", "fp32", "bf16"))
         check_choice("train.parallel", self.parallel, ("ddp", "fsdp"))
+        check_choice("train.optimizer", self.optimizer, ("adamw", "muon"))
+        check_range("train.muon_lr", self.muon_lr, low=0.0)
+        if self.optimizer == "muon":
+            self.check_muon()
         if self.device not in ("auto", "cpu") and not self.device.startswith(("cuda", "mps")):
             raise TformerError(
                 f"train.device = {self.device!r} is not allowed; choose auto, cpu, cuda or cuda:N"
+            )
+
+
+    def check_muon(self) -> None:
+        """What Muon cannot be combined with (one line each)."""
+        if self.lora is not None:
+            # Every weight but the adapters is frozen: nothing would be left for Muon.
+            raise TformerError(
+                "train.optimizer = muon trains the blocks' full weight matrices, and a LoRA "
+                "run trains its adapters only (with AdamW); choose train.optimizer = adamw"
+            )
+        if self.parallel == "fsdp":
+            # Newton-Schulz needs each whole matrix; FSDP leaves each rank a slice of rows.
+            raise TformerError(
+                "train.optimizer = muon needs each weight matrix whole, and train.parallel = "
+                "fsdp shards them; choose train.parallel = ddp"
             )
 
 

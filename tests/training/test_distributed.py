@@ -81,13 +81,15 @@ def weights(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family,parallel",
-    [(family, "ddp") for family in FAMILIES] + [("gpt", "fsdp"), ("transformer-xl", "fsdp")],
+    "family,parallel,optimizer",
+    [(family, "ddp", "adamw") for family in FAMILIES]
+    + [("gpt", "fsdp", "adamw"), ("transformer-xl", "fsdp", "adamw"), ("gpt", "ddp", "muon")],
 )
-def test_two_processes_match_one(tmp_path, tiny_corpus, family, parallel):
+def test_two_processes_match_one(tmp_path, tiny_corpus, family, parallel, optimizer):
     config = write_config(tmp_path, family, tiny_corpus, parallel)
-    run(["train", str(config), "--out", str(tmp_path / "one")])
-    run(["train", str(config), "--out", str(tmp_path / "two")], nproc=2)
+    chosen = f"train.optimizer={optimizer}"
+    run(["train", str(config), "--out", str(tmp_path / "one"), chosen])
+    run(["train", str(config), "--out", str(tmp_path / "two"), chosen], nproc=2)
     one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert one.keys() == two.keys()
     for name in one:

@@ -69,8 +69,9 @@ def test_training_lowers_the_loss_and_writes_a_run(tiny_corpus, tmp_path):
     ]
 
 
-def test_a_crashed_run_resumes_bit_identically(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_crashed_run_resumes_bit_identically(tiny_corpus, tmp_path, optimizer):
+    cfg = tiny_config(tiny_corpus, f"train.optimizer={optimizer}")
     train(cfg, tmp_path / "straight")
 
     def crash(info):
@@ -137,7 +138,7 @@ def test_weight_decay_falls_on_linear_maps_and_embeddings_only(tiny_corpus):
     from torch import nn
 
     from tformer.registry import get_family
-    from tformer.training.trainer import decay_groups, make_optimizer
+    from tformer.training.optimizer import decay_groups, make_optimizer
 
     cfg = config_from_dict({}, [
         "model.family=transformer-xl", f"data.path={tiny_corpus}", "model.n_layer=2",

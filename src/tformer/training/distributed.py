@@ -166,7 +166,14 @@ def full_state_dict(model: nn.Module, procs: Processes, strategy: str) -> dict[s
 def optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, procs: Processes, strategy: str
 ) -> dict[str, Any]:
-    """The optimizer's whole state (gathered from FSDP shards)."""
+    """The optimizer's whole state (gathered from FSDP shards).
+
+    Without FSDP this is the optimizer's own state dict, also for Muon with AdamW
+    (training.optimizer.MuonWithAdamW): under DDP every rank steps the whole matrices with
+    the same averaged gradients. FSDP with Muon is refused when the config loads
+    (TrainConfig.check_muon): each rank holds a slice of every matrix, and Muon's
+    orthogonalisation is of the whole matrix.
+    """
     if strategy != "fsdp" or not procs.distributed:
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import (

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tformer import loading
-from tformer.config import HIGHER_IS_BETTER, RunConfig, TrainConfig
+from tformer.config import HIGHER_IS_BETTER, RunConfig
 from tformer.data.tokenizers import load_tokenizer
 from tformer.errors import TformerError
 from tformer.evaluation.shard import Shard
@@ -32,6 +32,7 @@ from tformer.training import checkpoint as ckpt
 from tformer.training import distributed, lora
 from tformer.training.device import autocast
 from tformer.training.metrics import MetricsLog
+from tformer.training.optimizer import make_optimizer
 from tformer.training.schedule import Horizon, extend, learning_rate
 
 log = logging.getLogger(__name__)
@@ -52,36 +53,6 @@ class TrainResult:
     """train.patience evaluations passed without a better train.best_metric."""
     stop_signal: int | None = None
     """The signal (SIGINT, SIGTERM) that stopped an interrupted run."""
-
-
-def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(decayed, not decayed): weight decay pulls the weights of linear maps and embeddings
-    towards zero, and nothing else. Biases, norms' gains and shifts, and free-standing
-    parameters such as Transformer-XL's global u and v biases keep theirs (they are biases,
-    whatever their number of dimensions). Decided by the module that owns the parameter."""
-    decayed: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.requires_grad:
-            decayed[id(module.weight)] = module.weight
-    kept = [p for p in model.parameters() if p.requires_grad and id(p) not in decayed]
-    return list(decayed.values()), kept
-
-
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on linear maps and embeddings only (`decay_groups`).
-
-    The fused implementation (one kernel over all parameters) on CPU as on GPUs: on CPU it
-    updates a 0.8M-parameter model in a sixth of the time of the default per-op one, a tenth
-    of a small model's training step (benchmarks/speed.py).
-    """
-    decay, no_decay = decay_groups(model)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type in ("cpu", "cuda")
-    )
 
 
 def rng_state() -> dict[str, Any]:
@@ -137,7 +108,8 @@ class Run:
     model: nn.Module
     train_model: nn.Module
     """What the step runs: the model, or DDP / FSDP / torch.compile around it."""
-    optimizer: torch.optim.Optimizer
+    optimizer: Any
+    """torch.optim.AdamW, or optimizer.MuonWithAdamW (train.optimizer)."""
     batches: Any
     carry: Any
     """What one step hands the next besides the weights (Transformer-XL: its memory)."""
@@ -309,6 +281,13 @@ def restore(run: Run, state: dict[str, Any]) -> None:
     """Continue from a trainer state exactly: optimizer, data position, carried state, random
     number generators, counters and the schedule's horizon."""
     procs, tcfg = run.procs, run.cfg.train
+    trained_with = state.get("optimizer_name", "adamw")  # older checkpoints: AdamW's
+    if trained_with != tcfg.optimizer:
+        raise TformerError(
+            f"--resume cannot change train.optimizer from {trained_with} to {tcfg.optimizer}: "
+            f"the saved optimizer state is {trained_with}'s; start a new run "
+            f"(train.init_from={run.run_dir}) instead"
+        )
     distributed.load_optimizer_state(
         run.model, run.optimizer, state["optimizer"], procs, tcfg.parallel
     )
@@ -363,8 +342,8 @@ def optimizer_step(run: Run, stop: threading.Event) -> StepResult:
     """
     tcfg, procs = run.cfg.train, run.procs
     lr = learning_rate(run.step, tcfg, schedule_width(run.cfg), run.horizon)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    for group in run.optimizer.param_groups:  # Muon's scaled to train.muon_lr (optimizer.py)
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
     carry_before, carry = run.carry, run.carry
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss, tokens, stop
@@ -526,6 +505,7 @@ def save(run: Run, path: Path) -> None:
         trainer_state = {
             "step": run.step,
             "optimizer": optimizer_state,
+            "optimizer_name": run.cfg.train.optimizer,
             "data_per_rank": data_states,
             "carry_per_rank": carries,
             "rng_per_rank": rng_states,
