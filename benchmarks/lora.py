@@ -1,62 +1,127 @@
-"""A LoRA training step beside a full fine-tuning step of the same model: trainable
-parameters, peak resident memory and tokens/s.
+"""A LoRA training step beside a full fine-tuning step of the same model, and beside a
+`transformers` + `peft` LoRA step: trainable parameters, peak resident memory and tokens/s.
 
     python benchmarks/lora.py [--tiny] [--repeats 3] [--steps 4] [--json]
 
-The model is GPT-2-small-shaped (12 x 768, vocabulary 50257, context 256, batch 4) with
-random weights, or with --tiny a 2 x 64 one. Each way of training runs in its own process
-(peak RSS only grows within a process), the two alternating `repeats` times; each process
-times `steps` optimizer steps after one warm-up step, with the trainer's own optimizer
-(tformer.training.optimizer.make_optimizer: fused AdamW over the parameters that train). LoRA
-adapts qkv_proj and out_proj at r = 8 (Hu et al. 2021's GPT-3 setting adapts the query and
-value projections). Rows give medians; the ratio is LoRA / full.
+The model is a GPT2LMHeadModel with random weights, GPT-2-small-shaped (12 x 768,
+vocabulary 50257; context 256, batch 4) or with --tiny a 2 x 64 one, saved once with
+save_pretrained; every run loads it from there, tformer's through its GPT-2 importer. Three
+ways of training it:
+
+- full: tformer, every weight trained;
+- lora: tformer, r = 8 adapters on qkv_proj and out_proj (Hu et al. 2021's GPT-3 setting
+  adapts the query and value projections; GPT-2 fuses q, k and v in one layer);
+- peft: GPT2LMHeadModel wrapped by peft.get_peft_model with the same adapters (c_attn and
+  the attention's c_proj, r = 8, alpha 16), in a plain training loop.
+
+All three use the same optimizer (torch's fused AdamW over the parameters that train),
+gradient clipping and random tokens, with dropout off. Each run is a process of its own and
+the ways alternate `repeats` times, so the machine's drift falls on all alike. A process
+times `steps` optimizer steps after one warm-up step; its peak resident memory is that of
+those steps alone (the kernel's high-water mark is reset after loading, so the importer's
+transient copies do not count). Rows give medians; the ratios are LoRA / full and tformer's
+LoRA / peft's.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 SHAPES = {
-    "small": {"n_layer": 12, "n_head": 12, "d_model": 768, "vocab_size": 50257,
+    "small": {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257,
               "context": 256, "batch": 4},
-    "tiny": {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 512, "context": 32,
+    "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512, "context": 32,
              "batch": 4},
 }
+MODES = ("full", "lora", "peft")
+RANK, ALPHA = 8, 16.0
 
 
-def one_run(shape: str, mode: str, steps: int) -> dict[str, float]:
-    """Train `steps` steps in this process; what it measured."""
+def save_model(shape: str, dest: Path) -> None:
+    """The random GPT2LMHeadModel every run starts from, written to `dest`."""
     import torch
-
-    from tformer.config import LoRAConfig, TrainConfig
-    from tformer.evaluation.loss import lm_loss
-    from tformer.models.gpt import GPT, GPTConfig
-    from tformer.training import lora
-    from tformer.training.optimizer import make_optimizer
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     sizes = dict(SHAPES[shape])
-    batch = sizes.pop("batch")
+    context = sizes.pop("context")
+    sizes.pop("batch")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**sizes))
+    last = sizes["vocab_size"] - 1
+    config = GPT2Config(**sizes, n_positions=context, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, bos_token_id=last, eos_token_id=last)
+    GPT2LMHeadModel(config).save_pretrained(dest)
+
+
+def load(mode: str, src: Path):  # noqa: ANN201 (an nn.Module of either library)
+    """The model `mode` trains, its adapters in place, in training mode."""
+    if mode == "peft":
+        from peft import LoraConfig, get_peft_model
+        from transformers import GPT2LMHeadModel
+
+        model = GPT2LMHeadModel.from_pretrained(src)
+        adapters = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                              target_modules=r".*\.attn\.(c_attn|c_proj)", fan_in_fan_out=True)
+        return get_peft_model(model, adapters).train()
+
+    from tformer.config import LoRAConfig
+    from tformer.interop import read_hf_config, read_hf_weights
+    from tformer.interop.gpt2 import gpt_from_hf
+    from tformer.training import lora
+
+    model = gpt_from_hf(read_hf_config(src), read_hf_weights(src), src)
     if mode == "lora":
-        lora.add_adapters(model, LoRAConfig(r=8, alpha=16.0, targets=["qkv_proj", "out_proj"]))
-    optimizer = make_optimizer(model, TrainConfig(lr=1e-4, min_lr=0.0), torch.device("cpu"))
-    data = torch.randint(0, sizes["vocab_size"], (steps + 1, batch, sizes["context"] + 1))
+        lora.add_adapters(model, LoRAConfig(r=RANK, alpha=ALPHA,
+                                            targets=["qkv_proj", "out_proj"]))
+    return model.train()
+
+
+def reset_peak_rss() -> None:
+    """Start the kernel's peak-RSS count (VmHWM) again from the present RSS (Linux)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def one_run(shape: str, mode: str, src: Path, steps: int) -> dict[str, float]:
+    """Train `steps` steps in this process; what it measured."""
+    import torch
+    import torch.nn.functional as F
+
+    sizes = SHAPES[shape]
+    batch, context, vocab = sizes["batch"], sizes["context"], sizes["vocab_size"]
+    model = load(mode, src)
     params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
+    torch.manual_seed(1)
+    data = torch.randint(0, vocab, (steps + 1, batch, context + 1))
+
+    def logits(tokens: torch.Tensor) -> torch.Tensor:
+        out = model(tokens)
+        return out if isinstance(out, torch.Tensor) else out.logits
 
     def step(s: int) -> None:
-        loss = lm_loss(model(data[s, :, :-1]), data[s, :, 1:])
+        x, y = data[s, :, :-1], data[s, :, 1:]
+        loss = F.cross_entropy(logits(x).flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    gc.collect()
+    reset_peak_rss()
     step(0)  # warm-up: the optimizer's state is made here
     start = time.perf_counter()
     for s in range(1, steps + 1):
@@ -64,10 +129,24 @@ def one_run(shape: str, mode: str, steps: int) -> dict[str, float]:
     elapsed = time.perf_counter() - start
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
-        "trainable": lora.trainable_parameters(model),
-        "tokens_per_s": steps * batch * sizes["context"] / elapsed,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "trainable": sum(p.numel() for p in params),
+        "tokens_per_s": steps * batch * context / elapsed,
+        "peak_rss_mb": peak_rss_mb(),
     }
+
+
+def print_table(shape: str, args: argparse.Namespace, table: dict[str, dict]) -> None:
+    full, ours, theirs = table["full"], table["lora"], table["peft"]
+    print(f"GPT-2 {shape}: {SHAPES[shape]}, {args.steps} steps x {args.repeats} runs each "
+          f"(medians)")
+    print(f"{'':<22}{'full':>12}{'LoRA r=8':>12}{'peft r=8':>12}{'LoRA/full':>11}"
+          f"{'LoRA/peft':>11}")
+    for key, label, fmt in (("trainable", "trainable parameters", "{:,.0f}"),
+                            ("parameters", "parameters", "{:,.0f}"),
+                            ("peak_rss_mb", "peak RSS (MB)", "{:,.0f}"),
+                            ("tokens_per_s", "tokens/s", "{:,.0f}")):
+        cells = "".join(f"{fmt.format(row[key]):>12}" for row in (full, ours, theirs))
+        print(f"{label:<22}{cells}{ours[key] / full[key]:>11.3f}{ours[key] / theirs[key]:>11.3f}")
 
 
 def main() -> None:
@@ -76,36 +155,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--one", choices=["full", "lora"], help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = "tiny" if args.tiny else "small"
     if args.one:  # a child process: one measurement, as JSON
-        print(json.dumps(one_run(shape, args.one, args.steps)))
+        print(json.dumps(one_run(shape, args.one, args.model, args.steps)))
         return
 
-    runs: dict[str, list[dict[str, float]]] = {"full": [], "lora": []}
-    for _ in range(args.repeats):
-        for mode in runs:
-            command = [sys.executable, __file__, "--one", mode, "--steps", str(args.steps)]
-            out = subprocess.run(command + (["--tiny"] if args.tiny else []), check=True,
-                                 capture_output=True, text=True).stdout
-            runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(shape, Path(tmp))
+        for _ in range(args.repeats):
+            for mode in MODES:
+                command = [sys.executable, __file__, "--one", mode, "--steps", str(args.steps),
+                           "--model", tmp] + (["--tiny"] if args.tiny else [])
+                out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+                runs[mode].append(json.loads(out.strip().splitlines()[-1]))
     table = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
              for mode, rs in runs.items()}
     if args.json:
         print(json.dumps({"shape": SHAPES[shape], "steps": args.steps,
                           "repeats": args.repeats, **table}))
-        return
-    full, lora = table["full"], table["lora"]
-    print(f"GPT {shape}: {SHAPES[shape]}, {args.steps} steps x {args.repeats} runs each "
-          f"(medians; ratio = LoRA / full)")
-    print(f"{'':<24}{'full':>14}{'LoRA r=8':>14}{'ratio':>10}")
-    for key, label, fmt in (("trainable", "trainable parameters", "{:,.0f}"),
-                            ("parameters", "parameters", "{:,.0f}"),
-                            ("peak_rss_mb", "peak RSS (MB)", "{:,.0f}"),
-                            ("tokens_per_s", "tokens/s", "{:,.0f}")):
-        print(f"{label:<24}{fmt.format(full[key]):>14}{fmt.format(lora[key]):>14}"
-              f"{lora[key] / full[key]:>10.3f}")
+    else:
+        print_table(shape, args, table)
 
 
 if __name__ == "__main__":
