@@ -63,7 +63,6 @@ def harness() -> str:
     return str(beside) if beside.exists() else shutil.which("lm_eval") or "lm_eval"
 
 
-@pytest.mark.slow  # ~20 s, most of it the harness importing its own dependencies
 def test_the_evaluation_harness_scores_as_offline(run_server, loaded, tmp_path):
     data = tmp_path / "items.jsonl"
     data.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
