@@ -272,9 +272,9 @@ def test_generation_stops_at_any_eos_id_of_the_generation_config(instruct, tmp_p
 def test_the_chat_template_survives_import_serve_and_export(instruct, tmp_path):
     """The template rendered by `tformer serve` from the imported checkpoint is the prompt
     transformers' apply_chat_template gives, from the source and from the export."""
+    from tformer.data.chat import load_chat_template
     from tformer.interop.command import export_checkpoint, import_checkpoint
     from tformer.loading import load_checkpoint
-    from tformer.serving.chat import load_chat_template
 
     source, _, _ = instruct
     loaded = load_checkpoint(import_checkpoint(source, tmp_path / "ours"))
@@ -324,8 +324,8 @@ def test_readme_llama_example(instruct, tmp_path, monkeypatch, capsys):
     from pathlib import Path
 
     from tformer.cli import main
+    from tformer.data.chat import load_chat_template
     from tformer.loading import load_checkpoint
-    from tformer.serving.chat import load_chat_template
 
     from .conftest import generated_text
 

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
+from tformer.data.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from tformer.errors import TformerError
-from tformer.serving.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from tformer.serving.completions import end_of_turn
 from tformer.serving.tokens import TokenTexts
 
@@ -228,3 +228,21 @@ def test_an_end_of_turn_token_ends_the_reply(loaded):
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     assert plain.json()["choices"][0]["text"] == "!!!!!"
     assert info["chat_template"] == template.source
+
+
+def test_rendered_text_encodes_special_token_names_as_their_ids():
+    """A character tokenizer knows `</s>` only as an id: rendered prompts (the plain
+    template ends each reply with it) must reach the model as that id, as a pretrained
+    tokenizer's own parsing gives."""
+    from tformer.data.chat import encode_text
+    from tformer.data.tokenizers import PretrainedBPETokenizer, train_tokenizer
+
+    chars = train_tokenizer("char", ["ab: "], specials=True)
+    assert encode_text(chars, "a</s>b: <s>") == [*chars.encode("a"), chars.eos_id,
+                                                 *chars.encode("b: "), chars.bos_id]
+    assert encode_text(chars, "ab") == chars.encode("ab")
+    words = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "a": 2, "[UNK]": 3},
+                                       unk_token="[UNK]"))
+    words.add_special_tokens(["<s>", "</s>"])
+    pretrained = PretrainedBPETokenizer(words, bos="<s>", eos="</s>")
+    assert encode_text(pretrained, "a</s>a") == pretrained.encode("a</s>a") == [2, 1, 2]

@@ -59,6 +59,15 @@ class Tokenizer(Protocol):
     def to_json(self) -> str: ...
 
 
+def special_names(tokenizer: Tokenizer) -> dict[str, str | None]:
+    """'bos', 'eos', 'pad' -> the token's name, None where the tokenizer has none."""
+    named = getattr(tokenizer, "names", None)  # a pretrained tokenizer names its own
+    if isinstance(named, dict):
+        return {key: named.get(key) for key in ("bos", "eos", "pad")}
+    return {key: name if getattr(tokenizer, f"{key}_id", None) is not None else None
+            for key, name in (("bos", BOS), ("eos", EOS), ("pad", PAD))}
+
+
 class CharTokenizer:
     """One id per character seen in training, after the special tokens (if any)."""
 

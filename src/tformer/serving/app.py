@@ -20,8 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tformer.data.chat import TEMPLATE_FILE, ChatTemplate
+from tformer.data.tokenizers import special_names
 from tformer.errors import TformerError
-from tformer.serving.chat import TEMPLATE_FILE, ChatTemplate
 from tformer.serving.completions import Mailbox, chat, complete, end_of_turn, translate_lines
 from tformer.serving.protocol import (
     ApiError,
@@ -33,7 +34,7 @@ from tformer.serving.protocol import (
     TranslationRequest,
 )
 from tformer.serving.scheduler import LMEngine
-from tformer.serving.tokens import TokenTexts, special_names
+from tformer.serving.tokens import TokenTexts
 from tformer.serving.translation import TranslationBatcher
 
 if TYPE_CHECKING:

@@ -62,14 +62,14 @@ def serve_command(
     require_serving_packages()
     import uvicorn
 
+    from tformer.data.chat import load_chat_template
+    from tformer.data.tokenizers import special_names
     from tformer.kernels.quantize import inference_model
     from tformer.loading import load_checkpoint
     from tformer.registry import get_family
     from tformer.serving.app import create_app
-    from tformer.serving.chat import load_chat_template
     from tformer.serving.protocol import Limits
     from tformer.serving.scheduler import LMEngine
-    from tformer.serving.tokens import special_names
     from tformer.serving.translation import TranslationBatcher
     from tformer.training.device import pick_device
 

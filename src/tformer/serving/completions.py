@@ -19,9 +19,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tformer.data.chat import ChatTemplate, ChatTemplateError, encode_text
 from tformer.decoding.translate import SearchOptions
 from tformer.errors import TformerError
-from tformer.serving.chat import ChatTemplate, ChatTemplateError
 from tformer.serving.protocol import (
     ApiError,
     ChatRequest,
@@ -120,9 +120,11 @@ class Mailbox:
 # --- completions ------------------------------------------------------------------------
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+def encode_prompt(tokenizer: Any, text: str, *, rendered: bool = False) -> list[int]:
+    """The prompt's token ids; `rendered` text (a chat template's) names special tokens by
+    their text, which become their ids."""
     try:
-        ids = tokenizer.encode(text)
+        ids = encode_text(tokenizer, text) if rendered else tokenizer.encode(text)
     except TformerError as e:
         raise ApiError(400, f"prompt: {e}", param="prompt") from None
     if ids:
@@ -481,7 +483,7 @@ async def chat(body: ChatRequest, request: Request, engine: LMEngine, tokenizer:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     run = ChatCompletion(body, engine, tokenizer, model_name, limits,
                          request.app.state.mailbox,
-                         prompts=[(text, encode_prompt(tokenizer, text))],
+                         prompts=[(text, encode_prompt(tokenizer, text, rendered=True))],
                          max_tokens=body.budget(), echo=False,
                          logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                          stops=stops + stop_texts, stop_tokens=stop_tokens)

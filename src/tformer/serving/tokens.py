@@ -9,16 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tformer.data.tokenizers import BOS, EOS, PAD
-
-
-def special_names(tokenizer: Any) -> dict[str, str | None]:
-    """'bos', 'eos', 'pad' -> the token's name, None where the tokenizer has none."""
-    named = getattr(tokenizer, "names", None)  # a pretrained tokenizer names its own
-    if isinstance(named, dict):
-        return {key: named.get(key) for key in ("bos", "eos", "pad")}
-    return {key: name if getattr(tokenizer, f"{key}_id", None) is not None else None
-            for key, name in (("bos", BOS), ("eos", EOS), ("pad", PAD))}
+from tformer.data.tokenizers import special_names
 
 
 class TokenTexts:

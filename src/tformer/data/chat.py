@@ -11,22 +11,41 @@ special tokens (`bos_token`, `eos_token`, `pad_token`).
 
 A checkpoint's template is its `chat_template.jinja` file (its tokenizer's, which `tformer
 import` brings from a Hugging Face model and fine-tuning keeps), or the one `serve
---chat-template FILE` names.
+--chat-template FILE` names. Training on chat rows (data/instruct.py) renders them with the
+checkpoint's template, or with DEFAULT_TEMPLATE where it has none, which the run then keeps
+as its own.
+
+Rendered text names special tokens by their text (`</s>`, `<|im_end|>`): encode_text maps
+the tokenizer's bos, eos and pad names to their ids whatever the tokenizer, where only a
+pretrained one would otherwise know them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tformer.data.tokenizers import CHAT_TEMPLATE
+from tformer.data.tokenizers import CHAT_TEMPLATE, Tokenizer, special_names
 from tformer.errors import TformerError
 
 TEMPLATE_FILE = CHAT_TEMPLATE
 PROBE = "\x00end-of-turn probe\x00"
 """An assistant message no template changes, to find what a template writes after one."""
+
+
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}"
+    "{% if message['role'] == 'assistant' and eos_token is defined %}{{ eos_token }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""The plain template of a model that has none: `role: content` a line each, a reply
+ending with the eos token where the tokenizer has one, and `assistant: ` to prompt one."""
 
 
 class ChatTemplateError(ValueError):
@@ -129,3 +148,74 @@ def load_chat_template(checkpoint: Path, override: str | Path | None,
     except (OSError, UnicodeDecodeError) as e:
         raise TformerError(f"cannot read the chat template {path}: {e}") from None
     return ChatTemplate(source, special_tokens=special_tokens, origin=str(path))
+
+
+def special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
+    """The template variables `bos_token`, `eos_token`, `pad_token` the tokenizer has."""
+    return {f"{key}_token": name for key, name in special_names(tokenizer).items()
+            if name is not None}
+
+
+def template_of(tokenizer: Tokenizer) -> ChatTemplate:
+    """The tokenizer's own template, or DEFAULT_TEMPLATE."""
+    source = tokenizer.chat_template or DEFAULT_TEMPLATE
+    return ChatTemplate(source, special_tokens=special_tokens(tokenizer))
+
+
+def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of rendered text: the names of the tokenizer's special tokens become their
+    ids, the text between them is encoded as text."""
+    ids_by_name = {name: getattr(tokenizer, f"{key}_id")
+                   for key, name in special_names(tokenizer).items() if name is not None}
+    if not ids_by_name:
+        return tokenizer.encode(text)
+    pattern = "(" + "|".join(re.escape(name) for name in ids_by_name) + ")"
+    ids: list[int] = []
+    for i, piece in enumerate(re.split(pattern, text)):
+        if i % 2:  # re.split puts the separators it kept at the odd places
+            ids.append(ids_by_name[piece])
+        elif piece:
+            ids.extend(tokenizer.encode(piece))
+    return ids
+
+
+def chat_segments(template: ChatTemplate, messages: list[dict[str, Any]]
+                  ) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, is the assistant's) pieces, in order.
+
+    An assistant reply is what rendering the conversation up to it adds to rendering the
+    turns before it with the generation prompt: the very text a model generates after that
+    prompt, up to and including the template's end of turn. This needs a template that
+    renders a conversation's start the same when more follows, as chat templates do; one
+    that does not (it rewrites earlier turns) is a ChatTemplateError.
+    """
+    ends = [end for end in (template.end_of_turn, template.special_tokens.get("eos_token"))
+            if end]
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt = template.render(messages[:i], add_generation_prompt=True)
+        upto = template.render(messages[: i + 1], add_generation_prompt=False)
+        if not (prompt.startswith(done) and upto.startswith(prompt)):
+            raise ChatTemplateError(
+                f"the chat template renders the turns before message {i + 1} differently "
+                f"once a reply follows, so the replies cannot be told apart")
+        reply = upto[len(prompt):]
+        cut = max((reply.rfind(end) + len(end) for end in ends if end in reply),
+                  default=len(reply))
+        pieces += [(prompt[len(done):], False), (reply[:cut], True), (reply[cut:], False)]
+        done = upto
+    whole = template.render(messages, add_generation_prompt=False)
+    if not whole.startswith(done):
+        raise ChatTemplateError("the chat template renders the last turns differently once "
+                                "the conversation ends")
+    pieces.append((whole[len(done):], False))
+    merged: list[tuple[str, bool]] = []
+    for text, reply in pieces:
+        if merged and merged[-1][1] == reply:
+            merged[-1] = (merged[-1][0] + text, reply)
+        elif text:
+            merged.append((text, reply))
+    return merged
