@@ -18,7 +18,11 @@ GPT2LMHeadModel.generate on the same weights (imported from it, and checked to g
 same greedy tokens before timing), and tformer's int8 weights against its fp32 ones; beam-4
 translation (d_model 256, 3 + 3 layers, vocabulary 8000, 20-token inputs, 30 output
 tokens) at batch 1 and 16 against MarianMTModel.generate; Transformer-XL training beside
-the GPT of the same size.
+the GPT of the same size. The llama rows (llama_rows.py) do for a model of SmolLM2-135M's
+shape (30 x 576, grouped-query attention, SwiGLU, RMSNorm, rotary, vocabulary 49152, tied
+embeddings) what the GPT-2 rows do, against LlamaForCausalLM: greedy generation at batch 1
+and 8 and int8 at batch 1 (llama-generate), and training the same widths at 6 layers,
+context 256, batch 8 (llama-train), MFU counted from the model's layers.
 
 Every row names the instruction set tformer's kernels ran (kernels.matvec.isa(): AVX-512
 VNNI, AVX2 or torch), and the header the switches that choose the libraries' own:
@@ -146,7 +150,7 @@ def gpt2_small_imported():
     return ours, peer
 
 
-def check_same_greedy_tokens(ours, peer, new: int = 24) -> None:
+def check_same_greedy_tokens(ours, peer, label: str, new: int = 24) -> None:
     """Before timing: both sides must produce the same greedy tokens at batch 1 and 8."""
     for batch in (1, 8):
         prompt = torch.randint(0, 1000, (batch, 16), generator=torch.Generator().manual_seed(1))
@@ -155,7 +159,7 @@ def check_same_greedy_tokens(ours, peer, new: int = 24) -> None:
                                max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                pad_token_id=0)[:, prompt.shape[1]:]
         if not torch.equal(mine, theirs):
-            raise SystemExit(f"gpt-2 small: tformer and GPT2LMHeadModel disagree at batch "
+            raise SystemExit(f"{label}: tformer and {type(peer).__name__} disagree at batch "
                              f"{batch}; not timing different work")
 
 
@@ -223,6 +227,50 @@ def gpt_generate(model, batch: int, new: int, ours: bool):
     )
 
 
+# --- rows of one model ---------------------------------------------------------------------
+
+
+def training_row(label: str, ours, peer, batch: int, context: int, vocab: int, flops: float,
+                 repeats: int, peak: float) -> dict:
+    """Training tokens/s of both sides on the same data, and tformer's MFU at `flops` a
+    token."""
+    steps = 5
+    a, b = compare(
+        gpt_train_step(ours, batch, context, vocab, steps, True),
+        gpt_train_step(peer, batch, context, vocab, steps, False),
+        steps * batch * context,
+        repeats,
+    )
+    return dict(row=label, unit="tokens/s", tformer=a, peer=b, peer_name=type(peer).__name__,
+                ratio=a / b, mfu=a * flops / (peak * 1e9))
+
+
+def generation_rows(label: str, fp32, peer, greedy: bool, int8: bool, repeats: int,
+                    bandwidth: float, matvec: float) -> list[dict]:
+    """Greedy generation (16-token prompt, 128 new tokens) of a model imported from `peer`:
+    at batch 1 and 8 against peer.generate, and with int8 weights against fp32 at batch 1."""
+    ours = prepack(fp32)  # as `tformer generate` runs it
+    check_same_greedy_tokens(ours, peer, label)
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    new = 128
+    rows = []
+    for B in (1, 8) if greedy else ():
+        a, b = compare(gpt_generate(ours, B, new, True), gpt_generate(peer, B, new, False),
+                       B * new, repeats)
+        row = dict(row=f"{label} greedy b{B}", unit="tokens/s", tformer=a, peer=b,
+                   peer_name=f"{type(peer).__name__}.generate", ratio=a / b)
+        if B == 1:
+            row["bandwidth_fraction"] = a * weight_bytes / (bandwidth * 1e9)
+            row["matvec_fraction"] = a * weight_bytes / (matvec * 1e9)
+        rows.append(row)
+    if int8:
+        a, b = compare(gpt_generate(quantize_int8(fp32), 1, new, True),
+                       gpt_generate(ours, 1, new, True), new, repeats)
+        rows.append(dict(row=f"{label} greedy b1 int8", unit="tokens/s", tformer=a, peer=b,
+                         peer_name="tformer fp32", ratio=a / b))
+    return rows
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -251,7 +299,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated row groups: machine, gpt-train, gpt-generate, int8, translate, txl",
+        help="comma-separated row groups: machine, gpt-train, gpt-generate, int8, translate, "
+             "txl, llama-generate, llama-train",
     )
     args = parser.parse_args()
     groups = set(args.only.split(",")) if args.only else None
@@ -288,67 +337,30 @@ def main() -> None:
     if wanted("gpt-train"):
         for L, H, D, T, B in ((4, 4, 128, 64, 12), (6, 6, 384, 256, 8)):
             ours, peer = gpt_pair(L, H, D, T, vocab=65)
-            steps = 5
-            a, b = compare(
-                gpt_train_step(ours, B, T, 65, steps, True),
-                gpt_train_step(peer, B, T, 65, steps, False),
-                steps * B * T,
-                args.repeats,
-            )
-            flops = training_flops_per_token(ours, L, D, T)
-            emit(
-                row=f"gpt train {L}x{D} ctx{T} b{B}",
-                unit="tokens/s",
-                tformer=a,
-                peer=b,
-                peer_name="GPT2LMHeadModel",
-                ratio=a / b,
-                mfu=a * flops / (peak * 1e9),
-            )
+            emit(**training_row(f"gpt train {L}x{D} ctx{T} b{B}", ours, peer, B, T, 65,
+                                training_flops_per_token(ours, L, D, T), args.repeats, peak))
 
     if wanted("gpt-generate") or wanted("int8"):
-        fp32, peer = gpt2_small_imported()
-        ours = prepack(fp32)  # as `tformer generate` runs it
-        check_same_greedy_tokens(ours, peer)
-        weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
-        new = 128
-        if wanted("gpt-generate"):
-            for B in (1, 8):
-                a, b = compare(
-                    gpt_generate(ours, B, new, True),
-                    gpt_generate(peer, B, new, False),
-                    B * new,
-                    args.repeats,
-                )
-                row = dict(
-                    row=f"gpt-2 small greedy b{B}",
-                    unit="tokens/s",
-                    tformer=a,
-                    peer=b,
-                    peer_name="GPT2LMHeadModel.generate",
-                    ratio=a / b,
-                )
-                if B == 1:
-                    row["bandwidth_fraction"] = a * weight_bytes / (bandwidth * 1e9)
-                    row["matvec_fraction"] = a * weight_bytes / (matvec * 1e9)
-                emit(**row)
-        if wanted("int8"):
-            int8 = quantize_int8(fp32)
-            a, b = compare(
-                gpt_generate(int8, 1, new, True),
-                gpt_generate(ours, 1, new, True),
-                new,
-                args.repeats,
-            )
-            emit(
-                row="gpt-2 small greedy b1 int8",
-                unit="tokens/s",
-                tformer=a,
-                peer=b,
-                peer_name="tformer fp32",
-                ratio=a / b,
-            )
-        del fp32, ours, peer
+        for row in generation_rows("gpt-2 small", *gpt2_small_imported(),
+                                   wanted("gpt-generate"), wanted("int8"), args.repeats,
+                                   bandwidth, matvec):
+            emit(**row)
+
+    if wanted("llama-generate") or wanted("llama-train"):
+        import llama_rows
+
+    if wanted("llama-generate"):
+        for row in generation_rows("smollm2-135m", *llama_rows.llama_pair(llama_rows.SMOLLM2_135M),
+                                   True, True, args.repeats, bandwidth, matvec):
+            emit(**row)
+
+    if wanted("llama-train"):
+        L, T, B = llama_rows.TRAIN_LAYERS, 256, 8
+        ours, peer = llama_rows.llama_pair(llama_rows.SMOLLM2_135M, L, T)
+        emit(**training_row(f"llama train {L}x{ours.cfg.d_model} ctx{T} b{B}", ours, peer, B, T,
+                            ours.cfg.vocab_size, llama_rows.training_flops_per_token(ours, T),
+                            args.repeats, peak))
+        del ours, peer
 
     if wanted("translate"):
         from opus_mt import Sides

@@ -95,6 +95,7 @@ SMOKES = {
     # The machine's rows, which every run of speed.py measures first, and nothing else.
     "speed": Smoke(("--only", "machine", "--repeats", "1", "--json"), "matmul_peak_gflops",
                    slow=True),
+    "llama_rows": Smoke(("--tiny",), "same computation", needs=("transformers",), slow=True),
     "lm_eval_speed": Smoke(("--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "300",
                             "--context", "64", "--items", "4", "--batch-size", "4"),
                            "hf", needs=("lm_eval",), slow=True),
