@@ -101,6 +101,8 @@ SMOKES = {
                            "hf", needs=("lm_eval",), slow=True),
     "lora": Smoke(("--tiny", "--repeats", "1", "--steps", "1"), "trainable parameters",
                   slow=True),
+    "lora_quality": Smoke(("--tiny", "--rows", "full-lr1e-3", "lora-r8-all-lr1e-2"),
+                          "| lora-r8-all-lr1e-2 |", slow=True),
     "speculative": Smoke(("--tiny",), "prompt lookup 3, K=8"),
     "threads": Smoke(("--sizes", "0.8M", "--tokens", "2", "--repeats", "1"), "+1 busy",
                      slow=True),
