@@ -317,6 +317,9 @@ def test_an_int8_lora_run_learns_and_loads_into_the_fp32_base(tmp_path, tiny_cor
         run.batches = itertools.repeat(next(run.batches))
         with stop_requests() as stop:
             losses[int8_base] = [optimizer_step(run, stop).loss for _ in range(10)]
+        adapters = {id(p) for n, p in run.model.named_parameters() if ".lora_" in n}
+        assert {id(p) for g in run.optimizer.param_groups for p in g["params"]} == adapters
+        assert {id(p) for p in run.optimizer.state} == adapters
     assert losses[True][-1] < losses[True][0] - 0.05, losses
     assert max(abs(a - b) for a, b in zip(losses[True], losses[False], strict=True)) < 0.02, losses
     assert sorted(p.name for p in step.iterdir() if "safetensors" in p.name) == [
@@ -373,13 +376,13 @@ def test_a_seq2seq_lora_trains_and_translates(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_train_the_adapters_as_one(tmp_path, tiny_corpus, parallel):
+@pytest.mark.parametrize("parallel, int8", [("ddp", False), ("fsdp", False), ("ddp", True)])
+def test_two_processes_train_the_adapters_as_one(tmp_path, tiny_corpus, parallel, int8):
     config = gpt_config(tmp_path, tiny_corpus)
     base = tmp_path / "base"
     assert main(["train", str(config), "--out", str(base), *TINY]) == 0
     args = [*TINY, "train.batch_size=4", "train.accumulate=2", f"train.parallel={parallel}",
-            f"train.init_from={base}", "train.lora.r=2"]
+            f"train.init_from={base}", "train.lora.r=2", f"train.lora.int8={str(int8).lower()}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for out, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone",
                                                  "--nproc_per_node=2"])):
