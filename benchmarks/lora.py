@@ -1,7 +1,9 @@
-"""A LoRA training step beside a full fine-tuning step of the same model, and beside a
-`transformers` + `peft` LoRA step: trainable parameters, peak resident memory and tokens/s.
+"""A LoRA training step beside a full fine-tuning step of the same model, beside LoRA over
+a base kept in int8 (train.lora.int8), and beside a `transformers` + `peft` LoRA step:
+trainable parameters, resident memory once set up, peak resident memory and tokens/s.
 
-    python benchmarks/lora.py [--tiny] [--repeats 3] [--steps 4] [--json]
+    python benchmarks/lora.py [--tiny] [--repeats 3] [--steps 4] [--batch 4]
+                              [--modes full,lora,lora-int8,peft] [--json]
 
 The model is a GPT2LMHeadModel with random weights, GPT-2-small-shaped (12 x 768,
 vocabulary 50257; context 256, batch 4) or with --tiny a 2 x 64 one, saved once with
@@ -11,16 +13,19 @@ ways of training it:
 - full: tformer, every weight trained;
 - lora: tformer, r = 8 adapters on qkv_proj and out_proj (Hu et al. 2021's GPT-3 setting
   adapts the query and value projections; GPT-2 fuses q, k and v in one layer);
+- lora-int8: the same adapters over every linear layer of the blocks kept as int8 rows
+  (kernels/quantize.py's FrozenInt8Linear);
 - peft: GPT2LMHeadModel wrapped by peft.get_peft_model with the same adapters (c_attn and
   the attention's c_proj, r = 8, alpha 16), in a plain training loop.
 
 All three use the same optimizer (torch's fused AdamW over the parameters that train),
 gradient clipping and random tokens, with dropout off. Each run is a process of its own and
-the ways alternate `repeats` times, so the machine's drift falls on all alike. A process
+the ways alternate `repeats` times, the order reversed every other round, so the machine's
+drift falls on all alike. A process
 times `steps` optimizer steps after one warm-up step; its peak resident memory is that of
 those steps alone (the kernel's high-water mark is reset after loading, so the importer's
-transient copies do not count). Rows give medians; the ratios are LoRA / full and tformer's
-LoRA / peft's.
+transient copies do not count). Rows give medians; the ratios are LoRA / full, LoRA int8 /
+LoRA and tformer's LoRA / peft's.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ SHAPES = {
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512, "context": 32,
              "batch": 4},
 }
-MODES = ("full", "lora", "peft")
+MODES = ("full", "lora", "lora-int8", "peft")
+LABELS = {"full": "full", "lora": "LoRA r=8", "lora-int8": "LoRA int8", "peft": "peft r=8"}
+RATIOS = (("lora", "full"), ("lora-int8", "lora"), ("lora", "peft"))
 RANK, ALPHA = 8, 16.0
 
 
@@ -77,9 +84,9 @@ def load(mode: str, src: Path):  # noqa: ANN201 (an nn.Module of either library)
     from tformer.training import lora
 
     model = gpt_from_hf(read_hf_config(src), read_hf_weights(src), src)
-    if mode == "lora":
-        lora.add_adapters(model, LoRAConfig(r=RANK, alpha=ALPHA,
-                                            targets=["qkv_proj", "out_proj"]))
+    if mode != "full":
+        lora.add_adapters(model, LoRAConfig(r=RANK, alpha=ALPHA, targets=["qkv_proj", "out_proj"],
+                                            int8=mode == "lora-int8"))
     return model.train()
 
 
@@ -88,20 +95,23 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def peak_rss_mb() -> float:
+def status_mb(field: str) -> float:
+    """A memory figure of /proc/self/status (VmRSS: resident now; VmHWM: its peak)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def one_run(shape: str, mode: str, src: Path, steps: int) -> dict[str, float]:
+def one_run(shape: str, mode: str, src: Path, steps: int, batch: int) -> dict[str, float]:
     """Train `steps` steps in this process; what it measured."""
     import torch
     import torch.nn.functional as F
 
+    from tformer.training.lora import parameter_count
+
     sizes = SHAPES[shape]
-    batch, context, vocab = sizes["batch"], sizes["context"], sizes["vocab_size"]
+    context, vocab = sizes["context"], sizes["vocab_size"]
     model = load(mode, src)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
@@ -121,6 +131,7 @@ def one_run(shape: str, mode: str, src: Path, steps: int) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
 
     gc.collect()
+    set_up = status_mb("VmRSS")
     reset_peak_rss()
     step(0)  # warm-up: the optimizer's state is made here
     start = time.perf_counter()
@@ -128,25 +139,30 @@ def one_run(shape: str, mode: str, src: Path, steps: int) -> dict[str, float]:
         step(s)
     elapsed = time.perf_counter() - start
     return {
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameter_count(model),  # int8 weights included
         "trainable": sum(p.numel() for p in params),
         "tokens_per_s": steps * batch * context / elapsed,
-        "peak_rss_mb": peak_rss_mb(),
+        "set_up_rss_mb": set_up,
+        "peak_rss_mb": status_mb("VmHWM"),
     }
 
 
-def print_table(shape: str, args: argparse.Namespace, table: dict[str, dict]) -> None:
-    full, ours, theirs = table["full"], table["lora"], table["peft"]
-    print(f"GPT-2 {shape}: {SHAPES[shape]}, {args.steps} steps x {args.repeats} runs each "
-          f"(medians)")
-    print(f"{'':<22}{'full':>12}{'LoRA r=8':>12}{'peft r=8':>12}{'LoRA/full':>11}"
-          f"{'LoRA/peft':>11}")
+def print_table(shape: str, batch: int, args: argparse.Namespace,
+                table: dict[str, dict[str, float]]) -> None:
+    ratios = [(a, b) for a, b in RATIOS if a in table and b in table]
+    print(f"GPT-2 {shape}: {SHAPES[shape] | {'batch': batch}}, {args.steps} steps x "
+          f"{args.repeats} runs each (medians)")
+    header = "".join(f"{LABELS[m]:>12}" for m in table)
+    header += "".join(f"{f'{LABELS[a]} / {LABELS[b]}':>22}" for a, b in ratios)
+    print(f"{'':<22}{header}")
     for key, label, fmt in (("trainable", "trainable parameters", "{:,.0f}"),
                             ("parameters", "parameters", "{:,.0f}"),
+                            ("set_up_rss_mb", "RSS set up (MB)", "{:,.0f}"),
                             ("peak_rss_mb", "peak RSS (MB)", "{:,.0f}"),
-                            ("tokens_per_s", "tokens/s", "{:,.0f}")):
-        cells = "".join(f"{fmt.format(row[key]):>12}" for row in (full, ours, theirs))
-        print(f"{label:<22}{cells}{ours[key] / full[key]:>11.3f}{ours[key] / theirs[key]:>11.3f}")
+                            ("tokens_per_s", "tokens/s", "{:,.1f}")):
+        row = "".join(f"{fmt.format(table[m][key]):>12}" for m in table)
+        row += "".join(f"{table[a][key] / table[b][key]:>22.3f}" for a, b in ratios)
+        print(f"{label:<22}{row}")
 
 
 def main() -> None:
@@ -154,31 +170,38 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a 2 x 64 model (a quick check)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, help="sequences a step (default: the shape's)")
+    parser.add_argument("--modes", default=",".join(MODES), help="which of: " + ", ".join(MODES))
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = "tiny" if args.tiny else "small"
+    batch = args.batch or SHAPES[shape]["batch"]
     if args.one:  # a child process: one measurement, as JSON
-        print(json.dumps(one_run(shape, args.one, args.model, args.steps)))
+        print(json.dumps(one_run(shape, args.one, args.model, args.steps, batch)))
         return
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes {args.modes}: give some of {', '.join(MODES)}")
 
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
         save_model(shape, Path(tmp))
-        for _ in range(args.repeats):
-            for mode in MODES:
+        for repeat in range(args.repeats):
+            for mode in modes if repeat % 2 == 0 else modes[::-1]:
                 command = [sys.executable, __file__, "--one", mode, "--steps", str(args.steps),
-                           "--model", tmp] + (["--tiny"] if args.tiny else [])
-                out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+                           "--batch", str(batch), "--model", tmp]
+                out = subprocess.run(command + (["--tiny"] if args.tiny else []), check=True,
+                                     capture_output=True, text=True).stdout
                 runs[mode].append(json.loads(out.strip().splitlines()[-1]))
     table = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
              for mode, rs in runs.items()}
     if args.json:
-        print(json.dumps({"shape": SHAPES[shape], "steps": args.steps,
+        print(json.dumps({"shape": {**SHAPES[shape], "batch": batch}, "steps": args.steps,
                           "repeats": args.repeats, **table}))
     else:
-        print_table(shape, args, table)
+        print_table(shape, batch, args, table)
 
 
 if __name__ == "__main__":

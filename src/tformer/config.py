@@ -96,6 +96,10 @@ class LoRAConfig:
     targets: str | list[str] = "all"
     """The blocks' linear layers to adapt, by their last name (["qkv_proj", "out_proj"]), or
     "all" for every linear layer inside the blocks."""
+    int8: bool = False
+    """Keep the frozen weights of the blocks' linear layers as int8 rows while the adapters
+    train (a quarter of their fp32 memory; int8 products forward and backward): CPU, fp32,
+    with train.init_from. Checkpoints hold the adapters, merged into the fp32 base to load."""
 
     def __post_init__(self) -> None:
         check_range("train.lora.r", self.r, low=1)
@@ -186,6 +190,8 @@ class TrainConfig:
         check_range("train.muon_lr", self.muon_lr, low=0.0)
         if self.optimizer == "muon":
             self.check_muon()
+        if self.lora is not None and self.lora.int8:
+            self.check_lora_int8()
         if self.device not in ("auto", "cpu") and not self.device.startswith(("cuda", "mps")):
             raise TformerError(
                 f"train.device = {self.device!r} is not allowed; choose auto, cpu, cuda or cuda:N"
@@ -205,6 +211,26 @@ class TrainConfig:
             raise TformerError(
                 "train.optimizer = muon needs each weight matrix whole, and train.parallel = "
                 "fsdp shards them; choose train.parallel = ddp"
+            )
+
+    def check_lora_int8(self) -> None:
+        """What train.lora.int8 cannot be combined with (one line each); a device that
+        train.device = auto finds is checked when the run starts (lora.add_adapters)."""
+        if self.init_from is None:
+            # A LoRA run from scratch saves its frozen base, which int8 keeps only rounded.
+            raise TformerError(
+                "train.lora.int8 needs train.init_from (the checkpoint to adapt): a LoRA run "
+                "from scratch saves its base weights, which int8 keeps only rounded"
+            )
+        if self.precision == "bf16" or self.device.startswith(("cuda", "mps")):
+            raise TformerError(
+                f"train.lora.int8 trains on the CPU in fp32 (int8 products of fp32 rows); "
+                f"got train.precision = {self.precision}, train.device = {self.device}"
+            )
+        if self.parallel == "fsdp":
+            raise TformerError(
+                "train.lora.int8 keeps each frozen weight whole on every process, and "
+                "train.parallel = fsdp shards them; choose train.parallel = ddp"
             )
 
 

@@ -6,7 +6,7 @@ from torch import nn
 from tformer.decoding.lm import generate
 from tformer.kernels import build, matvec
 from tformer.kernels.matvec import quantize_rows
-from tformer.kernels.quantize import Int8Linear, quantize_int8
+from tformer.kernels.quantize import FrozenInt8Linear, Int8Linear, quantize_int8
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
 
@@ -283,3 +283,73 @@ def test_torchs_integer_product_is_exact_whichever_route_it_takes(k):
     want = xq.long() @ q.long().t()
     assert torch.equal(matvec._float_integer_product(xq, q).long(), want)
     assert torch.equal(matvec.integer_product(xq, q).long(), want)
+
+
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as the int8 products see them (quantize_rows), in float64."""
+    xq, scale = quantize_rows(x.contiguous())
+    return xq.double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("shape", [(1, 40), (2, 3, 40), (37, 40)])
+def test_a_frozen_int8_linear_and_its_input_gradient_are_products_of_rounded_rows(shape, isa):
+    # Forward: x's rows rounded times the rounded weight. Backward: grad_x = grad_y W, with
+    # W's row scales folded into grad_y's rows before they are rounded (W = diag(scale) q).
+    # Both against float64 products of the same rounded values, under every instruction set.
+    linear = nn.Linear(40, 27)
+    frozen = FrozenInt8Linear(linear)
+    x = torch.randn(*shape, requires_grad=True)
+    y = frozen(x)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    rows, grads = x.detach().reshape(-1, 40), grad_y.reshape(-1, 27)
+    weight = frozen.qweight.double() * frozen.scale.double()[:, None]
+    want_y = rounded_rows(rows) @ weight.T + linear.bias.double()
+    want_grad = rounded_rows(grads * frozen.scale) @ frozen.qweight.double()
+    torch.testing.assert_close(y.detach().reshape(-1, 27).double(), want_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.reshape(-1, 40).double(), want_grad, atol=1e-5, rtol=1e-5)
+    assert frozen.weight.grad is None and linear.weight.grad is None
+
+    # And against the fp32 layer it was made from, within what rounding to int8 moves.
+    x32 = x.detach().clone().requires_grad_()
+    y32 = linear(x32)
+    y32.backward(grad_y)
+    assert (y - y32).abs().max() < 0.02 * y32.abs().max()
+    assert (x.grad - x32.grad).abs().max() < 0.02 * x32.grad.abs().max()
+
+
+def test_a_frozen_int8_linear_gets_the_same_bits_on_every_instruction_set(monkeypatch,
+                                                                          reload_kernel):
+    linear = nn.Linear(70, 45)
+    x, grad_y = torch.randn(33, 70), torch.randn(33, 45)
+    results = {}
+    for name in build.ISAS:
+        monkeypatch.setenv("TFORMER_ISA", name)
+        matvec.load.cache_clear()
+        if matvec.isa() != name:
+            continue
+        rows = x.clone().requires_grad_()
+        y = FrozenInt8Linear(linear)(rows)
+        y.backward(grad_y)
+        results[name] = (y.detach(), rows.grad)
+    assert "torch" in results
+    first = next(iter(results.values()))
+    for name, got in results.items():
+        assert all(map(torch.equal, got, first)), name
+
+
+def test_a_frozen_int8_linear_gives_its_bias_a_gradient_only_where_it_trains():
+    linear = nn.Linear(8, 5)
+    frozen = FrozenInt8Linear(linear)
+    x, grad_y = torch.randn(3, 8), torch.randn(3, 5)
+    frozen(x).backward(grad_y)
+    torch.testing.assert_close(linear.bias.grad, grad_y.sum(0))
+    linear.bias.grad = None
+    linear.bias.requires_grad_(False)
+    out = frozen(x.requires_grad_())
+    out.backward(grad_y)
+    assert linear.bias.grad is None and x.grad is not None
+    # Other dtypes go through the dequantized weight, with autograd's own gradient.
+    x64 = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    frozen(x64).sum().backward()
+    torch.testing.assert_close(x64.grad, frozen.weight.double().sum(0).expand(3, 8))

@@ -3,7 +3,9 @@ checkpoints of a LoRA run and its base reference, exact resume, and every family
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -19,10 +21,11 @@ from tformer import loading
 from tformer.cli import main
 from tformer.config import LoRAConfig, config_from_dict
 from tformer.errors import TformerError
+from tformer.kernels.quantize import FrozenInt8Linear
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.registry import get_family
 from tformer.training import lora
-from tformer.training.trainer import start_run
+from tformer.training.trainer import optimizer_step, start_run, stop_requests
 
 TINY = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.context=8",
         "train.batch_size=2", "train.steps=4", "train.eval_every=2", "train.checkpoint_every=2",
@@ -124,7 +127,6 @@ def test_only_the_adapters_train_and_have_optimizer_state(tmp_path, tiny_corpus)
     assert in_optimizer == {f"blocks.{i}.attn.qkv_proj.lora_{ab}.weight"
                             for i in range(2) for ab in "AB"}
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-    from tformer.training.trainer import optimizer_step, stop_requests
 
     with stop_requests() as stop:
         optimizer_step(run, stop)
@@ -232,13 +234,16 @@ main(sys.argv[1:])
 """
 
 
-def test_a_killed_and_resumed_lora_run_ends_as_an_uninterrupted_one(tmp_path, tiny_corpus):
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_killed_and_resumed_lora_run_ends_as_an_uninterrupted_one(tmp_path, tiny_corpus,
+                                                                    int8):
+    # With train.lora.int8 the resumed run rounds its base again from the fp32 checkpoint.
     config = gpt_config(tmp_path, tiny_corpus)
     base = tmp_path / "base"
     assert main(["train", str(config), "--out", str(base), *TINY]) == 0
     lora_run = [*TINY, "train.steps=6", "train.eval_every=3",
                 f"train.init_from={base}", "train.lora.r=2", "train.lora.dropout=0.2",
-                "model.dropout=0.1", "train.accumulate=2"]
+                "model.dropout=0.1", "train.accumulate=2", f"train.lora.int8={str(int8).lower()}"]
     straight = tmp_path / "straight"
     assert main(["train", str(config), "--out", str(straight), *lora_run]) == 0
     killed = tmp_path / "killed"
@@ -256,6 +261,97 @@ def test_a_killed_and_resumed_lora_run_ends_as_an_uninterrupted_one(tmp_path, ti
     rows = [[r.split(",")[:3] for r in (run / "metrics.csv").read_text().splitlines()]
             for run in (straight, killed)]
     assert rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("family", ["gpt", "seq2seq", "transformer-xl"])
+def test_an_int8_base_keeps_every_block_linear_as_int8_and_trains_the_adapters(family):
+    model, fp32 = tiny_model(family), tiny_model(family)  # eval(): no dropout to differ
+    fp32.load_state_dict(model.state_dict())
+    linears = lora.block_linears(model)
+    torch.manual_seed(0)
+    names = lora.add_adapters(model, LoRAConfig(r=2, targets=["out_proj"], int8=True))
+    torch.manual_seed(0)
+    assert lora.add_adapters(fp32, LoRAConfig(r=2, targets=["out_proj"])) == names
+    for name in linears:  # adapted or not, no fp32 weight is left in the blocks
+        layer = model.get_submodule(name)
+        kind = lora.Int8LoRALinear if name in names else FrozenInt8Linear
+        assert type(layer) is kind, name
+        assert not any(n.endswith("weight") and "lora_" not in n
+                       for n, _ in layer.named_parameters()), name
+    held = {n: t for n, t in model.state_dict().items() if n.rsplit(".", 1)[0] in linears}
+    assert all(n.endswith("bias") for n in held)
+    # The same adapters draw the same numbers; the outputs differ by int8's rounding only.
+    theirs = lora.adapter_state(fp32)
+    assert all(torch.equal(t, theirs[n]) for n, t in lora.adapter_state(model).items())
+    randomise_adapters(model)
+    randomise_adapters(fp32)
+    tokens = torch.randint(0, 23, (2, 8))
+    out, want = forward(model, family, tokens), forward(fp32, family, tokens)
+    assert (out - want).abs().max() < 0.05 * want.abs().max()
+    out.square().mean().backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained)
+
+
+def test_an_int8_lora_run_learns_and_loads_into_the_fp32_base(tmp_path, tiny_corpus, capsys):
+    config = gpt_config(tmp_path, tiny_corpus)
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    assert main(["train", str(config), "--out", str(base), *TINY]) == 0
+    int8 = [*TINY, "train.steps=12", "train.eval_every=12", "train.checkpoint_every=12",
+            f"train.init_from={base}", "train.lora.r=4", "train.lora.int8=true"]
+    capsys.readouterr()
+    assert main(["train", str(config), "--out", str(tuned), *int8]) == 0
+    step = loading.step_dir(tuned, 12)
+    trained = sum(t.numel() for t in load_file(step / loading.ADAPTERS).values())
+    every = trained + sum(p.numel() for p in loading.load_checkpoint(base).model.parameters())
+    err = capsys.readouterr().err  # the int8 weights are counted
+    assert f"lora    {trained:,} of {every:,} parameters train" in err and "in int8" in err
+    # Trained on one batch over and over (in the run's config), its loss comes down as the
+    # same adapters' over the fp32 base do.
+    cfg = config_from_dict(json.loads((tuned / loading.CONFIG).read_text()))
+    losses = {}
+    for int8_base in (True, False):
+        lora_cfg = dataclasses.replace(cfg.train.lora, int8=int8_base)
+        run = start_run(cfg.replace("train", lora=lora_cfg), tmp_path / f"{int8_base}", None)
+        run.batches = itertools.repeat(next(run.batches))
+        with stop_requests() as stop:
+            losses[int8_base] = [optimizer_step(run, stop).loss for _ in range(10)]
+        adapters = {id(p) for n, p in run.model.named_parameters() if ".lora_" in n}
+        assert {id(p) for g in run.optimizer.param_groups for p in g["params"]} == adapters
+        assert {id(p) for p in run.optimizer.state} == adapters
+    assert losses[True][-1] < losses[True][0] - 0.05, losses
+    assert max(abs(a - b) for a, b in zip(losses[True], losses[False], strict=True)) < 0.02, losses
+    assert sorted(p.name for p in step.iterdir() if "safetensors" in p.name) == [
+        loading.ADAPTERS]
+    # Loaded, the adapters are merged into the fp32 base: no int8 layer is left.
+    loaded = loading.load_checkpoint(step).model
+    model = loading.load_checkpoint(base).model
+    lora.add_adapters(model, LoRAConfig(r=4))
+    lora.load_adapters(model, load_file(step / loading.ADAPTERS), step)
+    lora.merge(model)
+    assert not any(isinstance(m, FrozenInt8Linear) for m in loaded.modules())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert main(["evaluate", str(tuned), "--json"]) == 0
+
+
+@pytest.mark.parametrize("change, message", [
+    ([], "needs train.init_from"),
+    (["train.init_from=somewhere", "train.precision=bf16"], "trains on the CPU in fp32"),
+    (["train.init_from=somewhere", "train.device=cuda"], "trains on the CPU in fp32"),
+    (["train.init_from=somewhere", "train.parallel=fsdp"], "choose train.parallel = ddp"),
+])
+def test_an_int8_base_is_refused_where_it_cannot_train(change, message):
+    with pytest.raises(TformerError, match=message) as caught:
+        config_from_dict({}, ["train.lora.int8=true", *change])
+    assert "\n" not in str(caught.value)
+
+
+def test_an_int8_base_off_the_cpu_is_a_one_line_error():
+    model = tiny_model("gpt").to("meta")  # as train.device = auto would find a GPU
+    with pytest.raises(TformerError, match="train.lora.int8 trains on the CPU.*on meta"):
+        lora.add_adapters(model, LoRAConfig(int8=True))
 
 
 def test_a_seq2seq_lora_trains_and_translates(tmp_path, capsys, monkeypatch):
@@ -280,13 +376,13 @@ def test_a_seq2seq_lora_trains_and_translates(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_train_the_adapters_as_one(tmp_path, tiny_corpus, parallel):
+@pytest.mark.parametrize("parallel, int8", [("ddp", False), ("fsdp", False), ("ddp", True)])
+def test_two_processes_train_the_adapters_as_one(tmp_path, tiny_corpus, parallel, int8):
     config = gpt_config(tmp_path, tiny_corpus)
     base = tmp_path / "base"
     assert main(["train", str(config), "--out", str(base), *TINY]) == 0
     args = [*TINY, "train.batch_size=4", "train.accumulate=2", f"train.parallel={parallel}",
-            f"train.init_from={base}", "train.lora.r=2"]
+            f"train.init_from={base}", "train.lora.r=2", f"train.lora.int8={str(int8).lower()}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for out, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone",
                                                  "--nproc_per_node=2"])):

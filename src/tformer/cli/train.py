@@ -123,7 +123,8 @@ def training_summary(cfg: RunConfig, start: dict[str, Any], run_dir: Path, step:
         targets = t.lora.targets if t.lora.targets == "all" else ", ".join(t.lora.targets)
         lines.append(f"  lora    {start['trainable']:,} of {n:,} parameters train "
                      f"({100 * start['trainable'] / n:.2f}%): r {t.lora.r}, alpha "
-                     f"{t.lora.alpha:g}, targets {targets}")
+                     f"{t.lora.alpha:g}, targets {targets}"
+                     + (", the blocks' frozen weights in int8" if t.lora.int8 else ""))
     if "data" in start:
         lines.append(f"  data    {start['data']}")
     lines.append(

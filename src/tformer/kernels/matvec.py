@@ -453,6 +453,18 @@ def int8_reference(
     return y if bias is None else y.add_(bias)
 
 
+def scaled_integer_product(
+    xq: Tensor, xscale: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """int8_reference's result, bit for bit, for q (N x K) int8 or a transposed view of
+    one, the scaling done in place by the kernel where it is built (Int8Linear's training
+    twin, quantize.FrozenInt8Linear, multiplies by W and by W^T)."""
+    lib = load()
+    if lib is None:
+        return int8_reference(xq, xscale, q, wscale, bias)
+    return _int_mm_scaled(lib, xq, xscale, q, wscale, bias)
+
+
 EXACT_K = 1040
 """fp32 sums of this many int8 products are exact: every partial sum is an integer below
 1040 * 127^2 < 2^24, which fp32 holds exactly, whatever order a matmul adds them in."""

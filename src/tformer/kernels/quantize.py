@@ -1,4 +1,4 @@
-"""Int8 linear layers for CPU inference.
+"""Int8 linear layers for CPU inference, and frozen ones for training beside them.
 
 Every nn.Linear becomes an int8 one. Its weight is rounded to int8 once, with one fp32
 scale per output row (symmetric: the largest weight of a row maps to 127). At each call the
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from tformer.errors import TformerError
 from tformer.kernels import matvec
@@ -75,6 +76,74 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class _FrozenInt8Product(torch.autograd.Function):
+    """y = x W^T + b and its input gradient grad_x = grad_y W, both as int8 products summed
+    exactly: the rows of x, and those of grad_y, rounded to int8 with one scale each, as
+    SwitchBack does for the same two products (Wortsman et al. 2023, "Stable and low-precision
+    training for large-scale vision-language models"). W (as q and its row scales) and b are
+    frozen: the weight gets no gradient, and the product that would make it never runs.
+
+    x: (M, in) fp32, contiguous -> (M, out).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, q: Tensor, wscale: Tensor, bias: Tensor | None
+    ) -> Tensor:
+        ctx.save_for_backward(q, wscale)
+        ctx.has_bias = bias is not None
+        return matvec.scaled_integer_product(*matvec.quantize_rows(x), q, wscale, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, wscale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # grad_x[i, k] = sum_j grad_y[i, j] wscale[j] q[j, k]: W's scale varies along the
+            # sum, so it goes into grad_y's rows before they are rounded.
+            gq, gscale = matvec.quantize_rows((grad_y * wscale).contiguous())
+            ones = wscale.new_ones(q.shape[1])
+            grad_x = matvec.scaled_integer_product(gq, gscale, q.t(), ones, None)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = grad_y.sum(0)
+        return grad_x, None, None, grad_bias
+
+
+class FrozenInt8Linear(nn.Module):
+    """A frozen nn.Linear kept as int8 rows, a quarter of its weight's bytes, for training
+    the layers around it on the CPU (LoRA's base, train.lora.int8): y = x W^T + b, and the
+    gradient to x, as int8 products (_FrozenInt8Product); W gets no gradient.
+
+    x: (..., in_features) -> (..., out_features). Made from an nn.Linear, whose weight it
+    rounds as Int8Linear does (one fp32 scale per output row); the bias is shared with it.
+    Rows that are not fp32 on the CPU go through the dequantized weight instead.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # Plain tensors, not buffers: rounded again from the fp32 weight whenever a run
+        # starts, so never saved, and not broadcast by DDP at every step as buffers are.
+        self.qweight, self.scale = matvec.quantize_rows(linear.weight.detach().float().contiguous())
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> Tensor:
+        """The weight as the products see it, in fp32 (Int8Linear.weight's)."""
+        return self.qweight.float() * self.scale[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, self.weight.to(x), None if self.bias is None else self.bias.to(x))
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = _FrozenInt8Product.apply(rows, self.qweight, self.scale, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8, frozen"
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:

@@ -12,12 +12,20 @@ nn.ModuleList), never the embeddings or the output head, picked by their last na
 weight's and bias's names, so a model's base weights load into it unchanged; the adapters
 are `<layer>.lora_A.weight` and `<layer>.lora_B.weight`, PEFT's names.
 
+With train.lora.int8 the frozen weights of the blocks' linear layers, adapted or not, are
+kept as int8 rows while the adapters train (kernels/quantize.py's FrozenInt8Linear: a
+quarter of their fp32 bytes, and the products int8 ones), as QLoRA keeps its base in four
+bits (Dettmers et al. 2023). They are rounded again from the fp32 base whenever a run starts
+or resumes, the same way every time, so checkpoints still hold the adapters alone.
+
 For inference the adapters are merged into the weights (W + (alpha / r) B A): the merged
 model is a plain one, and every decoding fast path that reads a layer's weight applies.
+Adapters trained over int8 weights are merged into the fp32 ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +39,7 @@ from torch import Tensor, nn
 
 from tformer.config import LoRAConfig
 from tformer.errors import TformerError, did_you_mean
+from tformer.kernels.quantize import FrozenInt8Linear
 
 ADAPTER_MODULES = ("lora_A", "lora_B", "lora_dropout")
 
@@ -41,9 +50,12 @@ class LoRALinear(nn.Linear):
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float) -> None:
         nn.Module.__init__(self)  # the base's parameters are taken over, not made anew
-        self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.bias = base.bias
+        self._add_adapter(base, r, alpha, dropout)
+
+    def _add_adapter(self, base: nn.Linear, r: int, alpha: float, dropout: float) -> None:
+        self.in_features, self.out_features = base.in_features, base.out_features
         kind = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_A = nn.Linear(base.in_features, r, bias=False, **kind)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, **kind)
@@ -53,13 +65,39 @@ class LoRALinear(nn.Linear):
         self.lora_dropout = nn.Dropout(dropout)
         self.scaling = alpha / r
 
+    def frozen(self, x: Tensor) -> Tensor:
+        """W x + b, the part that does not train."""
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: Tensor) -> Tensor:
         update = self.lora_B(self.lora_A(self.lora_dropout(x)))
-        return F.linear(x, self.weight, self.bias) + update * self.scaling
+        return self.frozen(x) + update * self.scaling
 
     def delta(self) -> Tensor:
         """(alpha / r) B A: what merging adds to the weight."""
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+
+class Int8LoRALinear(LoRALinear):
+    """A LoRALinear whose frozen weight is kept as int8 rows (quantize.FrozenInt8Linear, a
+    quarter of its fp32 bytes) for training on the CPU: train.lora.int8. Its `weight` is the
+    rounded one, in fp32; the adapters are a LoRALinear's."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float) -> None:
+        nn.Module.__init__(self)
+        self.base_int8 = FrozenInt8Linear(base)
+        self._add_adapter(base, r, alpha, dropout)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.base_int8.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.base_int8.bias
+
+    def frozen(self, x: Tensor) -> Tensor:
+        return self.base_int8(x)
 
 
 def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -94,15 +132,31 @@ def target_modules(model: nn.Module, cfg: LoRAConfig) -> list[str]:
 
 def add_adapters(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     """Freeze every weight of `model` and put an adapter on each target layer, in place;
-    the names of the adapted layers."""
+    the names of the adapted layers. With cfg.int8 every linear layer of the blocks, adapted
+    or not, keeps its weight as int8 rows from then on (the model must be on the CPU)."""
     names = target_modules(model, cfg)
     for p in model.parameters():
         p.requires_grad_(False)
-    for name in names:
+    if cfg.int8:
+        check_int8_device(model)
+    adapted = Int8LoRALinear if cfg.int8 else LoRALinear
+    for name, linear in block_linears(model).items():
+        if name in names:
+            layer = adapted(linear, cfg.r, cfg.alpha, cfg.dropout)
+        elif cfg.int8:
+            layer = FrozenInt8Linear(linear)
+        else:
+            continue
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), cfg.r, cfg.alpha, cfg.dropout))
+        setattr(model.get_submodule(parent_name), child, layer)
     return names
+
+
+def check_int8_device(model: nn.Module) -> None:
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise TformerError(f"train.lora.int8 trains on the CPU (its int8 products take fp32 "
+                           f"rows there), and this run is on {device}; set train.device=cpu")
 
 
 def adapted_layers(model: nn.Module) -> dict[str, LoRALinear]:
@@ -116,6 +170,12 @@ def adapter_state(model: nn.Module) -> dict[str, Tensor]:
         for name, layer in adapted_layers(model).items()
         for part in ("lora_A", "lora_B")
     }
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Every weight of the model, those kept as int8 rows (train.lora.int8) included."""
+    int8 = sum(m.qweight.numel() for m in model.modules() if isinstance(m, FrozenInt8Linear))
+    return int8 + sum(p.numel() for p in model.parameters())
 
 
 def trainable_parameters(model: nn.Module) -> int:
@@ -173,7 +233,8 @@ def merge_adapters(model: nn.Module, file: Path, cfg: LoRAConfig) -> None:
     """Add the adapters saved in `file` (trained with `cfg`) to a plain model's weights;
     which weights train stays as it was."""
     trains = {name: p.requires_grad for name, p in model.named_parameters()}
-    add_adapters(model, cfg)
+    # Into the fp32 weights, also for adapters trained over their int8 copy (cfg.int8).
+    add_adapters(model, dataclasses.replace(cfg, int8=False))
     load_adapters(model, read_adapters(file), file)
     merge(model)
     for name, p in model.named_parameters():

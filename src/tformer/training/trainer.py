@@ -207,7 +207,7 @@ def run_summary(run: Run) -> dict[str, Any]:
     # The task's own description is optional: a family without one still trains.
     described = getattr(run.task, "summary", dict)()
     return {
-        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "parameters": lora.parameter_count(run.model),
         "trainable": lora.trainable_parameters(run.model),
         "device": str(run.device), "threads": torch.get_num_threads(),
         "processes": run.procs.world_size, "vocabulary": run.task.tokenizer.vocab_size,
