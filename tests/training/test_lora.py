@@ -58,6 +58,14 @@ def tiny_model(family: str) -> nn.Module:
 def forward(model: nn.Module, family: str, tokens: torch.Tensor) -> torch.Tensor:
     if family == "seq2seq":
         return model(tokens, torch.ones_like(tokens, dtype=torch.bool), tokens[:, :4])
+    if family == "transformer-xl":
+        # Two segments, the second over the first's memory: the memory's keys and values
+        # go through the adapted projection too.
+        from tformer.models.transformer_xl import Memory
+
+        memory = Memory(model.cfg.mem_len)
+        first = model(tokens[:, :4], memory=memory)
+        return torch.cat([first, model(tokens[:, 4:], memory=memory)], dim=1)
     out = model(tokens)
     return out[0] if isinstance(out, tuple) else out
 

@@ -263,7 +263,7 @@ class RelativeAttention(nn.Module):
         if memory_kv is not None:
             k_mem, v_mem = memory_kv
         elif memory is not None:
-            k_mem, v_mem = F.linear(memory, self.qkv_proj.weight[width:]).split(width, dim=-1)
+            k_mem, v_mem = output_rows(self.qkv_proj, memory, width).split(width, dim=-1)
             k_mem, v_mem = self._heads(k_mem), self._heads(v_mem)
         if memory_kv is not None or memory is not None:
             k, values = torch.cat([k_mem, k], dim=2), torch.cat([v_mem, values], dim=2)
@@ -279,6 +279,15 @@ class RelativeAttention(nn.Module):
             self.recorded.append(probs.detach())
         probs = dropout(probs, self.attn_dropout, self.training)
         return self.out_proj((probs @ values).transpose(1, 2).flatten(2)), (k, values)
+
+
+def output_rows(linear: nn.Module, x: Tensor, start: int) -> Tensor:
+    """linear(x)[..., start:] of a bias-free linear layer without computing the outputs
+    before `start` (the memory needs keys and values, not queries). A layer that changes
+    its outputs beyond its weight (a LoRA adapter, training.lora.LoRALinear) says how
+    through its own `output_rows`."""
+    own = getattr(linear, "output_rows", None)
+    return own(x, start) if own is not None else F.linear(x, linear.weight[start:])
 
 
 class TransformerXLBlock(nn.Module):

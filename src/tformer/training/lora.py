@@ -73,6 +73,12 @@ class LoRALinear(nn.Linear):
         update = self.lora_B(self.lora_A(self.lora_dropout(x)))
         return self.frozen(x) + update * self.scaling
 
+    def output_rows(self, x: Tensor, start: int) -> Tensor:
+        """self(x)[..., start:] without the outputs before `start`, the adapter's update
+        included (for a bias-free layer: Transformer-XL projects its memory so)."""
+        update = F.linear(self.lora_A(self.lora_dropout(x)), self.lora_B.weight[start:])
+        return F.linear(x, self.weight[start:]) + update * self.scaling
+
     def delta(self) -> Tensor:
         """(alpha / r) B A: what merging adds to the weight."""
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
