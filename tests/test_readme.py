@@ -10,6 +10,7 @@ temporary directory first. torchrun lines are checked for their tformer part onl
 from __future__ import annotations
 
 import io
+import json
 import re
 import shlex
 import sys
@@ -56,8 +57,12 @@ def test_the_readme_has_commands_for_every_subcommand():
 def workdir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("readme")
     # Shakespeare's characters, those of the README's chat template among them.
-    text = "ROMEO:\nBefore we proceed any further, hear me speak.\nUSER: ASSISTANT:\n" * 40
+    text = ("ROMEO:\nBefore we proceed any further, hear me speak.\nUSER: ASSISTANT:\n"
+            "user: assistant:\n") * 40
     (tmp / "corpus.txt").write_text(text, encoding="utf-8")
+    chat = {"messages": [{"role": "user", "content": "hear me"},
+                         {"role": "assistant", "content": "speak"}]}
+    (tmp / "chat.jsonl").write_text((json.dumps(chat) + "\n") * 12, encoding="utf-8")
     (tmp / "other-text.txt").write_text(text[:600], encoding="utf-8")
     en = [str(n) for n in range(1, 60)]
     de = [f"z{n}" for n in range(1, 60)]
@@ -90,7 +95,8 @@ def run_line(line: str, tmp: Path, monkeypatch, capsys) -> int:
     words = ["train.steps=12" if w.startswith("train.steps=") else w for w in words]
     if words[0] == "train" and "--resume" not in words:
         config = load_small_config(words[1])
-        words += SMALL + [w.format(tmp=tmp) for w in config]
+        given = {w.split("=", 1)[0] for w in words if "=" in w}  # the line's own data
+        words += SMALL + [w.format(tmp=tmp) for w in config if w.split("=", 1)[0] not in given]
     monkeypatch.chdir(tmp)
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin or ""))
     capsys.readouterr()
