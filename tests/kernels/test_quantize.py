@@ -141,17 +141,22 @@ def test_int8_linear_gives_the_same_bits_with_and_without_packed_weights(kernel_
         assert torch.equal(int8(x), packed)
 
 
+def instruction_sets(monkeypatch):
+    """Each instruction set this CPU runs, with matvec's kernel loaded for it in turn."""
+    for name in build.ISAS:
+        monkeypatch.setenv("TFORMER_ISA", name)
+        matvec.load.cache_clear()
+        if matvec.isa() == name:
+            yield name
+
+
 def test_every_instruction_set_gives_the_same_bits(monkeypatch, reload_kernel):
     # The same layer and rows under each instruction set this CPU runs, from one row to
     # many: AVX-512 VNNI, AVX2 and torch agree bit for bit.
     linear = nn.Linear(70, 45)
     x = torch.randn(33, 70)
     results = {}
-    for name in build.ISAS:
-        monkeypatch.setenv("TFORMER_ISA", name)
-        matvec.load.cache_clear()
-        if matvec.isa() != name:
-            continue
+    for name in instruction_sets(monkeypatch):
         int8 = Int8Linear(linear)
         with torch.no_grad():
             results[name] = [int8(x[:rows]) for rows in (1, 3, 8, 33)]
@@ -323,11 +328,7 @@ def test_a_frozen_int8_linear_gets_the_same_bits_on_every_instruction_set(monkey
     linear = nn.Linear(70, 45)
     x, grad_y = torch.randn(33, 70), torch.randn(33, 45)
     results = {}
-    for name in build.ISAS:
-        monkeypatch.setenv("TFORMER_ISA", name)
-        matvec.load.cache_clear()
-        if matvec.isa() != name:
-            continue
+    for name in instruction_sets(monkeypatch):
         rows = x.clone().requires_grad_()
         y = FrozenInt8Linear(linear)(rows)
         y.backward(grad_y)
