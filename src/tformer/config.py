@@ -197,7 +197,6 @@ class TrainConfig:
                 f"train.device = {self.device!r} is not allowed; choose auto, cpu, cuda or cuda:N"
             )
 
-
     def check_muon(self) -> None:
         """What Muon cannot be combined with (one line each)."""
         if self.lora is not None:

@@ -28,7 +28,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tformer.data.tokenizers import CHAT_TEMPLATE, Tokenizer, special_names
+from tformer.data.tokenizers import (
+    CHAT_TEMPLATE,
+    Tokenizer,
+    read_chat_template_file,
+    special_names,
+)
 from tformer.errors import TformerError
 
 TEMPLATE_FILE = CHAT_TEMPLATE
@@ -143,11 +148,8 @@ def load_chat_template(checkpoint: Path, override: str | Path | None,
         if override is not None:
             raise TformerError(f"--chat-template {override}: no such file")
         return None
-    try:
-        source = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TformerError(f"cannot read the chat template {path}: {e}") from None
-    return ChatTemplate(source, special_tokens=special_tokens, origin=str(path))
+    return ChatTemplate(read_chat_template_file(path), special_tokens=special_tokens,
+                        origin=str(path))
 
 
 def special_tokens(tokenizer: Tokenizer) -> dict[str, str]:

@@ -470,11 +470,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise TformerError(f"cannot read tokenizer {path}: {e}") from e
     template = path.with_name(CHAT_TEMPLATE)
     if template.is_file():
-        try:
-            tokenizer.chat_template = template.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TformerError(f"cannot read the chat template {template}: {e}") from None
+        tokenizer.chat_template = read_chat_template_file(template)
     return tokenizer
+
+
+def read_chat_template_file(path: Path) -> str:
+    """A chat template's text; unreadable is a one-line error naming the file."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TformerError(f"cannot read the chat template {path}: {e}") from None
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:

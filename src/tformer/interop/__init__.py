@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tformer.data.tokenizers import CHAT_TEMPLATE
+from tformer.data.tokenizers import CHAT_TEMPLATE, read_chat_template_file
 from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
@@ -62,10 +62,7 @@ def read_chat_template(src: Path, tokenizer_config: dict[str, Any]) -> str | Non
     ones (of which the "default"); None when it has none."""
     file = src / CHAT_TEMPLATE
     if file.is_file():
-        try:
-            return file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TformerError(f"cannot read {file}: {e}") from None
+        return read_chat_template_file(file)
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -62,8 +62,7 @@ def serve_command(
     require_serving_packages()
     import uvicorn
 
-    from tformer.data.chat import load_chat_template
-    from tformer.data.tokenizers import special_names
+    from tformer.data.chat import load_chat_template, special_tokens
     from tformer.kernels.quantize import inference_model
     from tformer.loading import load_checkpoint
     from tformer.registry import get_family
@@ -111,8 +110,7 @@ def serve_command(
                                f"{loaded.label} is a {family.name} model")
         engine = TranslationBatcher(model, tokenizer, window=batch_window_ms / 1000,
                                     batch_size=max(max_batch, 32), max_waiting=max_waiting)
-    specials = {f"{key}_token": token for key, token in special_names(tokenizer).items()
-                if token is not None}
+    specials = special_tokens(tokenizer)
     template = load_chat_template(loaded.path, chat_template, specials) if kind == "lm" else None
     app = create_app(engine, tokenizer, model_name=name, kind=kind, api_key=api_key,
                      limits=Limits(max_body_bytes=max_body_bytes),
