@@ -13,13 +13,14 @@ def naive(q, k, v, length, rows=None, bias=None):
     """The step's attention row by row and head by head, in float64, with plain loops over
     the table of buffer rows."""
     n, heads, d = q.shape
-    group = n // k.shape[0]
+    group, kv_group = n // k.shape[0], heads // k.shape[1]
     out = torch.empty(n, heads, v.shape[-1], dtype=torch.float64)
     for i in range(n):
         source = [int(rows[i, s]) if rows is not None else i // group for s in range(length)]
         for h in range(heads):
-            keys = torch.stack([k[r, h, s] for s, r in enumerate(source)]).double()
-            values = torch.stack([v[r, h, s] for s, r in enumerate(source)]).double()
+            g = h // kv_group  # the key/value head query head h shares
+            keys = torch.stack([k[r, g, s] for s, r in enumerate(source)]).double()
+            values = torch.stack([v[r, g, s] for s, r in enumerate(source)]).double()
             scores = keys @ q[i, h].double() / math.sqrt(d)
             if bias is not None:
                 scores = scores + torch.stack([bias[r, s] for s, r in enumerate(source)]).double()
@@ -29,20 +30,22 @@ def naive(q, k, v, length, rows=None, bias=None):
 
 @native
 @pytest.mark.parametrize(
-    "n, r, heads, d, dv, length, positions",
+    "n, r, heads, kv_heads, d, dv, length, positions",
     [
-        (4, 4, 8, 64, 64, 30, 40),  # OPUS-MT's heads, beam 4
-        (6, 3, 2, 12, 5, 9, 9),  # a vector and a remainder; values narrower than keys
-        (5, 5, 1, 5, 7, 1, 3),  # one position, no full vector
-        (64, 64, 4, 32, 32, 37, 50),  # many rows: the threaded loop
-        (3, 3, 2, 76, 80, 19, 20),  # values over 64 wide: eight registers, then the rest
+        (4, 4, 8, 8, 64, 64, 30, 40),  # OPUS-MT's heads, beam 4
+        (3, 3, 9, 3, 64, 64, 21, 24),  # SmolLM2's: nine query heads share three
+        (2, 2, 4, 1, 12, 12, 9, 9),  # multi-query
+        (6, 3, 2, 2, 12, 5, 9, 9),  # a vector and a remainder; values narrower than keys
+        (5, 5, 1, 1, 5, 7, 1, 3),  # one position, no full vector
+        (64, 64, 4, 4, 32, 32, 37, 50),  # many rows: the threaded loop
+        (3, 3, 2, 2, 76, 80, 19, 20),  # values over 64 wide: eight registers, then the rest
     ],
 )
-def test_the_kernel_reads_each_position_from_its_buffer_row(n, r, heads, d, dv, length,
-                                                             positions):
+def test_the_kernel_reads_each_position_from_its_buffer_row(n, r, heads, kv_heads, d, dv,
+                                                             length, positions):
     torch.manual_seed(n * d + length)
     q = torch.randn(n, heads, d)
-    k, v = torch.randn(r, heads, positions, d), torch.randn(r, heads, positions, dv)
+    k, v = torch.randn(r, kv_heads, positions, d), torch.randn(r, kv_heads, positions, dv)
     rows = torch.randint(0, r, (n, positions))
     got = attend_step(q, k, v, length, rows=rows)
     torch.testing.assert_close(got, naive(q, k, v, length, rows).float(), atol=2e-6, rtol=1e-5)
@@ -110,7 +113,8 @@ def test_torch_computes_the_same_where_there_is_no_kernel(monkeypatch, reload_ke
     monkeypatch.setenv("TFORMER_NATIVE", "0")
     assert matvec.load() is None and not attend.serves(torch.zeros(1))
     torch.manual_seed(1)
-    q, k, v = torch.randn(6, 2, 12), torch.randn(3, 2, 9, 12), torch.randn(3, 2, 9, 5)
+    # four query heads sharing two key/value heads
+    q, k, v = torch.randn(6, 4, 12), torch.randn(3, 2, 9, 12), torch.randn(3, 2, 9, 5)
     rows = torch.randint(0, 3, (6, 9))
     torch.testing.assert_close(attend_step(q, k, v, 8, rows=rows),
                                naive(q, k, v, 8, rows).float(), atol=2e-6, rtol=1e-5)
@@ -142,6 +146,9 @@ def test_bad_shapes_are_clear_errors():
         attend_step(q[:4], k, v, 4, bias=torch.zeros(1, 4))
     with pytest.raises(ValueError, match="over keys"):
         attend_step(q, k, v[:, :, :, :5].repeat(1, 2, 1, 1), 4, rows=torch.zeros(5, 4).long())
+    with pytest.raises(ValueError, match="over keys"):  # 3 query heads cannot share 2
+        attend_step(torch.randn(5, 3, 8), k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), 4,
+                    rows=torch.zeros(5, 4).long())
 
 
 @native

@@ -23,7 +23,7 @@ def reference(x, weight, bias):
 
 
 @native
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9])  # 7, 9: groups of four and the rest
 @pytest.mark.parametrize(
     "n, k",
     [
@@ -58,9 +58,9 @@ def test_the_kernel_keeps_the_leading_dimensions_and_reads_strided_inputs():
 def test_a_row_gets_the_same_bits_whatever_rows_come_with_it():
     # Batched and one-at-a-time decoding then agree exactly while the kernel serves both.
     weight, b = torch.randn(101, 300), torch.randn(101)
-    x = torch.randn(4, 300)
-    alone = torch.cat([matvec.matvec(x[i : i + 1], weight, b) for i in range(4)])
-    for rows in (2, 3, 4):
+    x = torch.randn(10, 300)
+    alone = torch.cat([matvec.matvec(x[i : i + 1], weight, b) for i in range(10)])
+    for rows in (2, 3, 4, 5, 8, 10):
         assert torch.equal(matvec.matvec(x[:rows], weight, b), alone[:rows])
     assert torch.equal(matvec.matvec(x.flip(0), weight, b), alone.flip(0))
 

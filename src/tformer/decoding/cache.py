@@ -252,7 +252,8 @@ class DecoderCache:
             )
         self.step: object | None = None
         """Kept for the model that made the cache: its layers prepared for one-call decoding
-        steps over these caches (Seq2Seq: kernels/step.py's DecoderStep), or None."""
+        steps over these caches (kernels/step.py: Seq2Seq's DecoderStep, GPT's LMStep), or
+        None."""
 
     @property
     def length(self) -> int:
@@ -272,6 +273,7 @@ class DecoderCache:
         )
         if self.is_real is not None:
             narrowed.is_real = self.is_real[rows]
+        narrowed.step = self.step
         return narrowed
 
     def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:

@@ -21,6 +21,9 @@
  *     score[s] = (q[i, h] . k[r(i, s), h, s]) * scale + bias[r(i, s), s]
  *     out[i, h] = sum_s exp(score[s] - max) v[r(i, s), h, s] / sum_s exp(score[s] - max)
  *
+ * With grouped-query attention (Ainslie et al. 2023) the query heads share key/value heads
+ * in groups of kv_group: query head h reads key/value head h / kv_group.
+ *
  * Float rounding differs from torch's attention (other summation orders).
  */
 #include <immintrin.h>
@@ -73,7 +76,8 @@ static inline void fetch(const float *p, long n)
 
 /* Strides are in floats (rows: in int64s); the last axis of q, k, v and out is contiguous.
  *   q     (n, H, d):  q + i * q_row + h * d
- *   k     key of buffer row r, head h, position s: k + r * k_row + h * k_head + s * k_pos
+ *   k     key of buffer row r, key head g = h / kv_group, position s:
+ *         k + r * k_row + g * k_head + s * k_pos
  *   v     the same with v's strides, dv floats
  *   rows  (n, >= T): rows + i * rows_row, each in [0, r); NULL: buffer row i / group
  *   bias  (buffer rows, >= T): bias + r * bias_row; NULL: none
@@ -81,8 +85,8 @@ static inline void fetch(const float *p, long n)
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
                         long k_pos, const float *v, long v_row, long v_head, long v_pos,
                         const int64_t *rows, long rows_row, long group, const float *bias,
-                        long bias_row, float *out, long n, long r, long heads, long T, long d,
-                        long dv, float scale, int threads)
+                        long bias_row, float *out, long n, long r, long heads, long kv_group,
+                        long T, long d, long dv, float scale, int threads)
 {
     /* Returns -1, computing nothing, where the table names a row outside the r buffer rows. */
     if (rows)
@@ -93,7 +97,7 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
     const long work = n * heads * T * (d + dv);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 65536)
     for (long ih = 0; ih < n * heads; ih++) {
-        const long i = ih / heads, h = ih % heads;
+        const long i = ih / heads, h = ih % heads, g = h / kv_group;
         const float *qi = q + i * q_row + h * d;
         const int64_t *lineage = rows ? rows + i * rows_row : 0;
         float p[T + BLOCK];
@@ -104,15 +108,15 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
             for (int b = 0; b < BLOCK; b++) {
                 const long s = s0 + b < T ? s0 + b : T - 1;
                 const long r = buffer_row(lineage, i, group, s);
-                keys[b] = k + r * k_row + h * k_head + s * k_pos;
+                keys[b] = k + r * k_row + g * k_head + s * k_pos;
             }
             if (lineage) {
                 /* Through a lineage the positions lie in rows the prefetcher cannot guess:
                  * fetch the next block's keys and this block's values. */
                 for (long s = s0 + BLOCK; s < s0 + 2 * BLOCK && s < T; s++)
-                    fetch(k + lineage[s] * k_row + h * k_head + s * k_pos, d);
+                    fetch(k + lineage[s] * k_row + g * k_head + s * k_pos, d);
                 for (long s = s0; s < s0 + BLOCK && s < T; s++)
-                    fetch(v + lineage[s] * v_row + h * v_head + s * v_pos, dv);
+                    fetch(v + lineage[s] * v_row + g * v_head + s * v_pos, dv);
             }
             dot_block(qi, keys, d, p + s0);
         }
@@ -153,7 +157,7 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
             for (s = 0; s < T; s++) {
                 const __m256 w = _mm256_set1_ps(p[s]);
                 const long r = buffer_row(lineage, i, group, s);
-                const float *vs = v + r * v_row + h * v_head + s * v_pos + c;
+                const float *vs = v + r * v_row + g * v_head + s * v_pos + c;
                 for (int u = 0; u < 8; u++)
                     a[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + 8 * u), a[u]);
             }
@@ -164,7 +168,7 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
             o[j] = 0.0f;
         for (s = 0; s < T && c < dv; s++) {
             const long r = buffer_row(lineage, i, group, s);
-            const float *vs = v + r * v_row + h * v_head + s * v_pos;
+            const float *vs = v + r * v_row + g * v_head + s * v_pos;
             const __m256 w = _mm256_set1_ps(p[s]);
             long j = c;
             for (; j + 8 <= dv; j += 8)

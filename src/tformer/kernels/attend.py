@@ -47,7 +47,9 @@ def attend_step(
     """softmax(q . k / sqrt(d) + bias) v for one query per row over `length` positions.
 
     q: (N, H, d).
-    k, v: (R, H, P >= length, d) and (R, H, P, d_value) buffers, the last axis contiguous.
+    k, v: (R, H_kv, P >= length, d) and (R, H_kv, P, d_value) buffers, the last axis
+        contiguous; H_kv divides H, and query head h reads key/value head h // (H / H_kv)
+        (grouped-query attention).
     rows: (N, >= length) int64: position s of row i's keys and values is in buffer row
         rows[i, s], in [0, R) (IndexError from the kernel otherwise). None: row i reads
         buffer row i // (N // R) throughout (N a multiple of R).
@@ -66,7 +68,7 @@ def attend_step(
         raise ValueError("attend_step: a bias is for shared buffer rows (rows = None)")
     if not 1 <= length <= min(k_positions, v_positions):
         raise ValueError(f"attend_step: {length} positions of a cache of {k_positions}")
-    if k_heads != heads or k_d != d or v_r != r or v_heads != heads:
+    if heads % k_heads or k_d != d or v_r != r or v_heads != k_heads:
         raise ValueError(f"attend_step: queries {tuple(q.shape)} over keys {tuple(k.shape)} "
                          f"and values {tuple(v.shape)}")
     if rows is not None and (rows.dim() != 2 or rows.shape[0] != n or rows.shape[1] < length):
@@ -92,7 +94,8 @@ def attend_step(
         v.data_ptr(), v_stride[0], v_stride[1], v_stride[2],
         None if rows is None else rows.data_ptr(), 0 if rows is None else rows.stride(0),
         n // r, None if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
-        out.data_ptr(), n, r, heads, length, d, dv, d**-0.5, torch.get_num_threads(),
+        out.data_ptr(), n, r, heads, heads // k_heads, length, d, dv, d**-0.5,
+        torch.get_num_threads(),
     ):
         raise IndexError(f"attend_step: a row of `rows` is not among the {r} buffer rows")
     return out
@@ -111,7 +114,9 @@ def attend_step_reference(
 ) -> Tensor:
     """attend_step with torch: the keys and values gathered into each row's order, then
     attention written out."""
-    n, r = q.shape[0], k.shape[0]
+    n, r, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if rows is None:
         shared = torch.arange(n, device=q.device) // (n // r)
         k, v = k[shared, :, :length], v[shared, :, :length]

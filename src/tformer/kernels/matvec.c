@@ -227,16 +227,43 @@ typedef void (*f32_product)(const float *, const float *, const float *, float *
 typedef void (*i8_product)(const int8_t *, const float *, const int8_t *, const float *,
                            const float *, float *, long, long, int);
 
-/* y (m x n) = x (m x k) W^T + b, W fp32 (n x k). b may be NULL. Any number of rows, four
- * at a time: each group streams W once. */
+/* Outputs [r0, r0 + R) of all m rows, four rows of x at a time: the R rows of W come from
+ * memory for the first four and from the cache for the others. */
+static inline __attribute__((always_inline)) void f32_groups_of_x(
+    const float *x, const float *w, const float *b, float *y, long m, long n, long k, long r0,
+    const int R)
+{
+    for (long i = 0; i < m; i += 4)
+        switch (m - i < 4 ? m - i : 4) {
+        case 1: f32_rows_of_w(x + i * k, w, b, y + i * n, n, k, r0, 1, R); break;
+        case 2: f32_rows_of_w(x + i * k, w, b, y + i * n, n, k, r0, 2, R); break;
+        case 3: f32_rows_of_w(x + i * k, w, b, y + i * n, n, k, r0, 3, R); break;
+        default: f32_rows_of_w(x + i * k, w, b, y + i * n, n, k, r0, 4, R); break;
+        }
+}
+
+/* More than four rows of x: W is still streamed once, three of its rows at a time. */
+static void f32_many(const float *x, const float *w, const float *b, float *y, long m, long n,
+                     long k, int threads)
+{
+    const long blocks = n / 3;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (long q = 0; q < blocks; q++)
+        f32_groups_of_x(x, w, b, y, m, n, k, q * 3, 3);
+    for (long r0 = blocks * 3; r0 < n; r0++)
+        f32_groups_of_x(x, w, b, y, m, n, k, r0, 1);
+}
+
+/* y (m x n) = x (m x k) W^T + b, W fp32 (n x k). b may be NULL. Any number of rows; each
+ * output is summed in the same order whatever m is. */
 void tformer_matvec(const float *x, const float *w, const float *b, float *y,
                     long m, long n, long k, int threads)
 {
     static const f32_product by_rows[4] = {f32_1, f32_2, f32_3, f32_4};
-    for (long i = 0; i < m; i += 4) {
-        const long rows = m - i < 4 ? m - i : 4;
-        by_rows[rows - 1](x + i * k, w, b, y + i * n, n, k, threads);
-    }
+    if (m > 4)
+        f32_many(x, w, b, y, m, n, k, threads);
+    else if (m > 0)
+        by_rows[m - 1](x, w, b, y, n, k, threads);
 }
 
 /* The instruction set the int8 products use, decided once per process (matvec.py sets it

@@ -163,16 +163,9 @@ def _load(want: str | None) -> ctypes.CDLL:
     lib.tformer_attend_step.argtypes = (
         [ctypes.c_void_p, ctypes.c_long] + ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 2
         + [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long]
-        + [ctypes.c_void_p] + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
+        + [ctypes.c_void_p] + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
     )
     lib.tformer_attend_step.restype = ctypes.c_int
-    lib.tformer_decoder_layer_step.argtypes = (
-        [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p, ctypes.c_long] * 4
-        + [ctypes.c_void_p, ctypes.c_int]
-    )
-    lib.tformer_decoder_layer_step.restype = ctypes.c_int
-    lib.tformer_decoder_layer_scratch.argtypes = [ctypes.c_void_p]
-    lib.tformer_decoder_layer_scratch.restype = ctypes.c_long
     lib.tformer_dropout.argtypes = [ctypes.c_void_p] * 2 + [
         ctypes.c_long, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]
     lib.tformer_dropout.restype = None
@@ -261,17 +254,18 @@ def _picks_right(lib: ctypes.CDLL) -> bool:
 
 
 def _attends_right(lib: ctypes.CDLL) -> bool:
-    """The same for attend.c: three rows of two heads (d = 12: a vector's worth and a
-    remainder) over 9 positions read through a table of buffer rows, against attention
-    written out over the keys gathered in that order."""
-    k, v, q = torch.randn(3, 2, 10, 12), torch.randn(3, 2, 10, 12), torch.randn(3, 2, 12)
+    """The same for attend.c: three rows of four query heads sharing two key/value heads
+    (d = 12: a vector's worth and a remainder) over 9 positions read through a table of
+    buffer rows, against attention written out over the keys gathered in that order."""
+    k, v, q = torch.randn(3, 2, 10, 12), torch.randn(3, 2, 10, 12), torch.randn(3, 4, 12)
     rows = torch.randint(0, 3, (3, 9))
-    out = q.new_empty(3, 2, 12)
-    lib.tformer_attend_step(q.data_ptr(), 24, k.data_ptr(), 240, 120, 12, v.data_ptr(), 240,
-                            120, 12, rows.data_ptr(), 9, 1, None, 0, out.data_ptr(), 3, 3, 2,
-                            9, 12, 12, 12**-0.5, 1)
+    out = q.new_empty(3, 4, 12)
+    lib.tformer_attend_step(q.data_ptr(), 48, k.data_ptr(), 240, 120, 12, v.data_ptr(), 240,
+                            120, 12, rows.data_ptr(), 9, 1, None, 0, out.data_ptr(), 3, 3, 4,
+                            2, 9, 12, 12, 12**-0.5, 1)
     positions = torch.arange(9)
-    keys, values = k[rows, :, positions].transpose(1, 2), v[rows, :, positions].transpose(1, 2)
+    keys, values = (t[rows, :, positions].transpose(1, 2).repeat_interleave(2, dim=1)
+                    for t in (k, v))
     probs = ((keys @ q[..., None])[..., 0] * 12**-0.5).softmax(dim=-1)
     return torch.allclose(out, (probs[:, :, None] @ values)[:, :, 0], atol=1e-5)
 

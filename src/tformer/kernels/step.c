@@ -1,4 +1,6 @@
-/* One decoder layer's decoding step in one call, x86 with AVX2 and FMA.
+/* One decoder layer's decoding step in one call, x86 with AVX2 and FMA: a translation
+ * decoder's layer (self-attention, cross-attention, feed-forward) or a language model's
+ * (GPT, Llama: self-attention and a plain or gated feed-forward).
  *
  * At a decoding step of beam search over one sentence (4 rows) a decoder layer makes six
  * matrix products of a few rows, two attentions over a few dozen positions, three layer
@@ -36,8 +38,8 @@ int tformer_linear_int8_packed(const float *x, const int8_t *packed, const int32
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
                         long k_pos, const float *v, long v_row, long v_head, long v_pos,
                         const int64_t *rows, long rows_row, long group, const float *bias,
-                        long bias_row, float *out, long n, long r, long heads, long T, long d,
-                        long dv, float scale, int threads);
+                        long bias_row, float *out, long n, long r, long heads, long kv_group,
+                        long T, long d, long dv, float scale, int threads);
 
 /* A linear layer y = x W^T + b: fp32 (weight) or int8 (qweight, scale, and for the
  * many-row product, packed and row_sums in `layout`). The structures mirror step.py's. */
@@ -52,9 +54,12 @@ struct tformer_linear {
     long layout; /* of packed: matvec.c's ISA_AVX2 or ISA_AVX512_VNNI */
 };
 
+enum { NORM_LAYER, NORM_RMS };
+
 struct tformer_norm {
-    const float *weight, *bias; /* bias may be NULL */
+    const float *weight, *bias; /* bias may be NULL (always for RMSNorm) */
     float eps;
+    int kind; /* NORM_LAYER or NORM_RMS */
 };
 
 enum { ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU };
@@ -135,6 +140,40 @@ static void layer_norm(const struct tformer_norm *norm, const float *x, float *y
     }
 }
 
+/* y = x / sqrt(mean(x^2) + eps) * weight over each row of d (Zhang & Sennrich 2019), the
+ * mean of squares in double. */
+static void rms_norm(const struct tformer_norm *norm, const float *x, float *y, long m, long d)
+{
+    const long d4 = d & ~3L, d8 = d & ~7L;
+    for (long i = 0; i < m; i++) {
+        const float *row = x + i * d;
+        __m256d acc = _mm256_setzero_pd();
+        for (long j = 0; j < d4; j += 4) {
+            const __m256d c = _mm256_cvtps_pd(_mm_loadu_ps(row + j));
+            acc = _mm256_add_pd(acc, _mm256_mul_pd(c, c));
+        }
+        double sq = sum_lanes_pd(acc);
+        for (long j = d4; j < d; j++)
+            sq += (double)row[j] * row[j];
+        const float rstd = (float)(1.0 / sqrt(sq / (double)d + norm->eps));
+        const __m256 rv = _mm256_set1_ps(rstd);
+        for (long j = 0; j < d8; j += 8)
+            _mm256_storeu_ps(y + i * d + j, _mm256_mul_ps(_mm256_loadu_ps(norm->weight + j),
+                                                          _mm256_mul_ps(_mm256_loadu_ps(row + j), rv)));
+        for (long j = d8; j < d; j++)
+            y[i * d + j] = norm->weight[j] * (row[j] * rstd);
+    }
+}
+
+/* The norm of its kind over m rows of d; y may be x. */
+static void normalize(const struct tformer_norm *norm, const float *x, float *y, long m, long d)
+{
+    if (norm->kind == NORM_RMS)
+        rms_norm(norm, x, y, m, d);
+    else
+        layer_norm(norm, x, y, m, d);
+}
+
 /* The activation in place over count floats, eight lanes at a time where it has a vector
  * form. SiLU and GELU's tanh form take exp of -|u| only (exp8 is for arguments <= 0):
  *     silu(v) = v / (1 + e) for v >= 0, v e / (1 + e) below, with e = exp(-|v|);
@@ -187,14 +226,14 @@ static void activate(int kind, float *x, long count)
     }
 }
 
-/* x (n x d_model) += y, then (post-norm) x = LN(x). */
-static void residual(const struct tformer_decoder_layer *l, const struct tformer_norm *norm,
-                     float *x, const float *y, long n, long d)
+/* x (n x d_model) += y, then (post-norm) x = Norm(x). */
+static void residual(int pre_norm, const struct tformer_norm *norm, float *x, const float *y,
+                     long n, long d)
 {
     for (long j = 0; j < n * d; j++)
         x[j] += y[j];
-    if (!l->pre_norm)
-        layer_norm(norm, x, x, n, d);
+    if (!pre_norm)
+        normalize(norm, x, x, n, d);
 }
 
 /* attend.c's step over the keys and values of `kv`: rows and group as tformer_attend_step
@@ -205,18 +244,17 @@ static int attend(const struct tformer_decoder_layer *l, const float *q, long q_
 {
     return tformer_attend_step(q, q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v,
                                kv->v_row, kv->v_head, kv->v_pos, rows, rows_row, group, bias,
-                               bias_row, out, n, kv->rows, l->heads, T, l->d_head, l->d_value,
-                               l->scale, threads);
+                               bias_row, out, n, kv->rows, l->heads, 1, T, l->d_head,
+                               l->d_value, l->scale, threads);
 }
 
-/* The sublayer's input: LN(x) into h (pre-norm), or x itself (post-norm). */
-static const float *sublayer_input(const struct tformer_decoder_layer *l,
-                                   const struct tformer_norm *norm, const float *x, float *h,
-                                   long n, long d)
+/* The sublayer's input: Norm(x) into h (pre-norm), or x itself (post-norm). */
+static const float *sublayer_input(int pre_norm, const struct tformer_norm *norm,
+                                   const float *x, float *h, long n, long d)
 {
-    if (!l->pre_norm)
+    if (!pre_norm)
         return x;
-    layer_norm(norm, x, h, n, d);
+    normalize(norm, x, h, n, d);
     return h;
 }
 
@@ -255,7 +293,7 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
     int status = 0;
 
     /* self-attention */
-    const float *in = sublayer_input(l, &l->self_norm, x, h, n, d);
+    const float *in = sublayer_input(l->pre_norm, &l->self_norm, x, h, n, d);
     if ((status = linear(&l->qkv, in, wide, n, pm, threads)))
         return status;
     const long s = length - 1;
@@ -270,25 +308,156 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
         return -2;
     if ((status = linear(&l->self_out, att, out, n, pm, threads)))
         return status;
-    residual(l, &l->self_norm, x, out, n, d);
+    residual(l->pre_norm, &l->self_norm, x, out, n, d);
 
     /* cross-attention */
-    in = sublayer_input(l, &l->cross_norm, x, h, n, d);
+    in = sublayer_input(l->pre_norm, &l->cross_norm, x, h, n, d);
     if ((status = linear(&l->cross_q, in, wide, n, pm, threads)))
         return status;
     attend(l, wide, qk, cross_kv, NULL, 0, n / cross_kv->rows, bias, bias_row, att, n,
            source_len, threads);
     if ((status = linear(&l->cross_out, att, out, n, pm, threads)))
         return status;
-    residual(l, &l->cross_norm, x, out, n, d);
+    residual(l->pre_norm, &l->cross_norm, x, out, n, d);
 
     /* feed-forward */
-    in = sublayer_input(l, &l->ff_norm, x, h, n, d);
+    in = sublayer_input(l->pre_norm, &l->ff_norm, x, h, n, d);
     if ((status = linear(&l->up, in, wide, n, pm, threads)))
         return status;
     activate(l->activation, wide, n * ff);
     if ((status = linear(&l->down, wide, out, n, pm, threads)))
         return status;
-    residual(l, &l->ff_norm, x, out, n, d);
+    residual(l->pre_norm, &l->ff_norm, x, out, n, d);
+    return 0;
+}
+
+/* A language model's layer (models/gpt.py's GPTBlock), pre- or post-norm:
+ *
+ *     x = x + Attn(Norm1(x));  x = x + FFN(Norm2(x))
+ *     Attn:  q|k|v = h Wqkv^T + b;  q, k = Rotary(QKNorm(q)), Rotary(QKNorm(k)) per head;
+ *            the step's k, v stored; softmax(q k^T * scale + bias) v over every position
+ *     FFN:   down(act(up(h))), or gated: down(act(gate(h)) * up(h))
+ *
+ * with heads query heads sharing kv_heads key/value heads (grouped-query attention). */
+struct tformer_lm_layer {
+    struct tformer_linear qkv, out, gate, up, down; /* gate: out_features 0 where plain */
+    struct tformer_norm attn_norm, ff_norm, q_norm, k_norm; /* q/k_norm: weight NULL for none */
+    long heads, kv_heads, d_head, d_value;
+    long rotated; /* the leading dimensions of each head that rotate; 0: no rotary */
+    int interleaved; /* pairs (2i, 2i + 1), or else (i, i + rotated / 2) */
+    float scale;
+    int pre_norm, activation;
+    long packed_min_rows;
+};
+
+/* Rotate the first `rotated` dimensions of each of `heads` heads of d floats at x by the
+ * angles whose cosines and sines are cos[0 .. rotated/2) and sin[...]: the products and
+ * sums in the order layers/rotary.py writes them, so the bits are torch's. */
+static void rotate(float *x, long heads, long d, long rotated, int interleaved, const float *cos,
+                   const float *sin)
+{
+    const long half = rotated / 2;
+    for (long h = 0; h < heads; h++) {
+        float *v = x + h * d;
+        if (interleaved)
+            for (long j = 0; j < half; j++) {
+                const float a = v[2 * j], b = v[2 * j + 1];
+                v[2 * j] = a * cos[j] - b * sin[j];
+                v[2 * j + 1] = a * sin[j] + b * cos[j];
+            }
+        else
+            for (long j = 0; j < half; j++) {
+                const float a = v[j], b = v[j + half];
+                v[j] = a * cos[j] - b * sin[j];
+                v[j + half] = b * cos[j] + a * sin[j];
+            }
+    }
+}
+
+/* Floats of scratch tformer_lm_layer_step needs per row: the normed input, q|k|v or the
+ * FFN's hidden layers (two where gated), the attention's output, a sublayer's output. */
+long tformer_lm_layer_scratch(const struct tformer_lm_layer *l)
+{
+    const long width = l->qkv.out_features, d = l->out.out_features;
+    const long ff = (l->gate.out_features ? 2 : 1) * l->up.out_features;
+    return d + (width > ff ? width : ff) + l->heads * l->d_value + d;
+}
+
+/* The step's queries and keys normed and rotated per head in place, and its keys and
+ * values stored at position s of buffer row i of kv: row i of qkv (q | k | v). */
+static void place_qkv(const struct tformer_lm_layer *l, float *qkv, long i, long s,
+                      const struct tformer_kv *kv, const float *cos, const float *sin)
+{
+    const long H = l->heads, G = l->kv_heads, dk = l->d_head, dv = l->d_value;
+    float *q = qkv, *k = q + H * dk, *v = k + G * dk;
+    if (l->q_norm.weight) {
+        normalize(&l->q_norm, q, q, H, dk);
+        normalize(&l->k_norm, k, k, G, dk);
+    }
+    if (l->rotated) {
+        rotate(q, H, dk, l->rotated, l->interleaved, cos, sin);
+        rotate(k, G, dk, l->rotated, l->interleaved, cos, sin);
+    }
+    for (long g = 0; g < G; g++) {
+        memcpy(kv->k + i * kv->k_row + g * kv->k_head + s * kv->k_pos, k + g * dk,
+               sizeof(float) * dk);
+        memcpy(kv->v + i * kv->v_row + g * kv->v_head + s * kv->v_pos, v + g * dv,
+               sizeof(float) * dv);
+    }
+}
+
+/* One step of layer `l` for n rows of x (n x d_model, updated in place).
+ *   kv, length: the layer's cache, in query order (row i of x is buffer row i); the step's
+ *       keys and values go to position length - 1, and attention reads positions
+ *       0 .. length-1.
+ *   cos, sin: (n x rotated/2) the angles of each row's position (NULL without rotary).
+ *   bias: (n x >= length) added to the scores, bias_row apart: 0 or -inf for padding and
+ *       positions outside a sliding window (NULL: none).
+ *   scratch: n * tformer_lm_layer_scratch(l) floats, the caller's.
+ * Returns 0, or -1 where a product could not allocate. */
+int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n,
+                          const struct tformer_kv *kv, long length, const float *cos,
+                          const float *sin, const float *bias, long bias_row, float *scratch,
+                          int threads)
+{
+    const long d = l->out.out_features, H = l->heads, dv = l->d_value, half = l->rotated / 2;
+    const long width = l->qkv.out_features, ff = l->up.out_features, pm = l->packed_min_rows;
+    const long hidden = (l->gate.out_features ? 2 : 1) * ff;
+    const long widest = width > hidden ? width : hidden;
+    float *h = scratch, *wide = h + n * d, *att = wide + n * widest, *out = att + n * H * dv;
+    int status = 0;
+
+    /* self-attention */
+    const float *in = sublayer_input(l->pre_norm, &l->attn_norm, x, h, n, d);
+    if ((status = linear(&l->qkv, in, wide, n, pm, threads)))
+        return status;
+    for (long i = 0; i < n; i++)
+        place_qkv(l, wide + i * width, i, length - 1, kv, cos ? cos + i * half : NULL,
+                  sin ? sin + i * half : NULL);
+    tformer_attend_step(wide, width, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v, kv->v_row,
+                        kv->v_head, kv->v_pos, NULL, 0, 1, bias, bias_row, att, n, kv->rows, H,
+                        H / l->kv_heads, length, l->d_head, dv, l->scale, threads);
+    if ((status = linear(&l->out, att, out, n, pm, threads)))
+        return status;
+    residual(l->pre_norm, &l->attn_norm, x, out, n, d);
+
+    /* feed-forward */
+    in = sublayer_input(l->pre_norm, &l->ff_norm, x, h, n, d);
+    if (l->gate.out_features) {
+        float *up = wide + n * ff;
+        if ((status = linear(&l->gate, in, wide, n, pm, threads))
+            || (status = linear(&l->up, in, up, n, pm, threads)))
+            return status;
+        activate(l->activation, wide, n * ff);
+        for (long j = 0; j < n * ff; j++)
+            wide[j] *= up[j];
+    } else {
+        if ((status = linear(&l->up, in, wide, n, pm, threads)))
+            return status;
+        activate(l->activation, wide, n * ff);
+    }
+    if ((status = linear(&l->down, wide, out, n, pm, threads)))
+        return status;
+    residual(l->pre_norm, &l->ff_norm, x, out, n, d);
     return 0;
 }

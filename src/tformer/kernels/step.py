@@ -1,4 +1,5 @@
-"""A decoder layer's decoding step in one C call (step.c).
+"""A decoder layer's decoding step in one C call (step.c): a translation decoder's
+(`DecoderStep`) or a language model's (`LMStep`).
 
 A step of beam search over one sentence runs each decoder layer on a few rows: six matrix
 products, two attentions, three layer norms, residual additions and an activation, ~25
@@ -9,6 +10,11 @@ into step.c, which computes what the modules compute with the same product and a
 kernels: the same bits from those, and layer norms and activations that round a little
 differently from torch's. Where it does not apply (training, gradients, attention being
 recorded, many fp32 rows, shapes or modules it does not know) the modules run.
+
+A language model's layer is the same story with more calls: SmolLM2-135M's shape (30
+layers, RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) makes ~70 torch
+operations a layer and a token, ~40 ms of calls a token against ~50 ms of arithmetic.
+`LMStep` runs each of its layers as one call.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from torch import Tensor, nn
 from tformer.kernels import matvec
 from tformer.kernels.attend import MAX_POSITIONS, serves_cache
 from tformer.kernels.quantize import Int8Linear
+from tformer.layers.feedforward import FeedForward, GatedFeedForward
+from tformer.layers.masks import attention_bias
+from tformer.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
-    from tformer.layers.attention import DecoderCache
+    from tformer.decoding.cache import DecoderCache
 
 _p, _long = ctypes.c_void_p, ctypes.c_long
 
@@ -37,7 +46,7 @@ class _Linear(ctypes.Structure):
 
 
 class _Norm(ctypes.Structure):
-    _fields_ = [("weight", _p), ("bias", _p), ("eps", ctypes.c_float)]
+    _fields_ = [("weight", _p), ("bias", _p), ("eps", ctypes.c_float), ("kind", ctypes.c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -46,6 +55,16 @@ class _Layer(ctypes.Structure):
                 *((name, _Norm) for name in ("self_norm", "cross_norm", "ff_norm")),
                 ("heads", _long), ("d_head", _long), ("d_value", _long),
                 ("scale", ctypes.c_float), ("pre_norm", ctypes.c_int), ("activation", ctypes.c_int),
+                ("packed_min_rows", _long)]
+
+
+class _LMLayer(ctypes.Structure):
+    _fields_ = [*((name, _Linear) for name in ("qkv", "out", "gate", "up", "down")),
+                *((name, _Norm) for name in ("attn_norm", "ff_norm", "q_norm", "k_norm")),
+                *((name, _long) for name in ("heads", "kv_heads", "d_head", "d_value",
+                                             "rotated")),
+                ("interleaved", ctypes.c_int), ("scale", ctypes.c_float),
+                ("pre_norm", ctypes.c_int), ("activation", ctypes.c_int),
                 ("packed_min_rows", _long)]
 
 
@@ -73,9 +92,10 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(module: nn.Module) -> tuple[_Linear, int] | None:
+def _linear(module: nn.Module, f32_rows: int = matvec.MAX_ROWS) -> tuple[_Linear, int] | None:
     """The structure for a linear layer and the most rows the step gives it (beyond that its
-    own kernels do better than step.c's), or None where step.c cannot read it."""
+    own kernels do better than step.c's; f32_rows for fp32 weights), or None where step.c
+    cannot read it."""
     if isinstance(module, Int8Linear):
         if not module.native:
             return None
@@ -92,21 +112,40 @@ def _linear(module: nn.Module) -> tuple[_Linear, int] | None:
         return None
     # fp32 rows: matvec's kernel, which PackedLinear runs up to MAX_ROWS rows.
     return (_Linear(weight.data_ptr(), None, None, None, None, _ptr(bias), weight.shape[0],
-                    weight.shape[1], 0), matvec.MAX_ROWS)
+                    weight.shape[1], 0), f32_rows)
 
 
-def _norm(module: nn.LayerNorm) -> _Norm | None:
+def _norm(module: nn.Module) -> _Norm | None:
+    """The structure for a LayerNorm or an RMSNorm (step.c's kinds 0 and 1), or None."""
+    if isinstance(module, RMSNorm) and _is_f32_cpu(module.weight):
+        return _Norm(module.weight.data_ptr(), None, module.eps, 1)
     if not (isinstance(module, nn.LayerNorm) and module.weight is not None
             and len(module.normalized_shape) == 1 and _is_f32_cpu(module.weight)
             and _is_f32_cpu(module.bias)):
         return None
-    return _Norm(module.weight.data_ptr(), _ptr(module.bias), module.eps)
+    return _Norm(module.weight.data_ptr(), _ptr(module.bias), module.eps, 0)
 
 
 def _packed(layer: nn.Module) -> list[Tensor]:
     """The packed int8 weights of a layer's Int8Linears (not buffers: made, not saved)."""
     return [t for m in layer.modules() if isinstance(m, Int8Linear) and m.packed is not None
             for t in (m.packed.data, m.packed.row_sums)]
+
+
+def _library() -> ctypes.CDLL | None:
+    """The kernels' library (matvec.load) with step.c's functions declared."""
+    lib = matvec.load()
+    if lib is not None and lib.tformer_lm_layer_step.argtypes is None:
+        lib.tformer_decoder_layer_step.argtypes = (
+            [_p] * 2 + [_long] + [_p, _long] * 4 + [_p, ctypes.c_int])
+        lib.tformer_decoder_layer_step.restype = ctypes.c_int
+        lib.tformer_lm_layer_step.argtypes = (
+            [_p] * 2 + [_long, _p, _long] + [_p] * 3 + [_long, _p, ctypes.c_int])
+        lib.tformer_lm_layer_step.restype = ctypes.c_int
+        for name in ("tformer_decoder_layer_scratch", "tformer_lm_layer_scratch"):
+            getattr(lib, name).argtypes = [_p]
+            getattr(lib, name).restype = _long
+    return lib
 
 
 def _kv(k: Tensor, v: Tensor) -> _KV:
@@ -133,7 +172,7 @@ class DecoderStep:
         self._cross: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
         # The layers' working memory: floats a row, and one tensor for the search, grown on
         # the first step (rows only fall as sentences leave).
-        lib = matvec.load()
+        lib = _library()
         self._scratch_row = max(lib.tformer_decoder_layer_scratch(p) for p in self.pointers)
         self._scratch = torch.empty(0)
 
@@ -141,7 +180,7 @@ class DecoderStep:
     def of(cls, layers: Sequence[nn.Module], cache: DecoderCache) -> DecoderStep | None:
         """The step for `layers` over `cache`, whose KV caches follow the beams through a
         lineage (never copied), or None where step.c cannot run it."""
-        lib = matvec.load()
+        lib = _library()
         if lib is None or cache.lineage is None or not all(
                 c.k.is_contiguous() and c.v.is_contiguous()
                 and serves_cache(c.k.dtype, c.k.device) for c in cache.self_attn):
@@ -206,7 +245,7 @@ class DecoderStep:
     def run(self, x: Tensor, memory_bias: Tensor) -> Tensor:
         """Every layer's step on x (N, 1, D), where `serves` says so: the layers' keys and
         values stored in their caches (one position each), the result in a new tensor."""
-        lib, self_caches, cross = matvec.load(), self.cache.self_attn, self.cache.cross_attn
+        lib, self_caches, cross = _library(), self.cache.self_attn, self.cache.cross_attn
         lineage_rows = self.cache.lineage.rows
         x = x.contiguous().clone()
         n, length = x.shape[0], self_caches[0].end_after(1)
@@ -229,4 +268,123 @@ class DecoderStep:
                 raise IndexError("decoding step: the lineage names a row outside the cache")
         for cache in self_caches:
             cache.length = length
+        return x
+
+
+LM_F32_ROWS = 8
+"""The most rows an fp32 language model's step takes. From five rows on, matvec's products
+run at ~0.8x oneDNN's (benchmarks/fp32_rows.py), but one call a layer saves ~70 torch calls:
+on SmolLM2-135M's shape, eight rows decoded 1.6x as fast through the step as through the
+modules, and sixteen 1.3x, where the weights are a few MB a matrix; a model whose matrices
+do not fit the cache loses more of the products' speed, so the limit stays at eight."""
+
+
+class LMStep:
+    """Every block of a language model (models.gpt.GPTBlock) as step.c reads it. Made by
+    `LMStep.of`, which returns None where step.c cannot run these blocks; `serves` says
+    whether it runs a given step over a given cache."""
+
+    def __init__(self, blocks: Sequence[nn.Module], structs: list[_LMLayer], rows: int) -> None:
+        self.blocks = list(blocks)
+        # Every tensor the structures point into, held for as long as they are used.
+        self._tensors = [t for block in self.blocks
+                         for t in (*block.parameters(), *block.buffers(), *_packed(block))]
+        self.pointers = [ctypes.pointer(s) for s in structs]
+        self.max_rows = rows
+        self.rotary = self.blocks[0].attn.rotary
+        self._kv: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
+        self._scratch_row = max(_library().tformer_lm_layer_scratch(p) for p in self.pointers)
+        self._scratch = torch.empty(0)
+
+    @classmethod
+    def of(cls, blocks: Sequence[nn.Module]) -> LMStep | None:
+        """The step for `blocks`, or None where step.c cannot run them."""
+        if _library() is None:
+            return None
+        structs, rows = [], 1 << 30
+        for block in blocks:
+            made = cls._layer(block)
+            if made is None:
+                return None
+            structs.append(made[0])
+            rows = min(rows, made[1])
+        return cls(blocks, structs, rows)
+
+    @staticmethod
+    def _layer(block: nn.Module) -> tuple[_LMLayer, int] | None:
+        attn, ff = block.attn, block.ff
+        gated = isinstance(ff, GatedFeedForward)
+        if attn.cross or not (gated or isinstance(ff, FeedForward)):
+            return None
+        absent = (_Linear(), 1 << 30)
+        linears = [_linear(m, LM_F32_ROWS) if m is not None else absent
+                   for m in (attn.qkv_proj, attn.out_proj, ff.gate if gated else None, ff.up,
+                             ff.down)]
+        norms = [_norm(block.attn_residual.norm), _norm(block.ff_residual.norm)]
+        head_norms = [_Norm(), _Norm()]
+        if attn.q_norm is not None:
+            head_norms = [_norm(attn.q_norm), _norm(attn.k_norm)]
+        activation = _activation(ff.activation)
+        pre = {block.attn_residual.pre, block.ff_residual.pre}
+        if (None in linears or None in norms or None in head_norms or activation is None
+                or len(pre) != 1):
+            return None
+        min_rows = {m.packed.min_rows for m in block.modules()
+                    if isinstance(m, Int8Linear) and m.packed is not None}
+        if len(min_rows) > 1:
+            return None
+        rotary = attn.rotary
+        struct = _LMLayer(*(s for s, _ in linears), *norms, *head_norms, attn.n_head,
+                          attn.n_kv_head, attn.d_head, attn.d_value,
+                          0 if rotary is None else rotary.rotated,
+                          int(rotary is not None and rotary.interleaved), attn.d_head**-0.5,
+                          int(pre.pop()), activation, min_rows.pop() if min_rows else 1 << 30)
+        return struct, min(limit for _, limit in linears)
+
+    def serves(self, x: Tensor, cache: DecoderCache) -> bool:
+        """Whether step.c runs this step: x (N, 1, D) fp32 on the CPU with no gradient wanted,
+        the blocks in eval mode and recording nothing, N within what the products take, and
+        the cache's N rows in query order, fp32 and contiguous, with room in the kernel."""
+        n = x.shape[0]
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != 1
+                or n > self.max_rows or cache.lineage is not None
+                or cache.length + 1 > MAX_POSITIONS
+                or (torch.is_grad_enabled() and x.requires_grad)
+                or torch.compiler.is_compiling()):
+            return False
+        return all(not block.training and block.attn.recorded is None
+                   and c.k.shape[0] == n and c.k.is_contiguous() and c.v.is_contiguous()
+                   and serves_cache(c.k.dtype, c.k.device)
+                   for block, c in zip(self.blocks, cache.self_attn, strict=True))
+
+    def run(self, x: Tensor, cache: DecoderCache, positions: Tensor,
+            mask: Tensor | None) -> Tensor:
+        """Every block's step on x (N, 1, D), where `serves` says so, at `positions` ((N, 1)
+        or (1,), for rotary embeddings) under a may-attend `mask` broadcastable to (N, 1, 1,
+        S) (or None: every cached position): the blocks' keys and values stored in the cache
+        (one position each), the result in a new tensor."""
+        lib = _library()
+        x = x.contiguous().clone()
+        n, length = x.shape[0], cache.self_attn[0].end_after(1)
+        cos = sin = None
+        if self.rotary is not None:
+            cos, sin = (t.reshape(-1, t.shape[-1]).expand(n, -1).contiguous()
+                        for t in self.rotary.cos_sin(positions, x.dtype))
+        bias = None
+        if mask is not None:
+            bias = attention_bias(mask, x.dtype).reshape(-1, mask.shape[-1]).expand(n, -1)
+        if self._scratch.numel() < n * self._scratch_row:
+            self._scratch = torch.empty(n * self._scratch_row)
+        threads = torch.get_num_threads()
+        for i, c in enumerate(cache.self_attn):
+            if self._kv[i][0] is not c.k:  # a new cache, or new views of the same buffers
+                self._kv[i] = (c.k, ctypes.pointer(_kv(c.k, c.v)))
+            if lib.tformer_lm_layer_step(
+                self.pointers[i], x.data_ptr(), n, self._kv[i][1], length, _ptr(cos), _ptr(sin),
+                _ptr(bias), 0 if bias is None else bias.stride(0), self._scratch.data_ptr(),
+                threads,
+            ):
+                raise MemoryError(f"no memory for a decoding step of {n} rows")
+        for c in cache.self_attn:
+            c.length = length
         return x

@@ -82,7 +82,9 @@ class Rotary(nn.Module):
         """The positions of the latest call and their cos and sin: every layer's queries and
         keys of one forward pass are rotated by the same positions."""
 
-    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The cosines and sines of the angles at `positions`: (B, 1, T, r/2) for (B, T)
+        positions, (T, r/2) for (T,)."""
         last = self._last
         if last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
@@ -96,7 +98,7 @@ class Rotary(nn.Module):
         return cos, sin
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        cos, sin = self._cos_sin(positions, x.dtype)
+        cos, sin = self.cos_sin(positions, x.dtype)
         rot, rest = x[..., : self.rotated], x[..., self.rotated :]
         if self.interleaved:
             even, odd = rot[..., 0::2], rot[..., 1::2]

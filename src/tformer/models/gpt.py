@@ -15,6 +15,8 @@ from torch import Tensor, nn
 
 from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError
+from tformer.kernels.attend import serves_cache
+from tformer.kernels.step import LMStep
 from tformer.layers import (
     POSITIONS,
     ROTARY_LAYOUTS,
@@ -172,12 +174,14 @@ class GPT(Model):
         self, batch: int, max_len: int | None = None, *, padded: bool = False
     ) -> DecoderCache:
         """An empty KV cache for `batch` sequences of up to `max_len` (default: context) tokens.
-        `padded`: the prompts will come with a padding mask that the cache must remember."""
+        `padded`: the prompts will come with a padding mask that the cache must remember.
+        On the CPU in fp32 it carries the blocks prepared for one-call decoding steps
+        (kernels/step.py) where those can run them."""
         cfg = self.cfg
         max_len = min(max_len or cfg.context, cfg.context)
         attn = self.blocks[0].attn
         param = self.embed.weight
-        return DecoderCache(
+        cache = DecoderCache(
             [
                 KVCache(batch, attn.n_kv_head, max_len, attn.d_head, attn.d_value,
                         dtype=param.dtype, device=param.device)
@@ -185,6 +189,9 @@ class GPT(Model):
             ],
             track_padding=padded,
         )
+        if serves_cache(param.dtype, param.device):
+            cache.step = LMStep.of(self.blocks)
+        return cache
 
     def forward(
         self,
@@ -236,9 +243,14 @@ class GPT(Model):
             x = self.embed_norm(x)
         x = self.dropout(x)
         rotary_positions = positions if keys_real is not None else positions[0]
-        for i, block in enumerate(self.blocks):
-            x = block(x, mask, cache.self_attn[i] if cache is not None else None,
-                      rotary_positions)
+        step = cache.step if cache is not None else None
+        if isinstance(step, LMStep) and step.serves(x, cache):
+            # One C call per block (kernels/step.py): the same computation as the loop below.
+            x = step.run(x, cache, rotary_positions, mask)
+        else:
+            for i, block in enumerate(self.blocks):
+                x = block(x, mask, cache.self_attn[i] if cache is not None else None,
+                          rotary_positions)
         if last_only:
             x = x[:, -1:]
         if self.final_norm is not None:
