@@ -19,7 +19,7 @@ import time
 import torch
 
 from tformer.decoding.lm import generate
-from tformer.evaluation.loss import lm_loss
+from tformer.evaluation.loss import Targets
 from tformer.models.gpt import GPT, GPTConfig
 
 SIZES = {
@@ -38,7 +38,7 @@ def training_rate(model: GPT, batch: int, steps: int = 5) -> float:
     model.train()
     start = time.perf_counter()
     for s in range(steps):
-        loss = lm_loss(model(data[s, :, :-1]), data[s, :, 1:])
+        loss = model(data[s, :, :-1], targets=Targets(data[s, :, 1:]))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

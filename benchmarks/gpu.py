@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from tformer.decoding.lm import generate
-from tformer.evaluation.loss import lm_loss
+from tformer.evaluation.loss import Targets
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.training.device import autocast
 
@@ -73,7 +73,7 @@ def training(cfg: GPTConfig, device: torch.device, batch: int, steps: int, compi
     def run() -> None:
         for _ in range(steps):
             with autocast(device, "bf16"):
-                loss = lm_loss(step_model(data[:, :-1]), data[:, 1:])
+                loss = step_model(data[:, :-1], targets=Targets(data[:, 1:]))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from tformer.evaluation.loss import lm_loss
+from tformer.evaluation.loss import Targets
 from tformer.interop.llama import llama_from_hf
 from tformer.models.gpt import GPT
 from tformer.viz.cost import attention_flops, linear_flops
@@ -67,7 +67,7 @@ def check_same_computation(ours: GPT, peer, batch: int, T: int) -> str:
                            generator=torch.Generator().manual_seed(0))
     ours.train(), peer.train()
     mine, theirs = ours(tokens[:, :-1]), peer(tokens[:, :-1]).logits
-    loss = lm_loss(mine, tokens[:, 1:])
+    loss = ours(tokens[:, :-1], targets=Targets(tokens[:, 1:]))  # as tformer trains
     peer_loss = F.cross_entropy(theirs.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward(), peer_loss.backward()
     grads = (ours.blocks[0].ff.down.weight.grad, peer.model.layers[0].mlp.down_proj.weight.grad)

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from tformer.decoding.lm import generate
-from tformer.evaluation.loss import lm_loss
+from tformer.evaluation.loss import Targets
 from tformer.kernels.build import ISA_NAMES
 from tformer.kernels.matvec import isa
 from tformer.kernels.prepack import PackedLinear, prepack, prepack_available
@@ -200,7 +200,7 @@ def gpt_train_step(model, batch: int, context: int, vocab: int, steps: int, ours
     def run() -> None:
         for s in range(steps):
             if ours:
-                loss = lm_loss(model(data[s, :, :-1]), data[s, :, 1:])
+                loss = model(data[s, :, :-1], targets=Targets(data[s, :, 1:]))  # as trained
             else:
                 logits = model(data[s, :, :-1]).logits
                 loss = F.cross_entropy(logits.flatten(0, 1), data[s, :, 1:].flatten())
@@ -398,7 +398,7 @@ def main() -> None:
 
         def txl_steps() -> None:
             for s in range(steps):
-                lm_loss(txl(data[s, :, :-1], memory=memory), data[s, :, 1:]).backward()
+                txl(data[s, :, :-1], memory=memory, targets=Targets(data[s, :, 1:])).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 

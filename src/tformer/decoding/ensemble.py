@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.errors import TformerError
+from tformer.evaluation.loss import Targets
 
 
 class EnsembleCache:
@@ -83,7 +84,10 @@ class Ensemble(nn.Module):
         return torch.logsumexp(logprobs, dim=0) - math.log(len(self.members))
 
     def forward(
-        self, src: Tensor, src_real: Tensor, tgt: Tensor, tgt_real: Tensor | None = None
+        self, src: Tensor, src_real: Tensor, tgt: Tensor, tgt_real: Tensor | None = None, *,
+        targets: Targets | None = None,
     ) -> Tensor:
-        """Teacher forcing, as Seq2Seq.forward: the log of the mean distribution."""
-        return self.decode(tgt, self.encode(src, src_real), src_real, tgt_real=tgt_real)
+        """Teacher forcing, as Seq2Seq.forward: the log of the mean distribution, or the
+        loss of `targets` under it."""
+        logprobs = self.decode(tgt, self.encode(src, src_real), src_real, tgt_real=tgt_real)
+        return logprobs if targets is None else targets.of_logits(logprobs)

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from tformer.data.lm import LMBatch, sequential_windows
 from tformer.data.streams import StreamBatch, eval_streams
 from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
-from tformer.evaluation.loss import lm_loss
+from tformer.evaluation.loss import Targets
 from tformer.evaluation.shard import WHOLE, Shard
 from tformer.models.transformer_xl import Memory
 
@@ -38,24 +38,26 @@ def count_chars(targets: Tensor, tokenizer: Tokenizer) -> int:
 def evaluate_batches(
     model: nn.Module, batches: Iterable[LMBatch | StreamBatch], tokenizer: Tokenizer,
     max_batches: int = 0, progress: Callable[[int], None] | None = None, shard: Shard = WHOLE,
-    forward: Callable[[Tensor], Tensor] | None = None,
+    forward: Callable[..., Tensor] | None = None,
 ) -> dict[str, float]:
     """Summed loss over batches (by default of independent windows, GPT-style models);
     `shard`: this process's rows of each batch, the sums then added over processes.
     progress: called with the number of tokens this process predicted after each batch.
-    forward: (B, T) tokens -> logits, when the model needs more than the tokens (a memory);
-    default: model(tokens)."""
+    forward: (B, T) tokens, targets=Targets -> their loss, when the model needs more than the
+    tokens (a memory); default: the loss of model(tokens) (Targets.score)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    forward = forward or model
+    if forward is None:
+        def forward(tokens: Tensor, targets: Targets) -> Tensor:
+            return targets.score(model, tokens)
     total_nll, n_tokens, n_chars = 0.0, 0, 0
     for i, batch in enumerate(batches):
         if max_batches and i >= max_batches:
             break
         batch, counts = shard.rows(batch)  # the same rows every time (memory rows too)
         batch = batch.to(device)
-        nll = float(lm_loss(forward(batch.tokens), batch.targets, reduction="sum"))
+        nll = float(forward(batch.tokens, targets=Targets(batch.targets, reduction="sum")))
         if counts:
             batch_tokens = int((batch.targets != IGNORE_INDEX).sum())
             total_nll += nll
@@ -96,5 +98,6 @@ def evaluate_segments(
     memory = Memory(mem_len, cache_keys=True)
     return evaluate_batches(
         model, eval_streams(ids, batch_size, segment_len), tokenizer, max_batches,
-        progress=progress, shard=shard, forward=lambda tokens: model(tokens, memory=memory),
+        progress=progress, shard=shard, forward=lambda tokens, targets: model(
+            tokens, memory=memory, targets=targets),
     )

@@ -19,7 +19,7 @@ from tformer.data.parallel import encode_source, encode_target, sorted_batches
 from tformer.data.tokenizers import Tokenizer
 from tformer.decoding.translate import SearchOptions, best_translations
 from tformer.errors import TformerError
-from tformer.evaluation.loss import label_smoothed_loss
+from tformer.evaluation.loss import Targets
 from tformer.evaluation.shard import WHOLE, Shard
 
 
@@ -90,8 +90,8 @@ def evaluate_loss(
             break
         batch, counts = shard.rows(batch)
         batch = batch.to(device)
-        logits = model(batch.src, batch.src_real, batch.tgt_in)
-        nll = float(label_smoothed_loss(logits, batch.tgt_out, 0.0, reduction="sum"))
+        targets = Targets(batch.tgt_out, reduction="sum")
+        nll = float(targets.score(model, batch.src, batch.src_real, batch.tgt_in))
         if counts:
             total += nll
             n_tokens += batch.num_tokens

@@ -87,3 +87,127 @@ class _CrossEntropy(torch.autograd.Function):
             logits.data_ptr(), targets.data_ptr(), stats.data_ptr(), per_row.data_ptr(), n, v,
             ctx.eps, ctx.ignore, out.data_ptr(), torch.get_num_threads())
         return out, None, None, None, None
+
+
+# --- the output layer and the loss together --------------------------------------------
+
+CHUNK_BYTES = 128 << 20
+"""The size of the logits `linear_cross_entropy` holds at once: 682 rows of a vocabulary of
+49,152 in float32."""
+
+
+def linear_cross_entropy(
+    x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, ignore_index: int,
+    label_smoothing: float = 0.0, reduction: str = "mean",
+) -> Tensor:
+    """cross_entropy(F.linear(x, weight, bias), targets, ...) for (N, D) states and a (V, D)
+    output layer, without ever holding the (N, V) logits.
+
+    The rows are taken a chunk at a time (CHUNK_BYTES of logits) into one buffer that is
+    kept from call to call: each chunk's logits are formed, scored, turned in place into
+    their gradient, and multiplied out into the gradients of x, weight and bias. Where a
+    gradient is wanted they are all computed here, in the forward pass, and the backward pass
+    only scales them. The logits of a large vocabulary are the largest tensor of a step
+    (tokens x 49,152 floats for SmolLM2, 151,936 for Qwen): here they are neither kept for
+    the backward pass nor written to fresh memory, whose first touch costs more than the
+    arithmetic on some machines. Same values as the unfused loss up to float rounding: the
+    weight's gradient is summed chunk by chunk.
+
+    Reduction "none", and wherever `cross_entropy` would not run the kernel, is the unfused
+    computation.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction = {reduction!r}: one of {', '.join(REDUCTIONS)}")
+    fused = (
+        reduction != "none" and x.dim() == 2 and weight.dim() == 2
+        and x.dtype == weight.dtype == torch.float32 and weight.device.type == "cpu"
+        and (bias is None or bias.dtype == torch.float32) and runs_natively(x, targets)
+    )
+    if not fused:  # in float32 whatever the layer's dtype, as the training losses are taken
+        return cross_entropy(F.linear(x, weight, bias).float(), targets,
+                             ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, reduction=reduction)
+    v = weight.shape[0]
+    real = targets != ignore_index
+    if bool(((targets < 0) | (targets >= v)).logical_and_(real).any()):
+        bad = targets[real & ((targets < 0) | (targets >= v))][0]
+        raise IndexError(f"target {int(bad)} is out of bounds for {v} classes")
+    return _LinearCrossEntropy.apply(x, weight, bias, targets, float(label_smoothing),
+                                     ignore_index, reduction)
+
+
+_buffers: list[Tensor] = []
+"""Chunk buffers of earlier calls, for the next to take (one a call; a second caller at the
+same time makes its own)."""
+
+
+def _take_buffer(floats: int) -> Tensor:
+    buffer = _buffers.pop() if _buffers else None
+    if buffer is None or buffer.numel() < floats:
+        buffer = torch.empty(floats)
+    return buffer
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, eps: float,
+        ignore: int, reduction: str,
+    ) -> Tensor:
+        x, targets = x.contiguous(), targets.contiguous()
+        n, v = x.shape[0], weight.shape[0]
+        lib, threads = matvec.load(), torch.get_num_threads()
+        want_x, want_w, want_b = ctx.needs_input_grad[:3]
+        count = int((targets != ignore).sum())
+        scale = 1.0 / count if reduction == "mean" and count else 1.0
+        grad_x = torch.empty_like(x) if want_x else None
+        grad_w = torch.empty_like(weight) if want_w else None
+        grad_b = torch.empty_like(bias) if want_b else None
+        # As few chunks as CHUNK_BYTES allows, of equal size (no sliver of a last chunk).
+        chunks = -(-n * v * 4 // CHUNK_BYTES)
+        rows = -(-n // chunks)
+        buffer = _take_buffer(rows * v)
+        loss, stats = x.new_empty(n), x.new_empty(n, 2)
+        per_row = x.new_full((rows,), scale)
+        w_t = weight.t()
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            m = stop - start
+            xs, ts, logits = x[start:stop], targets[start:stop], buffer[: m * v].view(m, v)
+            if bias is None:
+                torch.mm(xs, w_t, out=logits)
+            else:
+                torch.addmm(bias, xs, w_t, out=logits)
+            lib.tformer_xent_forward(logits.data_ptr(), ts.data_ptr(), m, v, eps, ignore,
+                                     loss[start].data_ptr(), stats[start].data_ptr(), threads)
+            if not (want_x or want_w or want_b):
+                continue
+            # The logits become their gradient (the kernel reads each float before it
+            # writes it), which multiplies out into the inputs' gradients.
+            lib.tformer_xent_backward(logits.data_ptr(), ts.data_ptr(), stats[start].data_ptr(),
+                                      per_row.data_ptr(), m, v, eps, ignore, logits.data_ptr(),
+                                      threads)
+            if grad_x is not None:
+                torch.mm(logits, weight, out=grad_x[start:stop])
+            if grad_w is not None:  # the first chunk sets the gradients, the others add
+                grad_w.addmm_(logits.t(), xs, beta=1.0 if start else 0.0)
+            if grad_b is not None and start == 0:
+                torch.sum(logits, 0, out=grad_b)
+            elif grad_b is not None:
+                grad_b += logits.sum(0)
+        _buffers.append(buffer)
+        ctx.save_for_backward(*(g for g in (grad_x, grad_w, grad_b) if g is not None))
+        ctx.wanted = (want_x, want_w, want_b)
+        total = loss.sum(dtype=torch.float64)  # in float64, as cross_entropy sums
+        if reduction == "mean":
+            total = total / count if count else total.new_tensor(float("nan"))
+        return total.float()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved) if wanted else None for wanted in ctx.wanted]
+        if float(grad) != 1.0:  # the usual upstream gradient of a loss is 1: nothing to do
+            grads = [g.mul_(grad) if g is not None else None for g in grads]
+        return *grads, None, None, None, None

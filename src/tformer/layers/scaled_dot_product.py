@@ -22,6 +22,9 @@ from torch import Tensor
 from tformer.kernels.dropout import dropout, runs_natively
 from tformer.layers.masks import attention_bias, causal_mask
 
+SDPA_GROUPS = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)
+"""Whether scaled_dot_product_attention takes enable_gqa (PyTorch 2.5 on)."""
+
 
 def scaled_dot_product(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, *,
@@ -36,10 +39,13 @@ def scaled_dot_product(
     """
     written = recorded is not None or runs_natively(q, dropout_p)
     if k.shape[1] != q.shape[1]:
-        if not (written or is_causal) and (mask is None or mask.shape[1] == 1):
-            return _grouped(q, k, v, mask, dropout_p)
         # Grouped-query attention (Ainslie et al. 2023): query head h reads key/value head
         # h // (H / H_kv).
+        if not (written or is_causal) and (mask is None or mask.shape[1] == 1):
+            return _grouped(q, k, v, mask, dropout_p)
+        if not written and SDPA_GROUPS:  # SDPA's kernels index the shared heads themselves
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, enable_gqa=True)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if written:

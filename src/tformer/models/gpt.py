@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError
+from tformer.evaluation.loss import Targets
 from tformer.kernels.attend import serves_cache
 from tformer.kernels.step import LMStep
 from tformer.layers import (
@@ -200,6 +201,7 @@ class GPT(Model):
         *,
         cache: DecoderCache | None = None,
         last_only: bool = False,
+        targets: Targets | None = None,
     ) -> Tensor:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) with `last_only`.
 
@@ -207,6 +209,8 @@ class GPT(Model):
             to, and positions count real tokens only, so a left-padded row gives the same
             outputs as the same row unpadded.
         cache: a DecoderCache from make_cache; the new tokens continue what it holds.
+        targets: (evaluation/loss.py) return their loss instead of the logits, never holding
+            all of these at once.
         """
         B, T = tokens.shape
         past = cache.length if cache is not None else 0
@@ -255,4 +259,6 @@ class GPT(Model):
             x = x[:, -1:]
         if self.final_norm is not None:
             x = self.final_norm(x)
+        if targets is not None:
+            return targets.of_states(x, self.lm_head)
         return self.lm_head(x)

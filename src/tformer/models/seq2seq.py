@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.checks import check_range
+from tformer.evaluation.loss import Targets
 from tformer.kernels.attend import serves_cache
 from tformer.kernels.step import DecoderStep
 from tformer.layers import (
@@ -237,6 +238,7 @@ class Seq2Seq(Model):
         *,
         cache: DecoderCache | None = None,
         tgt_real: Tensor | None = None,
+        targets: Targets | None = None,
     ) -> Tensor:
         """tgt (B, T) target ids so far (starting with BOS) -> logits (B, T, V).
 
@@ -248,6 +250,8 @@ class Seq2Seq(Model):
             keys and positions count real tokens only, so a padded target gives the outputs
             of the same target unpadded at every real position, wherever the padding is
             (without it, only right padding is safe).
+        targets: (evaluation/loss.py) return their loss instead of the logits, never holding
+            all of these at once.
         """
         start = cache.length if cache is not None else 0
         if start > 0 and tgt.shape[1] > 1:
@@ -272,14 +276,18 @@ class Seq2Seq(Model):
                 x = layer(x, memory, memory_mask, self_cache, cross_cache, self_mask)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
+        if targets is not None:
+            return targets.of_states(x, self.out_proj)
         return self.out_proj(x)
 
     def forward(
-        self, src: Tensor, src_real: Tensor, tgt: Tensor, tgt_real: Tensor | None = None
+        self, src: Tensor, src_real: Tensor, tgt: Tensor, tgt_real: Tensor | None = None, *,
+        targets: Targets | None = None,
     ) -> Tensor:
         """Teacher forcing: (B, S) source, (B, S) its mask, (B, T) target inputs (and
-        optionally their mask, see `decode`) -> (B, T, V) logits."""
-        return self.decode(tgt, self.encode(src, src_real), src_real, tgt_real=tgt_real)
+        optionally their mask, see `decode`) -> (B, T, V) logits, or the loss of `targets`."""
+        return self.decode(tgt, self.encode(src, src_real), src_real, tgt_real=tgt_real,
+                           targets=targets)
 
     def make_cache(self, batch: int, max_len: int) -> DecoderCache:
         """An empty cache for `batch` target sequences of up to `max_len` tokens: a KV cache

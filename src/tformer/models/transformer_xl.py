@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.checks import check_range
+from tformer.evaluation.loss import Targets
 from tformer.layers import (
     Dropout,
     FeedForward,
@@ -377,6 +378,7 @@ class TransformerXL(Model):
         *,
         memory: Memory | None = None,
         last_only: bool = False,
+        targets: Targets | None = None,
     ) -> Tensor:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) with `last_only`.
 
@@ -384,6 +386,8 @@ class TransformerXL(Model):
             with this segment's layer inputs. None: the segment alone, and nothing is kept.
         is_real: (B, T) False at padding. Padding keys are never attended to; a left-padded
             row gives the same outputs as the row alone, since only distances matter.
+        targets: (evaluation/loss.py) return their loss instead of the logits, never holding
+            all of these at once.
         """
         B, T = tokens.shape
         if memory is not None and memory.cache_keys and self.training:
@@ -431,4 +435,6 @@ class TransformerXL(Model):
             x = x[:, -1:]
         if self.final_norm is not None:
             x = self.final_norm(x)
+        if targets is not None:
+            return targets.of_states(self.dropout(x), self.lm_head)
         return self.lm_head(self.dropout(x))

@@ -21,7 +21,7 @@ from tformer.data.instruct import (
 from tformer.data.lm import LMBatch, LMData, RandomWindows
 from tformer.data.tokenizers import IGNORE_INDEX, Tokenizer
 from tformer.evaluation.lm import evaluate_batches, evaluate_stream
-from tformer.evaluation.loss import lm_loss
+from tformer.evaluation.loss import Targets
 from tformer.evaluation.shard import WHOLE, Shard
 from tformer.tasks.lm import evaluate_lm_checkpoint, with_batch_size
 
@@ -54,7 +54,7 @@ class GPTTask:
     def loss(self, model: nn.Module, batch: LMBatch, carry: None) -> tuple[Tensor, int, None]:
         """Windows are independent: nothing is carried from one step to the next."""
         n_targets = int((batch.targets != IGNORE_INDEX).sum())  # prompts and padding: none
-        return lm_loss(model(batch.tokens), batch.targets), n_targets, None
+        return model(batch.tokens, targets=Targets(batch.targets)), n_targets, None
 
     def new_carry(self) -> None:
         return None

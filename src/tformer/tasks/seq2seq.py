@@ -21,7 +21,7 @@ from tformer.decoding.translate import (
     translate,
 )
 from tformer.errors import TformerError
-from tformer.evaluation.loss import label_smoothed_loss
+from tformer.evaluation.loss import Targets
 from tformer.evaluation.shard import WHOLE, Shard
 from tformer.evaluation.translation import corpus_scores, evaluate_loss, evaluate_translation
 
@@ -64,8 +64,8 @@ class Seq2SeqTask:
         self, model: nn.Module, batch: Seq2SeqBatch, carry: None
     ) -> tuple[Tensor, int, None]:
         """Pairs are independent: nothing is carried from one step to the next."""
-        logits = model(batch.src, batch.src_real, batch.tgt_in)
-        loss = label_smoothed_loss(logits, batch.tgt_out, self.cfg.model.label_smoothing)
+        targets = Targets(batch.tgt_out, self.cfg.model.label_smoothing)
+        loss = model(batch.src, batch.src_real, batch.tgt_in, targets=targets)
         return loss, batch.num_tokens, None
 
     def summary(self) -> dict[str, str]:

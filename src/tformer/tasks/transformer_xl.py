@@ -25,7 +25,7 @@ from tformer.data.streams import StreamBatch, TrainStreams
 from tformer.data.tokenizers import Tokenizer
 from tformer.errors import TformerError
 from tformer.evaluation.lm import evaluate_segments
-from tformer.evaluation.loss import lm_loss
+from tformer.evaluation.loss import Targets
 from tformer.evaluation.shard import WHOLE, Shard
 from tformer.models.transformer_xl import Memory
 from tformer.tasks.lm import evaluate_lm_checkpoint, with_batch_size
@@ -78,8 +78,8 @@ class TransformerXLTask:
         if memory.states and memory.states[0].device != batch.tokens.device:
             # Restored from a checkpoint, which is read onto the CPU.
             memory.states = [m.to(batch.tokens.device) for m in memory.states]
-        logits = model(batch.tokens, memory=memory)
-        return lm_loss(logits, batch.targets), batch.num_tokens, memory
+        loss = model(batch.tokens, memory=memory, targets=Targets(batch.targets))
+        return loss, batch.num_tokens, memory
 
     def save_carry(self, memory: Memory) -> dict[str, Any]:
         return {"memory": memory.state_dict(), "memory_owner": process_slot()}
