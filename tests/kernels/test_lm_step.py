@@ -96,6 +96,42 @@ def test_one_call_per_layer_computes_what_the_blocks_compute_in_float64(layout, 
     torch.testing.assert_close(got.double()[real], want[real], atol=2e-5, rtol=1e-5)
 
 
+def decode_in_chunks(model, tokens, is_real, *, prefill: int, chunk: int):
+    """Logits of every position: the first `prefill` in one pass, then `chunk` at a time
+    (as speculative decoding verifies its drafts)."""
+    padded = is_real is not None
+    cache = model.make_cache(tokens.shape[0], padded=padded)
+    with torch.no_grad():
+        logits = []
+        for a in [0, *range(prefill, tokens.shape[1], chunk)]:
+            b = prefill if a == 0 else min(a + chunk, tokens.shape[1])
+            logits.append(model(tokens[:, a:b], is_real[:, a:b] if padded else None,
+                                cache=cache))
+    return torch.cat(logits, dim=1)
+
+
+@native
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("rows, chunk, padded", [(1, 3, False), (1, LM_F32_ROWS, False),
+                                                 (2, 4, True), (1, 5, True)])
+def test_several_tokens_a_call_attend_causally_as_the_blocks_do_in_float64(
+        layout, rows, chunk, padded, monkeypatch):
+    tokens, is_real = prompts(rows, length=20)
+    is_real = is_real if padded else None
+    calls = count_runs(monkeypatch)
+    prefill = 6 if padded else 2  # the padding within the prompt: a padding query sees itself
+    got = decode_in_chunks(inference_model(make_model(LAYOUTS[layout]), int8=False), tokens,
+                           is_real, prefill=prefill, chunk=chunk)
+    if LAYOUTS[layout].get("window") is None:  # a window sliding between them: the modules
+        # The prompt too where it is short and unpadded.
+        prompt = rows * prefill <= LM_F32_ROWS and (not padded or is_real[:, :prefill].all())
+        assert len(calls) == -(-(20 - prefill) // chunk) + int(prompt)
+    with torch.no_grad():
+        want = make_model(LAYOUTS[layout]).double()(tokens, is_real)
+    real = slice(None) if is_real is None else is_real
+    torch.testing.assert_close(got.double()[real], want[real], atol=2e-5, rtol=1e-5)
+
+
 @native
 @pytest.mark.parametrize("rows", [1, 4, LM_F32_ROWS])
 def test_batched_steps_equal_one_row_at_a_time(rows):
@@ -169,7 +205,8 @@ def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
     step = cache.step
     x = torch.zeros(4, 1, 48)
     assert step.serves(x, cache)
-    assert not step.serves(torch.zeros(4, 2, 48), cache)  # a prompt: the modules
+    assert step.serves(torch.zeros(4, 2, 48), cache)  # a few tokens each: 8 rows
+    assert not step.serves(torch.zeros(4, 3, 48), cache)  # a prompt: the modules
     assert not step.serves(x.double(), cache)
     assert not step.serves(torch.zeros(3, 1, 48), cache)  # rows other than the cache's
     assert not step.serves(torch.zeros(9, 1, 48), model.make_cache(9))  # past LM_F32_ROWS

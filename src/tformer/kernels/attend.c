@@ -79,25 +79,29 @@ static inline void fetch(const float *p, long n)
  *   k     key of buffer row r, key head g = h / kv_group, position s:
  *         k + r * k_row + g * k_head + s * k_pos
  *   v     the same with v's strides, dv floats
- *   rows  (n, >= T): rows + i * rows_row, each in [0, r); NULL: buffer row i / group
- *   bias  (buffer rows, >= T): bias + r * bias_row; NULL: none
- *   out   (n, H, dv), contiguous */
+ *   rows  (n, >= length): rows + i * rows_row, each in [0, r); NULL: buffer row i / group
+ *   bias  (buffer rows, >= length): bias + r * bias_row; NULL: none
+ *   out   (n, H, dv), contiguous
+ * own: where the `group` query rows of a buffer row are its last `own` positions in order
+ * (several new tokens of one sequence; group = own), query row i reads positions up to
+ * length - own + i % own and no later one (causal). 1: every row reads all `length`. */
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
                         long k_pos, const float *v, long v_row, long v_head, long v_pos,
                         const int64_t *rows, long rows_row, long group, const float *bias,
                         long bias_row, float *out, long n, long r, long heads, long kv_group,
-                        long T, long d, long dv, float scale, int threads)
+                        long length, long own, long d, long dv, float scale, int threads)
 {
     /* Returns -1, computing nothing, where the table names a row outside the r buffer rows. */
     if (rows)
         for (long i = 0; i < n; i++)
-            for (long s = 0; s < T; s++)
+            for (long s = 0; s < length; s++)
                 if (rows[i * rows_row + s] < 0 || rows[i * rows_row + s] >= r)
                     return -1;
-    const long work = n * heads * T * (d + dv);
+    const long work = n * heads * length * (d + dv);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 65536)
     for (long ih = 0; ih < n * heads; ih++) {
         const long i = ih / heads, h = ih % heads, g = h / kv_group;
+        const long T = length - own + 1 + i % own; /* the positions this row reads */
         const float *qi = q + i * q_row + h * d;
         const int64_t *lineage = rows ? rows + i * rows_row : 0;
         float p[T + BLOCK];

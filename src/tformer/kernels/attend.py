@@ -94,7 +94,7 @@ def attend_step(
         v.data_ptr(), v_stride[0], v_stride[1], v_stride[2],
         None if rows is None else rows.data_ptr(), 0 if rows is None else rows.stride(0),
         n // r, None if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
-        out.data_ptr(), n, r, heads, heads // k_heads, length, d, dv, d**-0.5,
+        out.data_ptr(), n, r, heads, heads // k_heads, length, 1, d, dv, d**-0.5,
         torch.get_num_threads(),
     ):
         raise IndexError(f"attend_step: a row of `rows` is not among the {r} buffer rows")

@@ -163,7 +163,7 @@ def _load(want: str | None) -> ctypes.CDLL:
     lib.tformer_attend_step.argtypes = (
         [ctypes.c_void_p, ctypes.c_long] + ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 2
         + [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long]
-        + [ctypes.c_void_p] + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
+        + [ctypes.c_void_p] + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
     )
     lib.tformer_attend_step.restype = ctypes.c_int
     lib.tformer_dropout.argtypes = [ctypes.c_void_p] * 2 + [
@@ -262,7 +262,7 @@ def _attends_right(lib: ctypes.CDLL) -> bool:
     out = q.new_empty(3, 4, 12)
     lib.tformer_attend_step(q.data_ptr(), 48, k.data_ptr(), 240, 120, 12, v.data_ptr(), 240,
                             120, 12, rows.data_ptr(), 9, 1, None, 0, out.data_ptr(), 3, 3, 4,
-                            2, 9, 12, 12, 12**-0.5, 1)
+                            2, 9, 1, 12, 12, 12**-0.5, 1)
     positions = torch.arange(9)
     keys, values = (t[rows, :, positions].transpose(1, 2).repeat_interleave(2, dim=1)
                     for t in (k, v))

@@ -39,7 +39,7 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
                         long k_pos, const float *v, long v_row, long v_head, long v_pos,
                         const int64_t *rows, long rows_row, long group, const float *bias,
                         long bias_row, float *out, long n, long r, long heads, long kv_group,
-                        long T, long d, long dv, float scale, int threads);
+                        long length, long own, long d, long dv, float scale, int threads);
 
 /* A linear layer y = x W^T + b: fp32 (weight) or int8 (qweight, scale, and for the
  * many-row product, packed and row_sums in `layout`). The structures mirror step.py's. */
@@ -244,7 +244,7 @@ static int attend(const struct tformer_decoder_layer *l, const float *q, long q_
 {
     return tformer_attend_step(q, q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v,
                                kv->v_row, kv->v_head, kv->v_pos, rows, rows_row, group, bias,
-                               bias_row, out, n, kv->rows, l->heads, 1, T, l->d_head,
+                               bias_row, out, n, kv->rows, l->heads, 1, T, 1, l->d_head,
                                l->d_value, l->scale, threads);
 }
 
@@ -384,8 +384,8 @@ long tformer_lm_layer_scratch(const struct tformer_lm_layer *l)
 }
 
 /* The step's queries and keys normed and rotated per head in place, and its keys and
- * values stored at position s of buffer row i of kv: row i of qkv (q | k | v). */
-static void place_qkv(const struct tformer_lm_layer *l, float *qkv, long i, long s,
+ * values stored at position s of buffer row r of kv: one row of qkv (q | k | v). */
+static void place_qkv(const struct tformer_lm_layer *l, float *qkv, long r, long s,
                       const struct tformer_kv *kv, const float *cos, const float *sin)
 {
     const long H = l->heads, G = l->kv_heads, dk = l->d_head, dv = l->d_value;
@@ -399,23 +399,24 @@ static void place_qkv(const struct tformer_lm_layer *l, float *qkv, long i, long
         rotate(k, G, dk, l->rotated, l->interleaved, cos, sin);
     }
     for (long g = 0; g < G; g++) {
-        memcpy(kv->k + i * kv->k_row + g * kv->k_head + s * kv->k_pos, k + g * dk,
+        memcpy(kv->k + r * kv->k_row + g * kv->k_head + s * kv->k_pos, k + g * dk,
                sizeof(float) * dk);
-        memcpy(kv->v + i * kv->v_row + g * kv->v_head + s * kv->v_pos, v + g * dv,
+        memcpy(kv->v + r * kv->v_row + g * kv->v_head + s * kv->v_pos, v + g * dv,
                sizeof(float) * dv);
     }
 }
 
-/* One step of layer `l` for n rows of x (n x d_model, updated in place).
- *   kv, length: the layer's cache, in query order (row i of x is buffer row i); the step's
- *       keys and values go to position length - 1, and attention reads positions
- *       0 .. length-1.
+/* One step of layer `l` for n rows of x (n x d_model, updated in place): `tokens` new
+ * tokens of each of n / tokens sequences, row i token i % tokens of sequence i / tokens.
+ *   kv, length: the layer's cache, buffer row b for sequence b; the step's keys and values
+ *       go to positions length - tokens .. length - 1, and each token attends positions
+ *       0 .. its own (causal).
  *   cos, sin: (n x rotated/2) the angles of each row's position (NULL without rotary).
- *   bias: (n x >= length) added to the scores, bias_row apart: 0 or -inf for padding and
- *       positions outside a sliding window (NULL: none).
+ *   bias: (n / tokens x >= length) added to each sequence's scores, bias_row apart: 0 or
+ *       -inf for padding and positions outside a sliding window (NULL: none).
  *   scratch: n * tformer_lm_layer_scratch(l) floats, the caller's.
  * Returns 0, or -1 where a product could not allocate. */
-int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n,
+int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, long tokens,
                           const struct tformer_kv *kv, long length, const float *cos,
                           const float *sin, const float *bias, long bias_row, float *scratch,
                           int threads)
@@ -432,11 +433,12 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n,
     if ((status = linear(&l->qkv, in, wide, n, pm, threads)))
         return status;
     for (long i = 0; i < n; i++)
-        place_qkv(l, wide + i * width, i, length - 1, kv, cos ? cos + i * half : NULL,
-                  sin ? sin + i * half : NULL);
+        place_qkv(l, wide + i * width, i / tokens, length - tokens + i % tokens, kv,
+                  cos ? cos + i * half : NULL, sin ? sin + i * half : NULL);
     tformer_attend_step(wide, width, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v, kv->v_row,
-                        kv->v_head, kv->v_pos, NULL, 0, 1, bias, bias_row, att, n, kv->rows, H,
-                        H / l->kv_heads, length, l->d_head, dv, l->scale, threads);
+                        kv->v_head, kv->v_pos, NULL, 0, tokens, bias, bias_row, att, n,
+                        kv->rows, H, H / l->kv_heads, length, tokens, l->d_head, dv, l->scale,
+                        threads);
     if ((status = linear(&l->out, att, out, n, pm, threads)))
         return status;
     residual(l->pre_norm, &l->attn_norm, x, out, n, d);

@@ -140,7 +140,7 @@ def _library() -> ctypes.CDLL | None:
             [_p] * 2 + [_long] + [_p, _long] * 4 + [_p, ctypes.c_int])
         lib.tformer_decoder_layer_step.restype = ctypes.c_int
         lib.tformer_lm_layer_step.argtypes = (
-            [_p] * 2 + [_long, _p, _long] + [_p] * 3 + [_long, _p, ctypes.c_int])
+            [_p] * 2 + [_long, _long, _p, _long] + [_p] * 3 + [_long, _p, ctypes.c_int])
         lib.tformer_lm_layer_step.restype = ctypes.c_int
         for name in ("tformer_decoder_layer_scratch", "tformer_lm_layer_scratch"):
             getattr(lib, name).argtypes = [_p]
@@ -342,13 +342,16 @@ class LMStep:
         return struct, min(limit for _, limit in linears)
 
     def serves(self, x: Tensor, cache: DecoderCache) -> bool:
-        """Whether step.c runs this step: x (N, 1, D) fp32 on the CPU with no gradient wanted,
-        the blocks in eval mode and recording nothing, N within what the products take, and
-        the cache's N rows in query order, fp32 and contiguous, with room in the kernel."""
-        n = x.shape[0]
-        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != 1
-                or n > self.max_rows or cache.lineage is not None
-                or cache.length + 1 > MAX_POSITIONS
+        """Whether step.c runs this step: x (N, T, D) fp32 on the CPU with no gradient wanted
+        (T new tokens of N sequences: one a step, or a few, as speculative decoding's
+        verification reads them), the blocks in eval mode and recording nothing, N * T rows
+        within what the products take, and the cache's N rows in query order, fp32 and
+        contiguous, with room in the kernel."""
+        n, tokens = x.shape[:2]
+        if (x.dtype != torch.float32 or x.device.type != "cpu"
+                or n * tokens > (self.max_rows if tokens == 1 else min(self.max_rows, LM_F32_ROWS))
+                or cache.lineage is not None
+                or cache.length + tokens > MAX_POSITIONS
                 or (torch.is_grad_enabled() and x.requires_grad)
                 or torch.compiler.is_compiling()):
             return False
@@ -359,20 +362,27 @@ class LMStep:
 
     def run(self, x: Tensor, cache: DecoderCache, positions: Tensor,
             mask: Tensor | None) -> Tensor:
-        """Every block's step on x (N, 1, D), where `serves` says so, at `positions` ((N, 1)
-        or (1,), for rotary embeddings) under a may-attend `mask` broadcastable to (N, 1, 1,
-        S) (or None: every cached position): the blocks' keys and values stored in the cache
-        (one position each), the result in a new tensor."""
+        """Every block's step on x (N, T, D), where `serves` says so, at `positions` ((N, T)
+        or (T,), for rotary embeddings) under a may-attend `mask` broadcastable to (N, 1, T,
+        S) whose last query row covers the others' (padding, not a window that slides
+        between them; None: every cached position), the tokens attending causally among
+        themselves: the blocks' keys and values stored in the cache (T positions each), the
+        result in a new tensor."""
         lib = _library()
         x = x.contiguous().clone()
-        n, length = x.shape[0], cache.self_attn[0].end_after(1)
+        batch, tokens = x.shape[:2]
+        n, length = batch * tokens, cache.self_attn[0].end_after(tokens)
         cos = sin = None
         if self.rotary is not None:
-            cos, sin = (t.reshape(-1, t.shape[-1]).expand(n, -1).contiguous()
-                        for t in self.rotary.cos_sin(positions, x.dtype))
+            cos, sin = (t.reshape(-1, t.shape[-1]) for t in self.rotary.cos_sin(positions,
+                                                                                x.dtype))
+            if cos.shape[0] != n:  # the same positions for every sequence
+                cos, sin = cos.repeat(n // cos.shape[0], 1), sin.repeat(n // sin.shape[0], 1)
+            cos, sin = cos.contiguous(), sin.contiguous()
         bias = None
-        if mask is not None:
-            bias = attention_bias(mask, x.dtype).reshape(-1, mask.shape[-1]).expand(n, -1)
+        if mask is not None:  # the last token's row: the causal part is the kernel's
+            bias = attention_bias(mask[..., -1, :], x.dtype).reshape(-1, mask.shape[-1])
+            bias = bias.expand(batch, -1)
         if self._scratch.numel() < n * self._scratch_row:
             self._scratch = torch.empty(n * self._scratch_row)
         threads = torch.get_num_threads()
@@ -380,7 +390,8 @@ class LMStep:
             if self._kv[i][0] is not c.k:  # a new cache, or new views of the same buffers
                 self._kv[i] = (c.k, ctypes.pointer(_kv(c.k, c.v)))
             if lib.tformer_lm_layer_step(
-                self.pointers[i], x.data_ptr(), n, self._kv[i][1], length, _ptr(cos), _ptr(sin),
+                self.pointers[i], x.data_ptr(), n, tokens, self._kv[i][1], length, _ptr(cos),
+                _ptr(sin),
                 _ptr(bias), 0 if bias is None else bias.stride(0), self._scratch.data_ptr(),
                 threads,
             ):

@@ -248,8 +248,12 @@ class GPT(Model):
         x = self.dropout(x)
         rotary_positions = positions if keys_real is not None else positions[0]
         step = cache.step if cache is not None else None
-        if isinstance(step, LMStep) and step.serves(x, cache):
+        several = T > 1 and (windowed or (is_real is not None and not bool(is_real.all())))
+        if isinstance(step, LMStep) and not several and step.serves(x, cache):
             # One C call per block (kernels/step.py): the same computation as the loop below.
+            # A few tokens a call only where the last one's mask covers the others': no
+            # window sliding between them, no padding among them (a padding query sees
+            # itself, lm_mask).
             x = step.run(x, cache, rotary_positions, mask)
         else:
             for i, block in enumerate(self.blocks):
