@@ -32,10 +32,11 @@ ISAS = ("avx512", "avx2", "torch")
 ISA_NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "torch": "torch"}
 """How tables name them."""
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("matvec.c", "search.c", "attend.c", "step.c", "dropout.c", "xent.c")]
+           for name in ("matvec.c", "search.c", "attend.c", "step.c", "dropout.c", "xent.c",
+                        "glu.c")]
 """Built into one library: the products, beam search's candidates (search.py), a decoding
 step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
-(dropout.py) and the cross-entropy (xent.py)."""
+(dropout.py), the cross-entropy (xent.py) and SwiGLU's gate (glu.py)."""
 HEADERS = [Path(__file__).with_name("vecmath.h")]
 """Included by the sources: part of the key the built library is cached under."""
 PRIVATE_PREFIX = "tformer-kernel-"

@@ -159,7 +159,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lib, threads = matvec.load(), torch.get_num_threads()
         want_x, want_w, want_b = ctx.needs_input_grad[:3]
         count = int((targets != ignore).sum())
-        scale = 1.0 / count if reduction == "mean" and count else 1.0
         grad_x = torch.empty_like(x) if want_x else None
         grad_w = torch.empty_like(weight) if want_w else None
         grad_b = torch.empty_like(bias) if want_b else None
@@ -168,7 +167,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = -(-n // chunks)
         buffer = _take_buffer(rows * v)
         loss, stats = x.new_empty(n), x.new_empty(n, 2)
-        per_row = x.new_full((rows,), scale)
+        # The gradients of the rows' summed loss; the mean's 1 / count is the backward
+        # pass's, with the upstream gradient: a trainer that multiplies the mean by its count
+        # again (tformer's does) gets a factor of exactly 1 and no rounding of its own, as
+        # the unfused loss's gradient does. (Rounding it twice moved the weights of a
+        # two-process run by 1e-4 from a one-process one under Muon.)
+        per_row = x.new_ones(rows)
         w_t = weight.t()
         for start in range(0, n, rows):
             stop = min(start + rows, n)
@@ -198,6 +202,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         _buffers.append(buffer)
         ctx.save_for_backward(*(g for g in (grad_x, grad_w, grad_b) if g is not None))
         ctx.wanted = (want_x, want_w, want_b)
+        ctx.count = count if reduction == "mean" else 1
         total = loss.sum(dtype=torch.float64)  # in float64, as cross_entropy sums
         if reduction == "mean":
             total = total / count if count else total.new_tensor(float("nan"))
@@ -208,6 +213,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         saved = iter(ctx.saved_tensors)
         grads = [next(saved) if wanted else None for wanted in ctx.wanted]
-        if float(grad) != 1.0:  # the usual upstream gradient of a loss is 1: nothing to do
-            grads = [g.mul_(grad) if g is not None else None for g in grads]
+        factor = grad.float() / ctx.count
+        if ctx.count and float(factor) != 1.0:  # no padding-only batch, nothing to scale
+            grads = [g.mul_(factor) if g is not None else None for g in grads]
         return *grads, None, None, None, None

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from tformer.kernels.dropout import Dropout
+from tformer.kernels.glu import silu_mul
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
@@ -54,6 +55,8 @@ class GatedFeedForward(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.activation, nn.SiLU):  # SwiGLU: the gate in one pass (glu.py)
+            return self.down(self.dropout(silu_mul(self.gate(x), self.up(x))))
         return self.down(self.dropout(self.activation(self.gate(x)) * self.up(x)))
 
 
