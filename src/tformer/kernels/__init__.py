@@ -1,5 +1,6 @@
 """CPU fast paths: for inference, a hand-written kernel for products of a few rows
 (matvec.py, matvec.c), linear layers with prepacked weights (prepack.py), int8 linear layers
-(quantize.py) and beam search's candidates (search.py); for training, dropout (dropout.py)
-and the label-smoothed cross-entropy (xent.py). Each is optional and checked against the
-plain torch path."""
+(quantize.py), beam search's candidates (search.py) and whole decoding steps (step.py,
+attend.py); for training, dropout (dropout.py), the label-smoothed cross-entropy with or
+without the output layer (xent.py) and SwiGLU's gate (glu.py). Each is optional and checked
+against the plain torch path."""
