@@ -182,6 +182,24 @@ def test_int8_steps_match_the_int8_blocks_and_store_the_same_keys(layout, kernel
 
 
 @native
+@pytest.mark.parametrize("chunk", [3, LM_F32_ROWS])
+def test_int8_tokens_a_few_at_a_time_match_the_int8_blocks(chunk, kernel_isa, monkeypatch):
+    # As speculative decoding verifies with --int8: the products are the modules' kernels
+    # (a row's product does not depend on the rows beside it); the norms, activations and
+    # attention round differently.
+    layout = LAYOUTS["llama, grouped-query"]
+    tokens, _ = prompts(1, length=20)
+    calls = count_runs(monkeypatch)
+    got = decode_in_chunks(inference_model(make_model(layout), int8=True), tokens, None,
+                           prefill=4, chunk=chunk)
+    assert len(calls) == 1 + -(-16 // chunk)
+    modules = inference_model(make_model(layout), int8=True)
+    with torch.no_grad():
+        want = modules(tokens)  # the whole sequence at once, through the modules
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@native
 def test_greedy_generation_gives_the_modules_tokens():
     from tformer.decoding.lm import generate
 
