@@ -186,7 +186,8 @@ def test_int8_steps_match_the_int8_blocks_and_store_the_same_keys(layout, kernel
 def test_int8_tokens_a_few_at_a_time_match_the_int8_blocks(chunk, kernel_isa, monkeypatch):
     # As speculative decoding verifies with --int8: the products are the modules' kernels
     # (a row's product does not depend on the rows beside it); the norms, activations and
-    # attention round differently.
+    # attention round differently, and where that moves an input across an int8 rounding
+    # step, a logit moves by up to ~1e-2. A token misplaced in the cache would move them all.
     layout = LAYOUTS["llama, grouped-query"]
     tokens, _ = prompts(1, length=20)
     calls = count_runs(monkeypatch)
@@ -196,7 +197,8 @@ def test_int8_tokens_a_few_at_a_time_match_the_int8_blocks(chunk, kernel_isa, mo
     modules = inference_model(make_model(layout), int8=True)
     with torch.no_grad():
         want = modules(tokens)  # the whole sequence at once, through the modules
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    gap = (got - want).abs()
+    assert gap.max() < 3e-2 and gap.mean() < 1e-3, (gap.max(), gap.mean())
 
 
 @native

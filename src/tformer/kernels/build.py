@@ -33,10 +33,10 @@ ISA_NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "torch": "torch"}
 """How tables name them."""
 SOURCES = [Path(__file__).with_name(name)
            for name in ("matvec.c", "search.c", "attend.c", "step.c", "dropout.c", "xent.c",
-                        "glu.c")]
+                        "glu.c", "rmsnorm.c")]
 """Built into one library: the products, beam search's candidates (search.py), a decoding
 step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
-(dropout.py), the cross-entropy (xent.py) and SwiGLU's gate (glu.py)."""
+(dropout.py), the cross-entropy (xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
 HEADERS = [Path(__file__).with_name("vecmath.h")]
 """Included by the sources: part of the key the built library is cached under."""
 PRIVATE_PREFIX = "tformer-kernel-"
