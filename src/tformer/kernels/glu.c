@@ -42,13 +42,11 @@ void tformer_silu_mul_forward(const float *g, const float *u, float *out, long n
     for (long b = 0; b < blocks; b++) {
         const long end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
         long j = b * BLOCK;
-        for (; j + LANES <= end; j += LANES) {
-            const __m256 gv = _mm256_loadu_ps(g + j);
-            const __m256 silu = _mm256_mul_ps(gv, sigmoid8(gv));
-            _mm256_storeu_ps(out + j, _mm256_mul_ps(silu, _mm256_loadu_ps(u + j)));
-        }
+        for (; j + LANES <= end; j += LANES)  /* silu as the decoding step takes it */
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + j)),
+                                                    _mm256_loadu_ps(u + j)));
         for (; j < end; j++)
-            out[j] = g[j] * sigmoid1(g[j]) * u[j];
+            out[j] = silu1(g[j]) * u[j];
     }
 }
 

@@ -3,7 +3,8 @@
  *
  * As torch operations the norm is five passes forward (square, mean, rsqrt, two products)
  * and about ten backward, each writing a tensor of the input's size. Here the forward pass
- * reads a row twice (its sum of squares, then the product) and keeps r, one float a row;
+ * reads a row twice (its sum of squares in double, then the product: the decoding step's
+ * rms_norm_row) and keeps r, one float a row;
  * with xh = x r and g = dy w, the backward pass is
  *
  *     dx = r (g - xh mean(g xh)),    dw = sum over rows of dy xh,
@@ -18,36 +19,13 @@
 
 #define COLUMNS 64 /* the width of a column block of dw */
 
-/* The sum of a[j] * b[j] over d floats: eight lanes, then the rest in order. */
-static inline float dot(const float *a, const float *b, long d)
-{
-    __m256 acc = _mm256_setzero_ps();
-    long j = 0;
-    for (; j + 8 <= d; j += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-    float s = sum_lanes(acc);
-    for (; j < d; j++)
-        s += a[j] * b[j];
-    return s;
-}
-
+/* The rows as the decoding step norms them (vecmath.h's rms_norm_row), keeping r. */
 void tformer_rms_norm_forward(const float *x, const float *w, long rows, long d, float eps,
                               float *y, float *r, int threads)
 {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 8)
-    for (long i = 0; i < rows; i++) {
-        const float *xi = x + i * d;
-        float *yi = y + i * d;
-        const float ri = 1.0f / sqrtf(dot(xi, xi, d) / (float)d + eps);
-        r[i] = ri;
-        const __m256 rv = _mm256_set1_ps(ri);
-        long j = 0;
-        for (; j + 8 <= d; j += 8)
-            _mm256_storeu_ps(yi + j, _mm256_mul_ps(_mm256_loadu_ps(w + j),
-                                                   _mm256_mul_ps(_mm256_loadu_ps(xi + j), rv)));
-        for (; j < d; j++)
-            yi[j] = w[j] * (xi[j] * ri);
-    }
+    for (long i = 0; i < rows; i++)
+        r[i] = rms_norm_row(x + i * d, w, eps, y + i * d, d);
 }
 
 /* dx (rows x d) and, where dw is not NULL, dw (d) from the upstream gradient dy and the r

@@ -93,13 +93,6 @@ static int linear(const struct tformer_linear *l, const float *x, float *y, long
     return tformer_linear_int8(x, l->qweight, l->scale, l->bias, y, m, n, k, threads);
 }
 
-/* The sum of the four lanes of v. */
-static inline double sum_lanes_pd(__m256d v)
-{
-    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
-}
-
 /* y = (x - mean) / sqrt(var + eps) * weight + bias over each row of d, moments in double
  * (four lanes of each, then their sum). */
 static void layer_norm(const struct tformer_norm *norm, const float *x, float *y, long m, long d)
@@ -144,25 +137,8 @@ static void layer_norm(const struct tformer_norm *norm, const float *x, float *y
  * mean of squares in double. */
 static void rms_norm(const struct tformer_norm *norm, const float *x, float *y, long m, long d)
 {
-    const long d4 = d & ~3L, d8 = d & ~7L;
-    for (long i = 0; i < m; i++) {
-        const float *row = x + i * d;
-        __m256d acc = _mm256_setzero_pd();
-        for (long j = 0; j < d4; j += 4) {
-            const __m256d c = _mm256_cvtps_pd(_mm_loadu_ps(row + j));
-            acc = _mm256_add_pd(acc, _mm256_mul_pd(c, c));
-        }
-        double sq = sum_lanes_pd(acc);
-        for (long j = d4; j < d; j++)
-            sq += (double)row[j] * row[j];
-        const float rstd = (float)(1.0 / sqrt(sq / (double)d + norm->eps));
-        const __m256 rv = _mm256_set1_ps(rstd);
-        for (long j = 0; j < d8; j += 8)
-            _mm256_storeu_ps(y + i * d + j, _mm256_mul_ps(_mm256_loadu_ps(norm->weight + j),
-                                                          _mm256_mul_ps(_mm256_loadu_ps(row + j), rv)));
-        for (long j = d8; j < d; j++)
-            y[i * d + j] = norm->weight[j] * (row[j] * rstd);
-    }
+    for (long i = 0; i < m; i++)
+        rms_norm_row(x + i * d, norm->weight, norm->eps, y + i * d, d);
 }
 
 /* The norm of its kind over m rows of d; y may be x. */
@@ -175,9 +151,8 @@ static void normalize(const struct tformer_norm *norm, const float *x, float *y,
 }
 
 /* The activation in place over count floats, eight lanes at a time where it has a vector
- * form. SiLU and GELU's tanh form take exp of -|u| only (exp8 is for arguments <= 0):
- *     silu(v) = v / (1 + e) for v >= 0, v e / (1 + e) below, with e = exp(-|v|);
- *     tanh(u) = sign(u) (1 - e) / (1 + e), with e = exp(-2 |u|). */
+ * form. SiLU (vecmath.h's silu8) and GELU's tanh form take exp of -|u| only (exp8 is for
+ * arguments <= 0): tanh(u) = sign(u) (1 - e) / (1 + e), with e = exp(-2 |u|). */
 static void activate(int kind, float *x, long count)
 {
     const long c8 = count & ~7L;
@@ -192,14 +167,10 @@ static void activate(int kind, float *x, long count)
             x[j] = x[j] > 0.0f || x[j] != x[j] ? x[j] : 0.0f;
         break;
     case ACT_SILU:
-        for (; j < c8; j += 8) {
-            const __m256 v = _mm256_loadu_ps(x + j);
-            const __m256 e = exp8(_mm256_or_ps(v, sign));
-            const __m256 num = _mm256_blendv_ps(v, _mm256_mul_ps(v, e), v);
-            _mm256_storeu_ps(x + j, _mm256_div_ps(num, _mm256_add_ps(one, e)));
-        }
+        for (; j < c8; j += 8)
+            _mm256_storeu_ps(x + j, silu8(_mm256_loadu_ps(x + j)));
         for (; j < count; j++)
-            x[j] = x[j] / (1.0f + expf(-x[j]));
+            x[j] = silu1(x[j]);
         break;
     case ACT_GELU_TANH:
         for (; j < c8; j += 8) {

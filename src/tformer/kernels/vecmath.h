@@ -69,4 +69,52 @@ static inline float sum_exp(const float *row, long v, float mx)
     return sum;
 }
 
+/* The sum of the four lanes of v. */
+static inline double sum_lanes_pd(__m256d v)
+{
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+/* RMSNorm of one row of d floats into out: row / sqrt(mean(row^2) + eps) * weight, the mean
+ * of squares in double (four lanes, then their sum). Returns 1 / sqrt(mean + eps). The
+ * decoding step (step.c) and training's norm (rmsnorm.c) both take it, so both give the
+ * same bits. */
+static inline float rms_norm_row(const float *row, const float *weight, float eps, float *out,
+                                 long d)
+{
+    const long d4 = d & ~3L, d8 = d & ~7L;
+    __m256d acc = _mm256_setzero_pd();
+    for (long j = 0; j < d4; j += 4) {
+        const __m256d c = _mm256_cvtps_pd(_mm_loadu_ps(row + j));
+        acc = _mm256_add_pd(acc, _mm256_mul_pd(c, c));
+    }
+    double sq = sum_lanes_pd(acc);
+    for (long j = d4; j < d; j++)
+        sq += (double)row[j] * row[j];
+    const float rstd = (float)(1.0 / sqrt(sq / (double)d + eps));
+    const __m256 rv = _mm256_set1_ps(rstd);
+    for (long j = 0; j < d8; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(weight + j),
+                                                _mm256_mul_ps(_mm256_loadu_ps(row + j), rv)));
+    for (long j = d8; j < d; j++)
+        out[j] = weight[j] * (row[j] * rstd);
+    return rstd;
+}
+
+/* silu(v) = v sigmoid(v) for eight floats, taking exp of -|v| only (exp8 is for arguments
+ * <= 0): v / (1 + e) for v >= 0, v e / (1 + e) below, with e = exp(-|v|). */
+static inline __m256 silu8(__m256 v)
+{
+    const __m256 e = exp8(_mm256_or_ps(v, _mm256_set1_ps(-0.0f)));
+    const __m256 num = _mm256_blendv_ps(v, _mm256_mul_ps(v, e), v);
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* silu for one float, as the lanes' scalar rest. */
+static inline float silu1(float v)
+{
+    return v / (1.0f + expf(-v));
+}
+
 #endif

@@ -33,12 +33,17 @@ def cross_entropy(
     if not runs_natively(logits, targets):
         return F.cross_entropy(logits, targets, ignore_index=ignore_index,
                                label_smoothing=label_smoothing, reduction=reduction)
-    n, v = logits.shape
+    check_targets(targets, logits.shape[1], ignore_index)
+    return _CrossEntropy.apply(logits, targets, float(label_smoothing), ignore_index, reduction)
+
+
+def check_targets(targets: Tensor, v: int, ignore_index: int) -> None:
+    """IndexError unless every target but ignore_index is in [0, v): the kernel would read
+    outside its row."""
     real = targets != ignore_index
     if bool(((targets < 0) | (targets >= v)).logical_and_(real).any()):
         bad = targets[real & ((targets < 0) | (targets >= v))][0]
         raise IndexError(f"target {int(bad)} is out of bounds for {v} classes")
-    return _CrossEntropy.apply(logits, targets, float(label_smoothing), ignore_index, reduction)
 
 
 def runs_natively(logits: Tensor, targets: Tensor) -> bool:
@@ -127,11 +132,7 @@ def linear_cross_entropy(
         return cross_entropy(F.linear(x, weight, bias).float(), targets,
                              ignore_index=ignore_index,
                              label_smoothing=label_smoothing, reduction=reduction)
-    v = weight.shape[0]
-    real = targets != ignore_index
-    if bool(((targets < 0) | (targets >= v)).logical_and_(real).any()):
-        bad = targets[real & ((targets < 0) | (targets >= v))][0]
-        raise IndexError(f"target {int(bad)} is out of bounds for {v} classes")
+    check_targets(targets, weight.shape[0], ignore_index)
     return _LinearCrossEntropy.apply(x, weight, bias, targets, float(label_smoothing),
                                      ignore_index, reduction)
 
