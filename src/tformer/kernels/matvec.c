@@ -76,15 +76,22 @@ static inline __attribute__((always_inline)) void f32_rows_of_w(
         }
 }
 
-/* The same for int8 rows of x and of W. Sixteen int8 values of each are widened to 16-bit
- * integers, and _mm256_madd_epi16 multiplies them and adds neighbouring pairs into eight
- * 32-bit sums: no rounding and, below 2^31 / 127^2 = 133,000 terms, no overflow. (The
- * faster unsigned-by-signed _mm256_maddubs_epi16 saturates its 16-bit pair sums, so it is
- * not exact.) The scaling is the same sequence of fp32 operations as int8_linear's torch
+/* The same for int8 rows of W and rows of x widened to 16-bit integers (xw, once per call:
+ * a few KB that stay in L1). Sixteen int8 weights are widened too, and _mm256_madd_epi16
+ * multiplies them and adds neighbouring pairs into eight 32-bit sums: no rounding and,
+ * below 2^31 / 127^2 = 133,000 terms, no overflow. (The faster unsigned-by-signed
+ * _mm256_maddubs_epi16 saturates its 16-bit pair sums, so it is not exact.) Widening x once
+ * instead of at every block of W takes M of the R + M widenings out of the inner loop,
+ * which are shuffles that compete with the products for the vector ports. The scaling is the same sequence of fp32 operations as int8_linear's torch
  * path: (float) sum * (xscale[i] * wscale[j]), then + b[j]; -ffp-contract=off keeps the
  * compiler from fusing the last two into one FMA, which rounds once instead of twice. */
+/* How many blocks of R rows of W ahead the int8 products fetch. One block ahead (a few
+ * hundred cycles) is too little for memory's latency: two to eight ahead read a 58101 x
+ * 512 matrix 1.2-1.3x faster at one to four rows of x, from 200 MB of such matrices. */
+#define PREFETCH_AHEAD 4
+
 static inline __attribute__((always_inline)) void i8_rows_of_w(
-    const int8_t *x, const float *xscale, const int8_t *w, const float *wscale,
+    const int16_t *xw, const float *xscale, const int8_t *w, const float *wscale,
     const float *b, float *y, long n, long k, long r0, const int M, const int R)
 {
     __m256i acc[4][4];
@@ -95,21 +102,21 @@ static inline __attribute__((always_inline)) void i8_rows_of_w(
         for (int r = 0; r < R; r++)
             acc[i][r] = _mm256_setzero_si256();
     /* Int8 rows are short (512 bytes at k = 512) and the hardware prefetcher falls behind
-     * them: fetch the next block of rows while this one is summed, at the same pace. */
-    const int8_t *next = w + (r0 + R) * k;
+     * them: fetch the block of rows PREFETCH_AHEAD blocks on while this one is summed, at
+     * the same pace. */
+    const int8_t *next = w + (r0 + PREFETCH_AHEAD * R) * k;
     for (long j = 0; j < k16; j += 16) {
-        __m256i wv[4];
         _mm_prefetch((const char *)(next + j * R), _MM_HINT_T0);
+        /* A row of W at a time, the rows of x read from L1 by each product. */
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (r0 + r) * k + j)));
+        for (int r = 0; r < R; r++) {
+            const __m256i wv =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (r0 + r) * k + j)));
 #pragma GCC unroll 4
-        for (int i = 0; i < M; i++) {
-            const __m256i xv =
-                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + i * k + j)));
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(wv[r], xv));
+            for (int i = 0; i < M; i++)
+                acc[i][r] = _mm256_add_epi32(
+                    acc[i][r],
+                    _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(xw + i * k + j))));
         }
     }
 #pragma GCC unroll 4
@@ -118,7 +125,7 @@ static inline __attribute__((always_inline)) void i8_rows_of_w(
         for (int r = 0; r < R; r++) {
             int32_t s = sum_lanes_i32(acc[i][r]);
             for (long j = k16; j < k; j++) /* k not a multiple of 16 */
-                s += (int32_t)w[(r0 + r) * k + j] * (int32_t)x[i * k + j];
+                s += (int32_t)w[(r0 + r) * k + j] * (int32_t)xw[i * k + j];
             const float v = (float)s * (xscale[i] * wscale[r0 + r]);
             y[i * n + r0 + r] = b ? v + b[r0 + r] : v;
         }
@@ -146,7 +153,7 @@ void i8_rows_of_w_vnni(const int8_t *x, const float *xscale, const int8_t *w,
         for (int i = 0; i < M; i++)
             acc[i][r] = _mm256_setzero_si256();
     }
-    const int8_t *next = w + (r0 + R) * k;
+    const int8_t *next = w + (r0 + PREFETCH_AHEAD * R) * k;
     for (long j = 0; j < k32; j += 32) {
         __m256i wv[4];
         _mm_prefetch((const char *)(next + j * R), _MM_HINT_T0);
@@ -180,7 +187,9 @@ void i8_rows_of_w_vnni(const int8_t *x, const float *xscale, const int8_t *w,
 
 /* R rows of W per step: 4 keep four streams of weights in flight for one or two rows of x;
  * with three or four rows of x, 3 is the most that fits the registers. Measured on a
- * 768 x 50257 matrix, wider blocks than these ran slower. */
+ * 768 x 50257 matrix, wider blocks than these ran slower. The int8 product of four rows
+ * takes 2: with 3, GCC kept eight of the twelve sums on the stack, and 2 ran as fast or
+ * faster on a 58101 x 512 matrix. */
 #define F32_PRODUCT(M, R, NAME)                                                            \
     static void NAME(const float *x, const float *w, const float *b, float *y, long n,     \
                      long k, int threads)                                                  \
@@ -194,8 +203,8 @@ void i8_rows_of_w_vnni(const int8_t *x, const float *xscale, const int8_t *w,
     }
 /* ATTRIBUTES: a function target for the VNNI variant, whose 32 registers (EVEX) hold four
  * rows of W for any number of rows of x. */
-#define I8_PRODUCT_OF(ROWS_OF_W, M, R, NAME, ATTRIBUTES)                                   \
-    ATTRIBUTES static void NAME(const int8_t *x, const float *xs, const int8_t *w,         \
+#define I8_PRODUCT_OF(ROWS_OF_W, X, M, R, NAME, ATTRIBUTES)                                \
+    ATTRIBUTES static void NAME(const X *x, const float *xs, const int8_t *w,              \
                                 const float *ws, const float *b, float *y, long n, long k, \
                                 int threads)                                               \
     {                                                                                      \
@@ -206,9 +215,9 @@ void i8_rows_of_w_vnni(const int8_t *x, const float *xscale, const int8_t *w,
         for (long r0 = blocks * R; r0 < n; r0++)                                           \
             ROWS_OF_W(x, xs, w, ws, b, y, n, k, r0, M, 1);                                 \
     }
-#define I8_PRODUCT(M, R, NAME) I8_PRODUCT_OF(i8_rows_of_w, M, R, NAME, )
+#define I8_PRODUCT(M, R, NAME) I8_PRODUCT_OF(i8_rows_of_w, int16_t, M, R, NAME, )
 #define I8_VNNI_PRODUCT(M, R, NAME)                                                        \
-    I8_PRODUCT_OF(i8_rows_of_w_vnni, M, R, NAME,                                           \
+    I8_PRODUCT_OF(i8_rows_of_w_vnni, int8_t, M, R, NAME,                                   \
                   __attribute__((target("avx512vnni,avx512vl"))))
 F32_PRODUCT(1, 4, f32_1)
 F32_PRODUCT(2, 4, f32_2)
@@ -217,15 +226,17 @@ F32_PRODUCT(4, 3, f32_4)
 I8_PRODUCT(1, 4, i8_1)
 I8_PRODUCT(2, 4, i8_2)
 I8_PRODUCT(3, 3, i8_3)
-I8_PRODUCT(4, 3, i8_4)
+I8_PRODUCT(4, 2, i8_4)
 I8_VNNI_PRODUCT(2, 4, i8v_2)
 I8_VNNI_PRODUCT(3, 4, i8v_3)
 I8_VNNI_PRODUCT(4, 4, i8v_4)
 
 typedef void (*f32_product)(const float *, const float *, const float *, float *, long,
                             long, int);
-typedef void (*i8_product)(const int8_t *, const float *, const int8_t *, const float *,
+typedef void (*i8_product)(const int16_t *, const float *, const int8_t *, const float *,
                            const float *, float *, long, long, int);
+typedef void (*i8_vnni_product)(const int8_t *, const float *, const int8_t *, const float *,
+                                const float *, float *, long, long, int);
 
 /* Outputs [r0, r0 + R) of all m rows, four rows of x at a time: the R rows of W come from
  * memory for the first four and from the cache for the others. */
@@ -287,20 +298,39 @@ int tformer_isa(int want)
 }
 
 /* y = (X Q^T) * (xscale wscale^T) + b with X (m x k) and Q (n x k) int8, xscale (m) and
- * wscale (n) fp32. b may be NULL. */
-void tformer_matvec_int8(const int8_t *x, const float *xscale, const int8_t *q,
-                         const float *wscale, const float *b, float *y,
-                         long m, long n, long k, int threads)
+ * wscale (n) fp32. b may be NULL. Returns 0, or -1 where it could not allocate the rows of
+ * x widened to 16 bits (on the stack up to 16 KB: four rows at k = 2048). */
+int tformer_matvec_int8(const int8_t *x, const float *xscale, const int8_t *q,
+                        const float *wscale, const float *b, float *y,
+                        long m, long n, long k, int threads)
 {
     static const i8_product by_rows[4] = {i8_1, i8_2, i8_3, i8_4};
     /* One row reads W at close to the memory's rate either way, and there the sums of w
      * that VNNI adds cost more than it saves (0.70-0.93x, benchmarks/kernel_ab.py). */
-    static const i8_product by_rows_vnni[4] = {i8_1, i8v_2, i8v_3, i8v_4};
-    const i8_product *products = isa_level == ISA_AVX512_VNNI ? by_rows_vnni : by_rows;
+    static const i8_vnni_product by_rows_vnni[4] = {NULL, i8v_2, i8v_3, i8v_4};
+    const int vnni = isa_level == ISA_AVX512_VNNI;
+    const long chunk = m < 4 ? m : 4;
+    int16_t stack[8192], *xw = stack;
+    if (chunk * k > 8192 && !(xw = malloc((size_t)(chunk * k) * sizeof(int16_t))))
+        return -1;
     for (long i = 0; i < m; i += 4) {
         const long rows = m - i < 4 ? m - i : 4;
-        products[rows - 1](x + i * k, xscale + i, q, wscale, b, y + i * n, n, k, threads);
+        if (vnni && rows > 1) {
+            by_rows_vnni[rows - 1](x + i * k, xscale + i, q, wscale, b, y + i * n, n, k,
+                                   threads);
+            continue;
+        }
+        const long k16 = (rows * k) & ~15L;
+        for (long t = 0; t < k16; t += 16)
+            _mm256_storeu_si256((__m256i *)(xw + t),
+                                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + i * k + t))));
+        for (long t = k16; t < rows * k; t++)
+            xw[t] = x[i * k + t];
+        by_rows[rows - 1](xw, xscale + i, q, wscale, b, y + i * n, n, k, threads);
     }
+    if (xw != stack)
+        free(xw);
+    return 0;
 }
 
 /* --- Many rows: a blocked int8 product over weights packed once -------------------------
@@ -661,16 +691,16 @@ void tformer_quantize_rows(const float *x, int8_t *xq, float *scale, long m, lon
 
 /* y = x W^T + b for an Int8Linear and a few rows of fp32 x: x rounded to int8 rows as
  * tformer_quantize_rows does, then tformer_matvec_int8. Returns 0, or -1 where it could not
- * allocate the rounded rows. */
+ * allocate the rounded or widened rows. */
 int tformer_linear_int8(const float *x, const int8_t *q, const float *wscale, const float *b,
                         float *y, long m, long n, long k, int threads)
 {
     int8_t *xq = malloc((size_t)(m * k));
     float *xscale = malloc((size_t)m * sizeof(float));
-    const int ok = xq && xscale;
+    int ok = xq && xscale;
     if (ok) {
         tformer_quantize_rows(x, xq, xscale, m, k);
-        tformer_matvec_int8(xq, xscale, q, wscale, b, y, m, n, k, threads);
+        ok = tformer_matvec_int8(xq, xscale, q, wscale, b, y, m, n, k, threads) == 0;
     }
     free(xq);
     free(xscale);

@@ -135,7 +135,7 @@ def _load(want: str | None) -> ctypes.CDLL:
     lib.tformer_matvec.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.tformer_matvec.restype = None
     lib.tformer_matvec_int8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.tformer_matvec_int8.restype = None
+    lib.tformer_matvec_int8.restype = ctypes.c_int
     lib.tformer_quantize_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
     lib.tformer_quantize_rows.restype = None
     lib.tformer_linear_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
@@ -324,9 +324,10 @@ def _call_int8(
 ) -> Tensor:
     m, (n, k) = xq.shape[0], q.shape
     y = xscale.new_empty(m, n)
-    lib.tformer_matvec_int8(xq.data_ptr(), xscale.data_ptr(), q.data_ptr(), wscale.data_ptr(),
-                            None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                            torch.get_num_threads())
+    if lib.tformer_matvec_int8(xq.data_ptr(), xscale.data_ptr(), q.data_ptr(), wscale.data_ptr(),
+                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                               torch.get_num_threads()):
+        raise MemoryError(f"no memory for {m} x {k} int8 rows")
     return y
 
 
