@@ -8,8 +8,9 @@ Columns, per shape and number of rows (a decoding step multiplies batch x beam r
   prepacked product beyond);
 - int8: Int8Linear as it dispatches (rounding the rows to int8 included);
 - kernel / packed / _int_mm: the int8 product (rounding the rows included) through
-  matvec's kernel for a few rows, through its product over packed weights (AVX-512 VNNI
-  only; "-" elsewhere) and through torch._int_mm (oneDNN), whatever the number of rows.
+  matvec's kernel for a few rows, through its product over packed weights (in the layout
+  this process packs in: AVX-512 VNNI's, or AVX2's 16-bit or byte one, matvec.pack_int8)
+  and through torch._int_mm (oneDNN), whatever the number of rows.
   They give the same bits, so the fastest should serve: matvec.INT8_MAX_ROWS is where the
   few-row kernel hands over to the others.
 All in alternation, median of the repeats; the ratios compare columns of one run. --tiny

@@ -31,3 +31,16 @@ def isa(request, monkeypatch, reload_kernel):
 def kernel_isa(request, monkeypatch, reload_kernel):
     """`isa` for the C kernels' instruction sets only."""
     return use_isa(request.param, monkeypatch)
+
+
+@pytest.fixture(params=[matvec.AVX2_WIDEN, matvec.AVX2_SIGN], ids=["widen", "sign"])
+def avx2_method(request):
+    """Each of the AVX2 few-row int8 products in turn (load() keeps the faster on this CPU);
+    the one load() chose is restored afterwards."""
+    lib = matvec.load()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    chosen = lib.tformer_avx2_method(-1)
+    lib.tformer_avx2_method(request.param)
+    yield request.param
+    lib.tformer_avx2_method(chosen)

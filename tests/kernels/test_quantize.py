@@ -94,30 +94,36 @@ def exact_product(xq, xscale, q, wscale, bias):
 
 # 2100: four rows widened to 16 bits outgrow the kernel's stack buffer and are allocated.
 @pytest.mark.parametrize("k", [37, 64, 512, 1000, 2100])
-def test_the_few_row_products_are_exact_on_every_instruction_set(k, kernel_isa):
+def test_the_few_row_products_are_exact_on_every_instruction_set(k, kernel_isa, avx2_method):
     lib = matvec.load()
     q = torch.randint(-127, 128, (203, k), dtype=torch.int8)  # 203: a remainder of W's rows
+    q[0], q[1], q[2, ::2] = 127, -127, -127  # pairs of products as large as int8 makes them
     wscale, bias = torch.rand(203), torch.randn(203)
     for rows in range(1, 10):
-        # The extremes too: sums of products as large as int8 makes them.
+        # The extremes too: sums of products as large as int8 makes them, of both signs.
         xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
         xq[0], xscale = 127, torch.rand(rows)
+        if rows > 1:
+            xq[1] = -127
         want = exact_product(xq, xscale, q, wscale, bias)
         assert torch.equal(matvec._call_int8(lib, xq, xscale, q, wscale, bias), want), rows
         assert torch.equal(matvec.int8_reference(xq, xscale, q, wscale, bias), want), rows
 
 
 @pytest.mark.parametrize("n, k", [(45, 37), (203, 64), (64, 1000), (33, 4), (17, 3)])
-def test_the_packed_product_gives_the_exact_products_bits(n, k, kernel_isa):
-    # The product over packed weights (AVX-512 VNNI's or AVX2's) against exact integer
-    # sums: part panels (n not a multiple of 32 or 16), k not a multiple of 4 or 2, blocks
-    # of rows and remainders, the largest products int8 makes, with a bias and without.
+def test_the_packed_product_gives_the_exact_products_bits(n, k, kernel_isa, avx2_method):
+    # The product over packed weights (AVX-512 VNNI's, or AVX2's of 16-bit or of 8-bit
+    # weights) against exact integer sums: part panels (n not a multiple of 32 or 16), k
+    # not a multiple of 4 or 2, blocks of rows and remainders, the largest products int8
+    # makes, with a bias and without.
     lib = matvec.load()
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     q[0], q[1] = -127, 127
     wscale, bias = torch.rand(n), torch.randn(n)
     packed = matvec.pack_int8(q)
-    assert packed.layout == (matvec.LAYOUT_VNNI if kernel_isa == "avx512" else matvec.LAYOUT_AVX2)
+    assert packed.layout == (matvec.LAYOUT_VNNI if kernel_isa == "avx512" else
+                             matvec.LAYOUT_AVX2_BYTES if avx2_method == matvec.AVX2_SIGN else
+                             matvec.LAYOUT_AVX2)
     torch.testing.assert_close(packed.row_sums, q.sum(dim=1, dtype=torch.int32))
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17, 64):
         xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)

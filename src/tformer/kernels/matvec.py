@@ -9,10 +9,11 @@ third of a beam step at d_model 256. `matvec.c` streams the weights at about the
 and costs ~5 us a call (benchmarks/speed.py measures both effects end to end). Its int8
 product (quantize.py) reads a quarter of the bytes and sums in exact 32-bit integers; on
 CPUs with AVX-512 VNNI, products of two to eight rows use its 8-bit dot-product
-instruction, with the same sums. Products of many int8 rows run over a copy of the weight
-packed once (pack_int8): with VNNI's instruction, else with AVX2's 16-bit multiply-add
-(never torch._int_mm, which on CPUs without VNNI can be many times slower than fp32's
-product). The same library holds beam search's choice of candidates
+instruction, with the same sums. With AVX2 alone there are two exact ways, timed once per
+process (AVX2_WIDEN, AVX2_SIGN): 16-bit multiply-adds over widened bytes, or the byte
+multiply-add with x's sign moved onto the weights. Products of more rows run over a copy
+of the weight packed once (pack_int8) for the chosen way (never torch._int_mm, which on
+CPUs without VNNI can be many times slower than fp32's product). The same library holds beam search's choice of candidates
 (`search.c`, see search.py) and, for training, dropout (`dropout.c`, see dropout.py) and
 the label-smoothed cross-entropy (`xent.c`, see xent.py).
 
@@ -71,15 +72,23 @@ INT8_MAX_ROWS = 8
 product over packed weights (pack_int8, PACKED_MIN_ROWS) or oneDNN's int8 matrix product
 (torch._int_mm, with VNNI) is faster (benchmarks/int8_rows.py). step.py gives int8 layers
 without packed weights no more rows than this."""
-LAYOUT_AVX2, LAYOUT_VNNI = 1, 2
+LAYOUT_AVX2, LAYOUT_VNNI, LAYOUT_AVX2_BYTES = 1, 2, 3
 """matvec.c's ISA_AVX2 and ISA_AVX512_VNNI: the instruction set the int8 products use, and
-the layout pack_int8 packs a weight in for it."""
-PACKED_MIN_ROWS = {LAYOUT_VNNI: 2, LAYOUT_AVX2: 8}
+the layout pack_int8 packs a weight in for it; and AVX2_BYTES, AVX2's layout of int8 weights
+for the byte method (AVX2_SIGN), where load() chose it. LAYOUT_AVX2's weights are 16-bit."""
+AVX2_WIDEN, AVX2_SIGN = 0, 1
+"""matvec.c's two AVX2 products of a few int8 rows (i8_rows_of_w, i8_rows_of_w_sign): the
+same exact sums, by 16-bit multiply-adds over widened bytes or by the byte multiply-add
+with x's sign moved onto w. Which is faster depends on the CPU's execution ports: on an
+Intel Xeon with AVX-512 held to AVX2, the byte one multiplied four rows 1.1-1.2x faster.
+load() times both once (_faster_avx2_method) and keeps the faster."""
+PACKED_MIN_ROWS = {LAYOUT_VNNI: 2, LAYOUT_AVX2: 8, LAYOUT_AVX2_BYTES: 2}
 """linear_int8 sends products of this many rows and more to the product over packed weights
 (by their layout): one row reads the weights at about the memory's rate through either
-kernel; with VNNI the packed product is the faster from two rows on; AVX2's packed weights
-are 16-bit, twice the bytes the few-row kernel streams, and it catches up at about eight
-(benchmarks/int8_rows.py)."""
+kernel; with VNNI the packed product is the faster from two rows on, as is AVX2's over
+packed bytes (1.0-1.3x at two rows, 1.0-1.5x at three to eight on OPUS-MT's shapes); AVX2's
+16-bit packed weights are twice the bytes the few-row kernel streams, and that product
+catches up at about eight (benchmarks/int8_rows.py)."""
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, or None (with the reason logged) where it is not available.
@@ -160,6 +169,10 @@ def _load(want: str | None) -> ctypes.CDLL:
     lib.tformer_linear_int8_packed.restype = ctypes.c_int
     lib.tformer_isa.argtypes = [ctypes.c_int]
     lib.tformer_isa.restype = ctypes.c_int
+    lib.tformer_avx2_method.argtypes = [ctypes.c_int]
+    lib.tformer_avx2_method.restype = ctypes.c_int
+    lib.tformer_pack_layout.argtypes = []
+    lib.tformer_pack_layout.restype = ctypes.c_int
     lib.tformer_attend_step.argtypes = (
         [ctypes.c_void_p, ctypes.c_long] + ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 2
         + [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long]
@@ -185,9 +198,16 @@ def _load(want: str | None) -> ctypes.CDLL:
     if want == "avx512" and not vnni:
         log.warning("TFORMER_ISA=avx512: this CPU lacks AVX-512 VNNI; using AVX2")
     lib.tformer_isa(LAYOUT_AVX2)
+    lib.tformer_avx2_method(AVX2_SIGN)
+    sign_right = _computes_right(lib) and _packs_right(lib)
+    lib.tformer_avx2_method(AVX2_WIDEN)
     if not (_computes_right(lib) and _packs_right(lib) and _picks_right(lib)
             and _attends_right(lib) and _drops_right(lib) and _xent_right(lib)):
         raise build.Unavailable(f"{library} computed a wrong product")
+    if sign_right:
+        lib.tformer_avx2_method(_faster_avx2_method(lib))
+    else:
+        log.warning("the int8 products' AVX2 byte path computed a wrong product; not using it")
     if vnni:
         lib.tformer_isa(LAYOUT_VNNI)
         if not (_computes_right(lib) and _packs_right(lib)):
@@ -196,6 +216,29 @@ def _load(want: str | None) -> ctypes.CDLL:
     log.info("tformer's C kernels use %s", ISA_NAMES["avx512" if lib.tformer_isa(-1) ==
                                                      LAYOUT_VNNI else "avx2"])
     return lib
+
+
+def _faster_avx2_method(lib: ctypes.CDLL) -> int:
+    """The faster of the AVX2 few-row int8 products on this CPU (AVX2_WIDEN or AVX2_SIGN),
+    timed in alternation on what beam search at batch 1 multiplies: four rows, here by a
+    1024 x 512 matrix that stays in the L2 cache. About 5 ms, once per process."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (1024, 512), dtype=torch.int8, generator=g)
+    xq = torch.randint(-127, 128, (4, 512), dtype=torch.int8, generator=g)
+    xscale, wscale = torch.rand(4, generator=g), torch.rand(1024, generator=g)
+    best = {AVX2_WIDEN: float("inf"), AVX2_SIGN: float("inf")}
+    for _ in range(5):
+        for method in best:
+            lib.tformer_avx2_method(method)
+            start = time.perf_counter()
+            for _ in range(10):
+                _call_int8(lib, xq, xscale, q, wscale, None)
+            best[method] = min(best[method], time.perf_counter() - start)
+    faster = min(best, key=best.get)
+    log.info("AVX2 int8 products of a few rows: %s (%.2f against %.2f ms)",
+             "bytes with the sign moved" if faster == AVX2_SIGN else "16-bit widening",
+             best[faster] * 1e3, max(best.values()) * 1e3)
+    return faster
 
 
 def _computes_right(lib: ctypes.CDLL) -> bool:
@@ -228,7 +271,7 @@ def _packs_right(lib: ctypes.CDLL) -> bool:
     set now: blocks of rows and a remainder, a part panel, and k not a multiple of four."""
     w, b = torch.randn(45, 37), torch.randn(45)
     q, wscale = _torch_quantize_rows(w)
-    packed = _call_pack(lib, q, lib.tformer_isa(-1))
+    packed = _call_pack(lib, q, lib.tformer_pack_layout())
     for m in (1, 13):
         x = torch.randn(m, 37)
         xq, xscale = _torch_quantize_rows(x)
@@ -405,7 +448,7 @@ def pack_int8(q: Tensor) -> PackedInt8 | None:
     lib = load()
     if lib is None:
         return None
-    return _call_pack(lib, q.contiguous(), lib.tformer_isa(-1))
+    return _call_pack(lib, q.contiguous(), lib.tformer_pack_layout())
 
 
 def _int_mm_scaled(
@@ -565,8 +608,9 @@ def linear_int8(
     decoding step's); where there is no kernel, through torch (int8_reference). All give the
     same bits.
 
-    x: (M, K) fp32; q: (N, K) int8 and wscale: (N,) fp32, contiguous; bias: (N,) fp32 or
-    None; all on the CPU (Int8Linear holds its tensors so).
+    x: (M, K) fp32; q: (N, K) int8 in [-127, 127] (as quantize_rows rounds) and wscale: (N,)
+    fp32, contiguous; bias: (N,) fp32 or None; all on the CPU (Int8Linear holds its tensors
+    so).
     """
     (m, k), k_q = x.shape, q.shape[1]
     # Checked on every call, so kept to a few comparisons: the kernel reads raw pointers.

@@ -51,7 +51,7 @@ struct tformer_linear {
     const float *scale;
     const float *bias; /* or NULL */
     long out_features, in_features;
-    long layout; /* of packed: matvec.c's ISA_AVX2 or ISA_AVX512_VNNI */
+    long layout; /* of packed: matvec.c's ISA_AVX2, ISA_AVX512_VNNI or AVX2_BYTES */
 };
 
 enum { NORM_LAYER, NORM_RMS };
