@@ -13,9 +13,9 @@ instruction, with the same sums. With AVX2 alone there are two exact ways, timed
 process (AVX2_WIDEN, AVX2_SIGN): 16-bit multiply-adds over widened bytes, or the byte
 multiply-add with x's sign moved onto the weights. Products of more rows run over a copy
 of the weight packed once (pack_int8) for the chosen way (never torch._int_mm, which on
-CPUs without VNNI can be many times slower than fp32's product). The same library holds beam search's choice of candidates
-(`search.c`, see search.py) and, for training, dropout (`dropout.c`, see dropout.py) and
-the label-smoothed cross-entropy (`xent.c`, see xent.py).
+CPUs without VNNI can be many times slower than fp32's product). The same library holds
+beam search's choice of candidates (`search.c`, see search.py) and, for training, dropout
+(`dropout.c`, see dropout.py) and the label-smoothed cross-entropy (`xent.c`, see xent.py).
 
 The C sources ship with the package and are compiled on first use, into a private cache
 directory (kernels/build.py). Where that cannot happen (no compiler, not x86-64
