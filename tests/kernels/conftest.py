@@ -27,7 +27,7 @@ def isa(request, monkeypatch, reload_kernel):
     return use_isa(request.param, monkeypatch)
 
 
-@pytest.fixture(params=["avx512", "avx2"])
+@pytest.fixture(params=["avx512", "avxvnni", "avx2"])
 def kernel_isa(request, monkeypatch, reload_kernel):
     """`isa` for the C kernels' instruction sets only."""
     return use_isa(request.param, monkeypatch)

@@ -108,7 +108,8 @@ def test_the_environment_can_force_avx2(monkeypatch, reload_kernel):
 
 def test_an_unknown_instruction_set_is_a_clear_error(monkeypatch, reload_kernel):
     monkeypatch.setenv("TFORMER_ISA", "neon")
-    with pytest.raises(TformerError, match="TFORMER_ISA='neon': use one of avx512, avx2, torch"):
+    with pytest.raises(TformerError,
+                       match="TFORMER_ISA='neon': use one of avx512, avxvnni, avx2, torch"):
         matvec.load()
 
 

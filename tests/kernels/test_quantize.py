@@ -121,9 +121,10 @@ def test_the_packed_product_gives_the_exact_products_bits(n, k, kernel_isa, avx2
     q[0], q[1] = -127, 127
     wscale, bias = torch.rand(n), torch.randn(n)
     packed = matvec.pack_int8(q)
-    assert packed.layout == (matvec.LAYOUT_VNNI if kernel_isa == "avx512" else
-                             matvec.LAYOUT_AVX2_BYTES if avx2_method == matvec.AVX2_SIGN else
-                             matvec.LAYOUT_AVX2)
+    assert packed.layout == (
+        matvec.LAYOUT_VNNI if kernel_isa == "avx512" else
+        matvec.LAYOUT_AVX2_BYTES if kernel_isa == "avxvnni" or avx2_method == matvec.AVX2_SIGN
+        else matvec.LAYOUT_AVX2)
     torch.testing.assert_close(packed.row_sums, q.sum(dim=1, dtype=torch.int32))
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17, 64):
         xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
@@ -159,7 +160,7 @@ def instruction_sets(monkeypatch):
 
 def test_every_instruction_set_gives_the_same_bits(monkeypatch, reload_kernel):
     # The same layer and rows under each instruction set this CPU runs, from one row to
-    # many: AVX-512 VNNI, AVX2 and torch agree bit for bit.
+    # many: AVX-512 VNNI, AVX-VNNI, AVX2 and torch agree bit for bit.
     linear = nn.Linear(70, 45)
     x = torch.randn(33, 70)
     results = {}

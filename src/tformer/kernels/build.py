@@ -27,9 +27,9 @@ from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
 
-ISAS = ("avx512", "avx2", "torch")
+ISAS = ("avx512", "avxvnni", "avx2", "torch")
 """TFORMER_ISA's values (see matvec.py's text)."""
-ISA_NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "torch": "torch"}
+ISA_NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2", "torch": "torch"}
 """How tables name them."""
 SOURCES = [Path(__file__).with_name(name)
            for name in ("matvec.c", "search.c", "attend.c", "step.c", "dropout.c", "xent.c",
@@ -37,7 +37,7 @@ SOURCES = [Path(__file__).with_name(name)
 """Built into one library: the products, beam search's candidates (search.py), a decoding
 step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
 (dropout.py), the cross-entropy (xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
-HEADERS = [Path(__file__).with_name("vecmath.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("vecmath.h", "int8_bytes.h")]
 """Included by the sources: part of the key the built library is cached under."""
 PRIVATE_PREFIX = "tformer-kernel-"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]

@@ -131,59 +131,6 @@ static inline __attribute__((always_inline)) void i8_rows_of_w(
         }
 }
 
-/* The same sums over int8 rows of W as they are, with AVX2's unsigned-by-signed byte
- * product _mm256_maddubs_epi16, made exact: it multiplies 32 unsigned bytes by 32 signed
- * ones and adds neighbouring pairs into 16-bit sums, which saturate past 32767. Here the
- * unsigned bytes are |x| (xa, once per call) and the signed ones w with x's sign
- * (_mm256_sign_epi8), so each product is x * w and a pair is at most 2 * 127 * 127 = 32258
- * in size: no saturation while x and w lie in [-127, 127], as quantize_rows makes them (a
- * weight of -128 could not take a negative sign; every int8 weight here comes from it).
- * _mm256_madd_epi16 against ones then adds pairs of those into eight 32-bit sums. Four
- * instructions for 32 products where the widening path needs about four and a half for
- * 32 (two widenings shared by the rows, two multiply-adds, two adds); which is the faster
- * depends on the CPU's ports (matvec.py measures both once per process). */
-static inline __attribute__((always_inline)) void i8_rows_of_w_sign(
-    const int8_t *x, const int8_t *xa, const float *xscale, const int8_t *w,
-    const float *wscale, const float *b, float *y, long n, long k, long r0, const int M,
-    const int R)
-{
-    __m256i acc[4][4];
-    const long k32 = k & ~31L;
-    const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 4
-    for (int i = 0; i < M; i++)
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[i][r] = _mm256_setzero_si256();
-    const int8_t *next = w + (r0 + PREFETCH_AHEAD * R) * k;
-    for (long j = 0; j < k32; j += 32) {
-        _mm_prefetch((const char *)(next + j * R), _MM_HINT_T0);
-        if (R > 2)
-            _mm_prefetch((const char *)(next + j * R + 64), _MM_HINT_T0);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (r0 + r) * k + j));
-#pragma GCC unroll 4
-            for (int i = 0; i < M; i++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i * k + j));
-                const __m256i av = _mm256_loadu_si256((const __m256i *)(xa + i * k + j));
-                const __m256i pairs = _mm256_maddubs_epi16(av, _mm256_sign_epi8(wv, xv));
-                acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(pairs, ones));
-            }
-        }
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < M; i++)
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            int32_t s = sum_lanes_i32(acc[i][r]);
-            for (long j = k32; j < k; j++) /* k not a multiple of 32 */
-                s += (int32_t)w[(r0 + r) * k + j] * (int32_t)x[i * k + j];
-            const float v = (float)s * (xscale[i] * wscale[r0 + r]);
-            y[i * n + r0 + r] = b ? v + b[r0 + r] : v;
-        }
-}
-
 /* The same sums with AVX-512 VNNI (on 256-bit registers, so AVX512VL too): vpdpbusd
  * multiplies 32 unsigned by 32 signed bytes and adds each four neighbouring products into
  * eight 32-bit sums, one instruction where the path above needs a widening, a multiply-add
@@ -268,19 +215,6 @@ void i8_rows_of_w_vnni(const int8_t *x, const float *xscale, const int8_t *w,
         for (long r0 = blocks * R; r0 < n; r0++)                                           \
             ROWS_OF_W(x, xs, w, ws, b, y, n, k, r0, M, 1);                                 \
     }
-/* The same over x and |x| (xa), for i8_rows_of_w_sign. */
-#define I8_SIGN_PRODUCT(M, R, NAME)                                                        \
-    static void NAME(const int8_t *x, const int8_t *xa, const float *xs, const int8_t *w,  \
-                     const float *ws, const float *b, float *y, long n, long k,            \
-                     int threads)                                                          \
-    {                                                                                      \
-        const long blocks = n / R;                                                         \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")  \
-        for (long q = 0; q < blocks; q++)                                                  \
-            i8_rows_of_w_sign(x, xa, xs, w, ws, b, y, n, k, q * R, M, R);                  \
-        for (long r0 = blocks * R; r0 < n; r0++)                                           \
-            i8_rows_of_w_sign(x, xa, xs, w, ws, b, y, n, k, r0, M, 1);                     \
-    }
 #define I8_PRODUCT(M, R, NAME) I8_PRODUCT_OF(i8_rows_of_w, int16_t, M, R, NAME, )
 #define I8_VNNI_PRODUCT(M, R, NAME)                                                        \
     I8_PRODUCT_OF(i8_rows_of_w_vnni, int8_t, M, R, NAME,                                   \
@@ -293,10 +227,6 @@ I8_PRODUCT(1, 4, i8_1)
 I8_PRODUCT(2, 4, i8_2)
 I8_PRODUCT(3, 3, i8_3)
 I8_PRODUCT(4, 2, i8_4)
-I8_SIGN_PRODUCT(1, 4, i8s_1)
-I8_SIGN_PRODUCT(2, 4, i8s_2)
-I8_SIGN_PRODUCT(3, 3, i8s_3)
-I8_SIGN_PRODUCT(4, 2, i8s_4)
 I8_VNNI_PRODUCT(2, 4, i8v_2)
 I8_VNNI_PRODUCT(3, 4, i8v_3)
 I8_VNNI_PRODUCT(4, 4, i8v_4)
@@ -307,8 +237,6 @@ typedef void (*i8_product)(const int16_t *, const float *, const int8_t *, const
                            const float *, float *, long, long, int);
 typedef void (*i8_vnni_product)(const int8_t *, const float *, const int8_t *, const float *,
                                 const float *, float *, long, long, int);
-typedef void (*i8_sign_product)(const int8_t *, const int8_t *, const float *, const int8_t *,
-                                const float *, const float *, float *, long, long, int);
 
 /* Outputs [r0, r0 + R) of all m rows, four rows of x at a time: the R rows of W come from
  * memory for the first four and from the cache for the others. */
@@ -351,9 +279,9 @@ void tformer_matvec(const float *x, const float *w, const float *b, float *y,
 
 /* The instruction set the int8 products use, decided once per process (matvec.py sets it
  * at load time): ISA_AVX512_VNNI where the CPU has it and it was not turned down, else
- * ISA_AVX2. want >= 0 sets it (capped at what the CPU runs), -1 asks. Every level gives the
- * same bits. */
-enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
+ * ISA_AVX_VNNI likewise, else ISA_AVX2. want >= 0 sets it (ISA_AVX2 where the CPU lacks
+ * what it asks), -1 asks. Every level gives the same bits. */
+enum { ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AVX_VNNI = 4 };
 static int isa_level = ISA_AVX2;
 
 static int cpu_has_vnni(void)
@@ -362,15 +290,18 @@ static int cpu_has_vnni(void)
            && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
+/* ISA_AVX_VNNI: AVX2 and the VEX-encoded dot product of bytes (int8_bytes.h). */
 int tformer_isa(int want)
 {
     if (want >= 0)
-        isa_level = want >= ISA_AVX512_VNNI && cpu_has_vnni() ? ISA_AVX512_VNNI : ISA_AVX2;
+        isa_level = want == ISA_AVX512_VNNI && cpu_has_vnni()                  ? ISA_AVX512_VNNI
+                    : want == ISA_AVX_VNNI && __builtin_cpu_supports("avxvnni") ? ISA_AVX_VNNI
+                                                                               : ISA_AVX2;
     return isa_level;
 }
 
 /* The AVX2 few-row product's method (where VNNI is not used): AVX2_WIDEN (i8_rows_of_w)
- * or AVX2_SIGN (i8_rows_of_w_sign). Both give the same, exact sums; matvec.py times both
+ * or AVX2_SIGN (rows_of_w_sign, int8_bytes.h). Both give the same, exact sums; matvec.py times both
  * once per process and sets the faster. want >= 0 sets it, -1 asks. */
 enum { AVX2_WIDEN = 0, AVX2_SIGN = 1 };
 static int avx2_method = AVX2_WIDEN;
@@ -380,52 +311,6 @@ int tformer_avx2_method(int want)
     if (want >= 0)
         avx2_method = want == AVX2_SIGN ? AVX2_SIGN : AVX2_WIDEN;
     return avx2_method;
-}
-
-/* y = (X Q^T) * (xscale wscale^T) + b with X (m x k) and Q (n x k) int8, xscale (m) and
- * wscale (n) fp32. b may be NULL. Returns 0, or -1 where it could not allocate the copy of
- * x the AVX2 products read (widened to 16 bits, or |x|; on the stack up to 16 KB). */
-int tformer_matvec_int8(const int8_t *x, const float *xscale, const int8_t *q,
-                        const float *wscale, const float *b, float *y,
-                        long m, long n, long k, int threads)
-{
-    static const i8_product by_rows[4] = {i8_1, i8_2, i8_3, i8_4};
-    static const i8_sign_product by_rows_sign[4] = {i8s_1, i8s_2, i8s_3, i8s_4};
-    /* One row reads W at close to the memory's rate either way, and there the sums of w
-     * that VNNI adds cost more than it saves (0.70-0.93x, benchmarks/kernel_ab.py). */
-    static const i8_vnni_product by_rows_vnni[4] = {NULL, i8v_2, i8v_3, i8v_4};
-    const int vnni = isa_level == ISA_AVX512_VNNI, sign = avx2_method == AVX2_SIGN;
-    const long chunk = m < 4 ? m : 4;
-    int16_t stack[8192], *xw = stack;
-    if (chunk * k > 8192 && !(xw = malloc((size_t)(chunk * k) * sizeof(int16_t))))
-        return -1;
-    for (long i = 0; i < m; i += 4) {
-        const long rows = m - i < 4 ? m - i : 4;
-        const int8_t *xi = x + i * k;
-        if (vnni && rows > 1) {
-            by_rows_vnni[rows - 1](xi, xscale + i, q, wscale, b, y + i * n, n, k, threads);
-        } else if (sign) {
-            int8_t *xa = (int8_t *)xw;
-            const long k32 = (rows * k) & ~31L;
-            for (long t = 0; t < k32; t += 32)
-                _mm256_storeu_si256((__m256i *)(xa + t),
-                                    _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(xi + t))));
-            for (long t = k32; t < rows * k; t++)
-                xa[t] = (int8_t)(xi[t] < 0 ? -xi[t] : xi[t]);
-            by_rows_sign[rows - 1](xi, xa, xscale + i, q, wscale, b, y + i * n, n, k, threads);
-        } else {
-            const long k16 = (rows * k) & ~15L;
-            for (long t = 0; t < k16; t += 16)
-                _mm256_storeu_si256((__m256i *)(xw + t),
-                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xi + t))));
-            for (long t = k16; t < rows * k; t++)
-                xw[t] = xi[t];
-            by_rows[rows - 1](xw, xscale + i, q, wscale, b, y + i * n, n, k, threads);
-        }
-    }
-    if (xw != stack)
-        free(xw);
-    return 0;
 }
 
 /* --- Many rows: a blocked int8 product over weights packed once -------------------------
@@ -715,12 +600,11 @@ static int avx2_gemm(const int8_t *x, const float *xscale, const int16_t *packed
     return 0;
 }
 
-/* AVX2 with bytes (layout AVX2_BYTES, where the few-row products found the byte method
- * the faster): the same panels of 16 outputs, but of int8 weights in groups of four along k,
- * as VNNI's are: a vector holds four weights of each of eight outputs, and one broadcast
- * group of four bytes of a row of x (and of |x|) multiplies two such vectors through
- * _mm256_maddubs_epi16 with x's sign moved onto w, exact as in i8_rows_of_w_sign. Half the
- * bytes of the 16-bit panels; four instructions for 32 products against two for 16. */
+/* AVX2 with bytes (layout AVX2_BYTES: with AVX-VNNI, or where the few-row products found
+ * the byte method the faster): the same panels of 16 outputs, but of int8 weights in
+ * groups of four along k, as VNNI's are: a vector holds four weights of each of eight
+ * outputs, and one broadcast group of four bytes of a row of x (and of |x|) multiplies two
+ * such vectors (int8_bytes.h). Half the bytes of the 16-bit panels. */
 enum { AVX2_BYTES = 3 };
 
 static long avx2b_packed_size(long n, long k) { return round_up(n, PANEL2) * round_up(k, 4); }
@@ -740,88 +624,83 @@ static void avx2b_pack(const int8_t *q, long n, long k, int8_t *packed, int32_t 
     }
 }
 
-static inline __attribute__((always_inline)) void avx2b_panel_block(
-    const int8_t *x, const int8_t *xa, long kq, const int8_t *panel, const int8_t *next,
-    const float *xscale, const float *wscale, const float *b, float *y, long n, long j0,
-    const int M)
-{
-    __m256i acc[ROW_BLOCK2][2];
-    const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 6
-    for (int i = 0; i < M; i++)
-        acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-    for (long g = 0; g < kq / 4; g++) {
-        if (next) /* a 64-byte line of the next panel a step: all of it by the block's end */
-            _mm_prefetch((const char *)(next + g * PANEL2 * 4), _MM_HINT_T0);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(panel + g * PANEL2 * 4));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(panel + g * PANEL2 * 4 + 32));
-#pragma GCC unroll 6
-        for (int i = 0; i < M; i++) {
-            int32_t four, four_abs;
-            memcpy(&four, x + i * kq + g * 4, sizeof four);
-            memcpy(&four_abs, xa + i * kq + g * 4, sizeof four_abs);
-            const __m256i xv = _mm256_set1_epi32(four), av = _mm256_set1_epi32(four_abs);
-            acc[i][0] = _mm256_add_epi32(
-                acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w0, xv)), ones));
-            acc[i][1] = _mm256_add_epi32(
-                acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w1, xv)), ones));
-        }
-    }
-    avx2_scale(acc, xscale, wscale, b, y, n, j0, M);
-}
+/* The byte products, few-row and packed, twice: with AVX2's byte multiply-add, and with
+ * AVX-VNNI's dot product where the CPU has it (int8_bytes.h). */
+typedef void (*i8_bytes_product)(const int8_t *, const int8_t *, const float *, const int8_t *,
+                                 const float *, const float *, float *, long, long, int);
+#define BYTES_NAME(name) name##_sign
+#define BYTES_TARGET
+#include "int8_bytes.h"
+#undef BYTES_NAME
+#undef BYTES_TARGET
+#define BYTES_NAME(name) name##_avxvnni
+#define BYTES_TARGET __attribute__((target("avxvnni")))
+#define BYTES_DOT
+#include "int8_bytes.h"
+#undef BYTES_NAME
+#undef BYTES_TARGET
+#undef BYTES_DOT
 
-static void avx2b_panel_rows(const int8_t *x, const int8_t *xa, long m, long kq,
-                             const int8_t *panel, const int8_t *next, const float *xscale,
-                             const float *wscale, const float *b, float *y, long n, long j0)
+/* y = (X Q^T) * (xscale wscale^T) + b with X (m x k) and Q (n x k) int8, xscale (m) and
+ * wscale (n) fp32. b may be NULL. Returns 0, or -1 where it could not allocate the copy of
+ * x the AVX2 products read (widened to 16 bits, or |x|; on the stack up to 16 KB). */
+int tformer_matvec_int8(const int8_t *x, const float *xscale, const int8_t *q,
+                        const float *wscale, const float *b, float *y,
+                        long m, long n, long k, int threads)
 {
-    long i = 0;
-    for (; i + ROW_BLOCK2 <= m; i += ROW_BLOCK2)
-        avx2b_panel_block(x + i * kq, xa + i * kq, kq, panel, i ? NULL : next, xscale + i,
-                          wscale, b, y + i * n, n, j0, ROW_BLOCK2);
-#define REST(R)                                                                            \
-    case R:                                                                                \
-        avx2b_panel_block(x + i * kq, xa + i * kq, kq, panel, i ? NULL : next, xscale + i, \
-                          wscale, b, y + i * n, n, j0, R);                                 \
-        break;
-    switch ((int)(m - i)) {
-        REST(1) REST(2) REST(3)
-    }
-#undef REST
-}
-
-/* avx2_gemm's product over W packed by avx2b_pack. Returns 0, or -1 where it could not
- * allocate the copies of x and |x| padded to groups of four. */
-static int avx2b_gemm(const int8_t *x, const float *xscale, const int8_t *packed,
-                      const float *wscale, const float *b, float *y, long m, long n, long k,
-                      int threads)
-{
-    const long kq = round_up(k, 4), panels = round_up(n, PANEL2) / PANEL2;
-    int8_t *xp = malloc((size_t)(2 * m * kq));
-    if (!xp)
+    static const i8_product by_rows[4] = {i8_1, i8_2, i8_3, i8_4};
+    static const i8_bytes_product by_rows_sign[4] = {product_1_sign, product_2_sign,
+                                                     product_3_sign, product_4_sign};
+    static const i8_bytes_product by_rows_avxvnni[4] = {product_1_avxvnni, product_2_avxvnni,
+                                                        product_3_avxvnni, product_4_avxvnni};
+    /* One row reads W at close to the memory's rate either way, and there the sums of w
+     * that VNNI adds cost more than it saves (0.70-0.93x, benchmarks/kernel_ab.py). */
+    static const i8_vnni_product by_rows_vnni[4] = {NULL, i8v_2, i8v_3, i8v_4};
+    const int vnni = isa_level == ISA_AVX512_VNNI, avx_vnni = isa_level == ISA_AVX_VNNI;
+    const i8_bytes_product *bytes = avx_vnni                  ? by_rows_avxvnni
+                                    : avx2_method == AVX2_SIGN ? by_rows_sign
+                                                               : NULL;
+    const long chunk = m < 4 ? m : 4;
+    int16_t stack[8192], *xw = stack;
+    if (chunk * k > 8192 && !(xw = malloc((size_t)(chunk * k) * sizeof(int16_t))))
         return -1;
-    int8_t *xa = xp + m * kq;
-    for (long i = 0; i < m; i++)
-        for (long t = 0; t < kq; t++) { /* the padding's weights are 0 */
-            const int8_t v = t < k ? x[i * k + t] : 0;
-            xp[i * kq + t] = v;
-            xa[i * kq + t] = (int8_t)(v < 0 ? -v : v);
+    for (long i = 0; i < m; i += 4) {
+        const long rows = m - i < 4 ? m - i : 4;
+        const int8_t *xi = x + i * k;
+        if (vnni && rows > 1) {
+            by_rows_vnni[rows - 1](xi, xscale + i, q, wscale, b, y + i * n, n, k, threads);
+        } else if (bytes) {
+            int8_t *xa = (int8_t *)xw;
+            const long k32 = (rows * k) & ~31L;
+            for (long t = 0; t < k32; t += 32)
+                _mm256_storeu_si256((__m256i *)(xa + t),
+                                    _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(xi + t))));
+            for (long t = k32; t < rows * k; t++)
+                xa[t] = (int8_t)(xi[t] < 0 ? -xi[t] : xi[t]);
+            bytes[rows - 1](xi, xa, xscale + i, q, wscale, b, y + i * n, n, k, threads);
+        } else {
+            const long k16 = (rows * k) & ~15L;
+            for (long t = 0; t < k16; t += 16)
+                _mm256_storeu_si256((__m256i *)(xw + t),
+                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xi + t))));
+            for (long t = k16; t < rows * k; t++)
+                xw[t] = xi[t];
+            by_rows[rows - 1](xw, xscale + i, q, wscale, b, y + i * n, n, k, threads);
         }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (long p = 0; p < panels; p++)
-        avx2b_panel_rows(xp, xa, m, kq, packed + p * PANEL2 * kq,
-                         p + 1 < panels ? packed + (p + 1) * PANEL2 * kq : NULL, xscale, wscale,
-                         b, y, n, p * PANEL2);
-    free(xp);
+    }
+    if (xw != stack)
+        free(xw);
     return 0;
 }
 
 /* The layout pack_int8 packs in for this process: ISA_AVX512_VNNI with VNNI, else
- * AVX2_BYTES where the few-row products chose the byte method, else ISA_AVX2. */
+ * AVX2_BYTES with AVX-VNNI or where the few-row products chose the byte method, else
+ * ISA_AVX2. */
 int tformer_pack_layout(void)
 {
-    return isa_level == ISA_AVX512_VNNI ? ISA_AVX512_VNNI
-           : avx2_method == AVX2_SIGN   ? AVX2_BYTES
-                                        : ISA_AVX2;
+    return isa_level == ISA_AVX512_VNNI                            ? ISA_AVX512_VNNI
+           : isa_level == ISA_AVX_VNNI || avx2_method == AVX2_SIGN ? AVX2_BYTES
+                                                                   : ISA_AVX2;
 }
 
 /* Bytes of W packed for the product in `layout` (ISA_AVX2, ISA_AVX512_VNNI, AVX2_BYTES). */
@@ -855,7 +734,8 @@ int tformer_gemm_int8(const int8_t *x, const float *xscale, const int8_t *packed
     if (layout == ISA_AVX512_VNNI)
         return vnni_gemm(x, xscale, packed, colsum, wscale, b, y, m, n, k, threads);
     if (layout == AVX2_BYTES)
-        return avx2b_gemm(x, xscale, packed, wscale, b, y, m, n, k, threads);
+        return (isa_level == ISA_AVX_VNNI ? gemm_avxvnni : gemm_sign)(
+            x, xscale, packed, colsum, wscale, b, y, m, n, k, threads);
     return avx2_gemm(x, xscale, (const int16_t *)packed, wscale, b, y, m, n, k, threads);
 }
 

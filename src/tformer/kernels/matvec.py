@@ -28,8 +28,10 @@ The instruction set is decided once per process (`isa()`), from the CPU and the
 environment variable `TFORMER_ISA`:
 
     avx512   the default where the CPU has AVX-512 VNNI: the int8 products use it
+    avxvnni  the default where the CPU has AVX-VNNI and not AVX-512 (Intel's consumer chips
+             since Alder Lake): AVX2 and the VEX-encoded byte dot product (int8_bytes.h)
     avx2     AVX2 and FMA only, even where the CPU has more: what AVX2-only CPUs (AMD before
-             Zen 4, Intel's consumer chips since Alder Lake) run, to test and time it anywhere
+             Zen 4, Intel's before Alder Lake) run, to test and time it anywhere
     torch    no C kernels: everything runs on torch, as where they cannot be built (Arm, no
              compiler). `TFORMER_NATIVE=0` means the same.
 
@@ -72,16 +74,20 @@ INT8_MAX_ROWS = 8
 product over packed weights (pack_int8, PACKED_MIN_ROWS) or oneDNN's int8 matrix product
 (torch._int_mm, with VNNI) is faster (benchmarks/int8_rows.py). step.py gives int8 layers
 without packed weights no more rows than this."""
-LAYOUT_AVX2, LAYOUT_VNNI, LAYOUT_AVX2_BYTES = 1, 2, 3
+LAYOUT_AVX2, LAYOUT_VNNI, LAYOUT_AVX2_BYTES, ISA_AVX_VNNI = 1, 2, 3, 4
 """matvec.c's ISA_AVX2 and ISA_AVX512_VNNI: the instruction set the int8 products use, and
-the layout pack_int8 packs a weight in for it; and AVX2_BYTES, AVX2's layout of int8 weights
-for the byte method (AVX2_SIGN), where load() chose it. LAYOUT_AVX2's weights are 16-bit."""
+the layout pack_int8 packs a weight in for it; AVX2_BYTES, AVX2's layout of int8 weights for
+the byte products (AVX-VNNI's, and AVX2's AVX2_SIGN where load() chose it); and
+ISA_AVX_VNNI, the instruction set of AVX2 with the VEX-encoded byte dot product, which packs
+in AVX2_BYTES. LAYOUT_AVX2's weights are 16-bit."""
+ISA_LEVELS = {"avx512": LAYOUT_VNNI, "avxvnni": ISA_AVX_VNNI, "avx2": LAYOUT_AVX2}
+"""TFORMER_ISA's kernel instruction sets: matvec.c's level for each."""
 AVX2_WIDEN, AVX2_SIGN = 0, 1
-"""matvec.c's two AVX2 products of a few int8 rows (i8_rows_of_w, i8_rows_of_w_sign): the
-same exact sums, by 16-bit multiply-adds over widened bytes or by the byte multiply-add
-with x's sign moved onto w. Which is faster depends on the CPU's execution ports: on an
-Intel Xeon with AVX-512 held to AVX2, the byte one multiplied four rows 1.1-1.2x faster.
-load() times both once (_faster_avx2_method) and keeps the faster."""
+"""matvec.c's two AVX2 products of a few int8 rows (i8_rows_of_w; rows_of_w_sign in
+int8_bytes.h): the same exact sums, by 16-bit multiply-adds over widened bytes or by the
+byte multiply-add with x's sign moved onto w. Which is faster depends on the CPU's
+execution ports: on an Intel Xeon with AVX-512 held to AVX2, the byte one multiplied four
+rows 1.1-1.2x faster. load() times both once (_faster_avx2_method) and keeps the faster."""
 PACKED_MIN_ROWS = {LAYOUT_VNNI: 2, LAYOUT_AVX2: 8, LAYOUT_AVX2_BYTES: 2}
 """linear_int8 sends products of this many rows and more to the product over packed weights
 (by their layout): one row reads the weights at about the memory's rate through either
@@ -110,7 +116,8 @@ def isa() -> str:
     lib = load()
     if lib is None:
         return "torch"
-    return "avx512" if lib.tformer_isa(-1) == LAYOUT_VNNI else "avx2"
+    level = lib.tformer_isa(-1)
+    return next(name for name, value in ISA_LEVELS.items() if value == level)
 
 
 def _load(want: str | None) -> ctypes.CDLL:
@@ -192,11 +199,14 @@ def _load(want: str | None) -> ctypes.CDLL:
         ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int64, ctypes.c_void_p,
         ctypes.c_int]
     lib.tformer_xent_backward.restype = None
-    # Both int8 paths are checked where the CPU has VNNI: the AVX2 one first, as it is the
-    # one left if VNNI's fails.
-    vnni = want != "avx2" and lib.tformer_isa(LAYOUT_VNNI) == LAYOUT_VNNI
-    if want == "avx512" and not vnni:
-        log.warning("TFORMER_ISA=avx512: this CPU lacks AVX-512 VNNI; using AVX2")
+    # The best instruction set the CPU has, at most the one asked for; each is checked, and
+    # the AVX2 path first, as it is the one left if another's fails.
+    order = ["avx512", "avxvnni", "avx2"]
+    wanted = order[order.index(want):] if want in order else order
+    best = next(name for name in wanted if lib.tformer_isa(ISA_LEVELS[name]) == ISA_LEVELS[name])
+    if want not in (None, best):
+        log.warning("TFORMER_ISA=%s: this CPU lacks %s; using %s", want, ISA_NAMES[want],
+                    ISA_NAMES[best])
     lib.tformer_isa(LAYOUT_AVX2)
     lib.tformer_avx2_method(AVX2_SIGN)
     sign_right = _computes_right(lib) and _packs_right(lib)
@@ -208,13 +218,15 @@ def _load(want: str | None) -> ctypes.CDLL:
         lib.tformer_avx2_method(_faster_avx2_method(lib))
     else:
         log.warning("the int8 products' AVX2 byte path computed a wrong product; not using it")
-    if vnni:
-        lib.tformer_isa(LAYOUT_VNNI)
+    if best != "avx2":
+        lib.tformer_isa(ISA_LEVELS[best])
         if not (_computes_right(lib) and _packs_right(lib)):
             lib.tformer_isa(LAYOUT_AVX2)
-            log.warning("the int8 products' VNNI path computed a wrong product; using AVX2")
-    log.info("tformer's C kernels use %s", ISA_NAMES["avx512" if lib.tformer_isa(-1) ==
-                                                     LAYOUT_VNNI else "avx2"])
+            log.warning("the int8 products' %s path computed a wrong product; using AVX2",
+                        ISA_NAMES[best])
+    level = lib.tformer_isa(-1)
+    log.info("tformer's C kernels use %s",
+             ISA_NAMES[next(name for name, value in ISA_LEVELS.items() if value == level)])
     return lib
 
 
