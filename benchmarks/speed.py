@@ -25,13 +25,15 @@ and 8 and int8 at batch 1 (llama-generate), and training the same widths at 6 la
 context 256, batch 8 (llama-train), MFU counted from the model's layers.
 
 Every row names the instruction set tformer's kernels ran (kernels.matvec.isa(): AVX-512
-VNNI, AVX2 or torch), and the header the switches that choose the libraries' own:
+VNNI, AVX-VNNI, AVX2 or torch), and the header the switches that choose the libraries' own:
 
     TFORMER_ISA=avx2 CT2_FORCE_CPU_ISA=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
         MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
         .venv/bin/python benchmarks/speed.py --only translate
 
-runs every side as an AVX2-only CPU would, on a machine with AVX-512.
+runs every side as an AVX2-only CPU would, on a machine with AVX-512; with
+TFORMER_ISA=avxvnni ONEDNN_MAX_CPU_ISA=AVX2_VNNI MKL_ENABLE_INSTRUCTIONS=AVX2_E1 instead,
+as one with AVX-VNNI and no AVX-512 would (CTranslate2 has no switch of its own for it).
 """
 
 from __future__ import annotations

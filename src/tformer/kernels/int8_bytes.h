@@ -180,9 +180,21 @@ BYTES_TARGET static int BYTES_NAME(gemm)(const int8_t *x, const float *xscale,
     if (!xp)
         return -1;
     int8_t *xa = xp + m * kq;
-    for (long i = 0; i < m; i++)
-        for (long t = 0; t < kq; t++) { /* the padding's weights are 0 */
-            const int8_t v = t < k ? x[i * k + t] : 0;
+    const long k32 = k & ~31L;
+    for (long i = 0; i < m; i++) {
+        const int8_t *row = x + i * k;
+        for (long t = 0; t < k32; t += 32) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(row + t));
+#ifdef BYTES_DOT
+            _mm256_storeu_si256((__m256i *)(xp + i * kq + t),
+                                _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
+#else
+            _mm256_storeu_si256((__m256i *)(xp + i * kq + t), v);
+            _mm256_storeu_si256((__m256i *)(xa + i * kq + t), _mm256_abs_epi8(v));
+#endif
+        }
+        for (long t = k32; t < kq; t++) { /* the padding's weights are 0 */
+            const int8_t v = t < k ? row[t] : 0;
 #ifdef BYTES_DOT
             xp[i * kq + t] = (int8_t)(v ^ 0x80);
 #else
@@ -190,6 +202,7 @@ BYTES_TARGET static int BYTES_NAME(gemm)(const int8_t *x, const float *xscale,
             xa[i * kq + t] = (int8_t)(v < 0 ? -v : v);
 #endif
         }
+    }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (long p = 0; p < panels; p++)
         BYTES_NAME(panel_rows)(xp, xa, m, kq, packed + p * PANEL2 * kq,
