@@ -65,3 +65,24 @@ def test_one_head_per_query_head_runs_the_kernel(monkeypatch):
     attn.recorded = []  # recording: the probabilities are wanted, so no kernel
     steps(attn, *caches(6, 2))
     assert len(calls) == 4 and len(attn.recorded) == 8
+
+
+def test_truncate_forgets_positions_and_the_next_step_writes_over_them():
+    """Speculative decoding's rollback of one row: a cut-back cache reads as if the cut
+    positions had never been stored."""
+    torch.manual_seed(0)
+    caches = [KVCache(1, 2, 8, 4, 4, dtype=torch.float32, device=torch.device("cpu"))
+              for _ in range(2)]
+    cache = DecoderCache(caches)
+    kept, rejected, after = (torch.randn(1, 2, n, 4) for n in (3, 2, 1))
+    for c in caches:
+        c.store(kept, kept)
+        c.store(rejected, rejected)
+    cache.truncate(3)
+    assert cache.length == 3
+    for c in caches:
+        c.store(after, after)
+        k, v = c.stored()
+        assert torch.equal(k, torch.cat([kept, after], dim=2)) and torch.equal(v, k)
+    with pytest.raises(ValueError, match="cannot cut"):
+        cache.truncate(5)

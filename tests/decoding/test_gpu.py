@@ -62,3 +62,30 @@ def test_beam_search_translates_the_same_on_gpu_and_cpu():
     for a, b in zip(got["cpu"], got["gpu"], strict=True):
         assert [h.text for h in a] == [h.text for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_speculative_decoding_on_the_gpu_keeps_plain_decodings_tokens(batch):
+    """One row's caches are cut back after a rejection, a batch's are masked: both give the
+    greedy tokens of plain decoding on the GPU."""
+    from tformer.decoding.lm import generate
+    from tformer.decoding.speculative import speculative_generate
+
+    entry = get_family("gpt")
+    torch.manual_seed(0)
+    target = entry.model(entry.model_config(vocab_size=V, context=64, n_layer=2, n_head=2,
+                                            d_model=32)).eval()
+    draft = entry.model(entry.model_config(vocab_size=V, context=64, n_layer=1, n_head=2,
+                                           d_model=16)).eval()
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [4, 4, 4, 4, 20, 21]][:batch]
+    gpu_target, gpu_draft = copy.deepcopy(target).cuda(), copy.deepcopy(draft).cuda()
+    expected = [[int(t[0]) for t in generate(gpu_target, torch.tensor([p], device="cuda"),
+                                             max_new_tokens=20, temperature=0.0)]
+                for p in prompts]
+    for options in ({"draft": gpu_draft, "draft_tokens": 3}, {"lookup": 2, "draft_tokens": 4}):
+        rows = [[] for _ in prompts]
+        for new in speculative_generate(gpu_target, prompts, max_new_tokens=20,
+                                        temperature=0.0, **options):
+            for row, tokens in zip(rows, new, strict=True):
+                row += tokens
+        assert rows == expected

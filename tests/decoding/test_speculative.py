@@ -42,10 +42,10 @@ def plain(model, prompt, n, eos_id=None):
                                         temperature=0, eos_id=eos_id)]
 
 
-def speculative(target, prompts, n, **options):
+def speculative(target, prompts, n, temperature=0.0, **options):
     rows = [[] for _ in prompts]
-    for new in speculative_generate(target, prompts, max_new_tokens=n, temperature=0,
-                                    **options):
+    for new in speculative_generate(target, prompts, max_new_tokens=n,
+                                    temperature=temperature, **options):
         for row, tokens in zip(rows, new, strict=True):
             row += tokens
     return rows
@@ -167,6 +167,31 @@ def test_sampled_tokens_follow_the_targets_distribution(drafter):
     chi2 = float(((counts - expected_counts) ** 2 / expected_counts).sum())
     assert chi2 < CHI2_35_999, chi2
     assert 0 < stats.accepted < stats.drafted  # the draft was both right and wrong
+
+
+# The 0.1% critical value for 15 degrees of freedom.
+CHI2_15_999 = 37.70
+
+
+def test_one_row_sampled_alone_follows_the_targets_distribution():
+    """One row's caches are cut back after a rejection rather than masked: the same test,
+    each draw its own call. One draft a round, so a rejected first draft leaves the second
+    token to a round that reads the cut-back caches."""
+    vocab, runs = 4, 3000
+    target = gpt(4, vocab=vocab, n_layer=1, d_model=16, n_head=2)
+    other = gpt(5, vocab=vocab, n_layer=1, d_model=16, n_head=2)
+    prompt = [1, 2, 3, 1, 2]
+    expected = exact_two_token_distribution(target, prompt, vocab) * runs
+    generator = torch.Generator().manual_seed(0)
+    stats = SpeculationStats()
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for _ in range(runs):
+        a, b = speculative(target, [prompt], 2, draft=other, draft_tokens=1,
+                           temperature=1.0, generator=generator, stats=stats)[0]
+        counts[a, b] += 1
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_15_999, chi2
+    assert stats.rounds > runs  # some draws took two rounds: after a rejection
 
 
 def test_sampling_probs_is_what_plain_sampling_draws_from():

@@ -276,6 +276,14 @@ class DecoderCache:
         narrowed.step = self.step
         return narrowed
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (speculative decoding's rejected drafts):
+        the next step writes over them."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot cut a cache of {self.length} positions to {length}")
+        for cache in self.self_attn:
+            cache.length = length
+
     def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
         """Keep target rows `index` (beam search: the surviving hypotheses' parents); with
         `sentences`, the cross-attention keeps only those sentences' encoder keys and

@@ -15,7 +15,12 @@ first mismatch: the output is the target's own greedy output.
 
 Rows of a batch accept different numbers of tokens. The caches keep one length for all
 rows; a row's rejected positions are marked as not real (the padding mask every cache keeps),
-so they are never attended to and positions count only the tokens a row kept.
+so they are never attended to and positions count only the tokens a row kept. A single row
+needs no mask: its caches are cut back to the tokens it kept, and the next round writes over
+the rejected positions.
+
+Greedy decoding compares token ids alone (`accept_greedy`): no distribution is formed, so a
+round costs the passes and little else.
 
 Shapes: B batch, K draft tokens, V vocabulary.
 """
@@ -76,16 +81,29 @@ def lookup_draft(history: list[int], n: int, k: int) -> list[int]:
 
 
 class _Model:
-    """A model and its cache while speculation runs: `fed` is how many of each row's
-    tokens its cache holds."""
+    """A model and its cache while speculation runs. A batch's cache is padded: rejected
+    positions are masked. One row's is not: rejected positions are cut off."""
 
     def __init__(self, module: nn.Module, batch: int, max_len: int) -> None:
         self.module = module
-        self.cache = module.make_cache(batch, max_len, padded=True)
+        self.cache = module.make_cache(batch, max_len, padded=batch > 1)
+
+    @property
+    def padded(self) -> bool:
+        return self.cache.is_real is not None
 
     def step(self, tokens: Tensor, is_real: Tensor) -> Tensor:
         """(B, T) tokens after what the cache holds -> (B, T, V) logits."""
-        return self.module(tokens, is_real, cache=self.cache)
+        return self.module(tokens, is_real if self.padded else None, cache=self.cache)
+
+    def keep(self, start: int, keep: Tensor) -> None:
+        """Keep each row's positions before keep[row] (B,) of those from `start` on."""
+        cache = self.cache
+        if self.padded:
+            slots = torch.arange(start, cache.length, device=keep.device)
+            cache.is_real[:, start:cache.length] &= slots < keep[:, None]
+        else:
+            cache.truncate(int(keep[0]))
 
 
 @torch.no_grad()
@@ -163,8 +181,11 @@ def speculative_generate(
             start = models[0].cache.length
             verify = torch.cat([pending, drafted.tokens], dim=1)
             logits = models[0].step(verify, torch.ones_like(verify, dtype=torch.bool))
-            p = sampling_probs(logits, temperature, top_k, top_p)
-            new_tokens, n_accepted = accept(p, q, drafted, temperature, generator)
+            if temperature == 0:
+                new_tokens, n_accepted = accept_greedy(logits.argmax(-1), drafted)
+            else:
+                p = sampling_probs(logits, temperature, top_k, top_p)
+                new_tokens, n_accepted = accept(p, q, drafted, temperature, generator)
             round_out: list[list[int]] = []
             for row in range(B):
                 if done[row]:
@@ -185,18 +206,13 @@ def speculative_generate(
             stats.rounds += 1
             yield round_out
             # The target read pending + k drafts: rows keep pending and their accepted ones.
-            keep = start + 1 + n_accepted
-            target_cache = models[0].cache
-            slots = torch.arange(start, target_cache.length, device=device)
-            target_cache.is_real[:, start:target_cache.length] &= slots < keep[:, None]
+            models[0].keep(start, start + 1 + n_accepted)
             if draft is not None:
                 # The draft read pending and drafts 1..k-1; it keeps pending and the accepted
                 # ones it has read, and reads the k-th next round where all k were accepted.
                 dm = models[1]
                 dstart = dm.cache.length - k
-                dkeep = dstart + 1 + n_accepted.clamp(max=k - 1)
-                dslots = torch.arange(dstart, dm.cache.length, device=device)
-                dm.cache.is_real[:, dstart:dm.cache.length] &= dslots < dkeep[:, None]
+                dm.keep(dstart, dstart + 1 + n_accepted.clamp(max=k - 1))
                 all_in = n_accepted == k
                 extra = torch.where(all_in, drafted.tokens[:, -1], -1)[:, None]
                 extra = None if not bool(all_in.any()) else extra
@@ -237,16 +253,31 @@ def _propose(
     drafted, qs = [], []
     for i in range(k):
         logits = dm.step(feed, real)[:, -1]
-        q = sampling_probs(logits, temperature, top_k, top_p)
-        token = (q.argmax(-1) if temperature == 0
-                 else torch.multinomial(q, 1, generator=generator)[:, 0])
+        if temperature == 0:  # greedy acceptance needs the draft's tokens only
+            token = logits.argmax(-1)
+        else:
+            q = sampling_probs(logits, temperature, top_k, top_p)
+            token = torch.multinomial(q, 1, generator=generator)[:, 0]
+            qs.append(q)
         drafted.append(token)
-        qs.append(q)
         if i < k - 1:
             feed, real = token[:, None], torch.ones(B, 1, dtype=torch.bool, device=device)
     tokens = torch.stack(drafted, dim=1)
     count = torch.where(alive, k, 0)
-    return Drafted(tokens, count), torch.stack(qs, dim=1)
+    return Drafted(tokens, count), torch.stack(qs, dim=1) if qs else None
+
+
+def accept_greedy(best: Tensor, drafted: Drafted) -> tuple[list[list[int]], Tensor]:
+    """`accept` at temperature 0, from the target's argmax after pending and each draft
+    (best: B x K + 1): drafts are kept while they are the target's choice, then the
+    target's own token follows."""
+    K = drafted.tokens.shape[1]
+    ok = drafted.tokens == best[:, :K]
+    ok &= torch.arange(K, device=best.device)[None] < drafted.count[:, None]
+    n_accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    rows = best.tolist()
+    counts = n_accepted.tolist()
+    return [row[:n + 1] for row, n in zip(rows, counts, strict=True)], n_accepted
 
 
 def accept(
