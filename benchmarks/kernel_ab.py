@@ -3,8 +3,8 @@ with the flags tformer builds it with, both timed in alternation on decoding's s
 
     OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py c3e96b9~1 c3e96b9 [--repeats 7] [--tiny]
 
-A version is a git revision (its matvec.c, and the vecmath.h it includes where the revision
-has one) or a path to a .c file (the headers beside it). Each cell is the rate at
+A version is a git revision (its matvec.c, and the headers it includes where the revision
+has them) or a path to a .c file (the headers beside it). Each cell is the rate at
 which the product reads the weight matrix (GB/s; int8 weights are a quarter of fp32's
 bytes), a median over the repeats; every repeat runs through enough copies of the matrix
 (~400 MB of fp32, ~200 MB of int8) that it comes from memory, as a decoding step's does.
@@ -50,9 +50,10 @@ def build(version: str, out: Path) -> ctypes.CDLL:
         source, headers = show("matvec.c"), folder
         source.check_returncode()
         source = source.stdout
-        header = show("vecmath.h")  # older revisions have none
-        if header.returncode == 0:
-            (folder / "vecmath.h").write_text(header.stdout)
+        for name in ("vecmath.h", "int8_bytes.h"):  # older revisions lack them
+            header = show(name)
+            if header.returncode == 0:
+                (folder / name).write_text(header.stdout)
     c_file, library = folder / "matvec.c", folder / "matvec.so"
     c_file.write_text(source)
     compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
