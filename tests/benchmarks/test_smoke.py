@@ -111,7 +111,7 @@ SMOKES = {
     "txl_speed": Smoke(("--rounds", "1", "--train-steps", "1", "--new-tokens", "2"),
                        "relative attention", slow=True),
 }
-OWN_TESTS = {"kernel_ab", "multi30k", "translation_speed", "txl_memory"}
+OWN_TESTS = {"draft_data", "kernel_ab", "multi30k", "translation_speed", "txl_memory"}
 
 
 def run_script(name: str, *args: str) -> str:
@@ -212,3 +212,18 @@ def test_txl_memory(tiny_corpus, tmp_path):
     out = run_script("txl_memory", "--steps", "2", "--out", str(tmp_path / "runs"), "--data",
                      str(tiny_corpus))
     assert "same model, evaluated with mem_len 256" in out
+
+
+def test_draft_data(tiny_corpus, tmp_path):
+    from tests.conftest import TINY_GPT, toml_text
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(toml_text({**TINY_GPT, "data": {"path": str(tiny_corpus)}}),
+                      encoding="utf-8")
+    run = tmp_path / "run"
+    assert tformer_main(["train", str(config), "--out", str(run)]) == 0
+    samples = tmp_path / "samples.txt"
+    out = run_script("draft_data", "--target", str(run), "--corpus", str(tiny_corpus), "--out",
+                     str(samples), "--samples", "5", "--batch", "2", "--start", "4")
+    # 16 tokens of context less 4 of each start: 12 sampled characters a sample.
+    assert "wrote 60 characters" in out and len(samples.read_text(encoding="utf-8")) == 60
