@@ -8,7 +8,9 @@ run, with the same greedy tokens checked first.
 Rows: plain greedy; a draft model drafting K tokens a round (K = 2, 3, 4, 6); prompt lookup
 (3-grams, K = 2, 4, 7, 8) on a repetitive input (the prompt given twice, so the continuation
 can copy). Each row is the median of --repeats runs, the rows timed in turn in each round;
-the ratio is against plain decoding of the same prompt.
+the ratio is against plain decoding of the same prompt. `--batch B` decodes B prompts
+together (row i's starts at the prompt's line i), plainly and speculating, left-padded, as
+`tformer serve` batches them: rows accept different numbers of drafts.
 Run it alone on the machine (one thread: OMP_NUM_THREADS=1). On a GPU a step of a small
 model costs its kernel launches more than its arithmetic, so checking K + 1 tokens costs
 about what one does there even where the weights would fit a CPU's cache.
@@ -27,21 +29,58 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from tformer.api import load  # noqa: E402
-from tformer.decoding.speculative import SpeculationStats  # noqa: E402
+from tformer.decoding.lm import generate, left_pad  # noqa: E402
+from tformer.decoding.speculative import SpeculationStats, speculative_generate  # noqa: E402
 
 PROMPT = ("ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and "
           "Juliet is the sun.\n")
 
 
-def timed(model, prompt: str, tokens: int, **options) -> tuple[float, str, dict]:
-    """Seconds of one greedy run, its text, and its statistics."""
+def timed(model, prompts: list[str], tokens: int, **options) -> tuple[float, str, dict]:
+    """Seconds of one greedy run over the prompts, its text, and its statistics. One prompt
+    runs as `tformer generate` does (Model.stream); several decode as one batch, left-padded,
+    as `tformer serve` batches them."""
     stats = SpeculationStats()
     synchronize(model.device)
     start = time.perf_counter()
-    text = "".join(model.stream(prompt, max_new_tokens=tokens, temperature=0.0, stats=stats,
-                                **options))
+    if len(prompts) == 1:
+        text = "".join(model.stream(prompts[0], max_new_tokens=tokens, temperature=0.0,
+                                    stats=stats, **options))
+    else:
+        text = "\n".join(model.tokenizer.decode(row)
+                         for row in batch_tokens(model, prompts, tokens, stats, **options))
     synchronize(model.device)
     return time.perf_counter() - start, text, stats.as_dict()
+
+
+def batch_tokens(model, prompts: list[str], tokens: int, stats: SpeculationStats, *,
+                 draft=None, prompt_lookup: int = 0, draft_tokens: int = 4) -> list[list[int]]:
+    """Each row's greedy tokens, the rows decoded together: plainly, or speculating."""
+    ids = [model.prompt_ids(p) for p in prompts]
+    rows: list[list[int]] = [[] for _ in ids]
+    if draft is None and not prompt_lookup:
+        padded, real = left_pad(ids, 0)
+        for step in generate(model.module, padded.to(model.device),
+                             is_real=real.to(model.device), max_new_tokens=tokens,
+                             temperature=0.0):
+            for row, token in zip(rows, step.tolist(), strict=True):
+                row.append(token)
+        stats.tokens += tokens * len(ids)
+        return rows
+    for new in speculative_generate(model.module, ids, max_new_tokens=tokens,
+                                    draft=draft.module if draft is not None else None,
+                                    lookup=prompt_lookup, draft_tokens=draft_tokens,
+                                    temperature=0.0, stats=stats):
+        for row, got in zip(rows, new, strict=True):
+            row += got
+    return rows
+
+
+def batch_prompts(prompt: str, batch: int) -> list[str]:
+    """`batch` prompts of different lengths from one text: row i starts at the text's line
+    i (cycling), so that the rows are padded and accept different numbers of drafts."""
+    lines = prompt.splitlines(keepends=True)
+    return ["".join(lines[i % len(lines):]) for i in range(batch)]
 
 
 def ks(text: str) -> list[int]:
@@ -83,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--draft-ks", default="2,3,4,6", help="K of the draft model's rows")
     parser.add_argument("--lookup-ks", default="2,4,7,8", help="K of prompt lookup's rows")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="rows decoded together (their prompts: the prompt from its line "
+                             "i on, for row i)")
     parser.add_argument("--tiny", action="store_true", help="random tiny models: a smoke run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -102,14 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     target.check_draft(draft)
     gpu = f"{torch.cuda.get_device_name()}; " if args.device == "cuda" else ""
     print(f"target {target.label} ({target.description}); draft {draft.label} "
-          f"({draft.description}); {gpu}{args.tokens} greedy tokens, median of {args.repeats}")
+          f"({draft.description}); {gpu}{args.tokens} greedy tokens, batch {args.batch}, "
+          f"median of {args.repeats}")
 
+    once = tuple(batch_prompts(prompt, args.batch))
+    twice = tuple(p + p for p in once)
     cases = (
-        ("plain", prompt, {}),
-        *[(f"draft, K={k}", prompt, {"draft": draft, "draft_tokens": k})
+        ("plain", once, {}),
+        *[(f"draft, K={k}", once, {"draft": draft, "draft_tokens": k})
           for k in ks(args.draft_ks)],
-        ("plain, repeated prompt", prompt + prompt, {}),
-        *[(f"prompt lookup 3, K={k}, repeated prompt", prompt + prompt,
+        ("plain, repeated prompt", twice, {}),
+        *[(f"prompt lookup 3, K={k}, repeated prompt", twice,
            {"prompt_lookup": 3, "draft_tokens": k}) for k in ks(args.lookup_ks)],
     )
     # Rounds over all rows, the first a warm-up (kernels chosen, memory pooled): a machine
@@ -118,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     last: dict[str, tuple[str, dict]] = {}
     for round_ in range(args.repeats + 1):
         for name, prompt_text, options in cases:
-            seconds, text, stats = timed(target, prompt_text, args.tokens, **options)
+            seconds, text, stats = timed(target, list(prompt_text), args.tokens, **options)
             if round_:
                 times[name].append(seconds)
             last[name] = (text, stats)

@@ -227,3 +227,11 @@ def test_draft_data(tiny_corpus, tmp_path):
                      str(samples), "--samples", "5", "--batch", "2", "--start", "4")
     # 16 tokens of context less 4 of each start: 12 sampled characters a sample.
     assert "wrote 60 characters" in out and len(samples.read_text(encoding="utf-8")) == 60
+
+
+def test_speculative_batch():
+    """speculative.py's batched rows (its smallest run times one row); it exits 1 where a
+    row's tokens differ from plain decoding's."""
+    out = run_script("speculative", "--tiny", "--batch", "2", "--draft-ks", "2", "--lookup-ks",
+                     "3")
+    assert "batch 2" in out and "prompt lookup 3, K=3" in out

@@ -177,7 +177,7 @@ def test_one_row_sampled_alone_follows_the_targets_distribution():
     """One row's caches are cut back after a rejection rather than masked: the same test,
     each draw its own call. One draft a round, so a rejected first draft leaves the second
     token to a round that reads the cut-back caches."""
-    vocab, runs = 4, 3000
+    vocab, runs = 4, 2000
     target = gpt(4, vocab=vocab, n_layer=1, d_model=16, n_head=2)
     other = gpt(5, vocab=vocab, n_layer=1, d_model=16, n_head=2)
     prompt = [1, 2, 3, 1, 2]
