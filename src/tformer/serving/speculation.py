@@ -41,6 +41,7 @@ from tformer.decoding.speculative import (
     Drafted,
     SpeculationStats,
     accept,
+    accept_greedy,
     lookup_draft,
     sampling_probs,
 )
@@ -202,11 +203,14 @@ class Speculator:
         target's (count + 1, V) logits after its pending token and its drafts."""
         opts = seq.sampling
         try:
-            p = sampling_probs(logits[None, :count + 1], opts.temperature, opts.top_k,
-                               opts.top_p)
-            drafted = Drafted(tokens[None, :count], torch.tensor([count], device=p.device))
-            new, n_accepted = accept(p, None if q is None else q[None, :count], drafted,
-                                     opts.temperature, seq.generator)
+            drafted = Drafted(tokens[None, :count], torch.tensor([count], device=logits.device))
+            if opts.temperature == 0:  # token ids alone: no distribution to form
+                new, n_accepted = accept_greedy(logits[None, :count + 1].argmax(-1), drafted)
+            else:
+                p = sampling_probs(logits[None, :count + 1], opts.temperature, opts.top_k,
+                                   opts.top_p)
+                new, n_accepted = accept(p, None if q is None else q[None, :count], drafted,
+                                         opts.temperature, seq.generator)
         except Exception as e:
             seq.fail("sampling", e)
             return [None], 0
