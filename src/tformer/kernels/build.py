@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -56,6 +57,12 @@ def requested_isa() -> str | None:
     if want is not None and want not in ISAS:
         raise TformerError(f"TFORMER_ISA={want!r}: use one of {', '.join(ISAS)}")
     return want
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: `$CC`, else `cc`, else `gcc`; None where
+    there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def cache_dir() -> Path:

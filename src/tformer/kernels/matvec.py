@@ -120,6 +120,14 @@ def isa() -> str:
     return next(name for name, value in ISA_LEVELS.items() if value == level)
 
 
+def library_name(compiler: str) -> str:
+    """The file a build of these sources with `compiler` is cached as: keyed by a hash of
+    the sources, the compiler and its flags."""
+    source = b"".join(path.read_bytes() for path in [*build.SOURCES, *build.HEADERS])
+    key = hashlib.sha256(source + " ".join([compiler, *build.FLAGS]).encode()).hexdigest()[:16]
+    return f"matvec-{key}.so"
+
+
 def _load(want: str | None) -> ctypes.CDLL:
     if want == "torch":
         off = os.environ.get("TFORMER_NATIVE") == "0"
@@ -129,13 +137,11 @@ def _load(want: str | None) -> ctypes.CDLL:
             f"written for x86-64 Linux, not {sys.platform} {platform.machine()}")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise build.Unavailable("the CPU lacks AVX2")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = build.compiler()
     if compiler is None:
         raise build.Unavailable("no C compiler (set $CC)")
-    source = b"".join(path.read_bytes() for path in [*build.SOURCES, *build.HEADERS])
-    key = hashlib.sha256(source + " ".join([compiler, *build.FLAGS]).encode()).hexdigest()[:16]
     directory = build.cache_dir()
-    library = directory / f"matvec-{key}.so"
+    library = directory / library_name(compiler)
     try:
         if not library.exists():
             build.compile_library(compiler, library)
