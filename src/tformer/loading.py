@@ -57,8 +57,11 @@ LORA_BASE = "lora_base.json"
 CHECKPOINTS = "checkpoints"
 BEST = "best"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-READ_ATTEMPTS = 5
-"""How often a reader tries again when a checkpoint is switched or pruned under it."""
+READ_ATTEMPTS = 20
+"""How often a reader tries again when a checkpoint is switched or pruned under it: a run
+that saves a new best at every step can switch it several times while one load reads it,
+and the waits between tries (0.05 s more each, at most READ_WAIT) let it finish a save."""
+READ_WAIT = 0.2
 
 
 def run_name(path: str | Path) -> str:
@@ -250,7 +253,7 @@ def load_checkpoint(
             moved = not resolved.exists() or _points_to(Path(path)) not in (resolved, None)
             if not moved or attempt == READ_ATTEMPTS - 1:
                 raise
-        time.sleep(0.05 * (attempt + 1))
+        time.sleep(min(READ_WAIT, 0.05 * (attempt + 1)))
     raise AssertionError("unreachable")
 
 
