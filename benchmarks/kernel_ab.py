@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -25,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from tformer.kernels.build import FLAGS
+from tformer.kernels.build import FLAGS, HEADERS
+from tformer.kernels.build import compiler as find_compiler
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [  # (out_features n, in_features k): OPUS-MT's products, and GPT-2's FFN
@@ -50,13 +49,13 @@ def build(version: str, out: Path) -> ctypes.CDLL:
         source, headers = show("matvec.c"), folder
         source.check_returncode()
         source = source.stdout
-        for name in ("vecmath.h", "int8_bytes.h"):  # older revisions lack them
+        for name in (path.name for path in HEADERS):  # older revisions lack some
             header = show(name)
             if header.returncode == 0:
                 (folder / name).write_text(header.stdout)
     c_file, library = folder / "matvec.c", folder / "matvec.so"
     c_file.write_text(source)
-    compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
+    compiler = find_compiler() or "gcc"  # the compiler tformer builds with
     subprocess.run([compiler, *FLAGS, f"-I{headers}", str(c_file), "-o", str(library)],
                    check=True)
     lib = ctypes.CDLL(str(library))
