@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from tformer.kernels.build import FLAGS, HEADERS
 from tformer.kernels.build import compiler as find_compiler
 

@@ -8,7 +8,7 @@ on the same paths as the command line (prepacked or int8 weights, the decoding t
     for token, logprob in model.score("To be, or not to be"):
         ...
 
-    de = tformer.load("runs/multi30k", int8=True)
+    de = tformer.load("runs/multi30k", "int8")
     de.translate(["A man is riding a bike."], beam=4)
 """
 
@@ -118,7 +118,7 @@ def load(
     """
     import torch
 
-    from tformer.kernels.quantize import inference_model
+    from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.registry import families_with, get_family
     from tformer.training.device import decoding_threads, pick_device
@@ -144,7 +144,7 @@ def load(
     torch.set_num_threads(threads)
     # Counted before int8 conversion turns the weights into buffers.
     parameters = sum(p.numel() for p in loaded.model.parameters())
-    loaded.model = inference_model(loaded.model, int8)
+    loaded.model = quantize_model(loaded.model, int8)
     return Model(loaded, family, int8=int8, threads=threads, parameters=parameters)
 
 

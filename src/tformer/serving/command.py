@@ -63,7 +63,7 @@ def serve_command(
     import uvicorn
 
     from tformer.data.chat import load_chat_template, special_tokens
-    from tformer.kernels.quantize import inference_model
+    from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.registry import get_family
     from tformer.serving.app import create_app
@@ -91,7 +91,7 @@ def serve_command(
     if family.generate is None and family.translate is None:
         raise TformerError(f"the {family.name} family neither generates nor translates")
     kind = "lm" if family.generate is not None else "seq2seq"
-    model = inference_model(loaded.model, int8)
+    model = quantize_model(loaded.model, int8)
     tokenizer = loaded.tokenizer
     name = name or loaded.name
     if kind == "lm":
@@ -143,7 +143,7 @@ def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_t
     if draft is None and not prompt_lookup:
         return None
     from tformer.api import check_draft
-    from tformer.kernels.quantize import inference_model
+    from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.serving.speculation import Speculator
 
@@ -157,7 +157,7 @@ def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_t
     if draft is not None:
         other = load_checkpoint(draft, device=device)
         check_draft(loaded, other)
-        drafter = inference_model(other.model, int8)
+        drafter = quantize_model(other.model, int8)
         check_cache(drafter, other)
     return Speculator(context=model.cfg.context, capacity=capacity, draft=drafter,
                       lookup=prompt_lookup, draft_tokens=draft_tokens)
