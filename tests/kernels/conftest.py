@@ -1,3 +1,6 @@
+import os
+import shutil
+
 import pytest
 
 from tformer.kernels import int8, library
@@ -44,3 +47,37 @@ def avx2_method(request):
     lib.tformer_avx2_method(request.param)
     yield request.param
     lib.tformer_avx2_method(chosen)
+
+
+@pytest.fixture(scope="session")
+def fresh_build(tmp_path_factory):
+    """The library as load() builds it in an empty cache (XDG_CACHE_HOME), once a session:
+    the cache folder, and the files load() left in it. The tests that need a build of
+    their own copy this one (`copy_build`) instead of compiling again."""
+    if library.load() is None:
+        pytest.skip("no C kernels here")
+    cache = tmp_path_factory.mktemp("fresh-cache")
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    library.load.cache_clear()
+    try:
+        loaded = library.load() is not None
+    finally:
+        if before is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = before
+        library.load.cache_clear()
+    assert loaded
+    return cache / "tformer", sorted(p.name for p in (cache / "tformer").iterdir())
+
+
+@pytest.fixture
+def copy_build(fresh_build, monkeypatch):
+    """library.compile_library copies the session's build instead of compiling."""
+    folder, files = fresh_build
+
+    def copy(compiler: str, path) -> None:
+        shutil.copy(folder / files[0], path)
+
+    monkeypatch.setattr(library, "compile_library", copy)

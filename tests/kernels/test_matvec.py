@@ -155,12 +155,8 @@ def test_forced_to_torch_everything_runs_with_one_warning_line(tmp_path):
 
 
 @native
-def test_a_fresh_cache_builds_the_kernel_and_leaves_no_temporary_files(
-    monkeypatch, tmp_path, reload_kernel
-):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert library.load() is not None
-    built = sorted(p.name for p in (tmp_path / "tformer").iterdir())
+def test_a_fresh_cache_builds_the_kernel_and_leaves_no_temporary_files(fresh_build):
+    _, built = fresh_build  # load() in an empty cache, once a session
     assert len(built) == 1 and built[0].startswith("tformer-") and built[0].endswith(".so")
 
 
@@ -241,7 +237,8 @@ def plant_library(path, marker, tmp_path):
 
 @native
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_a_library_others_may_write_is_never_loaded(monkeypatch, tmp_path, reload_kernel):
+def test_a_library_others_may_write_is_never_loaded(monkeypatch, tmp_path, reload_kernel,
+                                                    copy_build):
     cache = tmp_path / "cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     (cache / "tformer").mkdir(mode=0o700, parents=True)

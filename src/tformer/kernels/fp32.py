@@ -4,8 +4,8 @@ At batch 1 a GPT decoding step multiplies one row by every weight matrix, and be
 at batch 1 multiplies four. The library kernels are built for larger products: oneDNN's
 prepacked one (prepack.py) streams the weights slower than a plain sum reads them, and
 every call costs it a fixed time however small the matrix. `fp32.c` streams the weights at
-about the sum's rate at a few microseconds a call (benchmarks/README.md has the figures;
-benchmarks/speed.py and fp32_rows.py measure them).
+about the sum's rate at a few microseconds a call (the figures: benchmarks/README.md, "The
+kernels' thresholds"; benchmarks/speed.py and fp32_rows.py measure them).
 """
 
 from __future__ import annotations

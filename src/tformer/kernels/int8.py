@@ -40,8 +40,8 @@ AVX2_WIDEN, AVX2_SIGN = 0, 1
 """int8.c's two AVX2 products of a few int8 rows (i8_rows_of_w; rows_of_w_sign in
 int8_bytes.h): the same exact sums, by 16-bit multiply-adds over widened bytes or by the
 byte multiply-add with x's sign moved onto w. Which is faster depends on the CPU's
-execution ports: on an Intel Xeon with AVX-512 held to AVX2, the byte one multiplied four
-rows 1.1-1.2x faster. check() times both once (_faster_avx2_method) and keeps the faster."""
+execution ports (benchmarks/README.md, "The kernels' thresholds"): check() times both once
+(_faster_avx2_method) and keeps the faster."""
 
 
 def check(lib: ctypes.CDLL) -> bool:

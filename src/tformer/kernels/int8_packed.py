@@ -24,9 +24,9 @@ PACKED_MIN_ROWS = {LAYOUT_VNNI: 2, LAYOUT_AVX2: 8, LAYOUT_AVX2_BYTES: 2}
 """linear_int8 sends products of this many rows and more to the product over packed weights
 (by their layout): one row reads the weights at about the memory's rate through either
 kernel; with VNNI the packed product is the faster from two rows on, as is AVX2's over
-packed bytes (1.0-1.3x at two rows, 1.0-1.5x at three to eight on OPUS-MT's shapes); AVX2's
-16-bit packed weights are twice the bytes the few-row kernel streams, and that product
-catches up at about eight (benchmarks/int8_rows.py)."""
+packed bytes; AVX2's 16-bit packed weights are twice the bytes the few-row kernel streams,
+and that product catches up at about eight (benchmarks/int8_rows.py; the figures:
+benchmarks/README.md, "The kernels' thresholds")."""
 
 
 def packs_right(lib: ctypes.CDLL) -> bool:

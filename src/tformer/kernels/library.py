@@ -78,7 +78,10 @@ HEADERS = [Path(__file__).with_name(name)
                         "int8_bytes_packed.h")]
 """Included by the sources: part of the key the built library is cached under."""
 PRIVATE_PREFIX = "tformer-kernel-"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+         "-Werror=missing-prototypes", "-Werror=implicit-function-declaration"]
+"""The build's flags; the last two make a function defined without tformer.h's declaration,
+or called without one, an error of the build itself."""
 
 
 class Unavailable(Exception):
@@ -226,11 +229,13 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_kind_name": (ctypes.c_char_p, [_int]),
     # fp32 (fp32.c)
     "tformer_matvec": (None, [_p] * 4 + [_long] * 3 + [_int]),
+    "tformer_fp32_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     # int8 (int8.c, int8_packed.c, quantize.c)
     "tformer_isa": (_int, [_int]),
     "tformer_avx2_method": (_int, [_int]),
     "tformer_matvec_int8": (_int, [_p] * 6 + [_long] * 3 + [_int]),
     "tformer_linear_int8": (_int, [_p] * 5 + [_long] * 3 + [_int]),
+    "tformer_int8_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     "tformer_pack_layout": (_int, []),
     "tformer_packed_int8_size": (_long, [_long] * 2 + [_int]),
     "tformer_pack_int8": (None, [_p, _long, _long, _p, _p, _int]),

@@ -209,11 +209,10 @@ class DecoderStep:
 
 
 LM_F32_ROWS = 8
-"""The most rows an fp32 language model's step takes. From five rows on, matvec's products
-run at ~0.8x oneDNN's (benchmarks/fp32_rows.py), but one call a layer saves ~70 torch calls:
-on SmolLM2-135M's shape, eight rows decoded 1.6x as fast through the step as through the
-modules, and sixteen 1.3x, where the weights are a few MB a matrix; a model whose matrices
-do not fit the cache loses more of the products' speed, so the limit stays at eight."""
+"""The most rows an fp32 language model's step takes. From five rows on, fp32.c's products
+are slower than oneDNN's, but one call a layer saves ~70 torch calls, which wins up to
+about here where the weights fit the cache; a model whose matrices do not loses more of the
+products' speed (the figures: benchmarks/README.md, "The kernels' thresholds")."""
 
 
 class LMStep:
