@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from tformer.kernels.library import FLAGS
 from tformer.kernels.library import compiler as find_compiler
 
