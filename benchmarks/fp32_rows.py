@@ -1,4 +1,4 @@
-"""Where fp32 decoding should change kernels: matvec's kernel against oneDNN's prepacked
+"""Where fp32 decoding should change kernels: fp32.c's kernel against oneDNN's prepacked
 product, at 1 to 16 rows, on the OPUS-MT shapes.
 
     OMP_NUM_THREADS=1 python benchmarks/fp32_rows.py [--repeats 5] [--threads 1] [--tiny]

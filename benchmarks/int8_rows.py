@@ -4,11 +4,11 @@ beside int8, and int8 through each of its two kernels.
     OMP_NUM_THREADS=1 python benchmarks/int8_rows.py [--repeats 7] [--threads 1] [--tiny]
 
 Columns, per shape and number of rows (a decoding step multiplies batch x beam rows):
-- fp32: PackedLinear, what fp32 decoding runs (matvec's kernel up to 4 rows, oneDNN's
+- fp32: PackedLinear, what fp32 decoding runs (fp32.c's kernel up to 4 rows, oneDNN's
   prepacked product beyond);
 - int8: Int8Linear as it dispatches (rounding the rows to int8 included);
 - kernel / packed / _int_mm: the int8 product (rounding the rows included) through
-  matvec's kernel for a few rows, through its product over packed weights (in the layout
+  int8.c's kernel for a few rows, through its product over packed weights (in the layout
   this process packs in: AVX-512 VNNI's, or AVX2's 16-bit or byte one, int8.pack_int8)
   and through torch._int_mm (oneDNN), whatever the number of rows.
   They give the same bits, so the fastest should serve: int8.INT8_MAX_ROWS is where the

@@ -31,7 +31,7 @@ def test_a_name_or_kind_registered_twice_is_an_error():
         register(FORMATS["int8"])
     with pytest.raises(ValueError, match="kind 1 is already taken"):
         register(replace(FORMATS["int8"], name="int8-again"))
-    assert list(FORMATS) == ["fp32", "int8"]
+    assert "int8-again" not in FORMATS
 
 
 def test_an_unknown_format_is_one_line_naming_the_known_ones():
@@ -70,15 +70,17 @@ def test_every_format_computes_through_the_table_what_its_layer_computes(name, r
         torch.testing.assert_close(got, fp32.matvec(x, linear.weight, linear.bias))
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
     else:
-        assert torch.equal(got, own)  # the same kernels, the same bits
-        # int8 rounds each row and each weight row to 1/254 of its largest value.
-        tolerance = 0.05 * want.abs().max().item()
-        assert (got.double() - want).abs().max().item() < tolerance
+        # The layer's own forward runs the same products (or torch's, summing in another
+        # order); how close the format comes to fp32 is its own test file's business, here
+        # only a bound that a wrong layout or scale would break.
+        torch.testing.assert_close(got, own, rtol=1e-5, atol=1e-5 * own.abs().max().item())
+        assert (got.double() - want).abs().max().item() < 0.2 * want.abs().max().item()
 
 
 @native
 def test_a_kind_without_a_row_in_the_table_is_refused():
-    struct = library.Linear(library.KIND_Q4_1, 2, 32)
+    lib = library.load()
     x, y = torch.zeros(1, 32), torch.zeros(1, 2)
-    assert library.load().tformer_linear(ctypes.byref(struct), x.data_ptr(), y.data_ptr(), 1,
-                                         1) == -3
+    for kind in (-1, 99, *(k for k in range(8) if lib.tformer_kind_name(k) == b"")):
+        struct = library.Linear(kind, 2, 32)
+        assert lib.tformer_linear(ctypes.byref(struct), x.data_ptr(), y.data_ptr(), 1, 1) == -3

@@ -136,7 +136,7 @@ def test_several_tokens_a_call_attend_causally_as_the_blocks_do_in_float64(
 @pytest.mark.parametrize("rows", [1, 4, LM_F32_ROWS])
 def test_batched_steps_equal_one_row_at_a_time(rows):
     # Every token through the step (a prompt's pass would take oneDNN's products for many
-    # rows): each output of matvec's products is summed in the same order at any number of
+    # rows): each output of fp32.c's products is summed in the same order at any number of
     # rows, and attention is per row, so the bits are the same.
     # (The output projection is outside the step: past fp32.MAX_ROWS rows its logits are
     # oneDNN's, so there the keys and values tell.)

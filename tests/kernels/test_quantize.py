@@ -152,7 +152,7 @@ def test_int8_linear_gives_the_same_bits_with_and_without_packed_weights(kernel_
 
 
 def instruction_sets(monkeypatch):
-    """Each instruction set this CPU runs, with matvec's kernel loaded for it in turn."""
+    """Each instruction set this CPU runs, with the kernels loaded for it in turn."""
     for name in library.ISAS:
         monkeypatch.setenv("TFORMER_ISA", name)
         library.load.cache_clear()

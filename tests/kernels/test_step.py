@@ -154,7 +154,7 @@ def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
         step = cache.step
         bias = torch.zeros(1, 1, 1, src.shape[1])
         assert step.serves(x, bias)
-        # fp32 products of more rows than matvec's kernel takes are oneDNN's
+        # fp32 products of more rows than fp32.c's kernel takes are oneDNN's
         assert not step.serves(torch.zeros(8, 1, 32), bias)
         assert not step.serves(x.double(), bias)
         assert not step.serves(x, bias.bool())

@@ -6,6 +6,20 @@ kinds.c's table), how to make an nn.Linear into a layer of the format, and the s
 of its kernels. A format's layer describes itself to step.c through `tformer_linear()`
 (quantize.Int8Linear's is the example), so that a decoding step runs it in C without
 asking which format it holds.
+
+A new format is, file by file:
+- here, one WeightFormat in FORMATS: its name, its kind, a line of help, the class that
+  makes an nn.Linear into its layer, and that layer's check;
+- tformer.h: its kind in enum tformer_kind (q8_0, q4_0 and q4_1 have theirs) and the
+  prototype of its product, a tformer_linear_fn; kinds.c: its row, {name, product};
+- a C file of its kernels (the product reads struct tformer_linear's data, scales and
+  bias), named in library.SOURCES, its exported functions in library.SIGNATURES;
+- a Python module of its layer: forward through the kernel (torch where there is none),
+  `tformer_linear()` returning a library.BoundLinear of its kind, and `check(lib)`, its
+  self-check, run once through library.checked;
+- tests: tests/kernels/test_formats.py runs every registered format through kinds.c's
+  table against its layer's forward with no edit; its own test file compares its products
+  with a float64 reference written out in the test.
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@
  * below 2^31 / 127^2 = 133,000 terms, no overflow. (The faster unsigned-by-signed
  * _mm256_maddubs_epi16 saturates its 16-bit pair sums, so it is not exact.) Widening x once
  * instead of at every block of W takes M of the R + M widenings out of the inner loop,
- * which are shuffles that compete with the products for the vector ports. The scaling is the same sequence of fp32 operations as int8_linear's torch
- * path: (float) sum * (xscale[i] * wscale[j]), then + b[j]; -ffp-contract=off keeps the
- * compiler from fusing the last two into one FMA, which rounds once instead of twice. */
+ * which are shuffles that compete with the products for the vector ports. The scaling is
+ * the same sequence of fp32 operations as int8_reference's torch path: (float) sum *
+ * (xscale[i] * wscale[j]), then + b[j]; -ffp-contract=off keeps the compiler from fusing
+ * the last two into one FMA, which rounds once instead of twice. */
 static inline __attribute__((always_inline)) void i8_rows_of_w(
     const int16_t *xw, const float *xscale, const int8_t *w, const float *wscale,
     const float *b, float *y, long n, long k, long r0, const int M, const int R)
@@ -153,10 +154,11 @@ typedef void (*i8_vnni_product)(const int8_t *, const float *, const int8_t *, c
                                 const float *, float *, long, long, int);
 
 
-/* The instruction set the int8 products use, decided once per process (matvec.py sets it
- * at load time): TFORMER_ISA_AVX512_VNNI where the CPU has it and it was not turned down, else
- * TFORMER_ISA_AVX_VNNI likewise, else TFORMER_ISA_AVX2. want >= 0 sets it (TFORMER_ISA_AVX2 where the CPU lacks
- * what it asks), -1 asks. Every level gives the same bits. */
+/* The instruction set the int8 products use, decided once per process (library.py sets
+ * it at load time): TFORMER_ISA_AVX512_VNNI where the CPU has it and it was not turned
+ * down, else TFORMER_ISA_AVX_VNNI likewise, else TFORMER_ISA_AVX2. want >= 0 sets it
+ * (TFORMER_ISA_AVX2 where the CPU lacks what it asks), -1 asks. Every level gives the same
+ * bits. */
 static int isa_level = TFORMER_ISA_AVX2;
 
 static int cpu_has_vnni(void)
@@ -169,15 +171,17 @@ static int cpu_has_vnni(void)
 int tformer_isa(int want)
 {
     if (want >= 0)
-        isa_level = want == TFORMER_ISA_AVX512_VNNI && cpu_has_vnni()                  ? TFORMER_ISA_AVX512_VNNI
-                    : want == TFORMER_ISA_AVX_VNNI && __builtin_cpu_supports("avxvnni") ? TFORMER_ISA_AVX_VNNI
-                                                                               : TFORMER_ISA_AVX2;
+        isa_level = want == TFORMER_ISA_AVX512_VNNI && cpu_has_vnni() ? TFORMER_ISA_AVX512_VNNI
+                    : want == TFORMER_ISA_AVX_VNNI && __builtin_cpu_supports("avxvnni")
+                        ? TFORMER_ISA_AVX_VNNI
+                        : TFORMER_ISA_AVX2;
     return isa_level;
 }
 
-/* The AVX2 few-row product's method (where VNNI is not used): TFORMER_AVX2_WIDEN (i8_rows_of_w)
- * or TFORMER_AVX2_SIGN (rows_of_w_sign, int8_bytes.h). Both give the same, exact sums; matvec.py times both
- * once per process and sets the faster. want >= 0 sets it, -1 asks. */
+/* The AVX2 few-row product's method (where VNNI is not used): TFORMER_AVX2_WIDEN
+ * (i8_rows_of_w) or TFORMER_AVX2_SIGN (rows_of_w_sign, int8_bytes_rows.h). Both give the
+ * same, exact sums; int8.py times both once per process and sets the faster. want >= 0
+ * sets it, -1 asks. */
 static int avx2_method = TFORMER_AVX2_WIDEN;
 
 int tformer_avx2_method(int want)
@@ -219,7 +223,8 @@ int tformer_matvec_int8(const int8_t *x, const float *xscale, const int8_t *q,
     /* One row reads W at close to the memory's rate either way, and there the sums of w
      * that VNNI adds cost more than it saves (0.70-0.93x, benchmarks/kernel_ab.py). */
     static const i8_vnni_product by_rows_vnni[4] = {NULL, i8v_2, i8v_3, i8v_4};
-    const int vnni = isa_level == TFORMER_ISA_AVX512_VNNI, avx_vnni = isa_level == TFORMER_ISA_AVX_VNNI;
+    const int vnni = isa_level == TFORMER_ISA_AVX512_VNNI;
+    const int avx_vnni = isa_level == TFORMER_ISA_AVX_VNNI;
     const i8_bytes_product *bytes = avx_vnni                  ? by_rows_avxvnni
                                     : avx2_method == TFORMER_AVX2_SIGN ? by_rows_sign
                                                                : NULL;

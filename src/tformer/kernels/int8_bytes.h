@@ -16,7 +16,7 @@
  *   sums, which saturate past 32767: a pair is at most 2 * 127 * 127 = 32258, so none
  *   does. _mm256_madd_epi16 against ones adds pairs of those into eight 32-bit sums. Four
  *   instructions for 32 products, where the 16-bit path needs two for 16 (plus the
- *   widenings); which is faster depends on the CPU's ports (matvec.py times both).
+ *   widenings); which is faster depends on the CPU's ports (int8.py times both).
  * - AVX-VNNI (Intel's cores since Alder Lake, AMD's since Zen 4): _mm256_dpbusd_avx_epi32
  *   adds four such products into each 32-bit sum at once, without 16-bit steps: two
  *   instructions for 32 products in the few-row product. The packed product instead takes

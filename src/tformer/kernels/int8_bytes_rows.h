@@ -44,7 +44,7 @@ BYTES_TARGET static inline __attribute__((always_inline)) void BYTES_NAME(rows_o
         }
 }
 
-/* All outputs of M rows, R rows of W per step (matvec.c's I8_PRODUCT_OF for this pair). */
+/* All outputs of M rows, R rows of W per step (int8.c's I8_PRODUCT_OF for this pair). */
 #define BYTES_PRODUCT(M, R)                                                                \
     BYTES_TARGET static void BYTES_NAME(product_##M)(                                      \
         const int8_t *x, const int8_t *xa, const float *xs, const int8_t *w,               \

@@ -18,8 +18,8 @@
  * then used for every row. torch._int_mm (oneDNN) does that, but reorders W into its own
  * layout at every call, and on CPUs without VNNI it can be slower than fp32's product by
  * far. Here W is packed once, when the layer is made, in the layout of the instruction set
- * the process uses (the `layout`: TFORMER_ISA_AVX512_VNNI, TFORMER_ISA_AVX2 or TFORMER_AVX2_BYTES, below;
- * tformer_pack_layout).
+ * the process uses (the `layout`: TFORMER_ISA_AVX512_VNNI, TFORMER_ISA_AVX2 or
+ * TFORMER_AVX2_BYTES, below; tformer_pack_layout).
  *
  * AVX-512 VNNI: panels of 32 rows of W (32 outputs), and within a panel, for each group of
  * four along k, the 32 x 4 bytes that one vpdpbusd pair multiplies with four bytes of a row
@@ -346,7 +346,8 @@ int tformer_pack_layout(void)
                : TFORMER_ISA_AVX2;
 }
 
-/* Bytes of W packed for the product in `layout` (TFORMER_ISA_AVX2, TFORMER_ISA_AVX512_VNNI, TFORMER_AVX2_BYTES). */
+/* Bytes of W packed for the product in `layout` (TFORMER_ISA_AVX2, TFORMER_ISA_AVX512_VNNI,
+ * TFORMER_AVX2_BYTES). */
 long tformer_packed_int8_size(long n, long k, int layout)
 {
     return layout == TFORMER_ISA_AVX512_VNNI ? vnni_packed_size(n, k)
@@ -368,7 +369,7 @@ void tformer_pack_int8(const int8_t *q, long n, long k, int8_t *packed, int32_t 
 }
 
 /* y = (X Q^T) * (xscale wscale^T) + b as tformer_matvec_int8, with Q packed by
- * tformer_pack_int8 in `layout` (VNNI's only where the CPU has it: matvec.py checks).
+ * tformer_pack_int8 in `layout` (VNNI's only where the CPU has it: int8.py checks).
  * Returns 0, or -1 where it could not allocate. */
 int tformer_gemm_int8(const int8_t *x, const float *xscale, const int8_t *packed,
                       const int32_t *colsum, const float *wscale, const float *b, float *y,

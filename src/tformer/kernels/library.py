@@ -329,7 +329,7 @@ def _load(want: str | None) -> ctypes.CDLL:
     return lib
 
 
-_CHECKS: dict[tuple[ctypes.CDLL, Callable[[ctypes.CDLL], bool]], bool] = {}
+_CHECKS: dict[Callable[[ctypes.CDLL], bool], tuple[ctypes.CDLL, bool]] = {}
 
 
 def checked(check: Callable[[ctypes.CDLL], bool]) -> ctypes.CDLL | None:
@@ -343,11 +343,12 @@ def checked(check: Callable[[ctypes.CDLL], bool]) -> ctypes.CDLL | None:
     lib = load()
     if lib is None:
         return None
-    passed = _CHECKS.get((lib, check))
-    if passed is None:
+    # Called before every kernel call: one dictionary lookup once the check has run.
+    done = _CHECKS.get(check)
+    if done is None or done[0] is not lib:
         with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False):
-            passed = _CHECKS[lib, check] = bool(check(lib))
-        if not passed:
+            done = _CHECKS[check] = (lib, bool(check(lib)))
+        if not done[1]:
             log.warning("tformer's C kernels computed wrong in %s.%s: it runs on torch",
                         check.__module__, check.__qualname__)
-    return lib if passed else None
+    return lib if done[1] else None

@@ -8,7 +8,8 @@
  * calls. Each costs a few microseconds of Python and dispatch, while the products, which
  * have to stream the layer's weights from memory, take 10-100 us each: on OPUS-MT's shape
  * the calls around the arithmetic were about a third of a step. Here the layer runs as
- * the modules do, with the same products (matvec.c) and attention (attend.c), in one call:
+ * the modules do, with the same products (kinds.c's table of them) and attention
+ * (attend.c), in one call:
  *
  *     pre-norm:  x = x + SelfAttn(LN1(x));  x = x + CrossAttn(LN2(x));  x = x + FFN(LN3(x))
  *     post-norm: x = LN1(x + SelfAttn(x));  x = LN2(x + CrossAttn(x));  x = LN3(x + FFN(x))

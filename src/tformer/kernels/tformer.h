@@ -26,7 +26,7 @@ struct tformer_linear {
     const void *data;
     const float *scales; /* NULL where the format keeps no scales apart from data */
     const float *bias; /* or NULL */
-    const void *packed; /* int8: data packed for the many-row product (tformer_pack_int8), or NULL */
+    const void *packed; /* int8: data packed for many rows (tformer_pack_int8), or NULL */
     const int32_t *packed_sums; /* int8: the sum of each row of data */
     int32_t layout; /* of packed: TFORMER_ISA_AVX2, TFORMER_ISA_AVX512_VNNI, TFORMER_AVX2_BYTES */
     int32_t packed_min_rows; /* products of this many rows and more use packed */
