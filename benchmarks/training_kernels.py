@@ -139,7 +139,7 @@ def main() -> None:
                    help="the operations on tiny shapes, to check the script")
     args = p.parse_args()
     if library.load() is None:
-        sys.exit("the kernel is not built here (see tformer/kernels/library.py): nothing to compare")
+        sys.exit("the kernel is not built here (tformer/kernels/library.py): nothing to compare")
     if args.tiny:
         op_table(args.repeats, TINY_DROPOUT, TINY_LOSS)
     else:
