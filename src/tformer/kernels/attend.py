@@ -25,6 +25,7 @@ MAX_POSITIONS = 8192
 """The kernel keeps a row's scores on the stack: longer caches take torch's path."""
 
 
+@library.self_check
 def check(lib: ctypes.CDLL) -> bool:
     """The same for attend.c: three rows of four query heads sharing two key/value heads
     (d = 12: a vector's worth and a remainder) over 9 positions read through a table of

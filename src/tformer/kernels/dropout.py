@@ -35,6 +35,7 @@ def philox4x32(lib: ctypes.CDLL, counter: list[int], key: list[int]) -> list[int
     return list(out)
 
 
+@library.self_check
 def check(lib: ctypes.CDLL) -> bool:
     """The same for dropout.c: the generator's first known-answer vector (Random123's
     kat_vectors), and the mask at p = 0.5 over two blocks and a tail against the words the

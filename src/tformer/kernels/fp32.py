@@ -24,6 +24,7 @@ MAX_ROWS = 4
 four at a time, but from about eight rows on oneDNN's matrix-matrix kernels catch up."""
 
 
+@library.self_check
 def check(lib: ctypes.CDLL) -> bool:
     """fp32.c against F.linear: 1 to 5 rows, a remainder of rows of W, and a remainder of
     the inner dimension (of 8); and the same product through the kinds table."""

@@ -44,6 +44,7 @@ execution ports (benchmarks/README.md, "The kernels' thresholds"): check() times
 (_faster_avx2_method) and keeps the faster."""
 
 
+@library.self_check
 def check(lib: ctypes.CDLL) -> bool:
     """The int8 products against int8_reference, bit for bit, under every instruction set
     and AVX2 method this CPU has, the AVX2 path first, as it is the one left if another's

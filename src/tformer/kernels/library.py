@@ -329,12 +329,25 @@ def _load(want: str | None) -> ctypes.CDLL:
     return lib
 
 
-_CHECKS: dict[Callable[[ctypes.CDLL], bool], tuple[ctypes.CDLL, bool]] = {}
+SELF_CHECKS: list[Callable[[ctypes.CDLL], bool]] = []
+"""Every wrapper module's check of its own kernels against torch (`self_check`), in the
+order the modules were imported."""
+_PASSED: dict[Callable[[ctypes.CDLL], bool], tuple[ctypes.CDLL, bool]] = {}
+
+
+def self_check(check: Callable[[ctypes.CDLL], bool]) -> Callable[[ctypes.CDLL], bool]:
+    """Decorator: `check` (True where the module's kernels compute what torch does) joins
+    SELF_CHECKS, which `checked` runs."""
+    SELF_CHECKS.append(check)
+    return check
 
 
 def checked(check: Callable[[ctypes.CDLL], bool]) -> ctypes.CDLL | None:
-    """The library, where load() has one and a wrapper module's `check` of its own kernels
-    passed on it (run once per library loaded); else None, and that module runs on torch.
+    """The library, where load() has one and the wrapper module's `check` passed on it;
+    else None, and that module runs on torch. The first call for a library loaded runs
+    every registered check at once (as a loaded library's first use, not amid a module's
+    later work: a decoding step, a counted region), and one that joins later at its first
+    call; after that, one dictionary lookup.
 
     The checks draw random tensors from a fork of torch's generator: training loads the
     library at its first dropout, and a run resumed from a checkpoint must draw the same
@@ -343,12 +356,28 @@ def checked(check: Callable[[ctypes.CDLL], bool]) -> ctypes.CDLL | None:
     lib = load()
     if lib is None:
         return None
-    # Called before every kernel call: one dictionary lookup once the check has run.
-    done = _CHECKS.get(check)
+    done = _PASSED.get(check)
     if done is None or done[0] is not lib:
-        with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False):
-            done = _CHECKS[check] = (lib, bool(check(lib)))
-        if not done[1]:
-            log.warning("tformer's C kernels computed wrong in %s.%s: it runs on torch",
-                        check.__module__, check.__qualname__)
+        for each in dict.fromkeys([*SELF_CHECKS, check]):
+            if _PASSED.get(each, (None,))[0] is not lib:
+                _run(each, lib)
+        done = _PASSED[check]
     return lib if done[1] else None
+
+
+def check_all() -> ctypes.CDLL | None:
+    """load(), and every registered self-check run on it now rather than at a module's
+    first use (for a measurement that must not count them)."""
+    lib = load()
+    for check in SELF_CHECKS:
+        checked(check)
+    return lib
+
+
+def _run(check: Callable[[ctypes.CDLL], bool], lib: ctypes.CDLL) -> None:
+    with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False):
+        passed = bool(check(lib))
+    _PASSED[check] = (lib, passed)
+    if not passed:
+        log.warning("tformer's C kernels computed wrong in %s.%s: it runs on torch",
+                    check.__module__, check.__qualname__)

@@ -20,6 +20,7 @@ from tformer.kernels import library
 log = logging.getLogger(__name__)
 
 
+@library.self_check
 def check(lib: ctypes.CDLL) -> bool:
     """quantize.c against torch: rows of every size (one of them all zero) and a remainder
     of the inner dimension, rounded to the same bits; the scaling of integer sums the same

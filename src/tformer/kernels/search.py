@@ -19,6 +19,7 @@ from torch import Tensor
 from tformer.kernels import library
 
 
+@library.self_check
 def check(lib: ctypes.CDLL) -> bool:
     """The same for search.c: beam search's candidates as torch's log-softmax and top-k
     choose them, a vector's worth of columns and a remainder, two of them banned."""

@@ -23,6 +23,7 @@ from tformer.kernels import library
 REDUCTIONS = ("mean", "sum", "none")
 
 
+@library.self_check
 def check(lib: ctypes.CDLL) -> bool:
     """The same for xent.c: the loss and gradient of three rows of 37 logits (a vector's
     worth and a remainder), one of them ignored, against F.cross_entropy's."""
