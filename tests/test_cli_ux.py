@@ -52,7 +52,7 @@ def one_line_error(capsys, argv) -> str:
 def test_options_before_and_after_file_arguments():
     parser = build_parser()
     args, extra = parser.parse_known_args(["translate", "ck", "--int8", "in.en", "-o", "o"])
-    assert not extra and (args.input, args.output, args.int8) == ("in.en", "o", True)
+    assert not extra and (args.input, args.output, args.weights) == ("in.en", "o", "int8")
     args, extra = parser.parse_known_args(["evaluate", "ck", "--beam", "4", "s", "r"])
     assert not extra and args.data == ["s", "r"] and args.beam == 4
     args, extra = parser.parse_known_args(["evaluate", "ck", "--json", "f.txt"])
