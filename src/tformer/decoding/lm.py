@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from tformer.decoding.runner import runner
 from tformer.decoding.sampling import next_token
 
 EosIds = int | Sequence[int] | None
@@ -80,6 +81,7 @@ def generate(
     or several), stops once every row has produced one of them (finished rows repeat the
     first).
     """
+    model = runner(model)  # the one-call kernel step where it serves
     B = prompt.shape[0]
     context = model.cfg.context
     padded = is_real is not None

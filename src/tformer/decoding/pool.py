@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.decoding.lm import left_pad
+from tformer.decoding.runner import runner
 from tformer.layers import DecoderCache
 
 Item = TypeVar("Item")
@@ -63,7 +64,7 @@ class SlotPool:
     """
 
     def __init__(self, model: nn.Module, capacity: int) -> None:
-        self.model = model
+        self.model = runner(model)
         self.context = model.cfg.context
         self.capacity = capacity
         self.rows = 0
@@ -224,7 +225,7 @@ class OneRow:
     at batch 1)."""
 
     def __init__(self, model: nn.Module, text: list[int]) -> None:
-        self.model = model
+        self.model = model = runner(model)
         self.context: int = model.cfg.context
         self.cache = model.make_cache(1, self.context)
         self.read = [0]
