@@ -26,6 +26,8 @@ class Rows(Protocol):
 
     model: nn.Module
     """The model whose cache the rows are."""
+    device: torch.device
+    """Where the cache lies."""
     context: int
     """The most tokens a row may hold."""
     read: list[int]
@@ -65,12 +67,16 @@ class SlotPool:
 
     def __init__(self, model: nn.Module, capacity: int) -> None:
         self.model = runner(model)
+        self.device = next(model.parameters()).device
         self.context = model.cfg.context
         self.capacity = capacity
         self.rows = 0
         self.width = 0
         self.read: list[int] = []
         """Per occupied row: how many tokens of its text it has read (`Rows.read`)."""
+        self._held: list[int] = []
+        """Per occupied row: its real columns (what `is_real` counts, without reading it)."""
+        self._view: tuple[DecoderCache, int, DecoderCache] | None = None
         # The buffers grow (rows and columns, doubling) as the load asks, up to `capacity`
         # rows of `context` columns: GPT-2 small at 64 x 1024 would hold 4.8 GB from the
         # start.
@@ -124,6 +130,7 @@ class SlotPool:
             self.is_real[first:first + k] = False
             self.rows += k
             self.read += read
+            self._held += [0] * k
             return torch.empty(k, 0, device=device)
         ids, real = left_pad(prompts, pad_id=0)
         P = ids.shape[1]
@@ -139,6 +146,7 @@ class SlotPool:
         self.is_real[rows, :P] = real.to(device)
         self.rows += k
         self.read += read
+        self._held += [len(p) for p in prompts]
         self.width = max(self.width, P)
         return logits if every_position else logits[:, -1]
 
@@ -153,18 +161,30 @@ class SlotPool:
         (n, T, V) logits, or (n, 1, V) with `last_only`. The caller makes sure that every
         row's real tokens, the new ones included, fit in the context."""
         n, T = tokens.shape
-        longest = int(self.is_real[:n].sum(1).max())
+        longest = max(self._held)
         if self.width + T > self.context or self.width > 2 * longest + 16:
             self.compact(longest)
         self._reserve(n, self.width + T)
-        cache = self.pool.narrow(slice(0, n), self.width)
-        logits = self.model(tokens, real, cache=cache, last_only=last_only)
+        logits = self.model(tokens, real, cache=self._occupied(n), last_only=last_only)
         self.width += T
-        self.read = [r + t for r, t in zip(self.read, real.sum(1).tolist(), strict=True)]
+        counts = real.sum(1).tolist()
+        self.read = [r + t for r, t in zip(self.read, counts, strict=True)]
+        self._held = [h + t for h, t in zip(self._held, counts, strict=True)]
         return logits
 
     def held(self) -> int:
-        return int(self.is_real[:self.rows].sum(1).max()) if self.rows else 0
+        return max(self._held, default=0)
+
+    def _occupied(self, n: int) -> DecoderCache:
+        """The cache of the first n rows at the clock, a view of the buffers. Kept from call
+        to call while the buffers and n stay (a new view each step would cost a kernel step
+        its prepared pointers, kernels/step.py)."""
+        view = self._view
+        if view is None or view[0] is not self.pool or view[1] != n:
+            self._view = view = (self.pool, n, self.pool.narrow(slice(0, n), self.width))
+        for c in view[2].self_attn:
+            c.length = self.width
+        return view[2]
 
     def truncate(self, kept: Tensor, written: int) -> None:
         """Row i keeps the first kept[i] of the `written` columns the last `extend` wrote:
@@ -176,11 +196,12 @@ class SlotPool:
         written_real &= columns[None] < kept[:, None]
         dropped = (before - written_real.sum(1)).tolist()
         self.read = [r - d for r, d in zip(self.read, dropped, strict=True)]
+        self._held = [h - d for h, d in zip(self._held, dropped, strict=True)]
 
     def clear(self) -> None:
         """Free every row."""
         self.rows = self.width = 0
-        self.read = []
+        self.read, self._held = [], []
         self.is_real.zero_()
 
     def compact(self, longest: int) -> None:
@@ -212,8 +233,10 @@ class SlotPool:
                 layer.v[row, :, :W] = layer.v[last, :, :W]
             self.is_real[row] = self.is_real[last]
             self.read[row] = self.read[last]
+            self._held[row] = self._held[last]
         self.is_real[last] = False
         self.read.pop()
+        self._held.pop()
         self.rows = last
         if self.rows == 0:
             self.width = 0
@@ -226,17 +249,17 @@ class OneRow:
 
     def __init__(self, model: nn.Module, text: list[int]) -> None:
         self.model = model = runner(model)
+        self.device = next(model.parameters()).device
         self.context: int = model.cfg.context
         self.cache = model.make_cache(1, self.context)
-        self.read = [0]
         if text:
             window = text[-self.context:]
-            model(torch.tensor([window], device=self.cache.self_attn[0].k.device), None,
-                  cache=self.cache, last_only=True)
+            model(torch.tensor([window], device=self.device), None, cache=self.cache,
+                  last_only=True)
         self.read = [len(text)]
 
     def extend(self, tokens: Tensor, real: Tensor, *, last_only: bool = False) -> Tensor:
-        assert bool(real.all()), "one row's new tokens are all real"
+        # (A single row's new tokens are all real: the round reads no padding for it.)
         logits = self.model(tokens, None, cache=self.cache, last_only=last_only)
         self.read[0] += tokens.shape[1]
         return logits

@@ -169,11 +169,11 @@ class ModelProposer:
                 ) -> tuple[Drafted, Tensor | None]:
         K = max(budgets)
         count = torch.tensor(budgets)
-        drafting = count > 0
+        device = self.rows.device
+        drafting = (count > 0).to(device)[:, None]
         unread = [text[read:] if budget else []
                   for text, read, budget in zip(texts, self.rows.read, budgets, strict=True)]
         ids, real = left_pad(unread, 0)
-        device = _device(self.rows)
         logits = self.rows.extend(ids.to(device), real.to(device), last_only=True)[:, -1]
         draws = [row if budget else None for row, budget in enumerate(budgets)]
         tokens, qs = [], []
@@ -182,8 +182,7 @@ class ModelProposer:
             tokens.append(token)
             qs.append(q)
             if i < K - 1:
-                logits = self.rows.extend(token[:, None].to(device),
-                                          drafting[:, None].to(device), last_only=True)[:, -1]
+                logits = self.rows.extend(token[:, None], drafting, last_only=True)[:, -1]
         q = None if all(q is None for q in qs) else torch.stack(
             [q if q is not None else torch.zeros_like(logits, dtype=torch.float32)
              for q in qs], dim=1)
@@ -191,15 +190,18 @@ class ModelProposer:
 
     def settle(self, drafted: Drafted, n_accepted: Tensor) -> None:
         # The draft read drafts 1..K-1: a row keeps the accepted ones (the K-th, and the
-        # target's token, it reads next round).
+        # target's token, it reads next round); a row that drafted nothing read nothing.
         K = drafted.tokens.shape[1]
         if K > 1:
-            kept = n_accepted.clamp(max=K - 1)
-            self.rows.truncate(torch.where(drafted.count > 0, kept, K - 1), K - 1)
+            kept = [min(n, K - 1) if c > 0 else K - 1
+                    for n, c in zip(n_accepted.tolist(), drafted.count.tolist(), strict=True)]
+            self.rows.truncate(torch.tensor(kept, device=self.rows.device), K - 1)
 
 
-def _device(rows: Rows) -> torch.device:
-    return next(rows.model.parameters()).device
+def _index(rows: list[int], n: int, device: torch.device) -> Tensor | slice:
+    """Rows as an index: every row of n as a slice, so one group of all rows (generate's
+    batch, one row alone) indexes nothing."""
+    return slice(None) if len(rows) == n else torch.tensor(rows, device=device)
 
 
 def _groups(rows: list[int], samplings: list[RowSampling | None]) -> dict[tuple, list[int]]:
@@ -216,28 +218,40 @@ def _draft_step(logits: Tensor, samplings: list[RowSampling | None], rows: list[
                 fail: Fail | None) -> tuple[Tensor | None, Tensor]:
     """(n, V) draft logits -> each drafting row's distribution q (None where every row is
     greedy: greedy acceptance needs the tokens alone) and its token drawn from q."""
-    tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-    q = None
+    n = logits.shape[0]
     live = [row for row in rows if row is not None and samplings[row] is not None]
-    for group in _groups(live, samplings).values():
+    groups = _groups(live, samplings)
+    whole = len(live) == n and len(groups) == 1  # one draw for every row: no indexing
+    tokens = None if whole else torch.zeros(n, dtype=torch.long, device=logits.device)
+    q = None
+    for group in groups.values():
         opts = samplings[group[0]]
         assert opts is not None
-        index = torch.tensor(group, device=logits.device)
+        index = _index(group, n, logits.device)
         try:
             if opts.temperature == 0:
-                tokens[index] = logits[index].argmax(-1)
-                continue
-            probs = sampling_probs(logits[index], opts.temperature, opts.top_k, opts.top_p)
-            tokens[index] = torch.multinomial(probs, 1, generator=opts.generator)[:, 0]
-            if q is None:
-                q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-            q[index] = probs
+                drawn = logits[index].argmax(-1)
+            else:
+                probs = sampling_probs(logits[index], opts.temperature, opts.top_k, opts.top_p)
+                drawn = torch.multinomial(probs, 1, generator=opts.generator)[:, 0]
+                if whole:
+                    q = probs
+                else:
+                    if q is None:
+                        q = torch.zeros(logits.shape, dtype=torch.float32,
+                                        device=logits.device)
+                    q[index] = probs
+            if whole:
+                return q, drawn
+            tokens[index] = drawn
         except Exception as e:  # a broken draft distribution fails its rows
             if fail is None:
                 raise
             for row in group:
                 fail(row, "drafting", e)
                 samplings[row] = None
+    if tokens is None:  # the one group failed
+        tokens = torch.zeros(n, dtype=torch.long, device=logits.device)
     return q, tokens
 
 
@@ -254,7 +268,6 @@ def speculative_round(
     `draw` makes it). Every row's text and its drafts stay inside both contexts.
     """
     samplings = list(samplings)
-    alive = torch.tensor([s is not None for s in samplings], device=_device(target))
     longest = max(len(text) for text in texts)
     budgets = [b if samplings[row] is not None else 0 for row, b in enumerate(budgets)]
     if max(budgets) > 0:
@@ -264,20 +277,24 @@ def speculative_round(
     if max(budgets) == 0:
         return None
     drafted, q = proposer.propose(texts, budgets, samplings, fail)
-    width = int(drafted.count.max())
+    counts = drafted.count.tolist()
+    width = max(counts)
     if width == 0:
         return None
-    device = _device(target)
+    device = target.device
     count = drafted.count.to(device)
+    alive = [s is not None for s in samplings]
     pending = torch.tensor([text[-1] for text in texts], device=device)
-    verify = torch.cat([pending[:, None], drafted.tokens[:, :width].to(device)], dim=1)
+    draft_tokens = drafted.tokens[:, :width].to(device)
+    verify = torch.cat([pending[:, None], draft_tokens], dim=1)
     # A row that takes no token (a finished one) reads nothing.
-    real = (torch.arange(width + 1, device=device)[None] <= count[:, None]) & alive[:, None]
+    real = torch.arange(width + 1, device=device)[None] <= count[:, None]
+    if not all(alive):
+        real &= torch.tensor(alive, device=device)[:, None]
     logits = target.extend(verify, real)
 
     runs: list[list | None] = [None] * len(texts)
     n_accepted = torch.zeros(len(texts), dtype=torch.long, device=device)
-    counts = drafted.count.tolist()
     plain = [row for row, n in enumerate(counts) if n == 0 and samplings[row] is not None]
     if plain:
         for row, token in zip(plain, draw(logits[plain, 0], plain), strict=True):
@@ -286,16 +303,19 @@ def speculative_round(
     for group in _groups(verifying, samplings).values():
         opts = samplings[group[0]]
         assert opts is not None
-        index = torch.tensor(group, device=device)
+        index = _index(group, len(texts), device)
         w = max(counts[row] for row in group)
-        part = Drafted(drafted.tokens[index, :w], count[index])
+        if isinstance(index, slice) and w == width:  # every row, every column
+            part, scores, q_part = Drafted(draft_tokens, count), logits, q
+        else:
+            part = Drafted(draft_tokens[index, :w], count[index])
+            scores, q_part = logits[index, :w + 1], None if q is None else q[index, :w]
         try:
             if opts.temperature == 0:
-                new, accepted = accept_greedy(logits[index, :w + 1].argmax(-1), part)
+                new, accepted = accept_greedy(scores.argmax(-1), part)
             else:
-                p = sampling_probs(logits[index, :w + 1], opts.temperature, opts.top_k,
-                                   opts.top_p)
-                new, accepted = accept(p, None if q is None else q[index, :w].to(device),
+                p = sampling_probs(scores, opts.temperature, opts.top_k, opts.top_p)
+                new, accepted = accept(p, None if q_part is None else q_part.to(device),
                                        part, opts.temperature, opts.generator)
         except Exception as e:
             if fail is None:
@@ -303,11 +323,14 @@ def speculative_round(
             for row in group:
                 fail(row, "sampling", e)
             continue
-        n_accepted[index] = accepted
+        if isinstance(index, slice):
+            n_accepted = accepted
+        else:
+            n_accepted[index] = accepted
         for row, tokens in zip(group, new, strict=True):
             runs[row] = tokens
             stats.drafted += counts[row]
-        stats.accepted += int(accepted.sum())
+            stats.accepted += len(tokens) - 1  # its accepted drafts, then the target's own
     target.truncate(1 + n_accepted, width + 1)
     proposer.settle(drafted, n_accepted.cpu())
     stats.rounds += 1
