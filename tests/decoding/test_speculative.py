@@ -143,6 +143,18 @@ def exact_distribution(model, prompt, vocab):
     return torch.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
+def sharp(seed, vocab):
+    """A tiny model with weights large enough that its distributions are far from uniform:
+    two of them differ by far more than the test's critical value (a chi-square of ~1300
+    at 800 draws), so a round that drew from the drafter's would fail it."""
+    model = gpt(seed, vocab=vocab, n_layer=1, d_model=16, n_head=2)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3, generator=g)
+    return model
+
+
 def generated(target, prompt, runs, options, stats):
     """Three tokens a call of speculative_generate: one row, its cache cut back after a
     rejection (decoding/pool.py's OneRow)."""
@@ -183,9 +195,8 @@ CHI2_15_999 = 37.70
 def test_sampled_tokens_follow_the_targets_distribution(rows, drafter):
     """The same speculative round (decoding/speculative.py) over generate's rows and over
     the server's: (t2, t3), drafted and verified, follow plain sampling's distribution."""
-    vocab, runs = 4, 1500
-    target = gpt(4, vocab=vocab, n_layer=1, d_model=16, n_head=2)
-    other = gpt(5, vocab=vocab, n_layer=1, d_model=16, n_head=2)  # disagrees often
+    vocab, runs = 4, 800
+    target, other = sharp(4, vocab), sharp(5, vocab)  # the drafter disagrees often
     prompt = [1, 2, 3, 1, 2]
     options = {"draft": other} if drafter == "model" else {"lookup": 2}
     stats = SpeculationStats()
