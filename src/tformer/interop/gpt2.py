@@ -244,6 +244,14 @@ def gpt2_config(cfg: GPTConfig) -> dict[str, Any]:
     }
 
 
+def exported_family(cfg: RunConfig) -> str:
+    """"gpt2" where GPT-2 expresses the run's model exactly, else a TformerError saying why."""
+    if cfg.family != "gpt":
+        raise TformerError(f"GPT-2 is a gpt model; this is a {cfg.family} model")
+    gpt2_config(cfg.model)
+    return "gpt2"
+
+
 def _write_tokenizer(tokenizer: Any, dest: Path) -> dict[str, Any]:
     """tokenizer.json, vocab.json and merges.txt, and the special tokens for the configs."""
     if tokenizer.kind == "gpt2":
