@@ -16,6 +16,7 @@ from tformer.cli import main
 from tformer.training import checkpoint as ckpt
 from tformer.training import trainer
 
+
 def kill_at(where):
     """Make this process SIGKILL itself at `where`: "before-config" (the run's config.json
     cut short as it is written), "checkpoint-N" (as it would save its N-th step checkpoint)."""
