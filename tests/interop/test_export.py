@@ -3,6 +3,8 @@ and its kin), named in the output line, and loaded back by transformers with our
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -69,3 +71,37 @@ def test_a_model_no_family_expresses_is_one_error_naming_each_reason(tmp_path):
     assert "\n" not in message
     assert choose_format(tmp_path / "odd", tmp_path / "out", "tformer") == ("tformer", "tformer")
     assert list(EXPORTERS)[:2] == ["gpt2", "llama"]
+
+
+def shown_rows(out):
+    """`tformer info`'s table rows as {key: value}."""
+    rows = [line.split(None, 1) for line in out.splitlines() if line.startswith("  ")]
+    return {row[0]: row[1].strip() if len(row) > 1 else "" for row in rows}
+
+
+@pytest.mark.parametrize("source", ["qwen3-head-dim", "llama3"])
+def test_info_on_an_imported_model_shows_its_tokenizer_and_the_fields_that_apply(
+        source, tmp_path, capsys):
+    src = llama_layout_dir(source, tmp_path / "hf")
+    tokenizer = bpe_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenizer.save_pretrained(src)
+    ours = import_checkpoint(src, tmp_path / "ours")
+    assert main(["info", str(ours)]) == 0
+    out = capsys.readouterr().out
+    rows = shown_rows(out)
+    assert rows["model.rotary"] == "True" and rows["model.rope_theta"]
+    assert "model.sinusoid_layout" not in rows  # no sinusoidal positions
+    scaling = {"model.rope_factor", "model.rope_low_freq_factor",
+               "model.rope_high_freq_factor", "model.rope_original_context"}
+    if source == "llama3":
+        assert rows["model.rope_scaling"] == "llama3" and scaling <= rows.keys()
+    else:
+        assert rows["model.rope_scaling"] == "none" and not scaling & rows.keys()
+        assert rows["model.qk_norm"] == "True"
+    # Nothing of a training run here: no [data] or [train] field was set.
+    assert not [key for key in rows if key.startswith(("data.", "train."))]
+    assert rows["kind"] == "gpt2 (byte-level BPE, pretrained)"
+    assert rows["vocabulary"] == f"{len(tokenizer)} tokens"
+    assert (rows["bos"], rows["eos"]) == ("<s> (0)", "</s> (1)")
+    assert re.search(r"^  chat template +chat_template.jinja$", out, re.M), out
