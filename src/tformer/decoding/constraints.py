@@ -204,6 +204,12 @@ class Grammar:
             error = self.start_matcher.get_error().strip().replace("\n", " ")
             raise ConstraintError(f"the {constraint.kind.replace('_', ' ')} cannot be "
                                   f"compiled: {error}")
+        first = self.start()
+        bits = torch.zeros(first.words, dtype=torch.int32)
+        first.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        if first.matcher.is_error() or not bool(bits.any()):
+            raise ConstraintError(f"no token of this model's vocabulary can start text that "
+                                  f"follows the {constraint.kind.replace('_', ' ')}")
 
     def start(self, ends: tuple[int, ...] = ()) -> Matcher:
         """A matcher for one new sequence; `ends`: more tokens that end it as the
