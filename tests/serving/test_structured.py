@@ -140,8 +140,9 @@ def test_a_named_tool_call_and_its_result_back(client):
     for call in calls:
         check_call(call.function.name, call.function.arguments)
         assert call.id.startswith("call_") and call.type == "function"
-    message = choice.message.model_dump(exclude_none=True)
-    reply = answer_with_results(client, message, [c.id for c in calls], tool_choice="none")
+    # The reply goes back as the client returned it (a ChatCompletionMessage).
+    reply = answer_with_results(client, choice.message, [c.id for c in calls],
+                                tool_choice="none")
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.choices[0].message.tool_calls is None
     assert isinstance(reply.choices[0].message.content, str)

@@ -75,7 +75,7 @@ class Constraint:
                 raise ConstraintError(f"the JSON schema is not JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise ConstraintError("a JSON schema is an object (or true/false)")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # its order is the output's order
 
     @classmethod
     def json_object(cls) -> Constraint:

@@ -64,7 +64,9 @@ async def chat(body: ChatRequest, request: Request, engine: LMEngine, tokenizer:
         if constraint is not None:
             raise ApiError(400, f"tool_choice {body.tool_choice!r} makes the reply a tool "
                            f"call; it cannot also follow {param}", param="tool_choice")
-        constraint = tool_constraint(tools, required, form, body.parallel_tool_calls is not False)
+        # A named function is one call; "required" is one, or several where allowed.
+        parallel = required == "" and body.parallel_tool_calls is not False
+        constraint = tool_constraint(tools, required, form, parallel)
         param = "tools"
     grammar = compile_for(constraint, tokenizer, engine.model.cfg.vocab_size,
                           batched=engine.batched, param=param)
