@@ -94,6 +94,22 @@ def test_byte_level_bpe_tokens_follow_a_schema():
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_sentencepiece_pieces_follow_a_schema():
+    """A SentencePiece-style vocabulary ("\u2581" for a space, a Metaspace decoder)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    corpus = ['{"name": "x", "n": 12, "tags": ["y z"]}', "hello world é €"] * 20
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(corpus, vocab_size=300, special_tokens=["<unk>", "</s>"],
+                           initial_alphabet=[chr(c) for c in range(33, 127)],
+                           show_progress=False)
+    tok = PretrainedBPETokenizer(sp._tokenizer, bos=None, eos="</s>")
+    assert any(piece.startswith("\u2581") for piece in sp.get_vocab())
+    for seed in range(5):
+        text = draw(tok, Constraint.json_schema(SCHEMA), seed=seed)
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
 def test_a_constraint_is_compiled_once_per_tokenizer_and_text():
     tok = CharTokenizer(CHARS, specials=True)
     first = compile_grammar(tok, Constraint.json_schema(SCHEMA))

@@ -22,6 +22,7 @@ Shapes: n rows, V vocabulary, W = ceil(V / 32) words of a bit mask.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -40,7 +41,8 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 """JSON as json.dumps(separators=(",", ":")) writes it: a model free to add white space
 may add it forever."""
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+_BLOCKED = torch.tensor([[not (byte >> bit) & 1 for bit in range(8)] for byte in range(256)])
+"""A mask byte -> which of its 8 tokens are disallowed."""
 
 
 class ConstraintError(TformerError):
@@ -110,21 +112,34 @@ class Constraint:
 
 
 class _CharTokens:
-    """What llguidance's TokenizerWrapper reads of a tokenizer given by its tokens."""
+    """What llguidance's TokenizerWrapper reads of a tokenizer given by its tokens' bytes;
+    it tokenizes a text greedily, longest token first (any tokenization of the bytes
+    serves: the engine tokenizes the text a grammar forces)."""
 
     def __init__(self, tokens: list[bytes], eos: int, bos: int | None,
-                 specials: list[int], tokenizer: Any) -> None:
+                 specials: list[int]) -> None:
         self.tokens, self.eos_token_id, self.bos_token_id = tokens, eos, bos
         self.special_token_ids = specials
-        self.tokenizer = tokenizer
+        special = set(specials)
+        self.ids: dict[bytes, int] = {}
+        for i, piece in enumerate(tokens):
+            if piece and i not in special:
+                self.ids.setdefault(piece, i)
+        self.longest = max(map(len, self.ids), default=1)
 
     def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        try:
-            return self.tokenizer.encode(text)
-        except TformerError:
-            return []  # characters the vocabulary lacks: nothing to offer for them
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        out, at = [], 0
+        while at < len(data):
+            for n in range(min(self.longest, len(data) - at), 0, -1):
+                token = self.ids.get(data[at : at + n])
+                if token is not None:
+                    out.append(token)
+                    at += n
+                    break
+            else:
+                at += 1  # a byte no token holds: nothing can write it
+        return out
 
 
 class Vocabulary:
@@ -144,17 +159,40 @@ class Vocabulary:
             tokens = [b""] * n + [c.encode("utf-8") for c in tokenizer.chars]
             tokens += [b""] * (self.size - len(tokens))
             specials = list(range(n)) + list(range(len(tokenizer.itos), self.size))
-            wrapper = _CharTokens(tokens, eos[0], tokenizer.bos_id, specials, tokenizer)
+            wrapper = _CharTokens(tokens, eos[0], tokenizer.bos_id, specials)
             self.engine = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper),
                                                  eos_token=eos)
         elif hasattr(tokenizer, "tok"):  # a Hugging Face `tokenizers` model (BPE, SentencePiece)
-            self.engine = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=self.size,
-                                                 eos_token=eos)
+            try:
+                self.engine = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=self.size,
+                                                     eos_token=eos)
+            except ValueError:  # a decoder llguidance does not read (SentencePiece's Metaspace)
+                tokens, specials = _piece_bytes(tokenizer.tok, self.size)
+                wrapper = _CharTokens(tokens, eos[0], tokenizer.bos_id, specials)
+                self.engine = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper),
+                                                     eos_token=eos)
         else:
             raise ConstraintError(f"constraints need a character, BPE or SentencePiece "
                                   f"tokenizer; this model's is {kind!r}")
         self.grammars: OrderedDict[Constraint, Grammar] = OrderedDict()
         self.lock = threading.Lock()
+
+
+def _piece_bytes(tok: Any, size: int) -> tuple[list[bytes], list[int]]:
+    """Each token's bytes read from its piece, as SentencePiece writes them ("▁" a
+    space, "<0xHH>" a byte), and the special tokens' ids."""
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    tokens, special_ids = [], []
+    for i in range(size):
+        piece = tok.id_to_token(i)
+        if piece is None or piece in specials:
+            tokens.append(b"")
+            special_ids.append(i)
+        elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            tokens.append(bytes([int(piece[3:5], 16)]))
+        else:
+            tokens.append(piece.replace("▁", " ").encode("utf-8"))
+    return tokens, special_ids
 
 
 _VOCABULARIES: weakref.WeakKeyDictionary[Any, Vocabulary] = weakref.WeakKeyDictionary()
@@ -249,27 +287,36 @@ class Matcher:
                                   f"{self.matcher.get_error()}")
 
 
-def allowed(matchers: list[Matcher], V: int) -> Tensor:
-    """(n, V) bool: each matcher's allowed next tokens, its end tokens among them
-    wherever the end of text is allowed."""
-    words = matchers[0].words
-    bits = torch.zeros(len(matchers), words, dtype=torch.int32)
+def blocked(matchers: list[Matcher], V: int) -> Tensor:
+    """(n, V) bool: True where a matcher disallows the token; its end tokens are allowed
+    wherever the end of text is."""
+    n = len(matchers)
+    bits = torch.zeros(n, matchers[0].words, dtype=torch.int32)
     for row, matcher in enumerate(matchers):
         matcher.fill(bits[row])
-    mask = ((bits.unsqueeze(-1) >> _SHIFTS) & 1).reshape(len(matchers), -1).bool()
+    # Bit k of word w is token 32 w + k: the words' bytes in memory order (x86 and ARM are
+    # little-endian) are the tokens in groups of 8, each unpacked by one table lookup.
+    out = _BLOCKED[bits.view(torch.uint8).long()].reshape(n, -1)[:, :V]
     vocab = matchers[0].grammar.vocab
-    can_end = mask[:, list(vocab.ends) or [vocab.n_vocab]].any(-1)
-    mask = mask[:, :V].clone()
+    ends = list(vocab.ends) or [vocab.n_vocab]
+    words = bits[:, [e // 32 for e in ends]]
+    shifts = torch.tensor([e % 32 for e in ends], dtype=torch.int32)
+    can_end = ((words >> shifts) & 1).any(-1).tolist()
     for row, matcher in enumerate(matchers):
         if matcher.ends and can_end[row]:
-            mask[row, list(matcher.ends)] = True
-    return mask
+            out[row, list(matcher.ends)] = False
+    return out
+
+
+def allowed(matchers: list[Matcher], V: int) -> Tensor:
+    """(n, V) bool: each matcher's allowed next tokens (the complement of `blocked`)."""
+    return ~blocked(matchers, V)
 
 
 def mask_logits(logits: Tensor, matchers: list[Matcher]) -> Tensor:
     """(n, V) logits -> the same with every token the matchers disallow at -inf (in
     place, and returned)."""
-    mask = allowed(matchers, logits.shape[-1]).to(logits.device)
-    if not bool(mask.any(-1).all()):
+    mask = blocked(matchers, logits.shape[-1])
+    if bool(mask.all(-1).any()):
         raise ConstraintError("the constraint allows no next token")
-    return logits.masked_fill_(~mask, float("-inf"))
+    return logits.masked_fill_(mask.to(logits.device), float("-inf"))

@@ -5,6 +5,7 @@ out of its reply into `tool_calls`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -68,8 +69,10 @@ async def chat(body: ChatRequest, request: Request, engine: LMEngine, tokenizer:
         parallel = required == "" and body.parallel_tool_calls is not False
         constraint = tool_constraint(tools, required, form, parallel)
         param = "tools"
-    grammar = compile_for(constraint, tokenizer, engine.model.cfg.vocab_size,
-                          batched=engine.batched, param=param)
+    # Off the event loop: a model's first constraint reads its vocabulary (about a second).
+    grammar = await asyncio.to_thread(compile_for, constraint, tokenizer,
+                                      engine.model.cfg.vocab_size, batched=engine.batched,
+                                      param=param)
     stop_texts, stop_tokens = chat_stops
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     run = ChatCompletion(body, engine, tokenizer, model_name, limits,

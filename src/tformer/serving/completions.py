@@ -159,9 +159,10 @@ async def complete(body: CompletionRequest, request: Request, engine: LMEngine, 
                        f"draws each choice once", param="best_of")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     param = "response_format" if body.response_format is not None else "structured_outputs"
-    constraint = compile_for(request_constraint(body.response_format, body.structured_outputs),
-                             tokenizer, engine.model.cfg.vocab_size, batched=engine.batched,
-                             param=param)
+    # Off the event loop: a model's first constraint reads its vocabulary (about a second).
+    constraint = await asyncio.to_thread(
+        compile_for, request_constraint(body.response_format, body.structured_outputs),
+        tokenizer, engine.model.cfg.vocab_size, batched=engine.batched, param=param)
     run = Completion(body, engine, tokenizer, model_name, limits, request.app.state.mailbox,
                      prompts=read_prompts(tokenizer, body.prompt), max_tokens=body.max_tokens,
                      echo=body.echo, logprobs=body.logprobs, stops=stops,

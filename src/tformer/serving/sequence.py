@@ -155,8 +155,11 @@ def adjust(logits: Tensor, seqs: list[Sequence]) -> Tensor:
                    if seq.matcher is not None and not seq.finished]
     if constrained:
         try:
-            logits[constrained] = mask_logits(logits[constrained],
-                                              [seqs[row].matcher for row in constrained])
+            matchers = [seqs[row].matcher for row in constrained]
+            if len(constrained) == len(seqs):
+                mask_logits(logits, matchers)  # in place
+            else:
+                logits[constrained] = mask_logits(logits[constrained], matchers)
         except Exception:  # find the sequence whose mask fails: each alone
             for row in constrained:
                 try:
