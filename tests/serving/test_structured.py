@@ -129,55 +129,72 @@ def answer_with_results(client, message, calls, **kwargs):
                                           max_tokens=20, **kwargs)
 
 
-def test_a_named_tool_call_and_its_result_back(client):
+def calls_of(reply, stream: bool) -> tuple[list[dict], str | None, str]:
+    """A reply's tool calls (id, name, arguments), its finish reason and its text, from one
+    answer or from the chunks of a stream (delta.tool_calls pieces gathered by index)."""
+    if not stream:
+        choice = reply.choices[0]
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls or []]
+        return calls, choice.finish_reason, choice.message.content or ""
+    gathered: dict[int, dict] = {}
+    reason, text = None, ""
+    for chunk in reply:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        reason = chunk.choices[0].finish_reason or reason
+        text += delta.content or ""
+        for piece in delta.tool_calls or []:
+            call = gathered.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += piece.id or ""
+            if piece.function is not None:
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
+    return [gathered[i] for i in sorted(gathered)], reason, text
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "required"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_loop_with_the_openai_client(client, named, stream):
+    """The model calls a tool (the one named, or any: required), the client sends the
+    result back as a tool message, and the model answers."""
+    choice = ({"type": "function", "function": {"name": "get_weather"}} if named
+              else "required")
+    reply = client.chat.completions.create(model="tiny-json", messages=ASK, tools=TOOLS,
+                                           tool_choice=choice, stream=stream, seed=3,
+                                           parallel_tool_calls=False)
+    calls, reason, text = calls_of(reply, stream)
+    assert reason == "tool_calls" and text == "" and len(calls) == 1
+    (call,) = calls
+    assert call["id"].startswith("call_")
+    assert call["name"] == "get_weather" or (not named and call["name"] in ("get_time",))
+    check_call(call["name"], call["arguments"])
+    message = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": call["id"], "type": "function",
+        "function": {"name": call["name"], "arguments": call["arguments"]}}]}
+    answer = answer_with_results(client, message, [call["id"]], tool_choice="none",
+                                 stream=stream)
+    calls, reason, text = calls_of(answer, stream)
+    assert not calls and reason in ("stop", "length") and isinstance(text, str)
+
+
+def test_the_calls_and_results_are_rendered_on_the_next_turn(client):
     done = client.chat.completions.create(
         model="tiny-json", messages=ASK, tools=TOOLS, seed=3,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     choice = done.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    calls = choice.message.tool_calls
-    assert [c.function.name for c in calls] == ["get_weather"] * len(calls)
-    for call in calls:
-        check_call(call.function.name, call.function.arguments)
-        assert call.id.startswith("call_") and call.type == "function"
+    (call,) = choice.message.tool_calls  # a named function is called once
+    assert call.type == "function" and call.function.name == "get_weather"
     # The reply goes back as the client returned it (a ChatCompletionMessage).
-    reply = answer_with_results(client, choice.message, [c.id for c in calls],
-                                tool_choice="none")
-    assert reply.choices[0].finish_reason in ("stop", "length")
+    reply = answer_with_results(client, choice.message, [call.id], tool_choice="none")
     assert reply.choices[0].message.tool_calls is None
-    assert isinstance(reply.choices[0].message.content, str)
-    # The calls and results are in the prompt of the second turn (one character a token).
+    # The call and its result are in the prompt (one character a token).
     alone = client.chat.completions.create(model="tiny-json", messages=ASK, tools=TOOLS,
                                            tool_choice="none", max_tokens=1)
     assert reply.usage.prompt_tokens > alone.usage.prompt_tokens + len(
-        calls[0].function.arguments)
-    assert len(calls) == 1  # a named function is called once
-
-
-def test_a_required_tool_call_streamed_and_its_result_back_streamed(client):
-    stream = client.chat.completions.create(
-        model="tiny-json", messages=ASK, tools=TOOLS, tool_choice="required", stream=True,
-        parallel_tool_calls=False, seed=5)
-    calls: dict[int, dict] = {}
-    reasons = []
-    for chunk in stream:
-        delta = chunk.choices[0].delta
-        reasons.append(chunk.choices[0].finish_reason)
-        assert not delta.content
-        for piece in delta.tool_calls or []:
-            call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
-            call["id"] += piece.id or ""
-            call["name"] += (piece.function.name or "") if piece.function else ""
-            call["arguments"] += (piece.function.arguments or "") if piece.function else ""
-    assert reasons[-1] == "tool_calls" and len(calls) == 1
-    (call,) = calls.values()
-    check_call(call["name"], call["arguments"])
-    message = {"role": "assistant", "tool_calls": [{
-        "id": call["id"], "type": "function",
-        "function": {"name": call["name"], "arguments": call["arguments"]}}]}
-    reply = answer_with_results(client, message, [call["id"]], stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
-    assert isinstance(text, str)
+        call.function.arguments) + len('{"temp_c": 21}')
 
 
 def test_parallel_tool_calls_may_be_several(client):
