@@ -156,3 +156,13 @@ def test_smollm2s_tokenizer_follows_a_schema_and_a_regex(smollm2):
         jsonschema.validate(json.loads(text), SCHEMA)
         text = draw(smollm2, Constraint.regex(r"[A-Z][a-z]{1,8} [0-9]{2}"), seed=seed)
         assert re.fullmatch(r"[A-Z][a-z]{1,8} [0-9]{2}", text), text
+
+
+def test_without_the_engine_the_error_says_what_to_install(monkeypatch):
+    import sys
+
+    from tformer.errors import TformerError
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as if not installed
+    with pytest.raises(TformerError, match=r"pip install 'tformer\[structured\]'"):
+        compile_grammar(CharTokenizer(CHARS), Constraint.regex("a"))
