@@ -131,3 +131,32 @@ def test_the_required_call_grammar_gives_calls_that_parse(form):
         content, calls = parse_calls(tok.decode(ids), form)
         assert content is None and calls and all(c.name == "add" for c in calls)
         assert all(0 <= json.loads(c.arguments)["a"] <= 9 for c in calls)
+
+
+def stream_of(form: str, pieces: list[str], reason: str = "stop") -> list[dict]:
+    """The deltas and finish reasons a chat stream sends for a reply arriving in pieces."""
+    from tformer.serving.chat import ChatCompletion
+
+    run = ChatCompletion.__new__(ChatCompletion)  # the streaming part alone
+    run.seqs, run.form = [None], form
+    run.id, run.created, run.model_name = "chatcmpl-x", 0, "m"
+    events = "".join(run._chunk(0, piece, None) for piece in pieces)
+    events += run._chunk(0, "", reason)
+    chunks = [json.loads(line[len("data: "):]) for line in events.split("\n\n") if line]
+    return [{"delta": c["choices"][0]["delta"], "reason": c["choices"][0]["finish_reason"]}
+            for c in chunks]
+
+
+def test_a_stream_sends_the_text_before_a_call_then_the_call():
+    out = stream_of("hermes", ["Sure, ", "<to", 'ol_call>\n{"name": "add", "argu',
+                               'ments": {"a": 1}}\n</tool_call>'])
+    content = "".join(o["delta"].get("content", "") for o in out)
+    assert content == "Sure, "
+    calls = [d for o in out for d in o["delta"].get("tool_calls", [])]
+    assert calls[0]["function"] == {"name": "add", "arguments": ""} and calls[0]["id"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"a": 1}
+    assert out[-1] == {"delta": {}, "reason": "tool_calls"}
+    # A reply that only looked like it might call: its held-back text is sent at the end.
+    out = stream_of("hermes", ["a <tool", " kit"])
+    assert "".join(o["delta"].get("content", "") for o in out) == "a <tool kit"
+    assert out[-1]["reason"] == "stop"
