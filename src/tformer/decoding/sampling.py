@@ -50,5 +50,16 @@ def next_token(
         )
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = filter_top_p(filter_top_k(logits.float() / temperature, top_k), top_p)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """(..., V) logits -> the distribution `next_token` draws from, in float32: temperature,
+    then top-k, then top-p, then softmax (a one-hot argmax for temperature 0). Speculative
+    decoding's acceptance rule compares these distributions."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    flat = logits.float().reshape(-1, logits.shape[-1]) / temperature
+    flat = filter_top_p(filter_top_k(flat, top_k), top_p)
+    return flat.softmax(-1).reshape(logits.shape)

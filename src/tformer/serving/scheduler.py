@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.lm import EosIds, generate, stop_ids
-from tformer.decoding.pool import SlotPool
+from tformer.decoding.lm import EosIds, generate, stop_ids, window
+from tformer.decoding.pool import Seats, SlotPool
 from tformer.serving.sequence import (
     Sequence,
     adjust,
@@ -89,13 +89,17 @@ class LMEngine:
         self.device = next(model.parameters()).device
         self.context: int | None = model.cfg.context if batched else None
         self.slots = SlotPool(model, max_batch) if batched else None
-        self.active: list[Sequence] = []
+        self.speculator = speculator if batched else None
+        self.seats: Seats[Sequence] = Seats(
+            ([self.slots] if self.slots is not None else [])
+            + (self.speculator.pools if self.speculator is not None else []))
+        """The row order of the pools (the target's, the drafter's) and the sequences."""
+        self.active = self.seats.items
         """In the pool, sequence i in row i."""
         self.sliding: list[Sequence] = []
         """Past the model's context: each step reads its last `context` tokens afresh, as
         tformer.decoding.lm.generate slides its window (they hold no pool row)."""
         self.pending: deque[Sequence] = deque()
-        self.speculator = speculator if batched else None
         self.stats = EngineStats(speculation=speculator.stats if self.speculator else None)
         self._cond = threading.Condition()
         self._stopping = False
@@ -156,12 +160,8 @@ class LMEngine:
                 log.exception("decoding failed; ending the sequences in flight")
                 for seq in self.active + self.sliding:
                     seq.fail("decoding", e)
-                self.active.clear()
+                self.seats.clear()
                 self.sliding.clear()
-                if self.slots is not None:
-                    self.slots.clear()
-                if self.speculator is not None:
-                    self.speculator.clear()
             self.stats.busy_seconds += time.perf_counter() - start
 
     def _join(self, joining: list[Sequence]) -> None:
@@ -315,11 +315,12 @@ class LMEngine:
                 self.sliding.append(seq)
 
     def _step_sliding(self) -> None:
-        """One token for each sliding sequence, from one pass over their windows (all
-        `context` tokens long, so no padding)."""
-        context = self.model.cfg.context
-        windows = [(seq.prompt + seq.tokens)[-context:] for seq in self.sliding]
-        logits = self.model(torch.tensor(windows, device=self.device), None, last_only=True)
+        """One token for each sliding sequence, from one pass over their windows
+        (tformer.decoding.lm.window: all `context` tokens long here, so no padding)."""
+        ids, real = window([seq.prompt + seq.tokens for seq in self.sliding],
+                           self.model.cfg.context)
+        logits = self.model(ids.to(self.device), None if real is None else real.to(self.device),
+                            last_only=True)
         tokens = self._draw(logits[:, -1], self.sliding)
         ended = {id(seq) for seq, token in zip(self.sliding, tokens, strict=True)
                  if self._accept(seq, token)}
@@ -366,12 +367,6 @@ class LMEngine:
         self._unseat(row)
 
     def _unseat(self, row: int) -> None:
-        if self.slots is not None:
-            self.slots.remove(row)
-        if self.speculator is not None:
-            self.speculator.remove(row)
-        last = self.active.pop()
-        if row < len(self.active):
-            self.active[row] = last
+        self.seats.remove(row)
 
 
