@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from tformer.decoding.constraints import Matcher, mask_logits
 from tformer.decoding.runner import runner
 from tformer.decoding.sampling import next_token
 
@@ -71,6 +72,7 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     eos_id: EosIds = None,
+    constraint: Matcher | None = None,
 ) -> Iterator[Tensor]:
     """Yield (B,) new tokens, one step at a time, after a (B, T) prompt.
 
@@ -79,8 +81,11 @@ def generate(
     cache is full, the window slides by running the model afresh over it, so cached and
     uncached generation always see the same tokens and agree exactly. With eos_id (an id,
     or several), stops once every row has produced one of them (finished rows repeat the
-    first).
+    first). constraint (one row): the tokens it disallows are masked before each draw, and
+    the text ends where the constrained text is complete (tformer.decoding.constraints).
     """
+    if constraint is not None and prompt.shape[0] != 1:
+        raise ValueError("a constraint decodes one row")
     model = runner(model)  # the one-call kernel step where it serves
     B = prompt.shape[0]
     context = model.cfg.context
@@ -106,15 +111,20 @@ def generate(
         else:
             logits = model(tokens[:, -1:], real[:, -1:] if padded else None, cache=cache,
                            last_only=True)
+        step = logits[:, -1]
+        if constraint is not None:
+            step = mask_logits(step.float().clone(), [constraint])
         token = next_token(
-            logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+            step, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )
         token = finished.update(token)
+        if constraint is not None:
+            constraint.advance(int(token[0]))
         tokens = torch.cat([tokens, token[:, None]], dim=1)
         if padded:
             real = torch.cat([real, torch.ones_like(token, dtype=torch.bool)[:, None]], dim=1)
         yield token
-        if finished.all:
+        if finished.all or (constraint is not None and constraint.stopped):
             break
 
 

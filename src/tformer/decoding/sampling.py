@@ -41,8 +41,9 @@ def next_token(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """(B, V) logits -> (B,) token ids. temperature 0 is greedy (argmax)."""
-    if not torch.isfinite(logits).all():
+    """(B, V) logits -> (B,) token ids. temperature 0 is greedy (argmax). -inf marks a
+    token that may not be drawn (a constraint's mask); NaN or +inf is a broken model."""
+    if not bool((logits < float("inf")).all()):
         raise TformerError(
             "the model's outputs are not finite (NaN or inf logits); its weights or its "
             "input are broken, and no token can be chosen"

@@ -28,7 +28,14 @@ from torch import Tensor, nn
 
 from tformer.decoding.lm import EosIds, generate, stop_ids, window
 from tformer.decoding.pool import Seats, SlotPool
-from tformer.serving.sequence import Sequence, adjust, keep_logprobs, logprobs_of, sample
+from tformer.serving.sequence import (
+    Sequence,
+    adjust,
+    advance,
+    keep_logprobs,
+    logprobs_of,
+    sample,
+)
 
 if TYPE_CHECKING:
     from tformer.decoding.speculative import SpeculationStats
@@ -296,6 +303,7 @@ class LMEngine:
         logits = adjust(logits, seqs)
         tokens = sample(logits, seqs)
         keep_logprobs(logits, seqs, tokens)
+        advance(seqs, tokens)
         return tokens
 
     def _start_sliding(self) -> None:
@@ -331,6 +339,9 @@ class LMEngine:
                 return True
             seq.tokens.append(token)
             seq.deliver(token, None)
+            if seq.complete:  # the constrained text ends the choice
+                seq.finish("stop")
+                return True
             if len(seq.tokens) >= seq.sampling.max_tokens:
                 seq.finish("length")
                 return True
