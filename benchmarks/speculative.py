@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-file", help="the prompt (default: a few lines of Romeo)")
     parser.add_argument("--tokens", type=int, default=120, help="new tokens per run")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--int8", action="store_true", help="int8 weights for both models")
+    parser.add_argument("--weights", default="fp32", help="both models' weight format")
+    parser.add_argument("--int8", dest="weights", action="store_const", const="int8",
+                        help="the same as --weights int8")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--draft-ks", default="2,3,4,6", help="K of the draft model's rows")
     parser.add_argument("--lookup-ks", default="2,4,7,8", help="K of prompt lookup's rows")
@@ -139,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt = Path(args.prompt_file).read_text() if args.prompt_file else PROMPT
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device")
-    target = load(args.target, int8=args.int8, device=args.device, threads=1)
-    draft = load(args.draft, int8=args.int8, device=args.device, threads=1)
+    target = load(args.target, weights=args.weights, device=args.device, threads=1)
+    draft = load(args.draft, weights=args.weights, device=args.device, threads=1)
     target.check_draft(draft)
     gpu = f"{torch.cuda.get_device_name()}; " if args.device == "cuda" else ""
     print(f"target {target.label} ({target.description}); draft {draft.label} "

@@ -48,12 +48,12 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from tformer.kernels.build import ISA_NAMES
 
 from tformer.decoding.lm import generate
 from tformer.evaluation.loss import Targets
 from tformer.kernels.formats import quantize_model
 from tformer.kernels.int8 import isa
+from tformer.kernels.library import ISA_NAMES
 from tformer.kernels.prepack import PackedLinear, prepack, prepack_available
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig

@@ -166,8 +166,8 @@ def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_t
         check_draft(loaded, other)
         drafter = quantize_model(other.model, weights)
         check_cache(drafter, other)
-    return Speculator(context=model.cfg.context, capacity=capacity, draft=drafter,
-                      lookup=prompt_lookup, draft_tokens=draft_tokens)
+    return Speculator(capacity=capacity, draft=drafter, lookup=prompt_lookup,
+                      draft_tokens=draft_tokens)
 
 
 def draining_server_class() -> type:
