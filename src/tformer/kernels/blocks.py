@@ -217,6 +217,19 @@ def computes_right(lib: ctypes.CDLL) -> bool:
     return True
 
 
+def quantizer(fmt: str):
+    """How the weight-format registry makes an nn.Linear into `fmt`: a BlockLinear, or the
+    layer as it is where its input size is not a multiple of 32 (no such blocks exist)."""
+    _check_format(fmt)
+
+    def make(linear: nn.Linear) -> nn.Module:
+        if linear.in_features % BLOCK:
+            return linear
+        return BlockLinear.from_linear(linear, fmt)
+
+    return make
+
+
 class BlockLinear(nn.Module):
     """y = x W^T + b with W held as blocks of one of BLOCK_BYTES's formats (see the
     module's text), for inference.

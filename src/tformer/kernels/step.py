@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from tformer.kernels import matvec
 from tformer.kernels.attend import MAX_POSITIONS, serves_cache
+from tformer.kernels.blocks import BlockLinear
 from tformer.kernels.quantize import Int8Linear
 from tformer.layers.feedforward import FeedForward, GatedFeedForward
 from tformer.layers.masks import attention_bias
@@ -106,6 +107,8 @@ def _linear(module: nn.Module, f32_rows: int = matvec.MAX_ROWS) -> tuple[_Linear
                        None if packed is None else packed.row_sums.data_ptr(),
                        module.scale.data_ptr(), _ptr(module.bias), module.out_features,
                        module.in_features, 0 if packed is None else packed.layout), limit
+    if isinstance(module, BlockLinear):
+        return None  # its `weight` is made at each read; it runs its own kernel
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if not (isinstance(weight, Tensor) and weight.dim() == 2 and _is_f32_cpu(weight)
             and _is_f32_cpu(bias)):
