@@ -29,7 +29,11 @@ from tformer.kernels.prepack import prepack, swap_linears
 from tformer.kernels.quantize import quantize_int8
 
 WIKITEXT = Path("/work/shared/data/wikitext-2/wiki.valid.tokens")
-FORMATS = ("fp32", "q8_0", "q4_1", "q4_0", "int8")
+FORMATS = ("fp32", "file", "q8_0", "q4_1", "q4_0", "int8")
+"""Rows: "file" is the GGUF's own blocks as they are (Q4_1, its output layer Q8_0)."""
+GGUF_NAMES = {"attn.out_proj": "attn_output", "ff.gate": "ffn_gate", "ff.up": "ffn_up",
+              "ff.down": "ffn_down"}
+"""tformer's linear layers of block i -> the GGUF tensors blk.i.NAME.weight."""
 
 
 def gguf_path() -> Path:
@@ -51,7 +55,53 @@ def smollm2():
     return ours.eval(), tokenizer
 
 
+def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo the row order llama.cpp's converter gives q and k (rotary halves interleaved):
+    whole rows move, so blocks along the input dimension move with them."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(n, -1)
+
+
+def file_blocks(model):
+    """A copy of `model` whose linear layers hold the GGUF file's own blocks as they are."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path())
+    formats = {t: name for name, t in blocks.GGML_TYPES.items()}
+    raw = {t.name: (formats[int(t.tensor_type)], torch.from_numpy(t.data.copy()))
+           for t in reader.tensors if int(t.tensor_type) in formats}
+    cfg = model.cfg
+    n_kv_head = cfg.n_kv_head or cfg.n_head
+
+    def held(prefix: str | None, name: str, linear):
+        if name == "lm_head":
+            fmt, data = raw["token_embd.weight"]
+        elif name == "qkv_proj":
+            parts = [raw[f"{prefix}.attn_{p}.weight"] for p in "qkv"]
+            q, k, v = (data for _, data in parts)
+            q, k = unpermute_rows(q, cfg.n_head), unpermute_rows(k, n_kv_head)
+            fmt, data = parts[0][0], torch.cat([q, k, v])
+            assert {f for f, _ in parts} == {fmt}
+        else:
+            fmt, data = raw[f"{prefix}.{GGUF_NAMES[name]}.weight"]
+        return blocks.BlockLinear(data, fmt, linear.in_features, linear.bias)
+
+    copy = swap_linears(model, lambda name, linear: linear)
+    for i, block in enumerate(copy.blocks):
+        prefix = f"blk.{i}"
+        for module_name, module in list(block.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    key = f"{module_name}.{child_name}"
+                    setattr(module, child_name, held(
+                        prefix, child_name if child_name == "qkv_proj" else key, child))
+    copy.lm_head = held(None, "lm_head", copy.lm_head)
+    return copy
+
+
 def in_format(model, fmt: str):
+    if fmt == "file":
+        return file_blocks(model)
     if fmt == "fp32":
         return prepack(model)
     if fmt == "int8":
