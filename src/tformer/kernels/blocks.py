@@ -275,6 +275,10 @@ class BlockLinear(nn.Module):
                 and (b is None or (b.dtype == torch.float32 and b.device.type == "cpu"
                                    and b.is_contiguous())))
 
+    def runs_native(self) -> bool:
+        """Whether fp32 rows on the CPU go through blocks.c (step.c calls it directly)."""
+        return _lib() is not None and self._fits(torch.empty(0))
+
     def forward(self, x: Tensor) -> Tensor:
         lib = _lib()
         if lib is None or not self._fits(x):
