@@ -162,7 +162,7 @@ def test_block_linear_native_and_fallback(fmt, monkeypatch):
         monkeypatch.setattr(blocks, "_lib", lambda: None)
         assert torch.allclose(layer(x), dense, atol=1e-6)
         assert torch.allclose(layer(x.double()), dense.double(), atol=1e-5)
-    assert torch.equal(layer.state_dict()["blocks"], blocks.quantize(linear.weight, fmt))
+    assert torch.equal(layer.state_dict()["weight"], blocks.quantize(linear.weight, fmt))
     assert fmt in repr(layer)
 
 

@@ -217,6 +217,52 @@ def computes_right(lib: ctypes.CDLL) -> bool:
     return True
 
 
+FORMATS_KEY = "tformer.formats"
+"""The safetensors header's metadata key that names the weights a checkpoint holds as
+blocks: a JSON object {parameter name: format}."""
+
+
+def formats_of(model: nn.Module) -> dict[str, str]:
+    """{parameter name: format} of the model's weights held as blocks (FORMATS_KEY's)."""
+    return {f"{name}.weight": m.fmt for name, m in model.named_modules()
+            if isinstance(m, BlockLinear)}
+
+
+def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
+    """Make the linear layers whose weights `formats` names ({parameter name: format}, a
+    checkpoint's FORMATS_KEY) BlockLinears of those formats, in place, their blocks zero
+    until the checkpoint's are loaded into them. A name that is not an nn.Linear's weight
+    of a fitting shape is a TformerError."""
+    modules = dict(model.named_modules())
+    for param, fmt in formats.items():
+        _check_format(fmt)
+        path = param.removesuffix(".weight")
+        linear = modules.get(path)
+        if not param.endswith(".weight") or not isinstance(linear, nn.Linear):
+            raise TformerError(f"{param} is held as {fmt} blocks, but the model has no linear "
+                               f"layer of that name")
+        if linear.in_features % BLOCK:
+            raise TformerError(f"{param} is held as {fmt} blocks, but its {linear.in_features} "
+                               f"inputs are not a multiple of {BLOCK}")
+        n, k = linear.out_features, linear.in_features
+        zeros = torch.zeros(n, k // BLOCK * BLOCK_BYTES[fmt], dtype=torch.uint8)
+        parent, _, attr = path.rpartition(".")
+        setattr(modules[parent] if parent else model, attr,
+                BlockLinear(zeros, fmt, k, linear.bias))
+
+
+def dequantize_model(model: nn.Module) -> None:
+    """Make every BlockLinear of `model` an fp32 nn.Linear of the same weight, in place."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, BlockLinear):
+                linear = nn.Linear(child.in_features, child.out_features,
+                                   bias=child.bias is not None, device="meta")
+                linear.weight = nn.Parameter(child.weight, requires_grad=False)
+                linear.bias = child.bias
+                setattr(parent, name, linear)
+
+
 def quantizer(fmt: str):
     """How the weight-format registry makes an nn.Linear into `fmt`: a BlockLinear, or the
     layer as it is where its input size is not a multiple of 32 (no such blocks exist)."""
@@ -267,6 +313,18 @@ class BlockLinear(nn.Module):
         """The weight as the products see it, in fp32: for code that reads a linear's weight
         (Transformer-XL projects its memory with a slice of it)."""
         return dequantize(self.blocks, self.fmt)
+
+    # A checkpoint holds the blocks under the parameter's own name, `weight` (uint8), as an
+    # nn.Linear's weight would be: so a model saves and loads as its file names it.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001, ANN202
+        destination[prefix + "weight"] = self.blocks if keep_vars else self.blocks.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # noqa: ANN001, ANN202
+        if prefix + "weight" in state_dict:
+            state_dict[prefix + "blocks"] = state_dict.pop(prefix + "weight")
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _fits(self, x: Tensor) -> bool:
         b = self.bias
