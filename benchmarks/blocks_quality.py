@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from tformer.interop.llama import llama_from_hf
 from tformer.kernels import blocks
-from tformer.kernels.matvec import isa
 from tformer.kernels.prepack import prepack, swap_linears
 from tformer.kernels.quantize import quantize_int8
 
@@ -133,8 +132,8 @@ def main() -> None:
     model, tokenizer = smollm2()
     ids = wikitext_ids(tokenizer, args.tokens)
     print(f"SmolLM2-135M-Instruct ({gguf_path().name}), WikiText-2 validation, first "
-          f"{args.tokens} tokens, one window; kernels: {isa()}, {torch.get_num_threads()} "
-          f"thread(s)")
+          f"{args.tokens} tokens, one window; block kernels: {blocks.path()}, "
+          f"{torch.get_num_threads()} thread(s)")
     print("| weights | perplexity | vs fp32 | seconds |")
     print("|---|---|---|---|")
     base = None

@@ -19,8 +19,7 @@ import torch
 from blocks_quality import FORMATS, in_format, smollm2
 
 from tformer.decoding.lm import generate
-from tformer.kernels.build import ISA_NAMES
-from tformer.kernels.matvec import isa
+from tformer.kernels import blocks
 
 
 def decode(model, batch: int, new: int):
@@ -65,8 +64,8 @@ def main() -> None:
              ("greedy b8, 2 threads", 2, lambda m: decode(m, 8, args.new), 8 * args.new),
              (f"prompt {args.prompt}, 2 threads", 2, lambda m: prefill(m, args.prompt),
               args.prompt)]
-    print(f"SmolLM2-135M-Instruct, tokens/s (median of {args.repeats}); kernels: "
-          f"{ISA_NAMES[isa()]}")
+    print(f"SmolLM2-135M-Instruct, tokens/s (median of {args.repeats}); block kernels: "
+          f"{blocks.path()}")
     print("| case | " + " | ".join(args.formats) + " |")
     print("|---|" + "---|" * len(args.formats))
     for label, threads, make, work in cases:

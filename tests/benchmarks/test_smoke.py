@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tformer.cli import main as tformer_main
-from tformer.kernels import build, matvec
+from tformer.kernels import library
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -126,7 +126,7 @@ def run_script(name: str, *args: str) -> str:
 
 
 def needs_kernel() -> None:
-    if matvec.load() is None:
+    if library.load() is None:
         pytest.skip("the compiled kernel is not available here")
 
 
@@ -174,16 +174,16 @@ def tiny_config(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_kernel_ab_two_sources(tmp_path):
-    """Two copies of today's kernel source (a git revision needs the repository's history,
+    """Two copies of today's kernel sources (a git revision needs the repository's history,
     which an installed copy may not have)."""
     needs_kernel()
     kernels = ROOT / "src" / "tformer" / "kernels"
     versions = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        for source in ("matvec.c", *(header.name for header in build.HEADERS)):
-            shutil.copy(kernels / source, tmp_path / name / source)
-        versions.append(str(tmp_path / name / "matvec.c"))
+        for source in (*library.SOURCES, *library.HEADERS):
+            shutil.copy(kernels / source.name, tmp_path / name / source.name)
+        versions.append(str(tmp_path / name))
     out = run_script("kernel_ab", *versions, "--tiny", "--repeats", "1", "--rows", "1")
     assert "| int8 | 72 x 40 | 1 |" in out
 
