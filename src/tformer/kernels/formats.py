@@ -85,13 +85,14 @@ def weight_format(name: str) -> WeightFormat:
                            f"{', '.join(FORMATS)}") from None
 
 
-def quantize_model(model: nn.Module, weights: str) -> nn.Module:
+def quantize_model(model: nn.Module, weights: str | None) -> nn.Module:
     """The model as decoding, evaluation and serving run it, its linear layers in the
     format `weights`: fp32 keeps them (prepacked for the small matmuls of decoding, on the
     CPU); another format makes a copy with each linear layer converted, except those the
     model names in `int8_skip` (its output projection, say), which stay fp32 (prepacked
-    where oneDNN is available). The original model is left as it is."""
-    fmt = weight_format(weights)
+    where oneDNN is available). The original model is left as it is. None: the weights as
+    the model holds them (fp32's treatment for its nn.Linears, blocks kept as they are)."""
+    fmt = weight_format(weights or "fp32")
     if fmt.quantize is None:
         return prepack(model)
     if next(model.parameters()).device.type != "cpu":
