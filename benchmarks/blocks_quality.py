@@ -17,6 +17,7 @@ import importlib.util
 import math
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,7 +30,10 @@ from tformer.kernels.quantize import quantize_int8
 
 WIKITEXT = Path("/work/shared/data/wikitext-2/wiki.valid.tokens")
 FORMATS = ("fp32", "file", "q8_0", "q4_1", "q4_0", "int8")
-"""Rows: "file" is the GGUF's own blocks as they are (Q4_1, its output layer Q8_0)."""
+"""Rows: "file" is the GGUF's own blocks as they are (Q4_1, its output layer Q8_0). Also
+known to --formats: "q4_1/q8_0" and "q4_0/q8_0" (the output layer in q8_0, as llama.cpp's
+quantizer keeps it finer), and "FMT:torch" (FMT's weights through torch's fp32 products:
+the activations unrounded, to tell the weights' cost from the activations')."""
 GGUF_NAMES = {"attn.out_proj": "attn_output", "ff.gate": "ffn_gate", "ff.up": "ffn_up",
               "ff.down": "ffn_down"}
 """tformer's linear layers of block i -> the GGUF tensors blk.i.NAME.weight."""
@@ -99,6 +103,17 @@ def file_blocks(model):
 
 
 def in_format(model, fmt: str):
+    if fmt.endswith(":torch"):
+        quantized = in_format(model, fmt.removesuffix(":torch"))
+        for m in quantized.modules():
+            if isinstance(m, blocks.BlockLinear):
+                m.forward = partial(fallback_forward, m)
+        return quantized
+    if "/" in fmt:
+        body, head = fmt.split("/")
+        quantized = in_format(model, body)
+        quantized.lm_head = blocks.BlockLinear.from_linear(model.lm_head, head)
+        return quantized
     if fmt == "file":
         return file_blocks(model)
     if fmt == "fp32":
@@ -107,6 +122,11 @@ def in_format(model, fmt: str):
         return quantize_int8(model)
     make = blocks.quantizer(fmt)
     return swap_linears(model, lambda name, linear: make(linear))
+
+
+def fallback_forward(layer: blocks.BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    """BlockLinear's torch path (the weight dequantized, fp32 activations)."""
+    return F.linear(x, layer.weight, layer.bias)
 
 
 def wikitext_ids(tokenizer, n: int) -> torch.Tensor:
