@@ -18,23 +18,28 @@ import statistics
 import time
 
 import torch
-from blocks_quality import FORMATS, gguf_path, in_format, smollm2
 
 from tformer.decoding.lm import generate
 from tformer.kernels import blocks
 
 
+def ids(model, shape: tuple[int, ...]) -> torch.Tensor:
+    """Token ids away from the special ones, the same for every model."""
+    top = min(1000, model.cfg.vocab_size)
+    return torch.randint(top // 3, top, shape, generator=torch.Generator().manual_seed(0))
+
+
 def decode(model, batch: int, new: int):
-    prompt = torch.randint(100, 1000, (batch, 16), generator=torch.Generator().manual_seed(0))
+    prompt = ids(model, (batch, 16))
     return lambda: list(generate(model, prompt, max_new_tokens=new, temperature=0.0))
 
 
 def prefill(model, length: int):
-    ids = torch.randint(100, 1000, (1, length), generator=torch.Generator().manual_seed(0))
+    prompt = ids(model, (1, length))
 
     def run():
         with torch.no_grad():
-            model(ids, last_only=True)
+            model(prompt, last_only=True)
 
     return run
 
@@ -44,6 +49,7 @@ class LlamaCpp:
     processing, as the tformer rows time them; one instance per thread count."""
 
     def __init__(self, threads: int, context: int):
+        from blocks_quality import gguf_path
         from llama_cpp import Llama
 
         self.llm = Llama(model_path=str(gguf_path()), n_ctx=context, n_threads=threads,
@@ -90,24 +96,34 @@ def rates(fns: dict, work: float, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
+    # (a sibling script: importable where this one runs as a script)
+    from blocks_quality import FORMATS, in_format, smollm2, tiny_model
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a random tiny model, 2 new tokens, a 16-token prompt, no llama.cpp")
     args = ap.parse_args()
-    model, _ = smollm2()
+    if args.tiny:
+        model, args.new, args.prompt = tiny_model(), 2, 16
+        args.formats = args.formats or [f for f in FORMATS if f != "file"]
+    else:
+        model, _ = smollm2()
+        args.formats = args.formats or list(FORMATS)
     models = {fmt: in_format(model, fmt) for fmt in args.formats}
     cases = [("greedy b1, 1 thread", 1, lambda m: decode(m, 1, args.new), args.new),
              ("greedy b1, 2 threads", 2, lambda m: decode(m, 1, args.new), args.new),
              ("greedy b8, 2 threads", 2, lambda m: decode(m, 8, args.new), 8 * args.new),
              (f"prompt {args.prompt}, 2 threads", 2, lambda m: prefill(m, args.prompt),
               args.prompt)]
-    print(f"SmolLM2-135M-Instruct, tokens/s (median of {args.repeats}); block kernels: "
-          f"{blocks.path()}")
-    peers = {t: llama_cpp(t, args.prompt + 64) for t in (1, 2)}
+    name = "a random tiny model" if args.tiny else "SmolLM2-135M-Instruct"
+    print(f"{name}, tokens/s (median of {args.repeats}); block kernels: {blocks.path()}")
+    peers = {t: None if args.tiny else llama_cpp(t, args.prompt + 64) for t in (1, 2)}
     columns = list(args.formats) + (["llama.cpp"] if peers[1] is not None else [])
-    if peers[1] is None:
+    if peers[1] is None and not args.tiny:
         print("(llama.cpp's rows need `pip install llama-cpp-python`; not installed here)")
     print("| case | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
