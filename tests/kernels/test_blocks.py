@@ -166,6 +166,14 @@ def test_block_linear_native_and_fallback(fmt, monkeypatch):
     assert fmt in repr(layer)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_no_rows_give_no_rows(fmt):
+    layer = blocks.BlockLinear.from_linear(nn.Linear(64, 8), fmt)
+    with torch.no_grad():
+        assert layer(torch.zeros(0, 64)).shape == (0, 8)
+        assert layer(torch.zeros(2, 0, 64)).shape == (2, 0, 8)
+
+
 def test_the_quality_of_each_format_in_order():
     # Finer formats reproduce a weight more closely: q8_0 within 1%, the 4-bit ones ~10%.
     w = torch.randn(64, 512)

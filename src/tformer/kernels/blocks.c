@@ -223,6 +223,8 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
                           const float *b, float *y, int threads)
 {
     const long nb = k / BLOCK;
+    if (m <= 0 || n <= 0)
+        return 0;
     struct xblocks xb;
     xb.qx = malloc((size_t)(m * k));
     xb.dx = malloc((size_t)(m * nb) * sizeof(float));
