@@ -217,6 +217,20 @@ def through_format(model: nn.Module, fmt: str) -> nn.Module:
     return quantized
 
 
+def test_the_4_bit_formats_keep_the_output_layer_in_q8_0():
+    from tformer.models.gpt import GPT, GPTConfig
+    from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+    gpt = GPT(GPTConfig(vocab_size=61, context=8, n_layer=1, n_head=2, d_model=64))
+    s2s = Seq2Seq(Seq2SeqConfig(vocab_size=23, max_len=8, n_layer=1, n_head=2, d_model=64,
+                                d_ff=64))
+    for fmt, output in (("q4_0", "q8_0"), ("q4_1", "q8_0"), ("q8_0", "q8_0")):
+        held = blocks.formats_of(through_format(gpt, fmt))
+        assert held.pop("lm_head.weight") == output and set(held.values()) == {fmt}
+        held = blocks.formats_of(through_format(s2s, fmt))
+        assert held.pop("out_proj.weight") == output and set(held.values()) == {fmt}
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_language_model_decodes_with_block_weights(fmt):
     from tformer.decoding.lm import generate
