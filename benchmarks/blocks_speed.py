@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--formats", nargs="+", default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="every case on this many threads (default: 1 and 2 as labelled)")
     ap.add_argument("--tiny", action="store_true",
                     help="a random tiny model, 2 new tokens, a 16-token prompt, no llama.cpp")
     args = ap.parse_args()
@@ -114,21 +116,26 @@ def main() -> None:
         model, _ = smollm2()
         args.formats = args.formats or list(FORMATS)
     models = {fmt: in_format(model, fmt) for fmt in args.formats}
-    cases = [("greedy b1, 1 thread", 1, lambda m: decode(m, 1, args.new), args.new),
-             ("greedy b1, 2 threads", 2, lambda m: decode(m, 1, args.new), args.new),
-             ("greedy b8, 2 threads", 2, lambda m: decode(m, 8, args.new), 8 * args.new),
-             (f"prompt {args.prompt}, 2 threads", 2, lambda m: prefill(m, args.prompt),
-              args.prompt)]
+    cases = [("greedy b1", 1, lambda m: decode(m, 1, args.new), args.new),
+             ("greedy b1", 2, lambda m: decode(m, 1, args.new), args.new),
+             ("greedy b8", 2, lambda m: decode(m, 8, args.new), 8 * args.new),
+             (f"prompt {args.prompt}", 2, lambda m: prefill(m, args.prompt), args.prompt)]
+    if args.threads is not None:
+        cases = [(label, args.threads, make, work) for label, threads, make, work in cases
+                 if (label, threads) != ("greedy b1", 2)]
     name = "a random tiny model" if args.tiny else "SmolLM2-135M-Instruct"
     print(f"{name}, tokens/s (median of {args.repeats}); block kernels: {blocks.path()}")
-    peers = {t: None if args.tiny else llama_cpp(t, args.prompt + 64) for t in (1, 2)}
-    columns = list(args.formats) + (["llama.cpp"] if peers[1] is not None else [])
-    if peers[1] is None and not args.tiny:
+    counts = {threads for _, threads, _, _ in cases}
+    peers = {t: None if args.tiny else llama_cpp(t, args.prompt + 64) for t in counts}
+    have_peer = any(peer is not None for peer in peers.values())
+    columns = list(args.formats) + (["llama.cpp"] if have_peer else [])
+    if not have_peer and not args.tiny:
         print("(llama.cpp's rows need `pip install llama-cpp-python`; not installed here)")
     print("| case | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
     for label, threads, make, work in cases:
         torch.set_num_threads(threads)
+        label = f"{label}, {threads} thread{'s' if threads > 1 else ''}"
         fns = {fmt: make(m) for fmt, m in models.items()}
         peer = peers[threads]
         if peer is not None and "b8" not in label:
