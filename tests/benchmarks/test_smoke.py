@@ -75,7 +75,8 @@ class Smoke:
 # trained run, a config or a second kernel source) have their own tests below.
 SMOKES = {
     "blocks_quality": Smoke(("--tiny",), "| q4_1 |"),
-    "blocks_speed": Smoke(("--tiny", "--repeats", "1", "--threads", "1"), "| prompt 16, 1 thread |"),
+    "blocks_speed": Smoke(("--tiny", "--repeats", "1", "--threads", "1"),
+                          "| prompt 16, 1 thread |"),
     "compile_decoding": Smoke(("--size", "small", "--new-tokens", "2", "--rounds", "1"),
                               "first compiled generation", slow=True),
     "decode_paths": Smoke(("--repeats", "1", "--len", "2"), "sent/s",
