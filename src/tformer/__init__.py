@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 __all__ = ["TformerError", "__version__", "load"]
 
 
-def load(path: str, *, weights: str = "fp32", device: str = "auto",
+def load(path: str, *, weights: str | None = None, device: str = "auto",
          threads: int | None = None) -> Model:
     """A checkpoint ready to generate, translate or score (tformer.api.load); importing
     tformer itself stays light: torch loads here."""

@@ -85,8 +85,9 @@ class FormatNames(Sequence[str]):
 
 # The weight format, as every command that decodes takes it (`--int8` is `--weights int8`).
 Weights = Annotated[
-    str, Help("the linear layers' weight format, one of %(choices)s (int8: faster on a CPU, "
-              "~same text)", metavar="NAME", choices=FormatNames(), alias=("--int8", "int8"))
+    str | None, Help("the linear layers' weight format, one of %(choices)s (default: the "
+                     "checkpoint's own, blocks as it holds them, else fp32)", metavar="NAME",
+                     choices=FormatNames(), alias=("--int8", "int8"))
 ]
 
 # Speculative decoding's options, as `tformer generate` and `tformer serve` both take them.
@@ -130,7 +131,7 @@ def check_draft(target: Checkpoint, draft: Checkpoint) -> None:
 def load(
     path: str | Path,
     *,
-    weights: str = "fp32",
+    weights: str | None = None,
     device: str = "auto",
     threads: int | None = None,
     needs: str | None = None,
@@ -139,7 +140,8 @@ def load(
     """Load a run (its best checkpoint, else its newest) or one checkpoint directory.
 
     weights: the linear layers' weight format (kernels/formats.py: "fp32", prepacked for
-        decoding's small products, or "int8", CPU).
+        decoding's small products, "int8", "q8_0", "q4_0", "q4_1", CPU); None keeps the
+        checkpoint's own (the blocks it holds as they are, fp32 for the rest).
     threads: torch's CPU threads (default: one per core nothing else is using).
     needs: "generate" or "translate": a checkpoint of a family that cannot is a clear error.
     ensemble: translation checkpoints to decode together with this one (the mean of their
@@ -147,13 +149,14 @@ def load(
     """
     import torch
 
+    from tformer.kernels.blocks import formats_of
     from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.registry import families_with, get_family
     from tformer.training.device import decoding_threads, pick_device
 
     dev = pick_device(device)
-    loaded = load_checkpoint(path, device=dev)
+    loaded = load_checkpoint(path, device=dev, weights=weights)
     family = get_family(loaded.cfg.family)
     if needs == "generate" and family.generate is None:
         hint = "; use `tformer translate`" if family.translate is not None else ""
@@ -174,6 +177,8 @@ def load(
     # Counted before a weight format turns the weights into buffers.
     parameters = sum(p.numel() for p in loaded.model.parameters())
     loaded.model = quantize_model(loaded.model, weights)
+    held = sorted(set(formats_of(loaded.model).values()))
+    weights = weights or ("+".join(held) if held else "fp32")
     return Model(loaded, family, weights=weights, threads=threads, parameters=parameters)
 
 

@@ -74,6 +74,9 @@ class Smoke:
 # The scripts whose smallest run needs nothing but its arguments; the others (which need a
 # trained run, a config or a second kernel source) have their own tests below.
 SMOKES = {
+    "blocks_quality": Smoke(("--tiny",), "| q4_1 |"),
+    "blocks_speed": Smoke(("--tiny", "--repeats", "1", "--threads", "1"),
+                          "| prompt 16, 1 thread |"),
     "compile_decoding": Smoke(("--size", "small", "--new-tokens", "2", "--rounds", "1"),
                               "first compiled generation", slow=True),
     "constrained": Smoke(("--tiny", "--tokens", "3", "--repeat", "1"), "| 16 |",

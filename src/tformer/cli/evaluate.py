@@ -37,7 +37,7 @@ def evaluate(
              "split)", nargs="*"),
     ] = None,
     *,
-    weights: Weights = "fp32",
+    weights: Weights = None,
     as_json: Annotated[bool, Help("one JSON object instead of a table", flags=("--json",))] = False,
     batch_size: Annotated[
         int, Help("sequences at once (default: the run's; seq2seq: 32 sentences)")

@@ -29,7 +29,7 @@ def generate(
     seed: Annotated[int, Help("random seed of the sampling")] = SAMPLING.seed,
     num_samples: Annotated[int, Help("samples from the same prompt")] = 1,
     no_cache: Annotated[bool, Help("recompute every step (slow)")] = False,
-    weights: Weights = "fp32",
+    weights: Weights = None,
     device: Device = "auto",
     threads: Threads = None,
     draft: Draft = None,

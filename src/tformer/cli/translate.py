@@ -49,7 +49,7 @@ def translate(
         bool, Help("end a sentence once it has --beam finished hypotheses (faster)")
     ] = False,
     batch_size: Annotated[int, Help("sentences decoded at once")] = 32,
-    weights: Weights = "fp32",
+    weights: Weights = None,
     ensemble: Ensemble = None,
     device: Device = "auto",
     threads: Threads = None,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from tformer.errors import TformerError
-from tformer.kernels import fp32, int8, library
+from tformer.kernels import blocks, fp32, int8, library
 from tformer.kernels.prepack import PackedLinear, prepack, prepack_available, swap_linears
 from tformer.kernels.quantize import Int8Linear
 
@@ -49,6 +49,11 @@ class WeightFormat:
     check: Callable[[], bool]
     ggml_type: int | None = None
     """The GGUF tensor type whose raw blocks this format holds as they are (None: none)."""
+    output: str | None = None
+    """The format a model's output layer takes instead (OUTPUT_LAYERS), or None for this
+    one: the 4-bit formats keep it in q8_0, as llama.cpp's quantizer keeps it finer. On
+    SmolLM2-135M a q4_1 output layer cost 4.4% of WikiText-2 perplexity on its own
+    (benchmarks/README.md, "Block formats")."""
 
 
 FORMATS: dict[str, WeightFormat] = {
@@ -56,6 +61,14 @@ FORMATS: dict[str, WeightFormat] = {
     "int8": WeightFormat("int8", library.KIND_INT8,
                          "int8 weights, one scale a row, int8 products (CPU)", Int8Linear,
                          int8.available),
+    **{name: WeightFormat(name, blocks.KINDS[name], summary, blocks.quantizer(name),
+                          blocks.available, blocks.GGML_TYPES[name], output)
+       for name, summary, output in (
+           ("q8_0", "llama.cpp's Q8_0 blocks: 8 bits and a scale per 32 weights (CPU)", None),
+           ("q4_0", "llama.cpp's Q4_0 blocks: 4 bits and a scale per 32 weights, the output "
+                    "layer q8_0 (CPU)", "q8_0"),
+           ("q4_1", "llama.cpp's Q4_1 blocks: 4 bits, a scale and a minimum per 32 weights, "
+                    "the output layer q8_0 (CPU)", "q8_0"))},
 }
 """Every weight format, by name."""
 
@@ -78,18 +91,30 @@ def weight_format(name: str) -> WeightFormat:
                            f"{', '.join(FORMATS)}") from None
 
 
-def quantize_model(model: nn.Module, weights: str) -> nn.Module:
+OUTPUT_LAYERS = ("lm_head", "out_proj")
+"""The attributes a model holds its output layer (onto the vocabulary) under, at its top
+level: GPT's and Transformer-XL's lm_head, the translation model's out_proj."""
+
+
+def quantize_model(model: nn.Module, weights: str | None) -> nn.Module:
     """The model as decoding, evaluation and serving run it, its linear layers in the
     format `weights`: fp32 keeps them (prepacked for the small matmuls of decoding, on the
     CPU); another format makes a copy with each linear layer converted, except those the
     model names in `int8_skip` (its output projection, say), which stay fp32 (prepacked
-    where oneDNN is available). The original model is left as it is."""
-    fmt = weight_format(weights)
+    where oneDNN is available). The original model is left as it is. None: the weights as
+    the model holds them (fp32's treatment for its nn.Linears, blocks kept as they are)."""
+    fmt = weight_format(weights or "fp32")
     if fmt.quantize is None:
         return prepack(model)
     if next(model.parameters()).device.type != "cpu":
         raise TformerError(f"--weights {fmt.name} runs on the CPU; pass --device cpu")
     skip = set(getattr(model, "int8_skip", ()))
     keep = PackedLinear if prepack_available() else (lambda linear: linear)
-    return swap_linears(
+    copy = swap_linears(
         model, lambda name, linear: keep(linear) if name in skip else fmt.quantize(linear))
+    if fmt.output is not None:
+        for attr in OUTPUT_LAYERS:
+            layer = getattr(model, attr, None)
+            if type(layer) is nn.Linear and attr not in skip:
+                setattr(copy, attr, weight_format(fmt.output).quantize(layer))
+    return copy

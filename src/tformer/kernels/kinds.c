@@ -9,6 +9,9 @@
 static const struct tformer_kind_traits kinds[TFORMER_KINDS] = {
     [TFORMER_FP32] = {"fp32", tformer_fp32_linear},
     [TFORMER_INT8] = {"int8", tformer_int8_linear},
+    [TFORMER_Q8_0] = {"q8_0", tformer_blocks_kind_linear},
+    [TFORMER_Q4_0] = {"q4_0", tformer_blocks_kind_linear},
+    [TFORMER_Q4_1] = {"q4_1", tformer_blocks_kind_linear},
 };
 
 /* y (m x n_out) = x (m x n_in) W^T + b through the product of l's kind. Returns the

@@ -68,14 +68,15 @@ ISA_NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2", "t
 """How tables name them."""
 SOURCES = [Path(__file__).with_name(name)
            for name in ("fp32.c", "int8.c", "int8_packed.c", "quantize.c", "kinds.c", "search.c",
-                        "attend.c", "step.c", "dropout.c", "xent.c", "glu.c", "rmsnorm.c")]
+                        "attend.c", "step.c", "dropout.c", "xent.c", "glu.c", "rmsnorm.c",
+                        "blocks.c")]
 """Built into one library: the weight formats' products (fp32.c, int8.c, int8_packed.c,
 quantize.c, and kinds.c's table of them), beam search's candidates (search.py), a decoding
 step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
 (dropout.py), the cross-entropy (xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
 HEADERS = [Path(__file__).with_name(name)
            for name in ("tformer.h", "vecmath.h", "int8.h", "int8_bytes.h", "int8_bytes_rows.h",
-                        "int8_bytes_packed.h")]
+                        "int8_bytes_packed.h", "blocks_isa.h")]
 """Included by the sources: part of the key the built library is cached under."""
 PRIVATE_PREFIX = "tformer-kernel-"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
@@ -243,6 +244,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_linear_int8_packed": (_int, [_p] * 6 + [_long] * 3 + [_int] * 2),
     "tformer_quantize_rows": (None, [_p] * 3 + [_long] * 2),
     "tformer_scale_int8": (None, [_p] * 4 + [_long] * 2 + [_int]),
+    # llama.cpp's blocks (blocks.c)
+    "tformer_blocks_isa": (_int, [_int]),
+    "tformer_blocks_linear": (_int, [_int, _p, _long, _p, _long, _long, _p, _p, _int]),
+    "tformer_blocks_kind_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     # decoding (attend.c, search.c, step.c)
     "tformer_attend_step": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2 + [_p] + [_long] * 2
                             + [_p, _long, _p] + [_long] * 8 + [_float, _int]),

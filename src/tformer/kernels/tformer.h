@@ -81,6 +81,15 @@ void tformer_quantize_rows(const float *x, int8_t *xq, float *scale, long m, lon
 void tformer_scale_int8(int32_t *acc, const float *xscale, const float *wscale, const float *b,
                         long m, long n, int threads);
 
+/* --- llama.cpp's blocks: q8_0, q4_0, q4_1 (blocks.c, blocks_isa.h) ----------------------- */
+enum { TFORMER_BLOCKS_GENERIC = 0, TFORMER_BLOCKS_AVX2 = 1, TFORMER_BLOCKS_AVX_VNNI = 2,
+       TFORMER_BLOCKS_AVX512_VNNI = 3 };
+int tformer_blocks_isa(int want);
+int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, long n, long k,
+                          const float *b, float *y, int threads);
+int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                               int threads);
+
 /* --- A decoding step's attention (attend.c) and beam search's candidates (search.c) ------ */
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
                         long k_pos, const float *v, long v_row, long v_head, long v_pos,

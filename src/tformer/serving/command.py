@@ -49,7 +49,7 @@ def serve_command(
     host: Annotated[str, Help("address to bind (default: loopback)")] = "127.0.0.1",
     port: Annotated[int, Help("port to listen on")] = 8000,
     api_key: Annotated[str | None, Help("require 'Authorization: Bearer KEY'")] = None,
-    weights: Weights = "fp32",
+    weights: Weights = None,
     device: Annotated[str, Help("auto (CUDA if present) | cpu | cuda:N")] = "auto",
     name: Annotated[str | None, Help("the model's name in the API (default: the run)")] = None,
     max_batch: Annotated[int, Help("sequences decoded together")] = 16,
@@ -93,7 +93,7 @@ def serve_command(
     check_speculation_args(draft, draft_tokens, prompt_lookup)
 
     where = pick_device(device)
-    loaded = load_checkpoint(checkpoint, device=where)
+    loaded = load_checkpoint(checkpoint, device=where, weights=weights)
     family = get_family(loaded.cfg.family)
     if family.generate is None and family.translate is None:
         raise TformerError(f"the {family.name} family neither generates nor translates")
@@ -144,7 +144,7 @@ def serve_command(
 
 
 def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_tokens: int,
-                   prompt_lookup: int, weights: str, device: Any, capacity: int
+                   prompt_lookup: int, weights: str | None, device: Any, capacity: int
                    ) -> Speculator | None:
     """What drafts for the engine (--draft, --prompt-lookup), checked; None without either."""
     if draft is None and not prompt_lookup:
@@ -162,7 +162,7 @@ def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_t
     check_cache(model, loaded)
     drafter = None
     if draft is not None:
-        other = load_checkpoint(draft, device=device)
+        other = load_checkpoint(draft, device=device, weights=weights)
         check_draft(loaded, other)
         drafter = quantize_model(other.model, weights)
         check_cache(drafter, other)
