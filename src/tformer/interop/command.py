@@ -21,8 +21,13 @@ def importers() -> dict[str, Callable[[Path, Path], Path]]:
 
 
 def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
-    """A local Hugging Face model directory -> a tformer checkpoint directory at `dest`."""
+    """A local Hugging Face model directory, or a GGUF file, -> a tformer checkpoint
+    directory at `dest`."""
     src, dest = Path(src), Path(dest)
+    if src.is_file() or src.suffix == ".gguf":
+        from tformer.interop.gguf import import_gguf
+
+        return import_gguf(src, dest)
     model_type = read_hf_config(src).get("model_type")
     found = importers()
     if model_type not in found:
@@ -48,7 +53,8 @@ def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "g
 def import_command(
     source: Annotated[
         str, Help("directory with config.json and the weights (GPT-2, Marian, Llama, Qwen2, "
-                  "Qwen3, Mistral), or a PEFT LoRA adapter directory (with --base)")
+                  "Qwen3, Mistral), a .gguf file (llama, qwen2, qwen3, gpt2), or a PEFT LoRA "
+                  "adapter directory (with --base)")
     ],
     *,
     out: Annotated[str, Help("the new checkpoint's directory")],
@@ -71,6 +77,15 @@ def import_command(
     if base is not None:
         raise TformerError(f"--base is for PEFT adapter directories; {source} has no "
                            f"{peft.ADAPTER_CONFIG}")
+    if Path(source).is_file():
+        from tformer.interop.gguf import convert_gguf
+
+        types = convert_gguf(Path(source), dest)
+        print(f"imported {source} into {dest}")
+        if types:
+            print("dequantized to fp32: " + ", ".join(f"{kind} ({n} tensors)"
+                                                      for kind, n in sorted(types.items())))
+        return 0
     import_checkpoint(source, dest)
     print(f"imported {source} into {dest}")
     return 0
