@@ -343,12 +343,17 @@ def import_gguf(src: Path, dest: Path) -> Path:
 def convert_gguf(src: Path, dest: Path) -> Counter[str]:
     """import_gguf's work; returns the quantized types read into fp32 (with how many
     tensors of each), for the line that says so."""
+    return save_imported(read_gguf(src), dest)
+
+
+def save_imported(file: GGUFFile, dest: Path) -> Counter[str]:
+    """A GGUF file already read -> a checkpoint at `dest` (as convert_gguf)."""
     from tformer.config import RunConfig, TrainConfig
     from tformer.data.lm import LMDataConfig
     from tformer.interop.gguf_vocab import tokenizer_from_gguf
     from tformer.training.checkpoint import save_checkpoint
 
-    file = read_gguf(src)
+    src = file.path
     model, _ = model_from_gguf(file)
     tokenizer = tokenizer_from_gguf(file)
     if tokenizer.vocab_size > model.cfg.vocab_size:
