@@ -37,17 +37,33 @@ def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
     return found[model_type](src, dest)
 
 
-def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "gpt2") -> Path:
-    """A tformer checkpoint -> a Hugging Face model directory at `dest`."""
-    from tformer.interop import gpt2, llama
+def exporters() -> dict[str, Callable[[Path, Path], Path]]:
+    """--format -> exporter(checkpoint, dest). Imported lazily: each may need an extra."""
+    from tformer.interop import gguf_export, gpt2, llama
 
     # llama: whichever of Llama, Qwen2, Qwen3 and Mistral the model's config is exactly.
-    exporters = {"gpt2": gpt2.export_gpt2, "llama": llama.export_llama}
-    if format not in exporters:
+    return {"gpt2": gpt2.export_gpt2, "llama": llama.export_llama,
+            "gguf": gguf_export.export_gguf}
+
+
+def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str | None = None,
+                      *, type: str | None = None) -> Path:
+    """A tformer checkpoint -> a Hugging Face model directory at `dest`, or a GGUF file
+    (format "gguf", or a dest ending in .gguf; `type`: its tensors' type)."""
+    if format is None:
+        format = "gguf" if str(dest).endswith(".gguf") else "gpt2"
+    found = exporters()
+    if format not in found:
         raise TformerError(
-            f"--format {format!r} is not known; choose one of: {', '.join(exporters)}"
+            f"--format {format!r} is not known; choose one of: {', '.join(found)}"
         )
-    return exporters[format](Path(checkpoint), Path(dest))
+    if format == "gguf":
+        from tformer.interop.gguf_export import export_gguf
+
+        return export_gguf(Path(checkpoint), Path(dest), type or "f32")
+    if type is not None:
+        raise TformerError("--type is for --format gguf")
+    return found[format](Path(checkpoint), Path(dest))
 
 
 def import_command(
@@ -94,9 +110,13 @@ def import_command(
 def export_command(
     checkpoint: Annotated[str, Help("run or checkpoint directory")],
     *,
-    out: Annotated[str, Help("the new model directory")],
-    format: Annotated[str, Help("gpt2 (GPT2LMHeadModel), or llama (Llama, Qwen2, Qwen3 or "
-                                "Mistral: whichever the config is exactly)")] = "gpt2",
+    out: Annotated[str, Help("the new model directory (a .gguf file for --format gguf)")],
+    format: Annotated[str | None, Help(
+        "gpt2 (GPT2LMHeadModel), llama (Llama, Qwen2, Qwen3 or Mistral: whichever the "
+        "config is exactly), or gguf (one file for llama.cpp, Ollama, LM Studio); default: "
+        "gguf for an --out ending in .gguf, else gpt2")] = None,
+    type: Annotated[str | None, Help(
+        "GGUF only: the matrices' type, f32, f16, q8_0, q4_0 or q4_1 (default f32)")] = None,
     adapter: Annotated[
         bool, Help("a LoRA run's adapters alone, in PEFT's format, for its exported base "
                    "(without it a LoRA run is exported with its adapters merged)")
@@ -108,6 +128,7 @@ def export_command(
         export_adapter(Path(checkpoint), Path(out))
         print(f"exported the LoRA adapters of {checkpoint} in PEFT's format into {out}")
         return 0
-    export_checkpoint(checkpoint, out, format)
-    print(f"exported {checkpoint} as {format} into {out}")
+    export_checkpoint(checkpoint, out, format, type=type)
+    chosen = format or ("gguf" if out.endswith(".gguf") else "gpt2")
+    print(f"exported {checkpoint} as {chosen} into {out}")
     return 0
