@@ -43,6 +43,7 @@ from torch import nn
 from tformer.config import RunConfig, config_from_dict
 from tformer.data.tokenizers import Tokenizer, load_tokenizer
 from tformer.errors import TformerError, shown
+from tformer.kernels import blocks
 from tformer.registry import get_family
 
 log = logging.getLogger(__name__)
@@ -236,17 +237,20 @@ def read_config(path: Path) -> RunConfig:
 
 
 def load_checkpoint(
-    path: str | Path, *, device: torch.device | str = "cpu", family: str | None = None
+    path: str | Path, *, device: torch.device | str = "cpu", family: str | None = None,
+    weights: str | None = None,
 ) -> Checkpoint:
     """Load a checkpoint (or a run's best/latest) as a model in eval mode.
 
     family: the family the caller needs; another one is a clear error, not a shape mismatch.
+    weights: None keeps the weights a checkpoint holds as blocks (kernels/blocks.py) as
+    they are; any format's name makes them fp32, for the caller to quantize as it asks.
     A checkpoint that training switched or pruned while it was read is looked up again.
     """
     for attempt in range(READ_ATTEMPTS):
         resolved = resolve_checkpoint(path)
         try:
-            loaded = _load(resolved, device, family)
+            loaded = _load(resolved, device, family, weights)
             loaded.name, loaded.label = run_name(resolved), describe_checkpoint(resolved)
             return loaded
         except (TformerError, OSError, RuntimeError):
@@ -267,7 +271,8 @@ def _points_to(path: Path) -> Path | None:
     return None
 
 
-def _load(path: Path, device: torch.device | str, family: str | None) -> Checkpoint:
+def _load(path: Path, device: torch.device | str, family: str | None,
+          weights: str | None = None) -> Checkpoint:
     verify_checkpoint(path)
     cfg = read_config(path)
     if family is not None and cfg.family != family:
@@ -276,7 +281,11 @@ def _load(path: Path, device: torch.device | str, family: str | None) -> Checkpo
         )
     tokenizer = load_tokenizer(path / TOKENIZER)
     model = get_family(cfg.family).model(cfg.model)
+    held = stored_formats(path)
+    blocks.hold_blocks(model, held)
     load_weights(model, path, device=device)
+    if held and weights is not None:
+        blocks.dequantize_model(model)
     if cfg.train.lora is not None:  # merged: a plain model now, and saved as one
         cfg = cfg.replace("train", lora=None)
     for name, tensor in model.state_dict().items():
@@ -338,6 +347,25 @@ def lora_base(path: Path) -> Path | None:
         raise TformerError(f"checkpoint {path} holds LoRA adapters for the base checkpoint "
                            f"{base}, which has changed since (its weights' checksum differs)")
     return base
+
+
+def stored_formats(path: Path) -> dict[str, str]:
+    """{parameter name: block format} of the weights a checkpoint holds as blocks (the
+    safetensors header's blocks.FORMATS_KEY); empty for fp32 checkpoints."""
+    file = Path(path) / WEIGHTS
+    if lora_base(path) is not None or not file.is_file():
+        return {}
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            text = (f.metadata() or {}).get(blocks.FORMATS_KEY)
+        formats = json.loads(text) if text is not None else {}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise TformerError(f"checkpoint file {file} is damaged: {e}") from None
+    if not (isinstance(formats, dict)
+            and all(isinstance(v, str) and isinstance(k, str) for k, v in formats.items())):
+        raise TformerError(f"checkpoint file {file}: {blocks.FORMATS_KEY} is not an object of "
+                           f"parameter names and formats")
+    return formats
 
 
 def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -248,3 +248,38 @@ def test_blocks_it_cannot_read_keep_the_modules():
     model.blocks[0].ff.activation = nn.Tanh()
     assert model.make_cache(2).step is None
     assert make_model(LAYOUTS["gpt2"]).double().make_cache(2).step is None
+
+
+@native
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("layout", ["gpt2", "llama, grouped-query"])
+def test_block_steps_match_the_block_modules(fmt, layout):
+    # Weights held as blocks (kernels/blocks.py): the step calls the modules' product, so
+    # only norms, activations and attention round differently (and can move an activation
+    # across a rounding step of its block now and then).
+    from tformer.kernels import blocks
+    from tformer.kernels.prepack import swap_linears
+
+    shape = LAYOUTS[layout] | dict(d_model=64, d_ff=128)
+
+    def model():
+        make = blocks.quantizer(fmt)
+        return swap_linears(make_model(shape), lambda name, linear: make(linear))
+
+    quantized = model()
+    assert isinstance(quantized.lm_head, blocks.BlockLinear)
+    tokens, is_real = prompts(3)
+    got, got_cache = decode(quantized, tokens, is_real, prefill=5)
+    modules = model()
+    original = modules.make_cache
+
+    def without_step(*args, **kwargs):
+        cache = original(*args, **kwargs)
+        cache.step = None
+        return cache
+
+    modules.make_cache = without_step
+    want, want_cache = decode(modules, tokens, is_real, prefill=5)
+    assert isinstance(got_cache.step, LMStep) and want_cache.step is None
+    gap = (got - want).abs()
+    assert gap.max() < 3e-2 and gap.mean() < 1e-3, (gap.max(), gap.mean())

