@@ -54,6 +54,8 @@ def test_import_writes_a_checkpoint_that_generates(tiny_gguf, tmp_path, capsys):
     path = tiny_gguf("llama")
     assert main(["import", str(path), "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out.splitlines()
+    # matrices whose tensors are all Q8_0, Q4_0 or Q4_1 stay blocks; the rest is fp32
+    assert out[-2].startswith("kept as blocks: Q4_0 (") and "Q4_1" in out[-2]
     assert out[-1].startswith("dequantized to fp32: ") and "Q4_K" in out[-1]
     import tformer
 

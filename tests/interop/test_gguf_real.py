@@ -4,6 +4,8 @@ re-implementation of llama.cpp's tokenizer."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -26,9 +28,11 @@ TRICKY = (
 
 @pytest.fixture(scope="module")
 def ours(smollm2_run):
+    """The import with fp32 weights (every block dequantized): the form that must equal
+    transformers'."""
     from tformer.loading import load_checkpoint
 
-    return load_checkpoint(smollm2_run, device=torch.device("cpu"))
+    return load_checkpoint(smollm2_run, device=torch.device("cpu"), weights="fp32")
 
 
 def test_the_import_is_smollm2(ours):
@@ -75,3 +79,34 @@ def test_token_ids_equal_llama_cpp_smollm(ours, smollm2_file, llama_cpp_tokenize
     assert ours.tokenizer.encode(TRICKY) == want
     digits = ours.tokenizer.encode("12345")
     assert len(digits) == 5  # one token a digit: transformers' GGUF tokenizer gives fewer
+
+
+def test_q4_1_blocks_are_kept_byte_for_byte(smollm2_run, smollm2_file, ours):
+    """The file's Q4_1 matrices are the checkpoint's weights as they are (the query and key
+    rows back in rotate-half order, as whole rows), and decode by default; the Q8_0
+    embedding (not a linear layer) is fp32."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from tformer.interop.gguf import unpermute
+    from tformer.kernels import blocks
+    from tformer.loading import load_checkpoint
+
+    with safe_open(str(smollm2_run / "model.safetensors"), framework="pt") as f:
+        formats = json.loads(f.metadata()[blocks.FORMATS_KEY])
+        down = f.get_tensor("blocks.7.ff.down.weight")
+        qkv = f.get_tensor("blocks.7.attn.qkv_proj.weight")
+        assert f.get_tensor("embed.weight").dtype == torch.float32
+    assert len(formats) == 30 * 5 and set(formats.values()) == {"q4_1"}
+    raw = {n: torch.from_numpy(np.array(smollm2_file.tensors[f"blk.7.{n}.weight"].data))
+           for n in ("ffn_down", "attn_q", "attn_k", "attn_v")}
+    assert torch.equal(down, raw["ffn_down"])
+    assert torch.equal(qkv, torch.cat([unpermute(raw["attn_q"], 9), unpermute(raw["attn_k"], 3),
+                                       raw["attn_v"]]))
+    held = load_checkpoint(smollm2_run)
+    assert blocks.formats_of(held.model) == formats
+    ids = torch.tensor([ours.tokenizer.encode(PASSAGE)])
+    with torch.no_grad():
+        fp32, kept = (torch.nn.functional.cross_entropy(m(ids)[0, :-1], ids[0, 1:]).item()
+                      for m in (ours.model, held.model))
+    assert abs(kept - fp32) < 0.05  # the blocks' products round the activations to 8 bits

@@ -96,11 +96,12 @@ def import_command(
     if Path(source).is_file():
         from tformer.interop.gguf import convert_gguf
 
-        types = convert_gguf(Path(source), dest)
+        kept, dequantized = convert_gguf(Path(source), dest)
         print(f"imported {source} into {dest}")
-        if types:
-            print("dequantized to fp32: " + ", ".join(f"{kind} ({n} tensors)"
-                                                      for kind, n in sorted(types.items())))
+        for what, types in (("kept as blocks", kept), ("dequantized to fp32", dequantized)):
+            if types:
+                print(f"{what}: " + ", ".join(f"{kind} ({n} tensors)"
+                                              for kind, n in sorted(types.items())))
         return 0
     import_checkpoint(source, dest)
     print(f"imported {source} into {dest}")

@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 """The tensor types read; every one is dequantized to fp32 unless kept (see `kept_types`)."""
+LLAMA_LINEARS = {  # our linear layers -> the file's tensors they are made of, in order
+    "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "attn.out_proj": ("attn_output",),
+    "ff.gate": ("ffn_gate",), "ff.up": ("ffn_up",), "ff.down": ("ffn_down",),
+}
+GPT2_LINEARS = {"attn.qkv_proj": ("attn_qkv",), "attn.out_proj": ("attn_output",),
+                "ff.up": ("ffn_up",), "ff.down": ("ffn_down",)}
 
 LLAMA_NAMES = {  # llama.cpp's tensor names -> Hugging Face's (Llama, Qwen2, Qwen3)
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -317,9 +323,56 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Tensor]:
     return weights
 
 
-def dequantized_types(file: GGUFFile) -> Counter[str]:
-    """Quantized tensor types read into fp32, with how many tensors of each."""
-    return Counter(t.type for t in file.tensors.values() if t.type not in ("F32",))
+def kept_types() -> dict[int, str]:
+    """GGUF tensor type -> the weight format that holds its blocks as they are: the ones
+    tformer's kernels compute with (kernels/blocks.py: Q8_0, Q4_0, Q4_1)."""
+    try:
+        from tformer.kernels.blocks import GGML_TYPES
+    except ImportError:  # a build without block weights: every type is dequantized
+        return {}
+    return {ggml_type: fmt for fmt, ggml_type in GGML_TYPES.items()}
+
+
+def linear_sources(file: GGUFFile, cfg: Any) -> dict[str, tuple[str, ...]]:
+    """Our linear layers' weights -> the file's tensors stacked into each (in row order)."""
+    table = GPT2_LINEARS if file.architecture == "gpt2" else LLAMA_LINEARS
+    sources = {f"blocks.{i}.{ours}.weight": tuple(f"blk.{i}.{t}.weight" for t in theirs)
+               for i in range(cfg.n_layer) for ours, theirs in table.items()}
+    if not cfg.tie_embeddings:
+        sources["lm_head.weight"] = ("output.weight",)
+    return sources
+
+
+def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
+    """Make the model's linear layers whose file tensors are all of one kept type hold the
+    file's blocks byte for byte (query and key rows put back in rotate-half order, as whole
+    rows); returns {parameter: format} of those."""
+    kept = kept_types()
+    if not kept:
+        return {}
+    from tformer.kernels.blocks import BlockLinear
+
+    cfg, held = model.cfg, {}
+    for param, names in linear_sources(file, cfg).items():
+        tensors = [file.tensors.get(n) for n in names]
+        if any(t is None for t in tensors) or len({t.ggml_type for t in tensors}) != 1 or \
+                tensors[0].ggml_type not in kept:
+            continue
+        fmt = kept[tensors[0].ggml_type]
+        rows = []
+        for name, tensor in zip(names, tensors, strict=True):
+            data = torch.from_numpy(np.array(tensor.data, copy=True))
+            if file.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+                heads = cfg.n_head if ".attn_q." in name else cfg.n_kv_head or cfg.n_head
+                data = unpermute(data, heads)
+            rows.append(data)
+        path = param.removesuffix(".weight")
+        parent, _, attr = path.rpartition(".")
+        owner = model.get_submodule(parent)
+        linear = getattr(owner, attr)
+        setattr(owner, attr, BlockLinear(torch.cat(rows), fmt, linear.in_features, linear.bias))
+        held[param] = fmt
+    return held
 
 
 def model_from_gguf(file: GGUFFile):
@@ -340,13 +393,13 @@ def import_gguf(src: Path, dest: Path) -> Path:
     return dest
 
 
-def convert_gguf(src: Path, dest: Path) -> Counter[str]:
-    """import_gguf's work; returns the quantized types read into fp32 (with how many
-    tensors of each), for the line that says so."""
+def convert_gguf(src: Path, dest: Path) -> tuple[Counter[str], Counter[str]]:
+    """import_gguf's work; returns the quantized types held as blocks and those read into
+    fp32 (with how many of the file's tensors each), for the lines that say so."""
     return save_imported(read_gguf(src), dest)
 
 
-def save_imported(file: GGUFFile, dest: Path) -> Counter[str]:
+def save_imported(file: GGUFFile, dest: Path) -> tuple[Counter[str], Counter[str]]:
     """A GGUF file already read -> a checkpoint at `dest` (as convert_gguf)."""
     from tformer.config import RunConfig, TrainConfig
     from tformer.data.lm import LMDataConfig
@@ -359,6 +412,11 @@ def save_imported(file: GGUFFile, dest: Path) -> Counter[str]:
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise TformerError(f"{src}: the tokenizer has {tokenizer.vocab_size} tokens, the model "
                            f"only {model.cfg.vocab_size}")
+    held = keep_blocks(model, file)
     save_checkpoint(dest, RunConfig("gpt", model.cfg, LMDataConfig(), TrainConfig()), model,
                     tokenizer)
-    return dequantized_types(file)
+    names = {n for p, names in linear_sources(file, model.cfg).items() if p in held
+             for n in names}
+    kept = Counter(file.tensors[n].type for n in names)
+    return kept, Counter(t.type for t in file.tensors.values()
+                         if t.type != "F32" and t.name not in names)

@@ -136,7 +136,7 @@ def export_gguf(checkpoint: Path, dest: Path, type: str = "f32") -> Path:
                            f"{', '.join(GGUF_TYPES)}")
     if dest.exists():
         raise TformerError(f"{dest} exists; choose another file name")
-    loaded = load_checkpoint(checkpoint, family="gpt")
+    loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
     cfg = loaded.model.cfg
     arch = _layout(cfg)
     vocab = gguf_vocab(loaded.tokenizer)

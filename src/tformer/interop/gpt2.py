@@ -276,7 +276,7 @@ def export_gpt2(checkpoint: Path, dest: Path) -> Path:
 
     from tformer.loading import load_checkpoint
 
-    loaded = load_checkpoint(checkpoint, family="gpt")
+    loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
     cfg: GPTConfig = loaded.model.cfg
     hf = gpt2_config(cfg)
     if dest.exists() and any(dest.iterdir()):

@@ -300,7 +300,7 @@ def export_llama(checkpoint: Path, dest: Path) -> Path:
 
     from tformer.loading import load_checkpoint
 
-    loaded = load_checkpoint(checkpoint, family="gpt")
+    loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
     hf = hf_config(loaded.model.cfg)
     tokenizer = loaded.tokenizer
     if getattr(tokenizer, "tok", None) is None:
