@@ -300,3 +300,39 @@ def test_llama3_rope_scaling_comes_back_from_rope_freqs():
             smooth = (8192 / wavelen - 1) / (4 - 1)
             want.append(1 / ((1 - smooth) / factor + smooth))
     assert np.allclose(llama3_factors(theta, head, factor, 1.0, 4.0, 8192), want, rtol=1e-6)
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
+    """A `llama` vocabulary (SentencePiece's BPE: scores, byte fallback, U+2581 for spaces)
+    gives the ids of the sentencepiece library's own model it was written from."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    lines = [f"the {w} of {v} and {w}{v}s, naïve façade" for w in ("cat", "dog", "lobster")
+             for v in ("sea", "red", "blue", "night")] * 20
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=proto,
+                                   vocab_size=400, model_type="bpe", byte_fallback=True,
+                                   character_coverage=1.0, minloglevel=2,
+                                   # as llama.cpp: runs of spaces kept
+                                   remove_extra_whitespaces=False)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    n = sp.get_piece_size()
+    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
+             for i in range(n)]
+    writer = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    writer.add_token_scores([sp.get_score(i) for i in range(n)])
+    writer.add_token_types(types)
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tokenizer = tokenizer_from_gguf(read_gguf(tmp_path / "spm.gguf"))
+    for text in ["the cat of sea", "lobsters at night", "naïve façade ü€ 42", "  two  spaces"]:
+        assert tokenizer.encode(text) == sp.encode(text), text
+        assert tokenizer.decode(tokenizer.encode(text)) == sp.decode(sp.encode(text))
