@@ -71,7 +71,8 @@ def perplexities(file: Path, run: Path, tokens: int, window: int) -> tuple[list[
 
     from tformer.loading import load_checkpoint
 
-    ours = load_checkpoint(run)
+    ours = load_checkpoint(run, weights="fp32")
+    kept = load_checkpoint(run)
     found = [path for path in WIKITEXT if path.is_file()]
     if not found:
         raise SystemExit(f"no WikiText-2 at {' or '.join(map(str, WIKITEXT))}")
