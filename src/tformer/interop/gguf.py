@@ -380,10 +380,9 @@ def model_from_gguf(file: GGUFFile):
     from tformer.interop import gpt2, llama
 
     hf = hf_config(file)
-    weights = hf_weights(file, hf)
-    if file.architecture == "gpt2":
-        return gpt2.gpt_from_hf(hf, weights, file.path), hf
-    return llama.llama_from_hf(hf, weights, file.path), hf
+    # The tensors are handed over, not kept here: each is freed once the model holds it.
+    build = gpt2.gpt_from_hf if file.architecture == "gpt2" else llama.llama_from_hf
+    return build(hf, hf_weights(file, hf), file.path), hf
 
 
 def import_gguf(src: Path, dest: Path) -> Path:
