@@ -115,7 +115,7 @@ def run_line(line: str, tmp: Path, monkeypatch, capsys) -> int:
     # A README step count means SMALL's 10 steps here (enough checkpoints for `average
     # --last 10`), and "train for longer" two more.
     words = ["train.steps=12" if w.startswith("train.steps=") else w for w in words]
-    if words[0] == "train" and "--resume" not in words:
+    if words[0] == "train" and not words[1].startswith("--"):  # a config, maybe --resume
         config = load_small_config(words[1], tmp)
         given = {w.split("=", 1)[0] for w in words if "=" in w}  # the line's own data
         small = SMALL + [w.format(tmp=tmp) for w in config if w.split("=", 1)[0] not in given]

@@ -39,7 +39,7 @@ def test_export_then_import_gives_the_same_tensors_and_transformers_logits(impor
     arch, run = imported
     out = tmp_path / "model.gguf"
     assert main(["export", str(run), "--out", str(out)]) == 0  # .gguf: the format is gguf
-    assert "as gguf" in capsys.readouterr().out
+    assert f"as GGUF {arch} (--format gguf)" in capsys.readouterr().out
     assert read_gguf(out).architecture == arch
     back = import_gguf(out, tmp_path / "back")
     from tformer.loading import load_checkpoint

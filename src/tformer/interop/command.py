@@ -3,13 +3,16 @@ found here (each format's module imports tformer.interop's shared readers, never
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from tformer.arguments import Help
 from tformer.errors import TformerError
 from tformer.interop import read_hf_config
+from tformer.loading import read_config, resolve_checkpoint
 
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
@@ -37,33 +40,83 @@ def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
     return found[model_type](src, dest)
 
 
-def exporters() -> dict[str, Callable[[Path, Path], Path]]:
-    """--format -> exporter(checkpoint, dest). Imported lazily: each may need an extra."""
-    from tformer.interop import gguf_export, gpt2, llama
+@dataclass(frozen=True)
+class Exporter:
+    """One format `tformer export` writes."""
 
-    # llama: whichever of Llama, Qwen2, Qwen3 and Mistral the model's config is exactly.
-    return {"gpt2": gpt2.export_gpt2, "llama": llama.export_llama,
-            "gguf": gguf_export.export_gguf}
+    function: str
+    """"module:function", (checkpoint: Path, dest: Path) -> Path; imported when used."""
+    summary: str
+    """What it writes, for --help."""
+    fits: str | None = None
+    """"module:function", (cfg: RunConfig) -> the name of the family it would write the model
+    as, or a TformerError naming what it cannot express. Export without --format takes the
+    first format in EXPORTERS whose `fits` accepts the model."""
+    suffix: str | None = None
+    """An --out ending in it chooses this format when no --format is given."""
 
 
-def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str | None = None,
-                      *, type: str | None = None) -> Path:
-    """A tformer checkpoint -> a Hugging Face model directory at `dest`, or a GGUF file
-    (format "gguf", or a dest ending in .gguf; `type`: its tensors' type)."""
+EXPORTERS: dict[str, Exporter] = {
+    "gpt2": Exporter("tformer.interop.gpt2:export_gpt2", "GPT2LMHeadModel",
+                     fits="tformer.interop.gpt2:exported_family"),
+    "llama": Exporter("tformer.interop.llama:export_llama",
+                      "Llama, Qwen2, Qwen3 or Mistral, whichever the config is exactly",
+                      fits="tformer.interop.llama:exported_family"),
+    "tformer": Exporter("tformer.training.checkpoint:ship_checkpoint",
+                        "this library's checkpoint as a model is shipped: config, weights, "
+                        "tokenizer, without the trainer state only --resume needs"),
+    "gguf": Exporter("tformer.interop.gguf_export:export_gguf",
+                     "one GGUF file for llama.cpp, Ollama and LM Studio (Llama-layout or "
+                     "GPT-2 models; --type sets its matrices' type)",
+                     fits="tformer.interop.gguf_export:exported_family", suffix=".gguf"),
+}
+"""--format NAME -> its exporter; a format is one entry here."""
+
+
+def _function(dotted: str) -> Callable[..., Any]:
+    module, name = dotted.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def choose_format(checkpoint: str | Path, dest: str | Path,
+                  format: str | None = None) -> tuple[str, str]:
+    """(the format, the family it writes) for exporting `checkpoint` to `dest`: `format`
+    where given, else the one --out's suffix names, else the first whose family the
+    model's config is exactly; none is a one-line error with each format's reason."""
+    if format is not None and format not in EXPORTERS:
+        raise TformerError(f"--format {format!r} is not known; choose one of: "
+                           f"{', '.join(EXPORTERS)}")
     if format is None:
-        format = "gguf" if str(dest).endswith(".gguf") else "gpt2"
-    found = exporters()
-    if format not in found:
-        raise TformerError(
-            f"--format {format!r} is not known; choose one of: {', '.join(found)}"
-        )
-    if format == "gguf":
-        from tformer.interop.gguf_export import export_gguf
+        format = next((name for name, e in EXPORTERS.items()
+                       if e.suffix is not None and str(dest).endswith(e.suffix)), None)
+    if format is not None:
+        fits = EXPORTERS[format].fits
+        cfg = read_config(resolve_checkpoint(checkpoint)) if fits else None
+        return format, _function(fits)(cfg) if fits else format
+    cfg = read_config(resolve_checkpoint(checkpoint))
+    reasons = []
+    for name, exporter in EXPORTERS.items():
+        if exporter.fits is None:
+            continue
+        try:
+            return name, _function(exporter.fits)(cfg)
+        except TformerError as e:
+            reasons.append(f"{name}: {e}")
+    raise TformerError(f"no format other libraries load expresses {checkpoint} exactly ("
+                       f"{'; '.join(reasons)}); --format tformer ships it as it is")
 
-        return export_gguf(Path(checkpoint), Path(dest), type or "f32")
+
+def export_checkpoint(checkpoint: str | Path, dest: str | Path,
+                      format: str | None = None, *, type: str | None = None) -> Path:
+    """A tformer checkpoint -> `dest` in `format` (None: choose_format's choice); `type`:
+    the GGUF format's tensor type."""
+    format, _ = choose_format(checkpoint, dest, format)
+    export = _function(EXPORTERS[format].function)
+    if format == "gguf":
+        return export(Path(checkpoint), Path(dest), type or "f32")
     if type is not None:
         raise TformerError("--type is for --format gguf")
-    return found[format](Path(checkpoint), Path(dest))
+    return export(Path(checkpoint), Path(dest))
 
 
 def import_command(
@@ -111,13 +164,13 @@ def import_command(
 def export_command(
     checkpoint: Annotated[str, Help("run or checkpoint directory")],
     *,
-    out: Annotated[str, Help("the new model directory (a .gguf file for --format gguf)")],
+    out: Annotated[str, Help("the new model directory (a file for gguf)")],
     format: Annotated[str | None, Help(
-        "gpt2 (GPT2LMHeadModel), llama (Llama, Qwen2, Qwen3 or Mistral: whichever the "
-        "config is exactly), or gguf (one file for llama.cpp, Ollama, LM Studio); default: "
-        "gguf for an --out ending in .gguf, else gpt2")] = None,
+        "; ".join(f"{name}: {e.summary}" for name, e in EXPORTERS.items())
+        + " (default: the family the model's config is exactly)",
+        choices=tuple(EXPORTERS))] = None,
     type: Annotated[str | None, Help(
-        "GGUF only: the matrices' type, f32, f16, q8_0, q4_0 or q4_1 (default f32)")] = None,
+        "gguf only: the matrices' type, f32, f16, q8_0, q4_0 or q4_1 (default f32)")] = None,
     adapter: Annotated[
         bool, Help("a LoRA run's adapters alone, in PEFT's format, for its exported base "
                    "(without it a LoRA run is exported with its adapters merged)")
@@ -129,7 +182,12 @@ def export_command(
         export_adapter(Path(checkpoint), Path(out))
         print(f"exported the LoRA adapters of {checkpoint} in PEFT's format into {out}")
         return 0
-    export_checkpoint(checkpoint, out, format, type=type)
-    chosen = format or ("gguf" if out.endswith(".gguf") else "gpt2")
-    print(f"exported {checkpoint} as {chosen} into {out}")
+    chosen, family = choose_format(checkpoint, out, format)
+    dest = export_checkpoint(checkpoint, out, chosen, type=type)
+    size = dest.stat().st_size if dest.is_file() else \
+        sum(f.stat().st_size for f in Path(dest).rglob("*") if f.is_file())
+    how = family if family == chosen else f"{family} (--format {chosen})"
+    print(f"exported {checkpoint} as {how}"
+          + (", chosen by its config" if format is None else "")
+          + f" into {dest}: {size / 2**20:.2f} MiB")
     return 0

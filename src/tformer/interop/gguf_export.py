@@ -57,6 +57,14 @@ def _layout(cfg: Any) -> str:
     return model_type
 
 
+def exported_family(cfg: Any) -> str:
+    """The GGUF architecture a run's model is written as (tformer export's `fits`), else a
+    TformerError saying why none is."""
+    if cfg.family != "gpt":
+        raise TformerError(f"GGUF holds gpt models here; this is a {cfg.family} model")
+    return f"GGUF {_layout(cfg.model)}"
+
+
 def _metadata(arch: str, cfg: Any) -> dict[str, Any]:
     """{arch}.* keys, as llama.cpp's converter writes them."""
     keys: dict[str, Any] = {

@@ -36,6 +36,10 @@ from tformer.layers import (
 )
 from tformer.models.base import Model, StackConfig
 
+ROPE_SCALED = frozenset({"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                         "rope_original_context"})
+"""The fields of rotary scalings: linear reads the factor alone, llama3 all four."""
+
 
 @dataclass(frozen=True)
 class GPTConfig(StackConfig):
@@ -87,6 +91,17 @@ class GPTConfig(StackConfig):
         if self.rotary and 2 * int(self.head_size * self.rope_fraction // 2) < 2:
             raise TformerError(f"model.rope_fraction = {self.rope_fraction} rotates nothing "
                                f"of a head of {self.head_size}")
+
+    def unused_fields(self) -> frozenset[str]:
+        unused = set(super().unused_fields())
+        if self.position != "sinusoidal":
+            unused.add("sinusoid_layout")
+        if self.norm != "pre":
+            unused.add("final_norm")
+        scaled = {"none": ROPE_SCALED, "linear": ROPE_SCALED - {"rope_factor"}}
+        unused |= ({"rope_theta", "rope_fraction", "rope_layout", "rope_scaling", *ROPE_SCALED}
+                   if not self.rotary else scaled.get(self.rope_scaling, set()))
+        return frozenset(unused)
 
     def rotary_module(self) -> Rotary | None:
         if not self.rotary:

@@ -45,8 +45,35 @@ class ApiError(Exception):
 # --- request bodies ---------------------------------------------------------------------
 
 
+def holds_lone_surrogate(value: Any) -> bool:
+    """Whether a JSON value holds a string with a lone surrogate ("\\ud800" is valid JSON but
+    no text: UTF-8 cannot encode it, and neither can a tokenizer)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(holds_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(holds_lone_surrogate(k) or holds_lone_surrogate(v) for k, v in value.items())
+    return False
+
+
 class Strict(BaseModel):
+    """Every request body: unknown fields refused, and text that is not text (a lone
+    surrogate) a 400 naming the field, on every route."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
+        if holds_lone_surrogate(value):
+            raise ValueError("holds a lone surrogate (such as \\ud800), which is not text; "
+                             "send UTF-8 text")
+        return value
 
 
 class StreamOptions(Strict):
