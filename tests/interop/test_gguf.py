@@ -336,3 +336,16 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
     for text in ["the cat of sea", "lobsters at night", "naïve façade ü€ 42", "  two  spaces"]:
         assert tokenizer.encode(text) == sp.encode(text), text
         assert tokenizer.decode(tokenizer.encode(text)) == sp.decode(sp.encode(text))
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("llama.rope.scaling.type", "yarn", "rope scaling 'yarn' cannot be expressed"),
+    ("llama.expert_count", 8, "mixture-of-experts"),
+    ("llama.attention.head_count_kv", [2, 1], "key/value heads per layer"),
+    ("llama.attention.value_length", 32, "value heads of another size"),
+])
+def test_metadata_tformer_cannot_express_is_named(key, value, words, tiny_gguf):
+    file = read_gguf(tiny_gguf("llama"))
+    file.metadata[key] = value
+    with pytest.raises(TformerError, match=words):
+        model_from_gguf(file)
