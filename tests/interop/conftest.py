@@ -253,7 +253,7 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 
 
 def write_tiny_gguf(path: Path, arch: str, *, types=GGUF_TYPES, tied: bool = False,
-                    pre: str = "gpt-2", seed: int = 0) -> Path:
+                    pre: str = "gpt-2", seed: int = 0, rope_freqs=None) -> Path:
     """A random 2-layer model of `arch` written as llama.cpp's converter writes one: Q/K
     rows of llama in pairs order, GPT-2's matrices as nn.Linear has them; the matrices take
     the tensor types of `types` in turn, norms and biases stay F32."""
@@ -352,6 +352,8 @@ def write_tiny_gguf(path: Path, arch: str, *, types=GGUF_TYPES, tied: bool = Fal
         add("output_norm.bias", normal(d), matrix=False)
     if not tied:
         add("output.weight", normal(len(tokens), d, scale=0.02))
+    if rope_freqs is not None:  # Llama 3's scaling, as llama.cpp's converter stores it
+        add("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32), matrix=False)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -366,7 +368,7 @@ def tiny_gguf(tmp_path_factory):
     made: dict[str, Path] = {}
 
     def get(arch: str, **options) -> Path:
-        key = arch + repr(sorted(options.items()))
+        key = arch + repr(sorted((k, repr(v)) for k, v in options.items()))
         if key not in made:
             folder = tmp_path_factory.mktemp(f"gguf-{arch}")
             made[key] = write_tiny_gguf(folder / f"{arch}.gguf", arch, **options)

@@ -283,9 +283,10 @@ def test_an_unknown_pre_tokenizer_is_named(tiny_gguf):
         tokenizer_from_gguf(file)
 
 
-def test_llama3_rope_scaling_comes_back_from_rope_freqs():
+def test_llama3_rope_scaling_comes_back_from_rope_freqs(tiny_gguf):
     """Llama 3.x files keep their rope scaling as llama.cpp's converter computed it: one
-    divisor per frequency (written out below as the converter's loop)."""
+    divisor per frequency (written out below as the converter's loop); the import finds the
+    llama3 parameters again, and an export writes the same divisors."""
     import math
 
     theta, head, factor = 1000.0, 64, 8.0
@@ -300,6 +301,16 @@ def test_llama3_rope_scaling_comes_back_from_rope_freqs():
             smooth = (8192 / wavelen - 1) / (4 - 1)
             want.append(1 / ((1 - smooth) / factor + smooth))
     assert np.allclose(llama3_factors(theta, head, factor, 1.0, 4.0, 8192), want, rtol=1e-6)
+    file = read_gguf(tiny_gguf("llama", rope_freqs=want))
+    cfg = model_from_gguf(file)[0].cfg
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor, cfg.rope_original_context) == ("llama3", 8.0, 1.0, 4.0,
+                                                                     8192)
+    bent = file.tensors["rope_freqs.weight"].data.copy()
+    bent[-1] *= 1.5
+    file.tensors["rope_freqs.weight"].data = bent
+    with pytest.raises(TformerError, match="rope_freqs tensor is not Llama 3's scaling"):
+        model_from_gguf(file)
 
 
 def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):

@@ -111,3 +111,13 @@ def test_export_refuses_what_gguf_cannot_hold(tiny_gguf, tmp_path):
         export_checkpoint(run, tmp_path / "m.gguf", type="q2_k")
     with pytest.raises(TformerError, match="--type is for --format gguf"):
         export_checkpoint(run, tmp_path / "hf", "llama", type="q8_0")
+
+
+def test_llama3_scaling_goes_out_as_the_same_rope_freqs(tiny_gguf, tmp_path):
+    from tformer.interop.gguf import llama3_factors
+
+    divisors = llama3_factors(1000.0, 64, 8.0, 1.0, 4.0, 8192)
+    path = tiny_gguf("llama", rope_freqs=list(divisors))
+    out = export_checkpoint(import_gguf(path, tmp_path / "run"), tmp_path / "m.gguf")
+    assert np.array_equal(read_gguf(out).tensors["rope_freqs.weight"].data,
+                          read_gguf(path).tensors["rope_freqs.weight"].data)

@@ -254,18 +254,35 @@ def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high:
                     np.where(wavelen > original / low, factor, mid)).astype(np.float32)
 
 
-def _llama3_scaling(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any]:
-    stored = file.tensors["rope_freqs.weight"].dequantize().numpy()
-    factor = float(stored.max())
-    for low, high, original in ((1.0, 4.0, 8192),):  # every Llama 3.x release's values
-        computed = llama3_factors(hf["rope_theta"], int(hf["head_dim"]), factor, low, high,
-                                  original)
-        if computed.shape == stored.shape and np.allclose(computed, stored, rtol=1e-5):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": original}
-    raise TformerError(f"{file.path}: its rope_freqs tensor is not Llama 3's scaling with "
-                       f"factor {factor:g}, low/high frequency factors 1 and 4 and an "
-                       f"original context of 8192: it cannot be expressed")
+def _llama3_scaling(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any] | None:
+    """The llama3 parameters whose divisors are the file's rope_freqs: the converter's
+    low/high frequency factors and original context (1, 4, 8192: every Llama 3.x release's),
+    and the factor read off a divisor of the low-frequency band (where it is the divisor)
+    or of the band between (where it is 1 / ((1 - s) / factor + s))."""
+    low, high, original = 1.0, 4.0, 8192
+    stored = file.tensors["rope_freqs.weight"].dequantize().numpy().astype(np.float64)
+    head = int(hf["head_dim"])
+    freqs = 1.0 / hf["rope_theta"] ** (np.arange(0, head, 2, dtype=np.float32) / head)
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    low_band, high_band = wavelen > original / low, wavelen < original / high
+    middle = ~low_band & ~high_band
+    if low_band.any():
+        factor = float(stored[low_band][0])
+    elif middle.any():
+        smooth = float((original / wavelen[middle][0] - low) / (high - low))
+        factor = (1 - smooth) / (1 / float(stored[middle][0]) - smooth)
+    else:
+        factor = 1.0
+    factor = round(factor, 4)
+    computed = llama3_factors(hf["rope_theta"], head, factor, low, high, original)
+    if computed.shape != stored.shape or not np.allclose(computed, stored, rtol=1e-5):
+        raise TformerError(f"{file.path}: its rope_freqs tensor is not Llama 3's scaling with "
+                           f"low/high frequency factors 1 and 4 and an original context of "
+                           f"8192 (nearest factor {factor:g}): it cannot be expressed")
+    if factor == 1.0:
+        return None
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": original}
 
 
 # --- tensors ------------------------------------------------------------------------------
