@@ -314,9 +314,28 @@ def hf_names(file: GGUFFile, n_layer: int) -> dict[str, str]:
     return names
 
 
-def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Tensor]:
-    """Every tensor dequantized to fp32 under its Hugging Face name, in Hugging Face's
-    layout; a tensor the layout has no place for is an error naming it."""
+@dataclass
+class Deferred:
+    """A file tensor that the model builders (interop.llama, interop.gpt2) read once, with
+    `.float()`: dequantized and put in Hugging Face's layout only then, so that the import
+    never holds a second fp32 copy of every weight."""
+
+    tensor: GGUFTensor
+    heads: int | None = None
+    """Query or key rows of a llama file: put back from pairs order, over this many heads."""
+    transpose: bool = False
+    """A GPT-2 matrix: back to Conv1D's (in, out)."""
+
+    def float(self) -> Tensor:
+        value = self.tensor.dequantize()
+        if self.heads is not None:
+            value = unpermute(value, self.heads)
+        return value.t().contiguous() if self.transpose else value
+
+
+def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
+    """Every tensor under its Hugging Face name, in Hugging Face's layout once read; a
+    tensor the layout has no place for is an error naming it."""
     arch = file.architecture
     n_layer = hf["n_layer"] if arch == "gpt2" else hf["num_hidden_layers"]
     names = hf_names(file, n_layer)
@@ -324,19 +343,17 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Tensor]:
     if unknown:
         raise TformerError(f"{file.path}: tensors a {arch} model has no place for: "
                            f"{', '.join(unknown[:5])}")
-    weights: dict[str, Tensor] = {}
+    weights: dict[str, Deferred] = {}
     for name, tensor in file.tensors.items():
         if name == "rope_freqs.weight":
             continue
-        value = tensor.dequantize()
+        heads = None
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = hf["num_attention_heads"] if ".attn_q." in name else \
                 hf["num_key_value_heads"]
-            value = unpermute(value, heads)
-        if arch == "gpt2" and name.endswith(".weight") and name.startswith("blk.") and \
-                value.dim() == 2:
-            value = value.t().contiguous()  # back to Conv1D's (in, out)
-        weights[names[name]] = value
+        transpose = arch == "gpt2" and name.startswith("blk.") and name.endswith(".weight") \
+            and len(tensor.shape) == 2
+        weights[names[name]] = Deferred(tensor, heads, transpose)
     return weights
 
 
@@ -397,7 +414,6 @@ def model_from_gguf(file: GGUFFile):
     from tformer.interop import gpt2, llama
 
     hf = hf_config(file)
-    # The tensors are handed over, not kept here: each is freed once the model holds it.
     build = gpt2.gpt_from_hf if file.architecture == "gpt2" else llama.llama_from_hf
     return build(hf, hf_weights(file, hf), file.path), hf
 
