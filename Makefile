@@ -39,7 +39,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,interop,bench]'
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet -e '.[dev,interop,bench]'
 	$(PY) benchmarks/speed.py
 
 clean:

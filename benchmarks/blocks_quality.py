@@ -17,6 +17,7 @@ import importlib.util
 import math
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,13 +25,15 @@ import torch.nn.functional as F
 
 from tformer.interop.llama import llama_from_hf
 from tformer.kernels import blocks
-from tformer.kernels.matvec import isa
-from tformer.kernels.prepack import prepack, swap_linears
-from tformer.kernels.quantize import quantize_int8
+from tformer.kernels.formats import quantize_model
+from tformer.kernels.prepack import swap_linears
 
 WIKITEXT = Path("/work/shared/data/wikitext-2/wiki.valid.tokens")
 FORMATS = ("fp32", "file", "q8_0", "q4_1", "q4_0", "int8")
-"""Rows: "file" is the GGUF's own blocks as they are (Q4_1, its output layer Q8_0)."""
+"""Rows: "file" is the GGUF's own blocks as they are (Q4_1, its output layer Q8_0). Also
+known to --formats: "q4_1/q8_0" and "q4_0/q8_0" (the output layer in q8_0, as llama.cpp's
+quantizer keeps it finer), and "FMT:torch" (FMT's weights through torch's fp32 products:
+the activations unrounded, to tell the weights' cost from the activations')."""
 GGUF_NAMES = {"attn.out_proj": "attn_output", "ff.gate": "ffn_gate", "ff.up": "ffn_up",
               "ff.down": "ffn_down"}
 """tformer's linear layers of block i -> the GGUF tensors blk.i.NAME.weight."""
@@ -99,15 +102,37 @@ def file_blocks(model):
     return copy
 
 
+def tiny_model():
+    """A random Llama-layout GPT with widths of whole blocks, for --tiny runs."""
+    from tformer.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=300, context=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                    d_ff=128, position="none", rotary=True, norm_kind="rmsnorm",
+                    feedforward="gated", activation="silu", bias=False)
+    return GPT(cfg).eval()
+
+
 def in_format(model, fmt: str):
+    if fmt.endswith(":torch"):
+        quantized = in_format(model, fmt.removesuffix(":torch"))
+        for m in quantized.modules():
+            if isinstance(m, blocks.BlockLinear):
+                m.forward = partial(fallback_forward, m)
+        return quantized
+    if "/" in fmt:
+        body, head = fmt.split("/")
+        quantized = in_format(model, body)
+        quantized.lm_head = blocks.BlockLinear.from_linear(model.lm_head, head)
+        return quantized
     if fmt == "file":
         return file_blocks(model)
-    if fmt == "fp32":
-        return prepack(model)
-    if fmt == "int8":
-        return quantize_int8(model)
-    make = blocks.quantizer(fmt)
-    return swap_linears(model, lambda name, linear: make(linear))
+    return quantize_model(model, fmt)  # the registry's: fp32 prepacked, int8, q8_0, ...
+
+
+def fallback_forward(layer: blocks.BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    """BlockLinear's torch path (the weight dequantized, fp32 activations)."""
+    return F.linear(x, layer.weight, layer.bias)
 
 
 def wikitext_ids(tokenizer, n: int) -> torch.Tensor:
@@ -127,18 +152,26 @@ def perplexity(model, ids: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a random tiny model and random ids: checks that the script runs")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    model, tokenizer = smollm2()
-    ids = wikitext_ids(tokenizer, args.tokens)
-    print(f"SmolLM2-135M-Instruct ({gguf_path().name}), WikiText-2 validation, first "
-          f"{args.tokens} tokens, one window; kernels: {isa()}, {torch.get_num_threads()} "
-          f"thread(s)")
+    if args.tiny:
+        model, ids = tiny_model(), torch.randint(0, 300, (64,))
+        formats = args.formats or [f for f in FORMATS if f != "file"]
+        print("a random tiny model, 64 random ids")
+    else:
+        model, tokenizer = smollm2()
+        ids = wikitext_ids(tokenizer, args.tokens)
+        formats = args.formats or list(FORMATS)
+        print(f"SmolLM2-135M-Instruct ({gguf_path().name}), WikiText-2 validation, first "
+              f"{args.tokens} tokens, one window")
+    print(f"block kernels: {blocks.path()}, {torch.get_num_threads()} thread(s)")
     print("| weights | perplexity | vs fp32 | seconds |")
     print("|---|---|---|---|")
     base = None
-    for fmt in args.formats:
+    for fmt in formats:
         start = time.perf_counter()
         ppl = perplexity(in_format(model, fmt), ids)
         base = base or ppl

@@ -1,7 +1,9 @@
 """Decoding speed of the real SmolLM2-135M-Instruct with each weight format, side by side
 in one run: greedy tokens/s at batch 1 on 1 and 2 threads and at batch 8, and prompt
 processing of 2,048 tokens (tokens/s), for fp32, per-row int8, the block formats
-quantized at load, and the GGUF file's own blocks (blocks_quality.py loads them).
+quantized at load, and the GGUF file's own blocks (blocks_quality.py loads them); and
+llama.cpp on the same file where llama-cpp-python is installed (`make bench`; not its
+batch-8 row, which needs its batch API).
 
 Formats are timed in alternation, the median of --repeats runs each, so a busy machine
 slows them alike; compare ratios within a run.
@@ -16,26 +18,68 @@ import statistics
 import time
 
 import torch
-from blocks_quality import FORMATS, in_format, smollm2
 
 from tformer.decoding.lm import generate
-from tformer.kernels.build import ISA_NAMES
-from tformer.kernels.matvec import isa
+from tformer.kernels import blocks
+
+
+def ids(model, shape: tuple[int, ...]) -> torch.Tensor:
+    """Token ids away from the special ones, the same for every model."""
+    top = min(1000, model.cfg.vocab_size)
+    return torch.randint(top // 3, top, shape, generator=torch.Generator().manual_seed(0))
 
 
 def decode(model, batch: int, new: int):
-    prompt = torch.randint(100, 1000, (batch, 16), generator=torch.Generator().manual_seed(0))
+    prompt = ids(model, (batch, 16))
     return lambda: list(generate(model, prompt, max_new_tokens=new, temperature=0.0))
 
 
 def prefill(model, length: int):
-    ids = torch.randint(100, 1000, (1, length), generator=torch.Generator().manual_seed(0))
+    prompt = ids(model, (1, length))
 
     def run():
         with torch.no_grad():
-            model(ids, last_only=True)
+            model(prompt, last_only=True)
 
     return run
+
+
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) on the same GGUF file: greedy decoding and prompt
+    processing, as the tformer rows time them; one instance per thread count."""
+
+    def __init__(self, threads: int, context: int):
+        from blocks_quality import gguf_path
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf_path()), n_ctx=context, n_threads=threads,
+                         n_threads_batch=threads, n_batch=512, verbose=False)
+
+    def decode(self, new: int):
+        prompt = torch.randint(100, 1000, (16,), generator=torch.Generator().manual_seed(0))
+
+        def run():
+            tokens = self.llm.generate(prompt.tolist(), temp=0.0, reset=True)
+            for _, _token in zip(range(new), tokens, strict=False):
+                pass
+
+        return run
+
+    def prefill(self, length: int):
+        ids = torch.randint(100, 1000, (length,), generator=torch.Generator().manual_seed(0))
+
+        def run():
+            self.llm.reset()
+            self.llm.eval(ids.tolist())
+
+        return run
+
+
+def llama_cpp(threads: int, context: int) -> LlamaCpp | None:
+    try:
+        return LlamaCpp(threads, context)
+    except ImportError:
+        return None
 
 
 def rates(fns: dict, work: float, repeats: int) -> dict[str, float]:
@@ -52,28 +96,47 @@ def rates(fns: dict, work: float, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
+    # (a sibling script: importable where this one runs as a script)
+    from blocks_quality import FORMATS, in_format, smollm2, tiny_model
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a random tiny model, 2 new tokens, a 16-token prompt, no llama.cpp")
     args = ap.parse_args()
-    model, _ = smollm2()
+    if args.tiny:
+        model, args.new, args.prompt = tiny_model(), 2, 16
+        args.formats = args.formats or [f for f in FORMATS if f != "file"]
+    else:
+        model, _ = smollm2()
+        args.formats = args.formats or list(FORMATS)
     models = {fmt: in_format(model, fmt) for fmt in args.formats}
     cases = [("greedy b1, 1 thread", 1, lambda m: decode(m, 1, args.new), args.new),
              ("greedy b1, 2 threads", 2, lambda m: decode(m, 1, args.new), args.new),
              ("greedy b8, 2 threads", 2, lambda m: decode(m, 8, args.new), 8 * args.new),
              (f"prompt {args.prompt}, 2 threads", 2, lambda m: prefill(m, args.prompt),
               args.prompt)]
-    print(f"SmolLM2-135M-Instruct, tokens/s (median of {args.repeats}); kernels: "
-          f"{ISA_NAMES[isa()]}")
-    print("| case | " + " | ".join(args.formats) + " |")
-    print("|---|" + "---|" * len(args.formats))
+    name = "a random tiny model" if args.tiny else "SmolLM2-135M-Instruct"
+    print(f"{name}, tokens/s (median of {args.repeats}); block kernels: {blocks.path()}")
+    peers = {t: None if args.tiny else llama_cpp(t, args.prompt + 64) for t in (1, 2)}
+    columns = list(args.formats) + (["llama.cpp"] if peers[1] is not None else [])
+    if peers[1] is None and not args.tiny:
+        print("(llama.cpp's rows need `pip install llama-cpp-python`; not installed here)")
+    print("| case | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
     for label, threads, make, work in cases:
         torch.set_num_threads(threads)
-        got = rates({fmt: make(m) for fmt, m in models.items()}, work, args.repeats)
-        print(f"| {label} | " + " | ".join(f"{got[f]:.1f}" for f in args.formats) + " |",
-              flush=True)
+        fns = {fmt: make(m) for fmt, m in models.items()}
+        peer = peers[threads]
+        if peer is not None and "b8" not in label:
+            fns["llama.cpp"] = (peer.prefill(args.prompt) if label.startswith("prompt")
+                                else peer.decode(args.new))
+        got = rates(fns, work, args.repeats)
+        print(f"| {label} | " + " | ".join(f"{got[f]:.1f}" if f in got else "-"
+                                          for f in columns) + " |", flush=True)
 
 
 if __name__ == "__main__":

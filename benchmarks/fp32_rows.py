@@ -1,9 +1,9 @@
-"""Where fp32 decoding should change kernels: matvec's kernel against oneDNN's prepacked
+"""Where fp32 decoding should change kernels: fp32.c's kernel against oneDNN's prepacked
 product, at 1 to 16 rows, on the OPUS-MT shapes.
 
     OMP_NUM_THREADS=1 python benchmarks/fp32_rows.py [--repeats 5] [--threads 1] [--tiny]
 
-PackedLinear sends up to matvec.MAX_ROWS rows to the kernel and more to oneDNN; this prints
+PackedLinear sends up to fp32.MAX_ROWS rows to the kernel and more to oneDNN; this prints
 the kernel's time over oneDNN's for each shape and number of rows (below 1: the kernel is
 faster). Each timing runs through enough copies of the layer (~400 MB of weights) that they
 come from memory, as in a decoding step, and the two sides alternate over the repeats.
@@ -19,7 +19,7 @@ import time
 import torch
 from torch import nn
 
-from tformer.kernels import matvec
+from tformer.kernels import fp32, library
 from tformer.kernels.prepack import PackedLinear
 
 SHAPES = [(512, 58101), (512, 1536), (512, 2048), (2048, 512), (512, 512)]  # (in, out)
@@ -35,7 +35,7 @@ def seconds(fn, layers: list[PackedLinear], x: torch.Tensor) -> float:
 
 
 def kernel(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-    return matvec.matvec(x, layer.weight, layer.bias)
+    return fp32.matvec(x, layer.weight, layer.bias)
 
 
 def onednn(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -52,10 +52,10 @@ def main() -> None:
     shapes, rows_tried, elements = (
         (TINY_SHAPES, TINY_ROWS, 10**4) if args.tiny else (SHAPES, ROWS, 10**8))
     torch.set_num_threads(args.threads)
-    if matvec.load() is None:
+    if library.load() is None:
         raise SystemExit("the decoding kernel is not built here; nothing to compare")
     print(f"{args.threads} thread(s), median of {args.repeats}; kernel time / oneDNN time "
-          f"(MAX_ROWS = {matvec.MAX_ROWS})\n")
+          f"(MAX_ROWS = {fp32.MAX_ROWS})\n")
     print("| W (in -> out) | " + " | ".join(f"{r} rows" for r in rows_tried) + " |")
     print("| --- |" + " ---: |" * len(rows_tried))
     torch.manual_seed(0)

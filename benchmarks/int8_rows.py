@@ -4,14 +4,14 @@ beside int8, and int8 through each of its two kernels.
     OMP_NUM_THREADS=1 python benchmarks/int8_rows.py [--repeats 7] [--threads 1] [--tiny]
 
 Columns, per shape and number of rows (a decoding step multiplies batch x beam rows):
-- fp32: PackedLinear, what fp32 decoding runs (matvec's kernel up to 4 rows, oneDNN's
+- fp32: PackedLinear, what fp32 decoding runs (fp32.c's kernel up to 4 rows, oneDNN's
   prepacked product beyond);
 - int8: Int8Linear as it dispatches (rounding the rows to int8 included);
 - kernel / packed / _int_mm: the int8 product (rounding the rows included) through
-  matvec's kernel for a few rows, through its product over packed weights (in the layout
-  this process packs in: AVX-512 VNNI's, or AVX2's 16-bit or byte one, matvec.pack_int8)
+  int8.c's kernel for a few rows, through its product over packed weights (in the layout
+  this process packs in: AVX-512 VNNI's, or AVX2's 16-bit or byte one, int8.pack_int8)
   and through torch._int_mm (oneDNN), whatever the number of rows.
-  They give the same bits, so the fastest should serve: matvec.INT8_MAX_ROWS is where the
+  They give the same bits, so the fastest should serve: int8.INT8_MAX_ROWS is where the
   few-row kernel hands over to the others.
 All in alternation, median of the repeats; the ratios compare columns of one run. --tiny
 times one small shape at a few rows, to check the script.
@@ -27,10 +27,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from tformer.kernels import matvec
-from tformer.kernels.matvec import quantize_rows
+from tformer.kernels import int8 as kint8
+from tformer.kernels import int8_packed as kpacked
+from tformer.kernels import library, rounding
 from tformer.kernels.prepack import PackedLinear
 from tformer.kernels.quantize import Int8Linear
+from tformer.kernels.rounding import quantize_rows
 
 SHAPES = {  # name: (in_features, out_features)
     "opus-mt ffn in (512 -> 2048)": (512, 2048),
@@ -45,12 +47,12 @@ TINY_SHAPES, TINY_ROWS = {"tiny (40 -> 72)": (40, 72)}, (1, 8, 32)
 def int8_mm(lib, x, q, wscale, bias):
     """linear_int8's path for many rows without packed weights: rounding, torch._int_mm,
     scaling."""
-    return matvec._int_mm_scaled(lib, *quantize_rows(x), q, wscale, bias)
+    return rounding._int_mm_scaled(lib, *quantize_rows(x), q, wscale, bias)
 
 
-def int8_packed(lib, x, packed, wscale, bias):
+def packed_product(lib, x, packed, wscale, bias):
     """linear_int8's path for many rows over packed weights."""
-    return matvec._call_gemm_int8(lib, *quantize_rows(x), packed, wscale, bias)
+    return kpacked.call_gemm_int8(lib, *quantize_rows(x), packed, wscale, bias)
 
 
 def timed(fn, calls: int) -> float:
@@ -71,11 +73,12 @@ def main() -> None:
     shapes, rows_tried, elements = (
         (TINY_SHAPES, TINY_ROWS, 10**4) if args.tiny else (SHAPES, ROWS, 2 * 10**7))
     torch.set_num_threads(args.threads)
-    lib = matvec.load()
+    lib = library.load() if kint8.available() else None
     if lib is None:
         raise SystemExit("the decoding kernel is not built here; nothing to compare")
     print(f"{args.threads} thread(s), median of {args.repeats} rounds in alternation; "
-          f"INT8_MAX_ROWS = {matvec.INT8_MAX_ROWS}, PACKED_MIN_ROWS = {matvec.PACKED_MIN_ROWS}\n")
+          f"INT8_MAX_ROWS = {kint8.INT8_MAX_ROWS}, "
+          f"PACKED_MIN_ROWS = {kpacked.PACKED_MIN_ROWS}\n")
     print("| shape | rows | fp32 ms | int8 ms | fp32 / int8 | kernel ms | packed ms | _int_mm ms "
           "| _int_mm / kernel | _int_mm / packed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -91,11 +94,11 @@ def main() -> None:
                 sides = {
                     "fp32": partial(fp32, x),
                     "int8": partial(int8, x),
-                    "kernel": partial(matvec._call_linear_int8, lib, x, *weights),
+                    "kernel": partial(kint8.call_linear_int8, lib, x, *weights),
                     "_int_mm": partial(int8_mm, lib, x, *weights),
                 }
                 if int8.packed is not None:
-                    sides["packed"] = partial(int8_packed, lib, x, int8.packed, *weights[1:])
+                    sides["packed"] = partial(packed_product, lib, x, int8.packed, *weights[1:])
                 for fn in sides.values():  # warm-up
                     fn()
                 times: dict[str, list[float]] = {side: [] for side in sides}

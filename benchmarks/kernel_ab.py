@@ -1,10 +1,12 @@
-"""Two versions of the decoding kernel (tformer/kernels/matvec.c) side by side: each built
-with the flags tformer builds it with, both timed in alternation on decoding's shapes.
+"""Two versions of the decoding kernels' products (tformer_matvec, tformer_matvec_int8)
+side by side: each version's C library built with the flags tformer builds it with, both
+timed in alternation on decoding's shapes.
 
     OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py c3e96b9~1 c3e96b9 [--repeats 7] [--tiny]
 
-A version is a git revision (its matvec.c, and the headers it includes where the revision
-has them) or a path to a .c file (the headers beside it). Each cell is the rate at
+A version is a git revision (every .c and .h file of its src/tformer/kernels, as matvec.c
+held the products before they were split by format) or a folder of such files. Each cell
+is the rate at
 which the product reads the weight matrix (GB/s; int8 weights are a quarter of fp32's
 bytes), a median over the repeats; every repeat runs through enough copies of the matrix
 (~400 MB of fp32, ~200 MB of int8) that it comes from memory, as a decoding step's does.
@@ -23,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from tformer.kernels.build import FLAGS, HEADERS
-from tformer.kernels.build import compiler as find_compiler
+from tformer.kernels.library import FLAGS
+from tformer.kernels.library import compiler as find_compiler
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [  # (out_features n, in_features k): OPUS-MT's products, and GPT-2's FFN
@@ -35,29 +37,24 @@ TINY_SHAPES = [(72, 40)]
 
 def build(version: str, out: Path) -> ctypes.CDLL:
     """The version's kernel, compiled into `out` as tformer compiles it."""
-    name = version.replace("/", "_")
-    folder = out / name  # the version's source and headers, apart from the other version's
-    folder.mkdir()
     path = Path(version)
-    if path.suffix == ".c" and path.is_file():
-        source, headers = path.read_text(), path.resolve().parent
+    if path.is_dir():
+        folder = path.resolve()
     else:
-        def show(file: str) -> subprocess.CompletedProcess:
-            return subprocess.run(["git", "show", f"{version}:src/tformer/kernels/{file}"],
-                                  cwd=ROOT, capture_output=True, text=True)
-
-        source, headers = show("matvec.c"), folder
-        source.check_returncode()
-        source = source.stdout
-        for name in (path.name for path in HEADERS):  # older revisions lack some
-            header = show(name)
-            if header.returncode == 0:
-                (folder / name).write_text(header.stdout)
-    c_file, library = folder / "matvec.c", folder / "matvec.so"
-    c_file.write_text(source)
+        folder = out / version.replace("/", "_")  # apart from the other version's files
+        folder.mkdir()
+        kernels = "src/tformer/kernels/"
+        names = subprocess.run(["git", "ls-tree", "--name-only", version, kernels], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.split()
+        for name in names:
+            if name.endswith((".c", ".h")):
+                source = subprocess.run(["git", "show", f"{version}:{name}"], cwd=ROOT,
+                                        capture_output=True, text=True, check=True).stdout
+                (folder / Path(name).name).write_text(source)
+    library = out / (version.replace("/", "_") + ".so")
     compiler = find_compiler() or "gcc"  # the compiler tformer builds with
-    subprocess.run([compiler, *FLAGS, f"-I{headers}", str(c_file), "-o", str(library)],
-                   check=True)
+    subprocess.run([compiler, *FLAGS, f"-I{folder}", *map(str, sorted(folder.glob("*.c"))),
+                    "-o", str(library)], check=True)
     lib = ctypes.CDLL(str(library))
     lib.tformer_matvec.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.tformer_matvec_int8.argtypes = (
@@ -97,7 +94,7 @@ def rates(libs: dict, n: int, k: int, rows: int, int8: bool, repeats: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("versions", nargs=2, help="git revisions or .c files: A and B")
+    parser.add_argument("versions", nargs=2, help="git revisions or folders: A and B")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tiny", action="store_true", help="one small matrix, to check the script")

@@ -86,8 +86,8 @@ class Sides:
 
         from tformer.interop import read_hf_config, read_hf_weights
         from tformer.interop.marian import seq2seq_from_hf
+        from tformer.kernels.formats import quantize_model
         from tformer.kernels.prepack import prepack
-        from tformer.kernels.quantize import quantize_int8
 
         self._tmp = None if work_dir else tempfile.TemporaryDirectory()
         root = Path(work_dir or self._tmp.name)
@@ -95,7 +95,7 @@ class Sides:
         self.peer = MarianMTModel.from_pretrained(src).eval()
         ours = seq2seq_from_hf(read_hf_config(src), read_hf_weights(src), src)
         self.ours = prepack(ours)
-        self.ours_int8 = quantize_int8(ours)
+        self.ours_int8 = quantize_model(ours, "int8")
         ct2_dir = root / "ct2"
         ctranslate2.converters.TransformersConverter(str(src)).convert(str(ct2_dir), force=True)
         self.ct2 = {kind: ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=kind,

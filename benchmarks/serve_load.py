@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from tformer.config import config_from_dict  # noqa: E402
 from tformer.data.tokenizers import CharTokenizer  # noqa: E402
 from tformer.decoding.lm import generate  # noqa: E402
-from tformer.kernels.quantize import inference_model  # noqa: E402
+from tformer.kernels.formats import quantize_model  # noqa: E402
 from tformer.models.gpt import GPT  # noqa: E402
 from tformer.training.checkpoint import save_checkpoint  # noqa: E402
 
@@ -172,7 +172,7 @@ def main() -> None:
         ckpt, model, tokenizer = build_checkpoint(
             Path(tmp) / "gpt2-small-random", layers=args.layers, d_model=args.d_model,
             heads=args.heads, vocab=args.vocab, context=args.context)
-        fast = inference_model(model, int8=False)
+        fast = quantize_model(model, "fp32")
         servers = [start_server(ckpt, max(args.clients))]
         if args.prompt_lookup:
             servers.append(start_server(ckpt, max(args.clients), "--prompt-lookup",

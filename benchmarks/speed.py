@@ -24,7 +24,7 @@ embeddings) what the GPT-2 rows do, against LlamaForCausalLM: greedy generation 
 and 8 and int8 at batch 1 (llama-generate), and training the same widths at 6 layers,
 context 256, batch 8 (llama-train), MFU counted from the model's layers.
 
-Every row names the instruction set tformer's kernels ran (kernels.matvec.isa(): AVX-512
+Every row names the instruction set tformer's kernels ran (kernels.int8.isa(): AVX-512
 VNNI, AVX-VNNI, AVX2 or torch), and the header the switches that choose the libraries' own:
 
     TFORMER_ISA=avx2 CT2_FORCE_CPU_ISA=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
@@ -48,13 +48,13 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from tformer.kernels.build import ISA_NAMES
 
 from tformer.decoding.lm import generate
 from tformer.evaluation.loss import Targets
-from tformer.kernels.build import ISA_NAMES
-from tformer.kernels.matvec import isa
+from tformer.kernels.formats import quantize_model
+from tformer.kernels.int8 import isa
 from tformer.kernels.prepack import PackedLinear, prepack, prepack_available
-from tformer.kernels.quantize import quantize_int8
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
 
@@ -266,7 +266,7 @@ def generation_rows(label: str, fp32, peer, greedy: bool, int8: bool, repeats: i
             row["matvec_fraction"] = a * weight_bytes / (matvec * 1e9)
         rows.append(row)
     if int8:
-        a, b = compare(gpt_generate(quantize_int8(fp32), 1, new, True),
+        a, b = compare(gpt_generate(quantize_model(fp32, "int8"), 1, new, True),
                        gpt_generate(ours, 1, new, True), new, repeats)
         rows.append(dict(row=f"{label} greedy b1 int8", unit="tokens/s", tformer=a, peer=b,
                          peer_name="tformer fp32", ratio=a / b))

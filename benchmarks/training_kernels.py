@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tformer.kernels import dropout as kd
-from tformer.kernels import matvec
+from tformer.kernels import library
 from tformer.kernels.xent import cross_entropy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,8 +138,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true",
                    help="the operations on tiny shapes, to check the script")
     args = p.parse_args()
-    if matvec.load() is None:
-        sys.exit("the kernel is not built here (see tformer/kernels/matvec.py): nothing to compare")
+    if library.load() is None:
+        sys.exit("the kernel is not built here (tformer/kernels/library.py): nothing to compare")
     if args.tiny:
         op_table(args.repeats, TINY_DROPOUT, TINY_LOSS)
     else:

@@ -38,11 +38,10 @@ def s2s(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_generate_writes_what_the_command_line_writes(lm, capsys, int8):
-    model = tformer.load(lm, int8=int8, threads=1)
+@pytest.mark.parametrize("weights, flags", [("fp32", ["--weights", "fp32"]), ("int8", ["--int8"])])
+def test_generate_writes_what_the_command_line_writes(lm, capsys, weights, flags):
+    model = tformer.load(lm, weights=weights, threads=1)
     text = model.generate("ROMEO:", max_new_tokens=30, temperature=0.9, top_k=5, seed=7)
-    flags = ["--int8"] if int8 else []
     assert main(["generate", str(lm), "--prompt", "ROMEO:", "--max-new-tokens", "30",
                  "--temperature", "0.9", "--top-k", "5", "--seed", "7", "--threads", "1",
                  *flags]) == 0

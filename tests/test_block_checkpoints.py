@@ -92,3 +92,31 @@ def test_a_wrong_header_is_a_one_line_error(checkpoint, formats, message):
     rewrite(path, formats)
     with pytest.raises(TformerError, match=message):
         load_checkpoint(path)
+
+
+def test_load_keeps_the_blocks_or_quantizes_as_asked(checkpoint):
+    import tformer
+
+    path, _ = checkpoint
+    kept = tformer.load(path, device="cpu", threads=1)
+    assert blocks.formats_of(kept.module) == HELD
+    assert "q4_0+q4_1+q8_0" in kept.name or kept.weights == "q4_0+q4_1+q8_0"
+    assert blocks.formats_of(tformer.load(path, weights="fp32", device="cpu",
+                                          threads=1).module) == {}
+    again = blocks.formats_of(tformer.load(path, weights="q4_1", device="cpu",
+                                           threads=1).module)
+    assert again.pop("lm_head.weight") == "q8_0"  # (the 4-bit formats' output layer)
+    assert set(again.values()) == {"q4_1"} and HELD.keys() - {"lm_head.weight"} <= again.keys()
+
+
+def test_a_fp32_checkpoint_quantizes_at_load(tmp_path):
+    import tformer
+
+    tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz ")
+    cfg = config_from_dict({"model": {"n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 96,
+                                      "context": 32, "vocab_size": tokenizer.vocab_size}})
+    path = save_checkpoint(tmp_path / "fp32", cfg, GPT(cfg.model).eval(), tokenizer)
+    model = tformer.load(path, weights="q8_0", device="cpu", threads=1)
+    assert model.weights == "q8_0"
+    assert set(blocks.formats_of(model.module).values()) == {"q8_0"}
+    assert tformer.load(path, device="cpu", threads=1).weights == "fp32"

@@ -18,10 +18,10 @@ __version__ = "0.1.0"
 __all__ = ["TformerError", "__version__", "load"]
 
 
-def load(path: str, *, int8: bool = False, device: str = "auto",
+def load(path: str, *, weights: str | None = None, device: str = "auto",
          threads: int | None = None) -> Model:
     """A checkpoint ready to generate, translate or score (tformer.api.load); importing
     tformer itself stays light: torch loads here."""
     from tformer.api import load as load_model
 
-    return load_model(path, int8=int8, device=device, threads=threads)
+    return load_model(path, weights=weights, device=device, threads=threads)

@@ -1,5 +1,5 @@
 """tformer from Python: a checkpoint loaded once, then generate, translate or score with it,
-on the same paths as the command line (prepacked or int8 weights, the decoding thread rule).
+on the same paths as the command line (the weight format, the decoding thread rule).
 
     import tformer
 
@@ -8,7 +8,7 @@ on the same paths as the command line (prepacked or int8 weights, the decoding t
     for token, logprob in model.score("To be, or not to be"):
         ...
 
-    de = tformer.load("runs/multi30k", int8=True)
+    de = tformer.load("runs/multi30k", weights="int8")
     de.translate(["A man is riding a bike."], beam=4)
 """
 
@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, overload
 
 from tformer.arguments import Help
 from tformer.errors import TformerError
@@ -61,6 +61,34 @@ def check_generation_args(
         raise TformerError(f"--num-samples {num_samples} must be at least 1")
 
 
+class FormatNames(Sequence[str]):
+    """The weight formats' names (kernels/formats.py's FORMATS), read when argparse first
+    asks for them (a name to check, --help): the registry imports torch, which a command
+    loads only once it runs."""
+
+    def _names(self) -> tuple[str, ...]:
+        from tformer.kernels.formats import FORMATS
+
+        return tuple(FORMATS)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 (Sequence's)
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+# The weight format, as every command that decodes takes it (`--int8` is `--weights int8`).
+Weights = Annotated[
+    str | None, Help("the linear layers' weight format, one of %(choices)s (default: the "
+                     "checkpoint's own, blocks as it holds them, else fp32)", metavar="NAME",
+                     choices=FormatNames(), alias=("--int8", "int8"))
+]
+
 # Speculative decoding's options, as `tformer generate` and `tformer serve` both take them.
 Draft = Annotated[
     str | None, Help("speculative decoding: a small model of the same tokenizer drafts, this "
@@ -102,7 +130,7 @@ def check_draft(target: Checkpoint, draft: Checkpoint) -> None:
 def load(
     path: str | Path,
     *,
-    int8: bool = False,
+    weights: str | None = None,
     device: str = "auto",
     threads: int | None = None,
     needs: str | None = None,
@@ -110,7 +138,9 @@ def load(
 ) -> Model:
     """Load a run (its best checkpoint, else its newest) or one checkpoint directory.
 
-    int8: int8 weights (CPU), else fp32 weights prepacked for decoding's small products.
+    weights: the linear layers' weight format (kernels/formats.py: "fp32", prepacked for
+        decoding's small products, "int8", "q8_0", "q4_0", "q4_1", CPU); None keeps the
+        checkpoint's own (the blocks it holds as they are, fp32 for the rest).
     threads: torch's CPU threads (default: one per core nothing else is using).
     needs: "generate" or "translate": a checkpoint of a family that cannot is a clear error.
     ensemble: translation checkpoints to decode together with this one (the mean of their
@@ -118,13 +148,14 @@ def load(
     """
     import torch
 
-    from tformer.kernels.quantize import inference_model
+    from tformer.kernels.blocks import formats_of
+    from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.registry import families_with, get_family
     from tformer.training.device import decoding_threads, pick_device
 
     dev = pick_device(device)
-    loaded = load_checkpoint(path, device=dev)
+    loaded = load_checkpoint(path, device=dev, weights=weights)
     family = get_family(loaded.cfg.family)
     if needs == "generate" and family.generate is None:
         hint = "; use `tformer translate`" if family.translate is not None else ""
@@ -142,10 +173,12 @@ def load(
         join_ensemble(loaded, list(ensemble), dev)
     threads = decoding_threads(threads)
     torch.set_num_threads(threads)
-    # Counted before int8 conversion turns the weights into buffers.
+    # Counted before a weight format turns the weights into buffers.
     parameters = sum(p.numel() for p in loaded.model.parameters())
-    loaded.model = inference_model(loaded.model, int8)
-    return Model(loaded, family, int8=int8, threads=threads, parameters=parameters)
+    loaded.model = quantize_model(loaded.model, weights)
+    held = sorted(set(formats_of(loaded.model).values()))
+    weights = weights or ("+".join(held) if held else "fp32")
+    return Model(loaded, family, weights=weights, threads=threads, parameters=parameters)
 
 
 def join_ensemble(loaded: Checkpoint, others: list[str], device: Any) -> None:
@@ -174,12 +207,12 @@ class Model:
     module as decoding runs it), `family` its registry entry."""
 
     def __init__(
-        self, checkpoint: Checkpoint, family: Family, *, int8: bool, threads: int,
+        self, checkpoint: Checkpoint, family: Family, *, weights: str, threads: int,
         parameters: int,
     ) -> None:
         self.checkpoint = checkpoint
         self.family = family
-        self.int8 = int8
+        self.weights = weights
         self.threads = threads
         self.parameters = parameters
 
@@ -201,7 +234,7 @@ class Model:
 
     @property
     def device(self) -> torch.device:
-        """Where the weights are (an int8 model's are buffers)."""
+        """Where the weights are (those of a format other than fp32 are buffers)."""
         for tensor in itertools.chain(self.module.parameters(), self.module.buffers()):
             return tensor.device
         raise TformerError(f"{self.label} holds no weights")
@@ -214,7 +247,7 @@ class Model:
         where = str(self.device)
         if self.device.type == "cpu":
             where = f"cpu, {self.threads} thread{'s' if self.threads != 1 else ''}"
-        return f"{size}{', int8' if self.int8 else ''}; {where}"
+        return f"{size}{'' if self.weights == 'fp32' else ', ' + self.weights}; {where}"
 
     @property
     def window(self) -> int | None:

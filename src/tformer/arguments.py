@@ -5,7 +5,7 @@ a parameter's name is its flag, its annotation its type and help, its default th
         checkpoint: Annotated[str, Help("run or checkpoint directory")],   # positional
         *,
         max_new_tokens: Annotated[int, Help("tokens to add")] = 200,        # --max-new-tokens
-        int8: Annotated[bool, Help("int8 weights (CPU)")] = False,          # a switch
+        greedy: Annotated[bool, Help("same as --temperature 0")] = False,   # a switch
     ) -> int:
 
 Parameters before the `*` are positional arguments; keyword-only ones are options. A bool is
@@ -38,6 +38,8 @@ class Help:
     """An option that may be given more than once; the value is the list of them."""
     one_of: str | None = None
     """Options with the same `one_of` are a required, mutually exclusive group."""
+    alias: tuple[str, str] | None = None
+    """(flag, value): a switch that gives the option this value (`("--int8", "int8")`)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser, function: Callable[..., int])
                 groups[meta.one_of] = parser.add_mutually_exclusive_group(required=True)
             target = groups[meta.one_of]
         target.add_argument(*flags, **options)
+        if meta.alias is not None:
+            flag, value = meta.alias
+            target.add_argument(flag, dest=param.name, action="store_const", const=value,
+                                help=f"the same as {flags[-1]} {value}")
 
 
 def call(function: Callable[..., int], args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tformer.cli import main as tformer_main
-from tformer.kernels import build, matvec
+from tformer.kernels import library
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -74,6 +74,8 @@ class Smoke:
 # The scripts whose smallest run needs nothing but its arguments; the others (which need a
 # trained run, a config or a second kernel source) have their own tests below.
 SMOKES = {
+    "blocks_quality": Smoke(("--tiny",), "| q4_1 |"),
+    "blocks_speed": Smoke(("--tiny", "--repeats", "1"), "| greedy b1, 1 thread |"),
     "compile_decoding": Smoke(("--size", "small", "--new-tokens", "2", "--rounds", "1"),
                               "first compiled generation", slow=True),
     "decode_paths": Smoke(("--repeats", "1", "--len", "2"), "sent/s",
@@ -129,7 +131,7 @@ def run_script(name: str, *args: str) -> str:
 
 
 def needs_kernel() -> None:
-    if matvec.load() is None:
+    if library.load() is None:
         pytest.skip("the compiled kernel is not available here")
 
 
@@ -177,16 +179,16 @@ def tiny_config(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_kernel_ab_two_sources(tmp_path):
-    """Two copies of today's kernel source (a git revision needs the repository's history,
+    """Two copies of today's kernel sources (a git revision needs the repository's history,
     which an installed copy may not have)."""
     needs_kernel()
     kernels = ROOT / "src" / "tformer" / "kernels"
     versions = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        for source in ("matvec.c", *(header.name for header in build.HEADERS)):
-            shutil.copy(kernels / source, tmp_path / name / source)
-        versions.append(str(tmp_path / name / "matvec.c"))
+        for source in (*library.SOURCES, *library.HEADERS):
+            shutil.copy(kernels / source.name, tmp_path / name / source.name)
+        versions.append(str(tmp_path / name))
     out = run_script("kernel_ab", *versions, "--tiny", "--repeats", "1", "--rows", "1")
     assert "| int8 | 72 x 40 | 1 |" in out
 

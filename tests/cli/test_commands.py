@@ -87,3 +87,13 @@ def test_a_parameter_without_help_is_a_programming_error():
 
     with pytest.raises(TypeError, match="Annotated"):
         add_arguments(argparse.ArgumentParser(), bare)
+
+
+def test_an_unknown_weight_format_is_one_line_naming_the_known_ones(capsys):
+    assert main(["generate", "ckpt", "--weights", "int3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    from tformer.kernels.formats import FORMATS
+
+    known = ", ".join(repr(name) for name in FORMATS)
+    assert f"--weights: invalid choice: 'int3' (choose from {known})" in err[0]

@@ -8,8 +8,9 @@ from torch import nn
 from tformer.decoding import beam as beam_module
 from tformer.decoding import cache as cache_module
 from tformer.decoding.beam import beam_search, greedy_search, length_penalty
+from tformer.kernels import library
 from tformer.kernels import step as step_module
-from tformer.kernels.quantize import inference_model
+from tformer.kernels.formats import quantize_model
 from tformer.kernels.search import torch_top_logprobs
 from tformer.models import seq2seq as seq2seq_module
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
@@ -298,14 +299,14 @@ def test_caches_read_in_place_give_the_same_search_as_copied_ones(model, monkeyp
     assert [h.tokens for h in fast_greedy] == [h.tokens for h in plain_greedy]
 
 
-@pytest.mark.skipif(step_module.matvec.load() is None, reason="the kernels are not built here")
+@pytest.mark.skipif(library.load() is None, reason="the kernels are not built here")
 @pytest.mark.parametrize("int8", [False, True])
 def test_one_call_per_decoder_layer_gives_the_same_search(model, monkeypatch, int8):
     # kernels/step.py runs each decoder layer's step as one call where it can (int8 at any
     # number of rows where the CPU packs the weights; fp32 at up to four rows: one sentence
     # at beam 4): the layers run as modules must find the same translations, sentences
     # finishing and leaving the batch on the way.
-    model = inference_model(model, int8)
+    model = quantize_model(model, "int8" if int8 else "fp32")
     calls = []
     run = step_module.DecoderStep.run
     monkeypatch.setattr(step_module.DecoderStep, "run",

@@ -220,9 +220,9 @@ def test_what_cannot_speculate_is_one_line(target):
 
 
 def test_an_int8_target_and_a_llama_layout_one_keep_their_own_greedy_output(draft):
-    from tformer.kernels.quantize import inference_model
+    from tformer.kernels.formats import quantize_model
 
-    int8 = inference_model(gpt(6, n_layer=2, d_model=32, n_head=4), True)
+    int8 = quantize_model(gpt(6, n_layer=2, d_model=32, n_head=4), "int8")
     modern = gpt(7, n_layer=2, d_model=32, n_head=4, n_kv_head=2, rotary=True,
                  position="none", norm_kind="rmsnorm", feedforward="gated", qk_norm=True,
                  window=12)
@@ -231,5 +231,5 @@ def test_an_int8_target_and_a_llama_layout_one_keep_their_own_greedy_output(draf
             expected = plain(target, prompt, 24)
             assert speculative(target, [prompt], 24, draft=draft, draft_tokens=3) == [expected]
             assert speculative(target, [prompt], 24, lookup=2, draft_tokens=4) == [expected]
-        assert speculative(target, PROMPTS, 24, draft=inference_model(draft, True),
+        assert speculative(target, PROMPTS, 24, draft=quantize_model(draft, "int8"),
                            draft_tokens=3) == [plain(target, p, 24) for p in PROMPTS]

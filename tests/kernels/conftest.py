@@ -1,26 +1,29 @@
+import os
+import shutil
+
 import pytest
 
-from tformer.kernels import build, matvec
+from tformer.kernels import int8, library
 
 
 @pytest.fixture
 def reload_kernel():
-    """Forget the loaded decoding kernel before and after the test, so that `matvec.load()`
+    """Forget the loaded decoding kernel before and after the test, so that `library.load()`
     looks again under the environment the test sets (and later tests get the usual one)."""
-    matvec.load.cache_clear()
+    library.load.cache_clear()
     yield
-    matvec.load.cache_clear()
+    library.load.cache_clear()
 
 
 def use_isa(name: str, monkeypatch) -> str:
     monkeypatch.setenv("TFORMER_ISA", name)
-    matvec.load.cache_clear()
-    if matvec.isa() != name:
-        pytest.skip(f"this CPU or build does not run {build.ISA_NAMES[name]}")
+    library.load.cache_clear()
+    if int8.isa() != name:
+        pytest.skip(f"this CPU or build does not run {library.ISA_NAMES[name]}")
     return name
 
 
-@pytest.fixture(params=build.ISAS)
+@pytest.fixture(params=library.ISAS)
 def isa(request, monkeypatch, reload_kernel):
     """Each instruction set the int8 products can run on (TFORMER_ISA), in turn: tests that
     take this fixture run once under each this CPU has, and are skipped under the others."""
@@ -33,14 +36,48 @@ def kernel_isa(request, monkeypatch, reload_kernel):
     return use_isa(request.param, monkeypatch)
 
 
-@pytest.fixture(params=[matvec.AVX2_WIDEN, matvec.AVX2_SIGN], ids=["widen", "sign"])
+@pytest.fixture(params=[int8.AVX2_WIDEN, int8.AVX2_SIGN], ids=["widen", "sign"])
 def avx2_method(request):
     """Each of the AVX2 few-row int8 products in turn (load() keeps the faster on this CPU);
     the one load() chose is restored afterwards."""
-    lib = matvec.load()
+    lib = library.load()
     if lib is None:
         pytest.skip("no C kernels here")
     chosen = lib.tformer_avx2_method(-1)
     lib.tformer_avx2_method(request.param)
     yield request.param
     lib.tformer_avx2_method(chosen)
+
+
+@pytest.fixture(scope="session")
+def fresh_build(tmp_path_factory):
+    """The library as load() builds it in an empty cache (XDG_CACHE_HOME), once a session:
+    the cache folder, and the files load() left in it. The tests that need a build of
+    their own copy this one (`copy_build`) instead of compiling again."""
+    if library.load() is None:
+        pytest.skip("no C kernels here")
+    cache = tmp_path_factory.mktemp("fresh-cache")
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    library.load.cache_clear()
+    try:
+        loaded = library.load() is not None
+    finally:
+        if before is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = before
+        library.load.cache_clear()
+    assert loaded
+    return cache / "tformer", sorted(p.name for p in (cache / "tformer").iterdir())
+
+
+@pytest.fixture
+def copy_build(fresh_build, monkeypatch):
+    """library.compile_library copies the session's build instead of compiling."""
+    folder, files = fresh_build
+
+    def copy(compiler: str, path) -> None:
+        shutil.copy(folder / files[0], path)
+
+    monkeypatch.setattr(library, "compile_library", copy)

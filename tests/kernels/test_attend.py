@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from tformer.kernels import attend, matvec
+from tformer.kernels import attend, library
 from tformer.kernels.attend import attend_step, attend_step_reference
 
-native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+native = pytest.mark.skipif(library.load() is None, reason="the kernel is not built here")
 
 
 def naive(q, k, v, length, rows=None, bias=None):
@@ -111,7 +111,7 @@ def test_a_nan_score_makes_the_row_nan_as_torch():
 
 def test_torch_computes_the_same_where_there_is_no_kernel(monkeypatch, reload_kernel):
     monkeypatch.setenv("TFORMER_NATIVE", "0")
-    assert matvec.load() is None and not attend.serves(torch.zeros(1))
+    assert library.load() is None and not attend.serves(torch.zeros(1))
     torch.manual_seed(1)
     # four query heads sharing two key/value heads
     q, k, v = torch.randn(6, 4, 12), torch.randn(3, 2, 9, 12), torch.randn(3, 2, 9, 5)

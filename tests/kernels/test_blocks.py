@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tformer.errors import TformerError
-from tformer.kernels import blocks, matvec
+from tformer.kernels import blocks, library
 
 gguf = pytest.importorskip("gguf")
 from gguf import quants as gguf_quants  # noqa: E402
@@ -166,6 +166,14 @@ def test_block_linear_native_and_fallback(fmt, monkeypatch):
     assert fmt in repr(layer)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_no_rows_give_no_rows(fmt):
+    layer = blocks.BlockLinear.from_linear(nn.Linear(64, 8), fmt)
+    with torch.no_grad():
+        assert layer(torch.zeros(0, 64)).shape == (0, 8)
+        assert layer(torch.zeros(2, 0, 64)).shape == (2, 0, 8)
+
+
 def test_the_quality_of_each_format_in_order():
     # Finer formats reproduce a weight more closely: q8_0 within 1%, the 4-bit ones ~10%.
     w = torch.randn(64, 512)
@@ -194,4 +202,90 @@ def test_every_path_passes_the_load_time_check():
                 assert blocks.computes_right(lib)
     finally:
         lib.tformer_blocks_isa(chosen)
-    assert matvec.isa() == "torch" or chosen == blocks.ISA_FOR[matvec.isa()]
+    names = {value: name for name, value in library.ISA_LEVELS.items()}
+    assert chosen == blocks.ISA_FOR[names[lib.tformer_isa(-1)]]
+
+
+# --- the three families decode with block weights -------------------------------------------
+
+
+def through_format(model: nn.Module, fmt: str) -> nn.Module:
+    from tformer.kernels.formats import quantize_model
+
+    quantized = quantize_model(model, fmt)
+    assert any(isinstance(m, blocks.BlockLinear) for m in quantized.modules())
+    return quantized
+
+
+def test_the_4_bit_formats_keep_the_output_layer_in_q8_0():
+    from tformer.models.gpt import GPT, GPTConfig
+    from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+    gpt = GPT(GPTConfig(vocab_size=61, context=8, n_layer=1, n_head=2, d_model=64))
+    s2s = Seq2Seq(Seq2SeqConfig(vocab_size=23, max_len=8, n_layer=1, n_head=2, d_model=64,
+                                d_ff=64))
+    for fmt, output in (("q4_0", "q8_0"), ("q4_1", "q8_0"), ("q8_0", "q8_0")):
+        held = blocks.formats_of(through_format(gpt, fmt))
+        assert held.pop("lm_head.weight") == output and set(held.values()) == {fmt}
+        held = blocks.formats_of(through_format(s2s, fmt))
+        assert held.pop("out_proj.weight") == output and set(held.values()) == {fmt}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_language_model_decodes_with_block_weights(fmt):
+    from tformer.decoding.lm import generate
+    from tformer.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, context=40, n_layer=2, n_head=4, d_model=64)).eval()
+    quantized = through_format(model, fmt)
+    tokens = torch.randint(0, 61, (3, 20))
+    with torch.no_grad():
+        full, got = model(tokens), quantized(tokens)
+    # 4 bits a weight cost more than 8 (random weights: no outliers for blocks to absorb)
+    bound = {"q8_0": 0.05, "q4_0": 0.5, "q4_1": 0.5}[fmt]
+    assert (full - got).abs().max() < bound * full.std()
+    prompt = torch.randint(0, 61, (2, 5))
+    run = lambda cache: torch.stack(  # noqa: E731
+        list(generate(quantized, prompt, max_new_tokens=20, temperature=0.0, use_cache=cache)))
+    assert torch.equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_translation_model_decodes_with_block_weights(fmt):
+    from tformer.decoding.beam import greedy_search
+    from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+    torch.manual_seed(0)
+    model = Seq2Seq(Seq2SeqConfig(vocab_size=23, max_len=40, n_layer=2, n_head=2, d_model=64,
+                                  d_ff=64, dropout=0.0)).eval()
+    quantized = through_format(model, fmt)
+    src = torch.randint(3, 23, (4, 9))
+    real = torch.ones_like(src, dtype=torch.bool)
+    special = dict(bos_id=1, eos_id=2, pad_id=0)
+    cached = greedy_search(quantized, src, real, **special)
+    uncached = greedy_search(quantized, src, real, use_cache=False, **special)
+    assert [h.tokens for h in cached] == [h.tokens for h in uncached]
+    assert [h.logprob for h in cached] == pytest.approx([h.logprob for h in uncached],
+                                                        abs=1e-3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_transformer_xl_evaluates_with_block_weights(fmt):
+    import torch.nn.functional as F
+
+    from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
+
+    torch.manual_seed(0)
+    model = TransformerXL(TransformerXLConfig(vocab_size=23, context=4, mem_len=8, n_layer=2,
+                                              n_head=2, d_model=32)).eval()
+    tokens = torch.randint(0, 23, (2, 13))
+
+    def loss(m):
+        memory = Memory(m.cfg.mem_len)
+        with torch.no_grad():
+            return sum(F.cross_entropy(m(tokens[:, i:i + 4], memory=memory).flatten(0, 1),
+                                       tokens[:, i + 1:i + 5].flatten()).item()
+                       for i in range(0, 12, 4))
+
+    assert loss(through_format(model, fmt)) == pytest.approx(loss(model), rel=0.05)

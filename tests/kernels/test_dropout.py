@@ -6,10 +6,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.kernels import dropout as kd
-from tformer.kernels import matvec
+from tformer.kernels import library
 from tformer.layers import Dropout, MultiHeadAttention, dropout
 
-native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+native = pytest.mark.skipif(library.load() is None, reason="the kernel is not built here")
 
 # Random123's tests/kat_vectors, the three "philox4x32 10" lines: counter, key, output.
 KNOWN_ANSWERS = [
@@ -57,7 +57,7 @@ def test_the_reference_generator_gives_the_known_answers(counter, key, want):
 @native
 @pytest.mark.parametrize("counter, key, want", KNOWN_ANSWERS)
 def test_the_kernels_generator_gives_the_known_answers(counter, key, want):
-    assert matvec.philox4x32(matvec.load(), counter, key) == want
+    assert kd.philox4x32(library.load(), counter, key) == want
 
 
 @native
@@ -98,7 +98,7 @@ def test_elements_are_dropped_with_probability_p_and_the_mean_is_kept(p):
 @native
 def test_any_number_of_threads_draws_the_same_mask():
     x = torch.randn(3, 1000, 37)
-    lib = matvec.load()
+    lib = library.load()
     results = []
     for threads in (1, 2, 3):
         y = torch.empty_like(x)
@@ -152,7 +152,7 @@ def test_where_the_kernel_does_not_apply_it_is_torchs_dropout(monkeypatch, reloa
 
 def test_loading_the_kernel_leaves_torchs_random_numbers_alone(reload_kernel):
     torch.manual_seed(0)
-    matvec.load()
+    library.load()
     after_load = torch.rand(4)
     torch.manual_seed(0)
     assert torch.equal(torch.rand(4), after_load)

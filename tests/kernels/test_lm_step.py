@@ -5,13 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from tformer.kernels import matvec
+from tformer.kernels import fp32, library
 from tformer.kernels import step as step_module
-from tformer.kernels.quantize import inference_model
+from tformer.kernels.formats import quantize_model
 from tformer.kernels.step import LM_F32_ROWS, LMStep
 from tformer.models.gpt import GPT, GPTConfig
 
-native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+native = pytest.mark.skipif(library.load() is None, reason="the kernel is not built here")
 
 VOCAB = 61
 MODERN = dict(position="none", rotary=True, norm_kind="rmsnorm", feedforward="gated",
@@ -87,7 +87,7 @@ def test_one_call_per_layer_computes_what_the_blocks_compute_in_float64(layout, 
     tokens, is_real = prompts(rows)
     is_real = is_real if padded else None
     calls = count_runs(monkeypatch)
-    got, cache = decode(inference_model(make_model(LAYOUTS[layout]), int8=False), tokens,
+    got, cache = decode(quantize_model(make_model(LAYOUTS[layout]), "fp32"), tokens,
                         is_real, prefill=6)
     assert isinstance(cache.step, LMStep) and len(calls) == tokens.shape[1] - 6
     with torch.no_grad():
@@ -120,7 +120,7 @@ def test_several_tokens_a_call_attend_causally_as_the_blocks_do_in_float64(
     is_real = is_real if padded else None
     calls = count_runs(monkeypatch)
     prefill = 6 if padded else 2  # the padding within the prompt: a padding query sees itself
-    got = decode_in_chunks(inference_model(make_model(LAYOUTS[layout]), int8=False), tokens,
+    got = decode_in_chunks(quantize_model(make_model(LAYOUTS[layout]), "fp32"), tokens,
                            is_real, prefill=prefill, chunk=chunk)
     if LAYOUTS[layout].get("window") is None:  # a window sliding between them: the modules
         # The prompt too where it is short and unpadded.
@@ -136,11 +136,11 @@ def test_several_tokens_a_call_attend_causally_as_the_blocks_do_in_float64(
 @pytest.mark.parametrize("rows", [1, 4, LM_F32_ROWS])
 def test_batched_steps_equal_one_row_at_a_time(rows):
     # Every token through the step (a prompt's pass would take oneDNN's products for many
-    # rows): each output of matvec's products is summed in the same order at any number of
+    # rows): each output of fp32.c's products is summed in the same order at any number of
     # rows, and attention is per row, so the bits are the same.
-    # (The output projection is outside the step: past matvec.MAX_ROWS rows its logits are
+    # (The output projection is outside the step: past fp32.MAX_ROWS rows its logits are
     # oneDNN's, so there the keys and values tell.)
-    model = inference_model(make_model(LAYOUTS["llama, grouped-query"]), int8=False)
+    model = quantize_model(make_model(LAYOUTS["llama, grouped-query"]), "fp32")
     tokens, _ = prompts(rows)
     together, cache = decode(model, tokens, None, prefill=1)
     alone = [decode(model, tokens[i : i + 1], None, prefill=1) for i in range(rows)]
@@ -148,7 +148,7 @@ def test_batched_steps_equal_one_row_at_a_time(rows):
         for buffer in ("k", "v"):
             stored = [getattr(a.self_attn[layer], buffer)[:, :, : c.length] for _, a in alone]
             assert torch.equal(getattr(c, buffer)[:, :, : c.length], torch.cat(stored))
-    if rows <= matvec.MAX_ROWS:
+    if rows <= fp32.MAX_ROWS:
         assert torch.equal(together, torch.cat([logits for logits, _ in alone]))
 
 
@@ -158,10 +158,10 @@ def test_int8_steps_match_the_int8_blocks_and_store_the_same_keys(layout, kernel
     # Eight rows: AVX-512 VNNI's packed product, AVX2's few-row kernel. The products and
     # attention are the modules' kernels; only norms and activations round differently,
     # which can move an input across an int8 rounding step now and then.
-    model = inference_model(make_model(LAYOUTS[layout]), int8=True)
+    model = quantize_model(make_model(LAYOUTS[layout]), "int8")
     tokens, is_real = prompts(8)
     got, got_cache = decode(model, tokens, is_real, prefill=5)
-    modules = inference_model(make_model(LAYOUTS[layout]), int8=True)
+    modules = quantize_model(make_model(LAYOUTS[layout]), "int8")
     original = modules.make_cache
 
     def without_step(*args, **kwargs):
@@ -191,10 +191,10 @@ def test_int8_tokens_a_few_at_a_time_match_the_int8_blocks(chunk, kernel_isa, mo
     layout = LAYOUTS["llama, grouped-query"]
     tokens, _ = prompts(1, length=20)
     calls = count_runs(monkeypatch)
-    got = decode_in_chunks(inference_model(make_model(layout), int8=True), tokens, None,
+    got = decode_in_chunks(quantize_model(make_model(layout), "int8"), tokens, None,
                            prefill=4, chunk=chunk)
     assert len(calls) == 1 + -(-16 // chunk)
-    modules = inference_model(make_model(layout), int8=True)
+    modules = quantize_model(make_model(layout), "int8")
     with torch.no_grad():
         want = modules(tokens)  # the whole sequence at once, through the modules
     gap = (got - want).abs()
@@ -205,7 +205,7 @@ def test_int8_tokens_a_few_at_a_time_match_the_int8_blocks(chunk, kernel_isa, mo
 def test_greedy_generation_gives_the_modules_tokens():
     from tformer.decoding.lm import generate
 
-    model = inference_model(make_model(LAYOUTS["mistral, sliding window"]), int8=False)
+    model = quantize_model(make_model(LAYOUTS["mistral, sliding window"]), "fp32")
     tokens, is_real = prompts(2, length=6)
 
     def greedy(m):
@@ -220,7 +220,7 @@ def test_greedy_generation_gives_the_modules_tokens():
 
 @native
 def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
-    model = inference_model(make_model(LAYOUTS["llama, grouped-query"]), int8=False)
+    model = quantize_model(make_model(LAYOUTS["llama, grouped-query"]), "fp32")
     cache = model.make_cache(4)
     step = cache.step
     x = torch.zeros(4, 1, 48)

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.errors import TformerError
-from tformer.kernels import build, matvec
+from tformer.kernels import fp32, library
+from tformer.kernels import int8 as kint8
 from tformer.kernels.prepack import PackedLinear, prepack_available
 
-native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+native = pytest.mark.skipif(library.load() is None, reason="the kernel is not built here")
 
 
 def reference(x, weight, bias):
@@ -38,7 +39,7 @@ def reference(x, weight, bias):
 def test_the_kernel_computes_the_linear_product(rows, n, k, bias):
     x, weight = torch.randn(rows, k), torch.randn(n, k)
     b = torch.randn(n) if bias else None
-    got = matvec.matvec(x, weight, b)
+    got = fp32.matvec(x, weight, b)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), reference(x, weight, b), atol=1e-4, rtol=1e-5)
 
@@ -49,7 +50,7 @@ def test_the_kernel_keeps_the_leading_dimensions_and_reads_strided_inputs():
     x = torch.randn(6, 2, 24)
     for view in (x[:2, 0], x[1:3].transpose(0, 1), x[::3]):
         assert not view.is_contiguous()
-        got = matvec.matvec(view, weight, b)
+        got = fp32.matvec(view, weight, b)
         assert got.shape == (*view.shape[:-1], 40)
         torch.testing.assert_close(got.double(), reference(view, weight, b), atol=1e-4, rtol=1e-5)
 
@@ -59,10 +60,10 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it():
     # Batched and one-at-a-time decoding then agree exactly while the kernel serves both.
     weight, b = torch.randn(101, 300), torch.randn(101)
     x = torch.randn(10, 300)
-    alone = torch.cat([matvec.matvec(x[i : i + 1], weight, b) for i in range(10)])
+    alone = torch.cat([fp32.matvec(x[i : i + 1], weight, b) for i in range(10)])
     for rows in (2, 3, 4, 5, 8, 10):
-        assert torch.equal(matvec.matvec(x[:rows], weight, b), alone[:rows])
-    assert torch.equal(matvec.matvec(x.flip(0), weight, b), alone.flip(0))
+        assert torch.equal(fp32.matvec(x[:rows], weight, b), alone[:rows])
+    assert torch.equal(fp32.matvec(x.flip(0), weight, b), alone.flip(0))
 
 
 @native
@@ -72,8 +73,8 @@ def test_a_packed_linear_sends_up_to_four_rows_through_the_kernel(monkeypatch):
     packed = PackedLinear(linear)
     assert packed.native
     calls = []
-    real = matvec.matvec
-    monkeypatch.setattr(matvec, "matvec", lambda *a: calls.append(1) or real(*a))
+    real = fp32.matvec
+    monkeypatch.setattr(fp32, "matvec", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
         for shape in [(1, 32), (4, 32), (2, 2, 32), (5, 32), (3, 3, 32)]:
             x = torch.randn(shape)
@@ -86,7 +87,7 @@ def test_without_a_compiler_decoding_keeps_to_the_library_kernels(
 ):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert matvec.load() is None
+    assert library.load() is None
     if prepack_available():
         linear = nn.Linear(16, 8)
         packed = PackedLinear(linear)
@@ -98,43 +99,43 @@ def test_without_a_compiler_decoding_keeps_to_the_library_kernels(
 
 def test_the_environment_can_turn_the_kernel_off(monkeypatch, reload_kernel):
     monkeypatch.setenv("TFORMER_NATIVE", "0")
-    assert matvec.load() is None and matvec.isa() == "torch"
+    assert library.load() is None and kint8.isa() == "torch"
 
 
 def test_the_environment_can_force_avx2(monkeypatch, reload_kernel):
     monkeypatch.setenv("TFORMER_ISA", "avx2")
-    assert matvec.isa() == ("avx2" if matvec.load() is not None else "torch")
+    assert kint8.isa() == ("avx2" if library.load() is not None else "torch")
 
 
 def test_an_unknown_instruction_set_is_a_clear_error(monkeypatch, reload_kernel):
     monkeypatch.setenv("TFORMER_ISA", "neon")
     with pytest.raises(TformerError,
                        match="TFORMER_ISA='neon': use one of avx512, avxvnni, avx2, torch"):
-        matvec.load()
+        library.load()
 
 
 TORCH_ONLY = """
 import torch
 from tformer.decoding.beam import beam_search
 from tformer.decoding.lm import generate
-from tformer.kernels import matvec
-from tformer.kernels.quantize import inference_model
+from tformer.kernels import int8 as kint8
+from tformer.kernels.formats import quantize_model
 from tformer.kernels.xent import cross_entropy
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
-assert matvec.isa() == "torch"
+assert kint8.isa() == "torch"
 gpt = GPT(GPTConfig(vocab_size=31, context=16, n_layer=1, n_head=2, d_model=16, dropout=0.1))
 tokens = torch.randint(0, 31, (2, 9))
 logits = gpt(tokens[:, :-1])
 cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=-1,
               label_smoothing=0.1).backward()
-for int8 in (False, True):
-    list(generate(inference_model(gpt.eval(), int8), tokens[:, :3], max_new_tokens=4))
+for weights in ("fp32", "int8"):
+    list(generate(quantize_model(gpt.eval(), weights), tokens[:, :3], max_new_tokens=4))
 cfg = Seq2SeqConfig(vocab_size=31, n_layer=1, n_head=2, d_model=16, d_ff=24, dropout=0.0)
 translator = Seq2Seq(cfg).eval()
-for int8 in (False, True):
-    beam_search(inference_model(translator, int8), tokens, torch.ones_like(tokens, dtype=bool),
+for weights in ("fp32", "int8"):
+    beam_search(quantize_model(translator, weights), tokens, torch.ones_like(tokens, dtype=bool),
                 beam=3, bos_id=1, eos_id=2, pad_id=0)
 print("ran")
 """
@@ -154,23 +155,19 @@ def test_forced_to_torch_everything_runs_with_one_warning_line(tmp_path):
 
 
 @native
-def test_a_fresh_cache_builds_the_kernel_and_leaves_no_temporary_files(
-    monkeypatch, tmp_path, reload_kernel
-):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert matvec.load() is not None
-    built = sorted(p.name for p in (tmp_path / "tformer").iterdir())
-    assert len(built) == 1 and built[0].startswith("matvec-") and built[0].endswith(".so")
+def test_a_fresh_cache_builds_the_kernel_and_leaves_no_temporary_files(fresh_build):
+    _, built = fresh_build  # load() in an empty cache, once a session
+    assert len(built) == 1 and built[0].startswith("tformer-") and built[0].endswith(".so")
 
 
 # --- inputs the kernel cannot read go to torch ------------------------------------------
 
 
 def kernel_calls(monkeypatch) -> list[int]:
-    matvec.load()  # its self-check calls the kernel too
+    fp32.available()  # its self-check calls the kernel too
     calls: list[int] = []
-    real = matvec._call
-    monkeypatch.setattr(matvec, "_call", lambda *a: calls.append(1) or real(*a))
+    real = fp32._call
+    monkeypatch.setattr(fp32, "_call", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -194,7 +191,7 @@ def test_inputs_the_kernel_cannot_read_get_the_torch_product(monkeypatch, case):
     elif case == "meta device":  # not the CPU, as a GPU would not be
         x, weight, bias = x.to("meta"), weight.to("meta"), bias.to("meta")
     calls = kernel_calls(monkeypatch)
-    got = matvec.matvec(x, weight, bias)
+    got = fp32.matvec(x, weight, bias)
     assert not calls, "the kernel must not read these"
     assert got.shape == (2, 16) and got.dtype == x.dtype and got.device == x.device
     if case == "meta device":
@@ -208,14 +205,14 @@ def test_inputs_the_kernel_cannot_read_get_the_torch_product(monkeypatch, case):
 def test_a_mismatched_inner_dimension_is_an_error_not_a_stray_read(monkeypatch):
     calls = kernel_calls(monkeypatch)
     with pytest.raises(RuntimeError):
-        matvec.matvec(torch.randn(1, 20), torch.randn(16, 24), None)
+        fp32.matvec(torch.randn(1, 20), torch.randn(16, 24), None)
     assert not calls
 
 
 @native
 def test_inputs_it_can_read_still_go_to_the_kernel(monkeypatch):
     calls = kernel_calls(monkeypatch)
-    matvec.matvec(torch.randn(1, 24), torch.randn(16, 24), torch.randn(16))
+    fp32.matvec(torch.randn(1, 24), torch.randn(16, 24), torch.randn(16))
     assert calls == [1]
 
 
@@ -240,28 +237,29 @@ def plant_library(path, marker, tmp_path):
 
 @native
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_a_library_others_may_write_is_never_loaded(monkeypatch, tmp_path, reload_kernel):
+def test_a_library_others_may_write_is_never_loaded(monkeypatch, tmp_path, reload_kernel,
+                                                    copy_build):
     cache = tmp_path / "cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     (cache / "tformer").mkdir(mode=0o700, parents=True)
     # Where load() looks for a build of these sources: a planted library stands there.
-    built = cache / "tformer" / matvec.library_name(build.compiler())
+    built = cache / "tformer" / library.library_name(library.compiler())
     marker = tmp_path / "constructor-ran"
 
     # A group-writable library in the user's own cache: refused before loading.
     plant_library(built, marker, tmp_path)
     os.chmod(built, 0o775)
-    matvec.load.cache_clear()
-    assert matvec.load() is None
+    library.load.cache_clear()
+    assert library.load() is None
     assert not marker.exists()
 
     # A world-writable cache directory: the kernel is built privately, what lies there is
     # never read, and nothing of the private build is left behind.
     os.chmod(built, 0o755)
     os.chmod(cache / "tformer", 0o777)
-    matvec.load.cache_clear()
+    library.load.cache_clear()
     temporaries = set(Path(tempfile.gettempdir()).glob("tformer-kernel-*"))
-    assert matvec.load() is not None
+    assert library.load() is not None
     assert not marker.exists()
     assert set(Path(tempfile.gettempdir()).glob("tformer-kernel-*")) == temporaries
 
@@ -269,23 +267,23 @@ def test_a_library_others_may_write_is_never_loaded(monkeypatch, tmp_path, reloa
 def test_private_means_owned_by_this_user_and_writable_by_no_one_else(tmp_path):
     folder = tmp_path / "d"
     folder.mkdir(mode=0o700)
-    build.check_private(folder)
+    library.check_private(folder)
     for mode in (0o770, 0o707, 0o777):
         os.chmod(folder, mode)
-        with pytest.raises(build.Unavailable, match="others may write"):
-            build.check_private(folder)
+        with pytest.raises(library.Unavailable, match="others may write"):
+            library.check_private(folder)
     os.chmod(folder, 0o700)
     link = tmp_path / "link"
     link.symlink_to(folder)
-    with pytest.raises(build.Unavailable, match="not a plain directory"):
-        build.check_private(link)
-    library = folder / "x.so"
-    library.write_bytes(b"")
-    os.chmod(library, 0o755)
-    build.check_private(library, directory=False)
-    os.chmod(library, 0o757)
-    with pytest.raises(build.Unavailable, match="others may write"):
-        build.check_private(library, directory=False)
+    with pytest.raises(library.Unavailable, match="not a plain directory"):
+        library.check_private(link)
+    built = folder / "x.so"
+    built.write_bytes(b"")
+    os.chmod(built, 0o755)
+    library.check_private(built, directory=False)
+    os.chmod(built, 0o757)
+    with pytest.raises(library.Unavailable, match="others may write"):
+        library.check_private(built, directory=False)
 
 
 # --- a packed copy never goes stale ------------------------------------------------------

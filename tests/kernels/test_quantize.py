@@ -4,13 +4,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.decoding.lm import generate
-from tformer.kernels import build, matvec
-from tformer.kernels.matvec import quantize_rows
-from tformer.kernels.quantize import FrozenInt8Linear, Int8Linear, quantize_int8
+from tformer.kernels import int8 as kint8
+from tformer.kernels import int8_packed, library, rounding
+from tformer.kernels.formats import quantize_model
+from tformer.kernels.quantize import FrozenInt8Linear, Int8Linear
+from tformer.kernels.rounding import quantize_rows
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import Memory, TransformerXL, TransformerXLConfig
 
-BUILT = matvec.load() is not None
+BUILT = library.load() is not None
 
 
 @pytest.fixture
@@ -25,7 +27,7 @@ def without_kernel(monkeypatch, reload_kernel):
 
 def test_int8_logits_stay_close_and_the_original_is_untouched(model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    int8 = quantize_int8(model)
+    int8 = quantize_model(model, "int8")
     tokens = torch.randint(0, 61, (3, 20))
     full, quantized = model(tokens), int8(tokens)
     assert not torch.equal(full, quantized), "the weights really are int8"
@@ -36,7 +38,7 @@ def test_int8_logits_stay_close_and_the_original_is_untouched(model):
 
 
 def test_every_linear_layer_becomes_int8(model):
-    int8 = quantize_int8(model)
+    int8 = quantize_model(model, "int8")
     linears = [m for m in int8.modules() if isinstance(m, (nn.Linear, Int8Linear))]
     assert linears and all(isinstance(m, Int8Linear) for m in linears)
     assert int8.lm_head.qweight.dtype == torch.int8
@@ -79,7 +81,7 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(k, isa):
     x = torch.randn(40, k)
     with torch.no_grad():
         alone = torch.cat([int8(x[i : i + 1]) for i in range(40)])
-        for rows in (2, 3, 4, 5, matvec.INT8_MAX_ROWS, matvec.INT8_MAX_ROWS + 1, 40):
+        for rows in (2, 3, 4, 5, kint8.INT8_MAX_ROWS, kint8.INT8_MAX_ROWS + 1, 40):
             assert torch.equal(int8(x[:rows]), alone[:rows]), rows
         assert torch.equal(int8(x.flip(0)), alone.flip(0))
 
@@ -95,7 +97,7 @@ def exact_product(xq, xscale, q, wscale, bias):
 # 2100: four rows widened to 16 bits outgrow the kernel's stack buffer and are allocated.
 @pytest.mark.parametrize("k", [37, 64, 512, 1000, 2100])
 def test_the_few_row_products_are_exact_on_every_instruction_set(k, kernel_isa, avx2_method):
-    lib = matvec.load()
+    lib = library.load()
     q = torch.randint(-127, 128, (203, k), dtype=torch.int8)  # 203: a remainder of W's rows
     q[0], q[1], q[2, ::2] = 127, -127, -127  # pairs of products as large as int8 makes them
     wscale, bias = torch.rand(203), torch.randn(203)
@@ -106,8 +108,8 @@ def test_the_few_row_products_are_exact_on_every_instruction_set(k, kernel_isa, 
         if rows > 1:
             xq[1] = -127
         want = exact_product(xq, xscale, q, wscale, bias)
-        assert torch.equal(matvec._call_int8(lib, xq, xscale, q, wscale, bias), want), rows
-        assert torch.equal(matvec.int8_reference(xq, xscale, q, wscale, bias), want), rows
+        assert torch.equal(kint8._call_int8(lib, xq, xscale, q, wscale, bias), want), rows
+        assert torch.equal(rounding.int8_reference(xq, xscale, q, wscale, bias), want), rows
 
 
 @pytest.mark.parametrize("n, k", [(45, 37), (203, 64), (64, 1000), (33, 4), (17, 3)])
@@ -116,15 +118,15 @@ def test_the_packed_product_gives_the_exact_products_bits(n, k, kernel_isa, avx2
     # weights) against exact integer sums: part panels (n not a multiple of 32 or 16), k
     # not a multiple of 4 or 2, blocks of rows and remainders, the largest products int8
     # makes, with a bias and without.
-    lib = matvec.load()
+    lib = library.load()
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     q[0], q[1] = -127, 127
     wscale, bias = torch.rand(n), torch.randn(n)
-    packed = matvec.pack_int8(q)
+    packed = kint8.pack_int8(q)
     assert packed.layout == (
-        matvec.LAYOUT_VNNI if kernel_isa == "avx512" else
-        matvec.LAYOUT_AVX2_BYTES if kernel_isa == "avxvnni" or avx2_method == matvec.AVX2_SIGN
-        else matvec.LAYOUT_AVX2)
+        int8_packed.LAYOUT_VNNI if kernel_isa == "avx512" else
+        int8_packed.LAYOUT_AVX2_BYTES if kernel_isa == "avxvnni" or avx2_method == kint8.AVX2_SIGN
+        else int8_packed.LAYOUT_AVX2)
     torch.testing.assert_close(packed.row_sums, q.sum(dim=1, dtype=torch.int32))
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17, 64):
         xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
@@ -132,12 +134,12 @@ def test_the_packed_product_gives_the_exact_products_bits(n, k, kernel_isa, avx2
         if rows > 1:
             xq[1] = -127  # against q[0]: the largest positive products, 127 * 127 a term
         for b in (bias, None):
-            got = matvec._call_gemm_int8(lib, xq, xscale, packed, wscale, b)
+            got = int8_packed.call_gemm_int8(lib, xq, xscale, packed, wscale, b)
             assert torch.equal(got, exact_product(xq, xscale, q, wscale, b)), rows
         # From fp32 rows, rounded by the kernel in the same call (what linear_int8 runs).
         x = torch.randn(rows, k) * 3
-        want = exact_product(*matvec._torch_quantize_rows(x), q, wscale, bias)
-        assert torch.equal(matvec.linear_int8(x, q, wscale, bias, packed), want), rows
+        want = exact_product(*rounding.torch_quantize_rows(x), q, wscale, bias)
+        assert torch.equal(kint8.linear_int8(x, q, wscale, bias, packed), want), rows
 
 
 def test_int8_linear_gives_the_same_bits_with_and_without_packed_weights(kernel_isa):
@@ -150,11 +152,11 @@ def test_int8_linear_gives_the_same_bits_with_and_without_packed_weights(kernel_
 
 
 def instruction_sets(monkeypatch):
-    """Each instruction set this CPU runs, with matvec's kernel loaded for it in turn."""
-    for name in build.ISAS:
+    """Each instruction set this CPU runs, with the kernels loaded for it in turn."""
+    for name in library.ISAS:
         monkeypatch.setenv("TFORMER_ISA", name)
-        matvec.load.cache_clear()
-        if matvec.isa() == name:
+        library.load.cache_clear()
+        if kint8.isa() == name:
             yield name
 
 
@@ -182,8 +184,8 @@ def test_int8_rounding_and_products_get_the_same_bits_without_the_kernel(
     with torch.no_grad():
         with_kernel, rounded = int8(x), quantize_rows(x)
         monkeypatch.setenv("TFORMER_NATIVE", "0")
-        matvec.load.cache_clear()
-        assert matvec.load() is None
+        library.load.cache_clear()
+        assert library.load() is None
         assert torch.equal(int8(x), with_kernel)
         assert all(map(torch.equal, quantize_rows(x), rounded))
 
@@ -195,7 +197,7 @@ def test_the_int8_product_refuses_what_it_cannot_read():
                  (x, q[:, :8], scale, None), (x, q.t(), scale, None),
                  (x, q, scale.double(), None), (x, q, scale, torch.rand(7))]:
         with pytest.raises(ValueError, match="linear_int8 takes"):
-            matvec.linear_int8(*args)
+            kint8.linear_int8(*args)
 
 
 def test_an_all_zero_row_stays_zero():
@@ -209,7 +211,7 @@ def test_an_all_zero_row_stays_zero():
 
 
 def test_int8_cached_generation_equals_uncached(model):
-    int8 = quantize_int8(model)
+    int8 = quantize_model(model, "int8")
     prompt = torch.randint(0, 61, (2, 5))
     run = lambda cache: torch.stack(  # noqa: E731
         list(generate(int8, prompt, max_new_tokens=30, temperature=0.0, use_cache=cache))
@@ -234,11 +236,12 @@ def test_an_int8_transformer_xl_evaluates_with_its_memory():
     model = TransformerXL(cfg).eval()
     tokens = torch.randint(0, 23, (2, 13))
     full = transformer_xl_loss(model, tokens)
-    assert transformer_xl_loss(quantize_int8(model), tokens) == pytest.approx(full, rel=0.02)
+    int8 = quantize_model(model, "int8")
+    assert transformer_xl_loss(int8, tokens) == pytest.approx(full, rel=0.02)
 
 
 def test_without_the_kernel_int8_models_still_run(model, without_kernel):
-    int8 = quantize_int8(model)
+    int8 = quantize_model(model, "int8")
     assert isinstance(int8.blocks[0].attn.qkv_proj, Int8Linear)
     tokens = torch.randint(0, 61, (3, 20))
     assert (model(tokens) - int8(tokens)).abs().max() < 0.2 * model(tokens).std()
@@ -246,7 +249,7 @@ def test_without_the_kernel_int8_models_still_run(model, without_kernel):
                               d_model=16)
     xl = TransformerXL(cfg).eval()
     tokens = torch.randint(0, 23, (2, 13))
-    assert transformer_xl_loss(quantize_int8(xl), tokens) == pytest.approx(
+    assert transformer_xl_loss(quantize_model(xl, "int8"), tokens) == pytest.approx(
         transformer_xl_loss(xl, tokens), rel=0.02
     )
 
@@ -257,14 +260,14 @@ def test_an_int8_layer_converted_after_it_was_made_checks_its_tensors_again():
     x = torch.randn(3, 16)
     with torch.no_grad():
         want = layer(x)
-        assert layer.native == (matvec.load() is not None)
+        assert layer.native == (library.load() is not None)
         dequantized = F.linear(x, layer.weight, layer.bias)
         layer.double()  # scale and bias become float64: the kernel cannot read them
         assert not layer.native
         # torch's product over the rounded weight (x itself is not rounded on this path)
         torch.testing.assert_close(layer(x.double()).float(), dequantized, atol=1e-5, rtol=1e-5)
         layer.float()
-        assert layer.native == (matvec.load() is not None)
+        assert layer.native == (library.load() is not None)
         assert torch.equal(layer(x), want)
 
 
@@ -272,9 +275,9 @@ def test_without_vnni_many_rows_never_reach_torch_int_mm(monkeypatch, reload_ker
     # Where the CPU lacks VNNI, torch._int_mm can be many times slower than fp32's product:
     # under TFORMER_ISA=avx2 the int8 layers and the model never call it, whatever the rows.
     monkeypatch.setenv("TFORMER_ISA", "avx2")
-    if matvec.isa() != "avx2":
+    if kint8.isa() != "avx2":
         pytest.skip("the kernel is not built here")
-    int8 = quantize_int8(model)
+    int8 = quantize_model(model, "int8")
 
     def refuse(*args):
         raise AssertionError("torch._int_mm called")
@@ -282,7 +285,7 @@ def test_without_vnni_many_rows_never_reach_torch_int_mm(monkeypatch, reload_ker
     monkeypatch.setattr(torch, "_int_mm", refuse)
     with torch.no_grad():
         int8(torch.randint(0, 61, (4, 20)))  # 80 rows a product
-        matvec.linear_int8(torch.randn(64, 40), *quantize_rows(torch.randn(27, 40)), None)
+        kint8.linear_int8(torch.randn(64, 40), *quantize_rows(torch.randn(27, 40)), None)
 
 
 @pytest.mark.parametrize("k", [5, 1040, 2100])
@@ -294,8 +297,8 @@ def test_torchs_integer_product_is_exact_whichever_route_it_takes(k):
     q = torch.randint(-127, 128, (6, k), dtype=torch.int8)
     xq[0], xq[1], q[0] = 127, -127, 127
     want = xq.long() @ q.long().t()
-    assert torch.equal(matvec._float_integer_product(xq, q).long(), want)
-    assert torch.equal(matvec.integer_product(xq, q).long(), want)
+    assert torch.equal(rounding._float_integer_product(xq, q).long(), want)
+    assert torch.equal(rounding.integer_product(xq, q).long(), want)
 
 
 def rounded_rows(x: torch.Tensor) -> torch.Tensor:

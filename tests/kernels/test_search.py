@@ -2,10 +2,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tformer.kernels import matvec, search
+from tformer.kernels import library, search
 from tformer.kernels.search import top_logprobs
 
-native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+native = pytest.mark.skipif(library.load() is None, reason="the kernel is not built here")
 
 
 def reference(logits, add, k, banned):
@@ -57,7 +57,7 @@ def test_rows_of_minus_infinity_and_ties():
 
 def test_torch_computes_the_same_where_there_is_no_kernel(monkeypatch, reload_kernel):
     monkeypatch.setenv("TFORMER_NATIVE", "0")
-    assert matvec.load() is None
+    assert library.load() is None
     torch.manual_seed(0)
     logits, add, banned = torch.randn(6, 300), torch.randn(6), torch.tensor([0, 5])
     values, tokens = top_logprobs(logits, add, 4, banned)

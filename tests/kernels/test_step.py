@@ -2,14 +2,14 @@ import pytest
 import torch
 from torch import nn
 
-from tformer.kernels import matvec
+from tformer.kernels import library
 from tformer.kernels import step as step_module
 from tformer.kernels.attend import gather_positions
-from tformer.kernels.quantize import inference_model
+from tformer.kernels.formats import quantize_model
 from tformer.kernels.step import DecoderStep
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
-native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+native = pytest.mark.skipif(library.load() is None, reason="the kernel is not built here")
 
 VOCAB = 50
 
@@ -65,7 +65,7 @@ def run_steps(model, src, real, beams, steps, fused, cache_model=None):
 def test_one_call_per_layer_computes_what_the_layers_compute_in_float64(norm, activation,
                                                                         monkeypatch):
     # Independent of every kernel: the same model in float64 runs torch's modules only.
-    model = inference_model(make_model(norm, activation), int8=False)
+    model = quantize_model(make_model(norm, activation), "fp32")
     src, real = sources(sentences=1)
     calls = []
     original = DecoderStep.run
@@ -86,7 +86,7 @@ def test_widths_that_leave_a_remainder_after_the_vector_lanes(norm, activation):
     # d_model 34 and d_ff 51: the layer norm's and the activation's scalar tails, and heads
     # of 17 (the attention kernel's).
     shape = dict(n_head=2, d_model=34, d_ff=51)
-    model = inference_model(make_model(norm, activation, **shape), int8=False)
+    model = quantize_model(make_model(norm, activation, **shape), "fp32")
     src, real = sources(sentences=1)
     got, _ = run_steps(model, src, real, beams=3, steps=5, fused=True)
     want, _ = run_steps(make_model(norm, activation, **shape).double(), src, real, beams=3,
@@ -106,7 +106,7 @@ def test_activations_hold_far_from_zero(activation):
                 layer.ff.up.weight.mul_(60.0)
         return model
 
-    model = inference_model(scaled(make_model(activation=activation)), int8=False)
+    model = quantize_model(scaled(make_model(activation=activation)), "fp32")
     src, real = sources(sentences=1)
     got, _ = run_steps(model, src, real, beams=4, steps=4, fused=True)
     want, _ = run_steps(scaled(make_model(activation=activation)).double(), src, real, beams=4,
@@ -124,7 +124,7 @@ def test_int8_steps_match_the_int8_layers_and_store_the_same_keys(norm, bias, ke
     # a sentence leaving mid-way (four rows: AVX2's few-row kernel). The products and
     # attention are the modules' kernels; only the layer norms and activations round
     # differently, which can move an input across an int8 rounding step now and then.
-    model = inference_model(make_model(norm, bias=bias), int8=True)
+    model = quantize_model(make_model(norm, bias=bias), "int8")
     src, real = sources(sentences=2)
     got, got_cache = run_steps(model, src, real, beams=4, steps=7, fused=True)
     want, want_cache = run_steps(model, src, real, beams=4, steps=7, fused=False)
@@ -144,7 +144,7 @@ def test_int8_steps_match_the_int8_layers_and_store_the_same_keys(norm, bias, ke
 
 @native
 def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
-    model = inference_model(make_model(), int8=False)
+    model = quantize_model(make_model(), "fp32")
     src, real = sources(sentences=1)
     with torch.no_grad():
         memory = model.encode(src, real)
@@ -154,7 +154,7 @@ def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
         step = cache.step
         bias = torch.zeros(1, 1, 1, src.shape[1])
         assert step.serves(x, bias)
-        # fp32 products of more rows than matvec's kernel takes are oneDNN's
+        # fp32 products of more rows than fp32.c's kernel takes are oneDNN's
         assert not step.serves(torch.zeros(8, 1, 32), bias)
         assert not step.serves(x.double(), bias)
         assert not step.serves(x, bias.bool())
@@ -182,7 +182,7 @@ def test_layers_it_cannot_read_keep_the_modules():
 
 @native
 def test_a_lineage_naming_a_row_outside_the_cache_is_an_error():
-    model = inference_model(make_model(), int8=True)
+    model = quantize_model(make_model(), "int8")
     src, real = sources(sentences=1)
     with torch.no_grad():
         memory = model.encode(src, real)
@@ -203,7 +203,8 @@ def test_a_lineage_naming_a_row_outside_the_cache_is_an_error():
 def test_heads_whose_values_are_wider_than_their_keys(int8):
     # q and k of 6 per head, v of 10: the fused projection's three parts and the output
     # projection's input all have other widths.
-    model = inference_model(make_model("post", "gelu", d_head=6, d_value=10), int8=int8)
+    model = quantize_model(make_model("post", "gelu", d_head=6, d_value=10),
+                           "int8" if int8 else "fp32")
     src, real = sources(sentences=1)
     got, _ = run_steps(model, src, real, beams=4, steps=5, fused=True)
     assert model.make_cache(4, 6).step is not None

@@ -2,10 +2,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tformer.kernels import matvec, xent
+from tformer.kernels import library, xent
 from tformer.kernels.xent import cross_entropy
 
-native = pytest.mark.skipif(matvec.load() is None, reason="the kernel is not built here")
+native = pytest.mark.skipif(library.load() is None, reason="the kernel is not built here")
 IGNORE = -100
 
 

@@ -257,7 +257,7 @@ def test_bad_options_are_refused_by_name(options, message):
 @torch.no_grad()
 def test_sampling_with_the_cache_equals_without_and_the_cpu_paths_take_the_options():
     from tformer.decoding.lm import generate
-    from tformer.kernels.quantize import inference_model
+    from tformer.kernels.formats import quantize_model
 
     model = tiny(37, **{**LLAMA, "n_kv_head": 2, "qk_norm": True, "window": 5})
     randomise(model, seed=5)
@@ -272,10 +272,10 @@ def test_sampling_with_the_cache_equals_without_and_the_cpu_paths_take_the_optio
     assert torch.equal(cached, sample(model, False))
     tokens = torch.randint(0, 37, (2, 10))
     want = model(tokens)
-    torch.testing.assert_close(inference_model(model, int8=False)(tokens), want,
+    torch.testing.assert_close(quantize_model(model, "fp32")(tokens), want,
                                atol=1e-5, rtol=1e-5)
     # int8 weights: close, not equal (a per-channel int8 matrix keeps ~2-3 digits).
-    int8 = inference_model(model, int8=True)(tokens)
+    int8 = quantize_model(model, "int8")(tokens)
     assert (int8 - want).abs().max() < 0.1 * want.abs().max()
 
 

@@ -55,6 +55,6 @@ def test_the_serve_options_reach_serve_command(monkeypatch):
     monkeypatch.setattr(command, "serve_command", fake)
     assert main(["serve", "ckpt", "--port", "8123", "--int8", "--name", "x",
                  "--chat-template", "t.jinja"]) == 0
-    assert seen["checkpoint"] == "ckpt" and seen["port"] == 8123 and seen["int8"]
+    assert seen["checkpoint"] == "ckpt" and seen["port"] == 8123 and seen["weights"] == "int8"
     assert seen["name"] == "x" and seen["chat_template"] == "t.jinja"
     assert seen["host"] == "127.0.0.1" and seen["max_batch"] == 16

@@ -43,7 +43,7 @@ def served(checkpoint, *, draft=None, prompt_lookup=0, draft_tokens=4):
     """The app as `tformer serve` builds it, in this process."""
     loaded = load_checkpoint(checkpoint)
     speculator = speculator_for(loaded, loaded.model, draft=draft, draft_tokens=draft_tokens,
-                                prompt_lookup=prompt_lookup, int8=False,
+                                prompt_lookup=prompt_lookup, weights="fp32",
                                 device=torch.device("cpu"), capacity=8)
     engine = LMEngine(loaded.model, eos_id=loaded.tokenizer.eos_id, max_batch=8,
                       max_waiting=32, batched=True, speculator=speculator)

@@ -16,9 +16,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tformer.config import config_from_dict
 from tformer.decoding import cache as decoding_cache
-from tformer.kernels import matvec
+from tformer.kernels import library
+from tformer.kernels.formats import quantize_model
 from tformer.kernels.prepack import prepack
-from tformer.kernels.quantize import Int8Linear, quantize_int8
+from tformer.kernels.quantize import Int8Linear
 from tformer.kernels.step import DecoderStep
 from tformer.models.transformer_xl import Memory
 from tformer.registry import get_family
@@ -26,7 +27,7 @@ from tformer.viz.cost import activation_bytes, linear_flops
 
 
 def counted(fn) -> int:
-    matvec.load()  # its checks at load time run products of their own: not inside the count
+    library.load()  # its checks at load time run products of their own: not inside the count
     with (sdpa_kernel(SDPBackend.MATH),
           mock.patch.object(decoding_cache, "serves", lambda q: False),
           mock.patch.object(DecoderStep, "of", lambda *a: None),
@@ -321,7 +322,7 @@ def test_a_gated_seq2seq_forward_pass_by_torchs_count():
 def test_int8_and_prepacked_linears_count_as_the_linears_they_replace():
     _, model = build("gpt", LLAMA)
     model.eval()
-    int8 = quantize_int8(model)
+    int8 = quantize_model(model, "int8")
     assert any(isinstance(m, Int8Linear) for m in int8.modules())
     assert not any(isinstance(m, nn.Linear) for m in int8.blocks.modules())
     assert linear_flops(int8) == linear_flops(prepack(model)) == linear_flops(model)

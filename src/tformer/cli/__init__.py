@@ -1,9 +1,13 @@
-"""The `tformer` command: one table of subcommands, each a typed function in its own module.
+"""The `tformer` command: one table of subcommands (COMMANDS), each a typed function.
 
-A command's options are its function's parameters (tformer/cli/options.py). The command
-modules own the terminal (progress bars, tables, streamed text), the seeds and the device;
-the library only logs. A TformerError becomes one line on stderr and exit code 2; Ctrl-C at
-any moment, the imports included, is one line and exit code 130.
+Each command lives beside what it runs, and COMMANDS names its module: train, generate,
+evaluate, translate and average in tformer/cli/; serve in tformer/serving/command.py; plot,
+info and attention in tformer/viz/command.py; import and export in
+tformer/interop/command.py. A command's options are its function's parameters
+(tformer/arguments.py reads them). The command modules own the terminal (progress bars,
+tables, streamed text), the seeds and the device; the library only logs. A TformerError
+becomes one line on stderr and exit code 2; Ctrl-C at any moment, the imports included, is
+one line and exit code 130.
 
 Nothing heavy is imported before `main` runs: only the chosen command's module is imported,
 after the interrupt handler is in place.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Any
 
-from tformer.api import SAMPLING
+from tformer.api import SAMPLING, Weights
 from tformer.arguments import Help
 from tformer.cli.common import Checkpoint, Device, Threads
 
@@ -30,7 +30,7 @@ def chat(
         float, Help("sample from the likeliest tokens of this total probability; 1 is off")
     ] = SAMPLING.top_p,
     seed: Annotated[int, Help("random seed of the sampling")] = SAMPLING.seed,
-    int8: Annotated[bool, Help("int8 weights (CPU): faster, ~same text")] = False,
+    weights: Weights = None,
     device: Device = "auto",
     threads: Threads = None,
 ) -> int:
@@ -38,7 +38,7 @@ def chat(
     from tformer.data.chat import template_of
 
     check_generation_args(max_new_tokens, temperature, top_k, top_p)
-    model = load(checkpoint, int8=int8, device=device, threads=threads, needs="generate")
+    model = load(checkpoint, weights=weights, device=device, threads=threads, needs="generate")
     template = template_of(model.tokenizer)
     terminal = sys.stdin.isatty()
     own = "" if model.tokenizer.chat_template else "; it has no chat template: role: text lines"

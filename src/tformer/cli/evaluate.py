@@ -8,6 +8,7 @@ import math
 import sys
 from typing import Annotated, Any
 
+from tformer.api import Weights
 from tformer.arguments import Gathered, Help
 from tformer.cli.common import Checkpoint, Device, Ensemble, Threads, ensemble_note, print_metrics
 from tformer.errors import TformerError
@@ -36,7 +37,7 @@ def evaluate(
              "split)", nargs="*"),
     ] = None,
     *,
-    int8: Annotated[bool, Help("int8 weights (CPU), to see their cost")] = False,
+    weights: Weights = None,
     as_json: Annotated[bool, Help("one JSON object instead of a table", flags=("--json",))] = False,
     batch_size: Annotated[
         int, Help("sequences at once (default: the run's; seq2seq: 32 sentences)")
@@ -55,7 +56,7 @@ def evaluate(
 
     options = options or {}
     data = list(data or [])
-    model = load(checkpoint, int8=int8, device=device, threads=threads,
+    model = load(checkpoint, weights=weights, device=device, threads=threads,
                  ensemble=ensemble or ())
     family = model.family
     check_evaluate_options(options, family.name, model.label)

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Annotated
 
-from tformer.api import DRAFT_TOKENS, SAMPLING, Draft, DraftTokens, PromptLookup
+from tformer.api import DRAFT_TOKENS, SAMPLING, Draft, DraftTokens, PromptLookup, Weights
 from tformer.arguments import Help
 from tformer.cli.common import Checkpoint, Device, Threads
 
@@ -27,7 +27,7 @@ def generate(
     seed: Annotated[int, Help("random seed of the sampling")] = SAMPLING.seed,
     num_samples: Annotated[int, Help("samples from the same prompt")] = 1,
     no_cache: Annotated[bool, Help("recompute every step (slow)")] = False,
-    int8: Annotated[bool, Help("int8 weights (CPU): faster, ~same text")] = False,
+    weights: Weights = None,
     device: Device = "auto",
     threads: Threads = None,
     draft: Draft = None,
@@ -46,10 +46,10 @@ def generate(
     check_generation_args(max_new_tokens, temperature, top_k, top_p, num_samples)
     check_utf8(prompt, "--prompt")
     check_speculation_args(draft, draft_tokens, prompt_lookup)
-    model = load(checkpoint, int8=int8, device=device, threads=threads, needs="generate")
+    model = load(checkpoint, weights=weights, device=device, threads=threads, needs="generate")
     drafter = None
     if draft is not None:
-        drafter = load(draft, int8=int8, device=device, threads=model.threads)
+        drafter = load(draft, weights=weights, device=device, threads=model.threads)
         model.check_draft(drafter)
     ids = model.prompt_ids(prompt)
     speculative = drafter is not None or prompt_lookup > 0

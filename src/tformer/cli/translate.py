@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from typing import Annotated, Any
 
+from tformer.api import Weights
 from tformer.arguments import Help
 from tformer.cli.common import (
     Checkpoint,
@@ -48,7 +49,7 @@ def translate(
         bool, Help("end a sentence once it has --beam finished hypotheses (faster)")
     ] = False,
     batch_size: Annotated[int, Help("sentences decoded at once")] = 32,
-    int8: Annotated[bool, Help("int8 weights (CPU): faster, ~same text")] = False,
+    weights: Weights = None,
     ensemble: Ensemble = None,
     device: Device = "auto",
     threads: Threads = None,
@@ -66,7 +67,7 @@ def translate(
     if output is not None:
         check_output_file(output, "-o", input)
     lines: Any = read_lines(input) if input is not None else stdin_lines()
-    model = load(checkpoint, int8=int8, device=device, threads=threads, needs="translate",
+    model = load(checkpoint, weights=weights, device=device, threads=threads, needs="translate",
                  ensemble=ensemble or ())
     at_terminal = input is None and sys.stdin.isatty()
     print(

@@ -358,13 +358,11 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
 
 
 def kept_types() -> dict[int, str]:
-    """GGUF tensor type -> the weight format that holds its blocks as they are: the ones
-    tformer's kernels compute with (kernels/blocks.py: Q8_0, Q4_0, Q4_1)."""
-    try:
-        from tformer.kernels.blocks import GGML_TYPES
-    except ImportError:  # a build without block weights: every type is dequantized
-        return {}
-    return {ggml_type: fmt for fmt, ggml_type in GGML_TYPES.items()}
+    """GGUF tensor type -> the weight format that holds its blocks as they are: every entry
+    of the weight-format registry with a ggml_type (Q8_0, Q4_0, Q4_1)."""
+    from tformer.kernels.formats import FORMATS
+
+    return {fmt.ggml_type: name for name, fmt in FORMATS.items() if fmt.ggml_type is not None}
 
 
 def linear_sources(file: GGUFFile, cfg: Any) -> dict[str, tuple[str, ...]]:

@@ -30,6 +30,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "tformer.h"
 #include "vecmath.h"
 
 #define BLOCK 8 /* positions scored at once */

@@ -13,22 +13,45 @@ torch (gathering the keys).
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 from torch import Tensor
 
-from tformer.kernels import matvec
+from tformer.kernels import library
 
 MAX_POSITIONS = 8192
 """The kernel keeps a row's scores on the stack: longer caches take torch's path."""
+
+
+def check(lib: ctypes.CDLL) -> bool:
+    """The same for attend.c: three rows of four query heads sharing two key/value heads
+    (d = 12: a vector's worth and a remainder) over 9 positions read through a table of
+    buffer rows, against attention written out over the keys gathered in that order."""
+    k, v, q = torch.randn(3, 2, 10, 12), torch.randn(3, 2, 10, 12), torch.randn(3, 4, 12)
+    rows = torch.randint(0, 3, (3, 9))
+    out = q.new_empty(3, 4, 12)
+    lib.tformer_attend_step(q.data_ptr(), 48, k.data_ptr(), 240, 120, 12, v.data_ptr(), 240,
+                            120, 12, rows.data_ptr(), 9, 1, None, 0, out.data_ptr(), 3, 3, 4,
+                            2, 9, 1, 12, 12, 12**-0.5, 1)
+    positions = torch.arange(9)
+    keys, values = (t[rows, :, positions].transpose(1, 2).repeat_interleave(2, dim=1)
+                    for t in (k, v))
+    probs = ((keys @ q[..., None])[..., 0] * 12**-0.5).softmax(dim=-1)
+    return torch.allclose(out, (probs[:, :, None] @ values)[:, :, 0], atol=1e-5)
+
+
+def native() -> ctypes.CDLL | None:
+    """The kernels' library, where this module's kernels passed their check; else None."""
+    return library.checked(check)
 
 
 def serves_cache(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether decoding steps over a cache of this dtype on this device run the kernel
     (float32 on a CPU, the library built): where they do, beam search can leave the cache in
     place (layers.attention.Lineage)."""
-    return device.type == "cpu" and dtype == torch.float32 and matvec.load() is not None
+    return device.type == "cpu" and dtype == torch.float32 and native() is not None
 
 
 def serves(x: Tensor) -> bool:
@@ -79,7 +102,7 @@ def attend_step(
     if q_stride[1] != d or q_stride[2] != 1:  # the kernel finds head h at row + h * d
         q = q.contiguous()
         q_stride = q.stride()
-    lib = matvec.load()
+    lib = native()
     if (lib is None or k_stride[3] != 1 or v_stride[3] != 1 or length > MAX_POSITIONS
             or k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device
             or v.device != q.device or not serves(q)

@@ -20,17 +20,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tformer.h"
 #include "vecmath.h"
 
 #define BLOCK 32
-#define KIND_Q8_0 2
-#define KIND_Q4_0 3
-#define KIND_Q4_1 4
+#define KIND_Q8_0 TFORMER_Q8_0
+#define KIND_Q4_0 TFORMER_Q4_0
+#define KIND_Q4_1 TFORMER_Q4_1
 #define BLK_PREFETCH_AHEAD 4
 #define WIDE_TILE 16  /* rows of W a tile holds when x has more than four rows */
 #define X_CHUNK 64    /* rows of x that pass through a tile at a time */
 
-enum { BISA_GENERIC, BISA_AVX2, BISA_AVX_VNNI, BISA_AVX512_VNNI };
+enum { BISA_GENERIC = TFORMER_BLOCKS_GENERIC, BISA_AVX2 = TFORMER_BLOCKS_AVX2,
+       BISA_AVX_VNNI = TFORMER_BLOCKS_AVX_VNNI, BISA_AVX512_VNNI = TFORMER_BLOCKS_AVX512_VNNI };
 static int blocks_isa = BISA_AVX2;
 
 /* x as blocks: qx (m x k int8), and per block (m x nb) its scale dx, the integer sum of its
@@ -221,6 +223,8 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
                           const float *b, float *y, int threads)
 {
     const long nb = k / BLOCK;
+    if (m <= 0 || n <= 0)
+        return 0;
     struct xblocks xb;
     xb.qx = malloc((size_t)(m * k));
     xb.dx = malloc((size_t)(m * nb) * sizeof(float));
@@ -271,4 +275,12 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
     free(xb.sx);
     free(xb.lane8);
     return ok ? 0 : -1;
+}
+
+/* kinds.c's product for q8_0, q4_0 and q4_1: l->data holds the blocks. */
+int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                               int threads)
+{
+    return tformer_blocks_linear(l->kind, x, m, (const uint8_t *)l->data, l->n_out, l->n_in,
+                                 l->bias, y, threads);
 }

@@ -20,7 +20,7 @@ trunc(x / d + 8.5)); q4_1: d = (max - min) / 15, m = min, q = min(15, trunc((x -
 BlockLinear computes y = x W^T + b with the activations rounded to the same kind of
 32-value blocks (one fp32 scale each, q = round(x / d), d = max|x| / 127) and the products
 of a block summed exactly in integers, then scaled: blocks.c, on x86-64 with AVX2 (and
-AVX-VNNI or AVX-512 VNNI where the CPU has them). Elsewhere (kernels/build.py's
+AVX-VNNI or AVX-512 VNNI where the CPU has them). Elsewhere (library.py's
 TFORMER_ISA=torch, no compiler) it multiplies fp32 rows by the weight dequantized once and
 kept: the same weights, the activations unrounded.
 """
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.errors import TformerError
+from tformer.kernels import library
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +43,15 @@ BLOCK = 32
 """Values per block, along the input dimension."""
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 """Bytes a block takes in each format."""
-KINDS = {"q8_0": 2, "q4_0": 3, "q4_1": 4}
-"""The C tag of each format (tformer.h's enum tformer_kind; blocks.c's KIND_*)."""
+KINDS = {"q8_0": library.KIND_Q8_0, "q4_0": library.KIND_Q4_0, "q4_1": library.KIND_Q4_1}
+"""The C tag of each format (tformer.h's enum tformer_kind)."""
 GGML_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3}
 """The GGUF tensor type whose raw blocks each format holds as is."""
 ISA_GENERIC, ISA_AVX2, ISA_AVX_VNNI, ISA_AVX512_VNNI = 0, 1, 2, 3
-"""blocks.c's paths: plain C, AVX2 (byte multiply-adds), AVX-VNNI, AVX-512 VNNI."""
+"""blocks.c's paths (tformer.h's TFORMER_BLOCKS_*): plain C, AVX2 (byte multiply-adds),
+AVX-VNNI, AVX-512 VNNI."""
 ISA_FOR = {"avx512": ISA_AVX512_VNNI, "avxvnni": ISA_AVX_VNNI, "avx2": ISA_AVX2}
-"""matvec.isa()'s names: the path blocks.c takes for each."""
+"""library.ISAS's kernel instruction sets: the path blocks.c takes for each."""
 
 
 def _check_format(fmt: str) -> None:
@@ -127,45 +129,39 @@ def dequantize(blocks: Tensor, fmt: str) -> Tensor:
     return (d * q + m).reshape(n, -1)
 
 
-# The C kernels (blocks.c, built into matvec's library).
+# The C kernels (blocks.c, built into library.py's library).
 
-_loaded: dict[str, object] = {}
-"""The library _lib() last set up (matvec.load() makes a new one after cache_clear) and
-whether its block products passed the check."""
-
-
-def _lib() -> ctypes.CDLL | None:
-    """matvec's library with the block products declared and checked, or None (torch)."""
-    from tformer.kernels import matvec
-
-    lib = matvec.load()
-    if lib is None:
-        return None
-    if _loaded.get("lib") is not lib:
-        _loaded.update(lib=lib, right=_set_up(lib, matvec.isa()))
-    return lib if _loaded["right"] else None
-
-
-def _set_up(lib: ctypes.CDLL, isa: str) -> bool:
-    lib.tformer_blocks_linear.argtypes = (
-        [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-         ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
-    lib.tformer_blocks_linear.restype = ctypes.c_int
-    lib.tformer_blocks_isa.argtypes = [ctypes.c_int]
-    lib.tformer_blocks_isa.restype = ctypes.c_int
-    want = ISA_FOR[isa]
+def check(lib: ctypes.CDLL) -> bool:
+    """The block products' self-check (library.checked runs it once per library): the best
+    path the CPU has, at most the instruction set load() chose (TFORMER_ISA), else AVX2,
+    else plain C, whichever first computes right (computes_right)."""
+    names = {value: name for name, value in library.ISA_LEVELS.items()}
+    want = ISA_FOR[names[lib.tformer_isa(-1)]]
     for level in dict.fromkeys([want, ISA_AVX2, ISA_GENERIC]):
         if lib.tformer_blocks_isa(level) == level and computes_right(lib):
             if level != want:
-                log.warning("the block products' %s path computed a wrong product; using %s",
-                            isa, "AVX2" if level == ISA_AVX2 else "plain C")
+                log.warning("the block products' faster path computed a wrong product; "
+                            "using %s", "AVX2" if level == ISA_AVX2 else "plain C")
             return True
-    log.warning("the block products computed a wrong product: using torch's fp32 products")
     return False
 
 
-def native() -> bool:
-    """Whether the block products run in C here."""
+def _lib() -> ctypes.CDLL | None:
+    return library.checked(check)
+
+
+PATH_NAMES = {ISA_GENERIC: "plain C", ISA_AVX2: "AVX2", ISA_AVX_VNNI: "AVX-VNNI",
+              ISA_AVX512_VNNI: "AVX-512 VNNI"}
+
+
+def path() -> str:
+    """How the block products run here: PATH_NAMES's name of blocks.c's path, or "torch"."""
+    lib = _lib()
+    return "torch" if lib is None else PATH_NAMES[lib.tformer_blocks_isa(-1)]
+
+
+def available() -> bool:
+    """Whether the block products run blocks.c here (else torch's fp32 products)."""
     return _lib() is not None
 
 
@@ -333,9 +329,18 @@ class BlockLinear(nn.Module):
                 and (b is None or (b.dtype == torch.float32 and b.device.type == "cpu"
                                    and b.is_contiguous())))
 
-    def runs_native(self) -> bool:
-        """Whether fp32 rows on the CPU go through blocks.c (step.c calls it directly)."""
-        return _lib() is not None and self._fits(torch.empty(0))
+    def tformer_linear(self) -> library.BoundLinear | None:
+        """The layer as step.c reads it (tformer.h's TFORMER_Q8_0, _Q4_0 or _Q4_1), or None
+        where blocks.c cannot read its tensors; any number of rows."""
+        if _lib() is None or not self._fits(torch.empty(0)):
+            return None
+        bias = None if self.bias is None else self.bias.detach()
+        struct = library.Linear(KINDS[self.fmt], self.out_features, self.in_features,
+                                self.blocks.data_ptr(), None,
+                                None if bias is None else bias.data_ptr(), None, None, 0,
+                                1 << 30)
+        return library.BoundLinear(struct, 1 << 30,
+                                   (self.blocks, *([] if bias is None else [bias])))
 
     def forward(self, x: Tensor) -> Tensor:
         lib = _lib()

@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "tformer.h"
+
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
 #define PHILOX_W0 0x9E3779B9u /* the golden ratio */

@@ -17,12 +17,42 @@ torch.compile, p of 0 or 1) this is `F.dropout`.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from tformer.kernels import matvec
+from tformer.kernels import library
+
+
+def philox4x32(lib: ctypes.CDLL, counter: list[int], key: list[int]) -> list[int]:
+    """dropout.c's generator on its own: the four words of Philox4x32-10 for one counter
+    (four 32-bit words) and key (two), for known-answer tests and the check below."""
+    out = (ctypes.c_uint32 * 4)()
+    lib.tformer_philox4x32((ctypes.c_uint32 * 4)(*counter), (ctypes.c_uint32 * 2)(*key), out)
+    return list(out)
+
+
+def check(lib: ctypes.CDLL) -> bool:
+    """The same for dropout.c: the generator's first known-answer vector (Random123's
+    kat_vectors), and the mask at p = 0.5 over two blocks and a tail against the words the
+    generator gives each element's counter (the layout of lanes, words and blocks)."""
+    if philox4x32(lib, [0, 0, 0, 0], [0, 0]) != [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]:
+        return False
+    seed, n, half = 0x0123456789ABCDEF, 70, 2**31
+    x, y = torch.ones(n), torch.empty(n)
+    lib.tformer_dropout(x.data_ptr(), y.data_ptr(), n, seed, half, 2.0, 1)
+    key = [seed & 0xFFFFFFFF, seed >> 32]
+    words = [philox4x32(lib, [8 * (i // 32) + i % 8, 0, 0, 0], key)[(i % 32) // 8]
+             for i in range(n)]
+    return torch.equal(y, torch.tensor([2.0 if w >= half else 0.0 for w in words]))
+
+
+def native() -> ctypes.CDLL | None:
+    """The kernels' library, where this module's kernels passed their check; else None."""
+    return library.checked(check)
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
@@ -40,7 +70,7 @@ def runs_natively(x: Tensor, p: float) -> bool:
     """Whether `dropout(x, p)` in training runs the kernel (else it is F.dropout)."""
     return (
         0.0 < p < 1.0 and x.device.type == "cpu" and x.dtype == torch.float32
-        and not torch.compiler.is_compiling() and matvec.load() is not None
+        and not torch.compiler.is_compiling() and native() is not None
     )
 
 
@@ -75,7 +105,7 @@ def threshold(p: float) -> int:
 
 def apply_mask(x: Tensor, p: float, seed: int) -> Tensor:
     """x * mask(seed) / (1 - p) through the kernel: x a float32 CPU tensor, 0 < p < 1."""
-    lib = matvec.load()
+    lib = native()
     x = x.contiguous()
     y = torch.empty_like(x)
     lib.tformer_dropout(x.data_ptr(), y.data_ptr(), x.numel(), seed, threshold(p),

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "tformer.h"
 #include "vecmath.h"
 
 #define LANES 8

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from tformer.kernels import matvec
+from tformer.kernels import library
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -37,15 +37,8 @@ def runs_natively(gate: Tensor, up: Tensor) -> bool:
 
 
 def _library() -> ctypes.CDLL | None:
-    """The kernels' library (matvec.load) with glu.c's functions declared."""
-    lib = matvec.load()
-    if lib is not None and lib.tformer_silu_mul_forward.argtypes is None:
-        p, n = ctypes.c_void_p, ctypes.c_long
-        lib.tformer_silu_mul_forward.argtypes = [p, p, p, n, ctypes.c_int]
-        lib.tformer_silu_mul_forward.restype = None
-        lib.tformer_silu_mul_backward.argtypes = [p, p, p, p, p, n, ctypes.c_int]
-        lib.tformer_silu_mul_backward.restype = None
-    return lib
+    """The kernels' library (library.load)."""
+    return library.load()
 
 
 class _SiluMul(torch.autograd.Function):

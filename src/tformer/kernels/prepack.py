@@ -7,7 +7,7 @@ for eight, against some 28 GB/s that a plain sum reads. oneDNN can reorder a wei
 into the blocked layout its kernels stream best; with that layout the same products run
 1.3x (one row) to 2x (eight rows) faster, and a 4-row, 8000-word output projection 4x
 (benchmarks/speed.py measures the effect end to end). For one to four rows a hand-written
-kernel (matvec.py) is faster still, and PackedLinear uses it where it is available.
+kernel (fp32.py) is faster still, and PackedLinear uses it where it is available.
 
 The reordered copy is made once, when decoding starts: `prepack(model)` returns a model
 whose nn.Linear layers hold their weight in both layouts (the original stays, shared, for
@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.kernels import matvec
+from tformer.kernels import fp32
 
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout. Same results as the nn.Linear
     it came from, up to float rounding (the kernels sum in another order). One to four rows
-    go through `matvec`'s kernel where it is available."""
+    go through fp32.c's kernel where it is available."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -46,7 +46,7 @@ class PackedLinear(nn.Module):
         # Packed for 64, the kernels ran as fast at 1 to 8 rows as packed for exactly those,
         # and packed for 1 they lost half their speed at 4 rows and more.
         self._pack()
-        self.native = matvec.load() is not None
+        self.native = fp32.available()
 
     def _pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
@@ -62,8 +62,8 @@ class PackedLinear(nn.Module):
             # The reordered copy has no autograd: computing a gradient through it would be
             # silently wrong, so training code gets the plain product instead.
             return F.linear(x, self.weight, self.bias)
-        if self.native and 0 < x.numel() <= matvec.MAX_ROWS * self.in_features:
-            return matvec.matvec(x, self.weight, self.bias)
+        if self.native and 0 < x.numel() <= fp32.MAX_ROWS * self.in_features:
+            return fp32.matvec(x, self.weight, self.bias)
         if self.packed_from != self._weight_version():
             self._pack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

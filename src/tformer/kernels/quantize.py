@@ -13,10 +13,10 @@ integer product does twice the work of fp32's per instruction. Embedding tables 
 (a step reads only one row of them).
 
 A row's result depends on that row alone (its scale is its own and the sums are exact),
-bit for bit, whichever kernel computes the product: matvec's for the few rows of a
+bit for bit, whichever kernel computes the product: int8.py's for the few rows of a
 decoding step, and for more its product over a copy of the weight packed once (with AVX-512
-VNNI where the CPU has it, else AVX2), and torch's integer product wherever matvec's
-kernel cannot be built. kernels/matvec.py does the rounding and the products.
+VNNI where the CPU has it, else AVX2), and torch's integer product wherever the
+kernel cannot be built. kernels/rounding.py does the rounding, int8.py the products.
 Batched decoding can still differ from one sentence at a time where attention over padding
 rounds differently and that moves an input across a rounding step.
 """
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from tformer.errors import TformerError
-from tformer.kernels import matvec
-from tformer.kernels.prepack import PackedLinear, prepack_available, swap_linears
+from tformer.kernels import int8, library
+from tformer.kernels.library import BoundLinear
+from tformer.kernels.rounding import quantize_rows, scaled_integer_product
 
 
 class Int8Linear(nn.Module):
@@ -44,20 +44,20 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        qweight, scale = matvec.quantize_rows(linear.weight.detach().float().contiguous())
+        qweight, scale = quantize_rows(linear.weight.detach().float().contiguous())
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = linear.bias
         # The same weight in the layout of the product of many rows, where the kernel is
         # built (not a buffer: derived from qweight, so not saved).
-        self.packed = matvec.pack_int8(qweight)
+        self.packed = int8.pack_int8(qweight)
         # Checked once here rather than at every call (the weight side does not change).
-        self.native = matvec.fits_int8_kernel(qweight, scale, self.bias)
+        self.native = int8.fits_int8_kernel(qweight, scale, self.bias)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's)
         # .to(), .double() and the like replace the tensors: check them again.
         super()._apply(fn, recurse)
-        self.native = matvec.fits_int8_kernel(self.qweight, self.scale, self.bias)
+        self.native = int8.fits_int8_kernel(self.qweight, self.scale, self.bias)
         return self
 
     @property
@@ -71,8 +71,26 @@ class Int8Linear(nn.Module):
             # Not what inference runs (the int8 products are for fp32 on the CPU), but correct.
             return F.linear(x, self.weight.to(x.dtype), self.bias)
         rows = x.reshape(-1, self.in_features).contiguous()
-        y = matvec.linear_int8_unchecked(rows, self.qweight, self.scale, self.bias, self.packed)
+        y = int8.linear_int8_unchecked(rows, self.qweight, self.scale, self.bias, self.packed)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def tformer_linear(self) -> BoundLinear | None:
+        """The layer as step.c reads it (tformer.h's TFORMER_INT8), or None where the kernels
+        cannot read its tensors: as many rows as a step has where the weight is packed, else
+        up to int8.INT8_MAX_ROWS (beyond, torch's product of many rows is the faster)."""
+        if not (self.native and int8.available()):
+            return None
+        packed, bias = self.packed, self.bias
+        struct = library.Linear(
+            library.KIND_INT8, self.out_features, self.in_features, self.qweight.data_ptr(),
+            self.scale.data_ptr(), None if bias is None else bias.data_ptr(),
+            None if packed is None else packed.data.data_ptr(),
+            None if packed is None else packed.row_sums.data_ptr(),
+            0 if packed is None else packed.layout, 1 << 30 if packed is None else packed.min_rows)
+        tensors = [self.qweight, self.scale, *([] if bias is None else [bias]),
+                   *([] if packed is None else [packed.data, packed.row_sums])]
+        rows = 1 << 30 if packed is not None else int8.INT8_MAX_ROWS
+        return BoundLinear(struct, rows, tuple(tensors))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -94,7 +112,7 @@ class _FrozenInt8Product(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(q, wscale)
         ctx.has_bias = bias is not None
-        return matvec.scaled_integer_product(*matvec.quantize_rows(x), q, wscale, bias)
+        return scaled_integer_product(*quantize_rows(x), q, wscale, bias)
 
     @staticmethod
     @once_differentiable
@@ -104,9 +122,9 @@ class _FrozenInt8Product(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # grad_x[i, k] = sum_j grad_y[i, j] wscale[j] q[j, k]: W's scale varies along the
             # sum, so it goes into grad_y's rows before they are rounded.
-            gq, gscale = matvec.quantize_rows((grad_y * wscale).contiguous())
+            gq, gscale = quantize_rows((grad_y * wscale).contiguous())
             ones = wscale.new_ones(q.shape[1])
-            grad_x = matvec.scaled_integer_product(gq, gscale, q.t(), ones, None)
+            grad_x = scaled_integer_product(gq, gscale, q.t(), ones, None)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_bias = grad_y.sum(0)
         return grad_x, None, None, grad_bias
@@ -127,7 +145,7 @@ class FrozenInt8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Plain tensors, not buffers: rounded again from the fp32 weight whenever a run
         # starts, so never saved, and not broadcast by DDP at every step as buffers are.
-        self.qweight, self.scale = matvec.quantize_rows(linear.weight.detach().float().contiguous())
+        self.qweight, self.scale = quantize_rows(linear.weight.detach().float().contiguous())
         self.bias = linear.bias
 
     @property
@@ -144,29 +162,3 @@ class FrozenInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, frozen"
-
-
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """An int8 copy of `model` for inference on the CPU; the original is left as it is.
-
-    Linear layers named in the model's `int8_skip` stay fp32 (prepacked where oneDNN is
-    available).
-    """
-    if next(model.parameters()).device.type != "cpu":
-        raise TformerError("--int8 runs on the CPU; pass --device cpu")
-    skip = set(getattr(model, "int8_skip", ()))
-    fp32 = PackedLinear if prepack_available() else (lambda linear: linear)
-    return swap_linears(
-        model, lambda name, linear: fp32(linear) if name in skip else Int8Linear(linear)
-    )
-
-
-def inference_model(model: nn.Module, int8: bool) -> nn.Module:
-    """The model as decoding, evaluation and serving run it: int8 linear layers if asked,
-    else (fp32 on the CPU) linear layers with weights prepacked for the small matmuls of
-    decoding; unchanged elsewhere."""
-    if int8:
-        return quantize_int8(model)
-    from tformer.kernels.prepack import prepack
-
-    return prepack(model)

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "tformer.h"
 #include "vecmath.h"
 
 #define COLUMNS 64 /* the width of a column block of dw */

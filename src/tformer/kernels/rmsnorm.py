@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from tformer.kernels import matvec
+from tformer.kernels import library
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -34,15 +34,8 @@ def runs_natively(x: Tensor, weight: Tensor) -> bool:
 
 
 def _library() -> ctypes.CDLL | None:
-    """The kernels' library (matvec.load) with rmsnorm.c's functions declared."""
-    lib = matvec.load()
-    if lib is not None and lib.tformer_rms_norm_forward.argtypes is None:
-        p, n = ctypes.c_void_p, ctypes.c_long
-        lib.tformer_rms_norm_forward.argtypes = [p, p, n, n, ctypes.c_float, p, p, ctypes.c_int]
-        lib.tformer_rms_norm_forward.restype = None
-        lib.tformer_rms_norm_backward.argtypes = [p, p, p, p, n, n, p, p, ctypes.c_int]
-        lib.tformer_rms_norm_backward.restype = None
-    return lib
+    """The kernels' library (library.load)."""
+    return library.load()
 
 
 class _RMSNorm(torch.autograd.Function):

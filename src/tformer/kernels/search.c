@@ -20,6 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "tformer.h"
 #include "vecmath.h"
 
 /* Insert (x, j) into the k best so far, val[0] >= val[1] >= ... >= val[k - 1], in place

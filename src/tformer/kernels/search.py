@@ -10,11 +10,30 @@ built, torch computes the same numbers.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tformer.kernels import matvec
+from tformer.kernels import library
+
+
+def check(lib: ctypes.CDLL) -> bool:
+    """The same for search.c: beam search's candidates as torch's log-softmax and top-k
+    choose them, a vector's worth of columns and a remainder, two of them banned."""
+    x, add, banned = torch.randn(3, 37), torch.randn(3), torch.tensor([0, 4])
+    top, index = x.new_empty(3, 5), torch.empty(3, 5, dtype=torch.long)
+    lib.tformer_top_logprobs(x.data_ptr(), add.data_ptr(), banned.data_ptr(), len(banned),
+                             top.data_ptr(), index.data_ptr(), 3, 37, 5, 1)
+    logprobs = F.log_softmax(x, dim=-1).index_fill_(1, banned, float("-inf"))
+    want, want_index = logprobs.add_(add[:, None]).topk(5, dim=-1)
+    return torch.equal(index, want_index) and torch.allclose(top, want, atol=1e-5)
+
+
+def native() -> ctypes.CDLL | None:
+    """The kernels' library, where this module's kernels passed their check; else None."""
+    return library.checked(check)
 
 
 def top_logprobs(
@@ -33,7 +52,7 @@ def top_logprobs(
     banned = logits.new_empty(0, dtype=torch.long) if banned is None else banned
     if not 1 <= k <= v:
         raise ValueError(f"top_logprobs: k = {k} for rows of {v}")
-    lib = matvec.load()
+    lib = native()
     if lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
         return torch_top_logprobs(logits, add, k, banned)
     logits, add = logits.contiguous(), add.to(torch.float32).contiguous()

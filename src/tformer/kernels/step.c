@@ -8,7 +8,8 @@
  * calls. Each costs a few microseconds of Python and dispatch, while the products, which
  * have to stream the layer's weights from memory, take 10-100 us each: on OPUS-MT's shape
  * the calls around the arithmetic were about a third of a step. Here the layer runs as
- * the modules do, with the same products (matvec.c) and attention (attend.c), in one call:
+ * the modules do, with the same products (kinds.c's table of them) and attention
+ * (attend.c), in one call:
  *
  *     pre-norm:  x = x + SelfAttn(LN1(x));  x = x + CrossAttn(LN2(x));  x = x + FFN(LN3(x))
  *     post-norm: x = LN1(x + SelfAttn(x));  x = LN2(x + CrossAttn(x));  x = LN3(x + FFN(x))
@@ -25,79 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "tformer.h"
 #include "vecmath.h"
-
-/* from matvec.c and attend.c */
-void tformer_matvec(const float *x, const float *w, const float *b, float *y, long m, long n,
-                    long k, int threads);
-int tformer_linear_int8(const float *x, const int8_t *q, const float *wscale, const float *b,
-                        float *y, long m, long n, long k, int threads);
-int tformer_linear_int8_packed(const float *x, const int8_t *packed, const int32_t *colsum,
-                               const float *wscale, const float *b, float *y, long m, long n,
-                               long k, int layout, int threads);
-int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, long n, long k,
-                          const float *b, float *y, int threads);
-int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
-                        long k_pos, const float *v, long v_row, long v_head, long v_pos,
-                        const int64_t *rows, long rows_row, long group, const float *bias,
-                        long bias_row, float *out, long n, long r, long heads, long kv_group,
-                        long length, long own, long d, long dv, float scale, int threads);
-
-/* A linear layer y = x W^T + b: fp32 (weight) or int8 (qweight, scale, and for the
- * many-row product, packed and row_sums in `layout`). The structures mirror step.py's. */
-struct tformer_linear {
-    const float *weight;
-    const int8_t *qweight;
-    const int8_t *packed;
-    const int32_t *row_sums;
-    const float *scale;
-    const float *bias; /* or NULL */
-    long out_features, in_features;
-    long layout; /* of packed: matvec.c's ISA_AVX2, ISA_AVX512_VNNI or AVX2_BYTES */
-    long kind; /* 0: fp32 or int8 as above; q8_0, q4_0, q4_1 (blocks.c): qweight holds blocks */
-};
-
-enum { NORM_LAYER, NORM_RMS };
-
-struct tformer_norm {
-    const float *weight, *bias; /* bias may be NULL (always for RMSNorm) */
-    float eps;
-    int kind; /* NORM_LAYER or NORM_RMS */
-};
-
-enum { ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU };
-
-struct tformer_decoder_layer {
-    struct tformer_linear qkv, self_out, cross_q, cross_out, up, down;
-    struct tformer_norm self_norm, cross_norm, ff_norm;
-    long heads, d_head, d_value;
-    float scale; /* on the scores: d_head ** -0.5, as attend.py passes it */
-    int pre_norm, activation;
-    long packed_min_rows; /* int8 products of this many rows and more use `packed` */
-};
-
-/* Keys and values, (rows, heads, positions, d) with these strides in floats. */
-struct tformer_kv {
-    float *k, *v;
-    long rows, k_row, k_head, k_pos, v_row, v_head, v_pos;
-};
-
-static int linear(const struct tformer_linear *l, const float *x, float *y, long m, long packed_min,
-                  int threads)
-{
-    const long n = l->out_features, k = l->in_features;
-    if (l->kind)
-        return tformer_blocks_linear((int)l->kind, x, m, (const uint8_t *)l->qweight, n, k,
-                                     l->bias, y, threads);
-    if (l->weight) {
-        tformer_matvec(x, l->weight, l->bias, y, m, n, k, threads);
-        return 0;
-    }
-    if (l->packed && m >= packed_min)
-        return tformer_linear_int8_packed(x, l->packed, l->row_sums, l->scale, l->bias, y, m, n,
-                                          k, (int)l->layout, threads);
-    return tformer_linear_int8(x, l->qweight, l->scale, l->bias, y, m, n, k, threads);
-}
 
 /* y = (x - mean) / sqrt(var + eps) * weight + bias over each row of d, moments in double
  * (four lanes of each, then their sum). */
@@ -150,7 +80,7 @@ static void rms_norm(const struct tformer_norm *norm, const float *x, float *y, 
 /* The norm of its kind over m rows of d; y may be x. */
 static void normalize(const struct tformer_norm *norm, const float *x, float *y, long m, long d)
 {
-    if (norm->kind == NORM_RMS)
+    if (norm->kind == TFORMER_NORM_RMS)
         rms_norm(norm, x, y, m, d);
     else
         layer_norm(norm, x, y, m, d);
@@ -166,19 +96,19 @@ static void activate(int kind, float *x, long count)
                  half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
     long j = 0;
     switch (kind) {
-    case ACT_RELU: /* max(0, v) keeps a NaN, as torch's relu does */
+    case TFORMER_ACT_RELU: /* max(0, v) keeps a NaN, as torch's relu does */
         for (; j < c8; j += 8)
             _mm256_storeu_ps(x + j, _mm256_max_ps(zero, _mm256_loadu_ps(x + j)));
         for (; j < count; j++)
             x[j] = x[j] > 0.0f || x[j] != x[j] ? x[j] : 0.0f;
         break;
-    case ACT_SILU:
+    case TFORMER_ACT_SILU:
         for (; j < c8; j += 8)
             _mm256_storeu_ps(x + j, silu8(_mm256_loadu_ps(x + j)));
         for (; j < count; j++)
             x[j] = silu1(x[j]);
         break;
-    case ACT_GELU_TANH:
+    case TFORMER_ACT_GELU_TANH:
         for (; j < c8; j += 8) {
             const __m256 v = _mm256_loadu_ps(x + j);
             const __m256 u = _mm256_mul_ps(
@@ -196,7 +126,7 @@ static void activate(int kind, float *x, long count)
             x[j] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
         }
         break;
-    default: /* ACT_GELU */
+    default: /* TFORMER_ACT_GELU */
         for (; j < count; j++)
             x[j] = 0.5f * x[j] * (1.0f + erff(x[j] * (float)M_SQRT1_2));
         break;
@@ -239,8 +169,8 @@ static const float *sublayer_input(int pre_norm, const struct tformer_norm *norm
  * the FFN's hidden layer, the attention's output, a sublayer's output. */
 long tformer_decoder_layer_scratch(const struct tformer_decoder_layer *l)
 {
-    const long width = l->qkv.out_features, ff = l->up.out_features;
-    const long d = l->self_out.out_features, widest = width > ff ? width : ff;
+    const long width = l->qkv.n_out, ff = l->up.n_out;
+    const long d = l->self_out.n_out, widest = width > ff ? width : ff;
     return d + widest + l->heads * l->d_value + d;
 }
 
@@ -262,16 +192,15 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
                                const struct tformer_kv *cross_kv, long source_len,
                                const float *bias, long bias_row, float *scratch, int threads)
 {
-    const long d = l->self_out.out_features, H = l->heads, dk = l->d_head, dv = l->d_value;
-    const long qk = H * dk, width = l->qkv.out_features, ff = l->up.out_features;
-    const long pm = l->packed_min_rows;
+    const long d = l->self_out.n_out, H = l->heads, dk = l->d_head, dv = l->d_value;
+    const long qk = H * dk, width = l->qkv.n_out, ff = l->up.n_out;
     const long widest = width > ff ? width : ff;
     float *h = scratch, *wide = h + n * d, *att = wide + n * widest, *out = att + n * H * dv;
     int status = 0;
 
     /* self-attention */
     const float *in = sublayer_input(l->pre_norm, &l->self_norm, x, h, n, d);
-    if ((status = linear(&l->qkv, in, wide, n, pm, threads)))
+    if ((status = tformer_linear(&l->qkv, in, wide, n, threads)))
         return status;
     const long s = length - 1;
     for (long i = 0; i < n; i++)
@@ -283,26 +212,26 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
         }
     if (attend(l, wide, width, self_kv, rows, rows_row, 1, NULL, 0, att, n, length, threads))
         return -2;
-    if ((status = linear(&l->self_out, att, out, n, pm, threads)))
+    if ((status = tformer_linear(&l->self_out, att, out, n, threads)))
         return status;
     residual(l->pre_norm, &l->self_norm, x, out, n, d);
 
     /* cross-attention */
     in = sublayer_input(l->pre_norm, &l->cross_norm, x, h, n, d);
-    if ((status = linear(&l->cross_q, in, wide, n, pm, threads)))
+    if ((status = tformer_linear(&l->cross_q, in, wide, n, threads)))
         return status;
     attend(l, wide, qk, cross_kv, NULL, 0, n / cross_kv->rows, bias, bias_row, att, n,
            source_len, threads);
-    if ((status = linear(&l->cross_out, att, out, n, pm, threads)))
+    if ((status = tformer_linear(&l->cross_out, att, out, n, threads)))
         return status;
     residual(l->pre_norm, &l->cross_norm, x, out, n, d);
 
     /* feed-forward */
     in = sublayer_input(l->pre_norm, &l->ff_norm, x, h, n, d);
-    if ((status = linear(&l->up, in, wide, n, pm, threads)))
+    if ((status = tformer_linear(&l->up, in, wide, n, threads)))
         return status;
     activate(l->activation, wide, n * ff);
-    if ((status = linear(&l->down, wide, out, n, pm, threads)))
+    if ((status = tformer_linear(&l->down, wide, out, n, threads)))
         return status;
     residual(l->pre_norm, &l->ff_norm, x, out, n, d);
     return 0;
@@ -316,16 +245,6 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
  *     FFN:   down(act(up(h))), or gated: down(act(gate(h)) * up(h))
  *
  * with heads query heads sharing kv_heads key/value heads (grouped-query attention). */
-struct tformer_lm_layer {
-    struct tformer_linear qkv, out, gate, up, down; /* gate: out_features 0 where plain */
-    struct tformer_norm attn_norm, ff_norm, q_norm, k_norm; /* q/k_norm: weight NULL for none */
-    long heads, kv_heads, d_head, d_value;
-    long rotated; /* the leading dimensions of each head that rotate; 0: no rotary */
-    int interleaved; /* pairs (2i, 2i + 1), or else (i, i + rotated / 2) */
-    float scale;
-    int pre_norm, activation;
-    long packed_min_rows;
-};
 
 /* Rotate the first `rotated` dimensions of each of `heads` heads of d floats at x by the
  * angles whose cosines and sines are cos[0 .. rotated/2) and sin[...]: the products and
@@ -355,8 +274,8 @@ static void rotate(float *x, long heads, long d, long rotated, int interleaved, 
  * FFN's hidden layers (two where gated), the attention's output, a sublayer's output. */
 long tformer_lm_layer_scratch(const struct tformer_lm_layer *l)
 {
-    const long width = l->qkv.out_features, d = l->out.out_features;
-    const long ff = (l->gate.out_features ? 2 : 1) * l->up.out_features;
+    const long width = l->qkv.n_out, d = l->out.n_out;
+    const long ff = (l->gate.n_out ? 2 : 1) * l->up.n_out;
     return d + (width > ff ? width : ff) + l->heads * l->d_value + d;
 }
 
@@ -398,16 +317,16 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, lo
                           const float *sin, const float *bias, long bias_row, float *scratch,
                           int threads)
 {
-    const long d = l->out.out_features, H = l->heads, dv = l->d_value, half = l->rotated / 2;
-    const long width = l->qkv.out_features, ff = l->up.out_features, pm = l->packed_min_rows;
-    const long hidden = (l->gate.out_features ? 2 : 1) * ff;
+    const long d = l->out.n_out, H = l->heads, dv = l->d_value, half = l->rotated / 2;
+    const long width = l->qkv.n_out, ff = l->up.n_out;
+    const long hidden = (l->gate.n_out ? 2 : 1) * ff;
     const long widest = width > hidden ? width : hidden;
     float *h = scratch, *wide = h + n * d, *att = wide + n * widest, *out = att + n * H * dv;
     int status = 0;
 
     /* self-attention */
     const float *in = sublayer_input(l->pre_norm, &l->attn_norm, x, h, n, d);
-    if ((status = linear(&l->qkv, in, wide, n, pm, threads)))
+    if ((status = tformer_linear(&l->qkv, in, wide, n, threads)))
         return status;
     for (long i = 0; i < n; i++)
         place_qkv(l, wide + i * width, i / tokens, length - tokens + i % tokens, kv,
@@ -416,26 +335,26 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, lo
                         kv->v_head, kv->v_pos, NULL, 0, tokens, bias, bias_row, att, n,
                         kv->rows, H, H / l->kv_heads, length, tokens, l->d_head, dv, l->scale,
                         threads);
-    if ((status = linear(&l->out, att, out, n, pm, threads)))
+    if ((status = tformer_linear(&l->out, att, out, n, threads)))
         return status;
     residual(l->pre_norm, &l->attn_norm, x, out, n, d);
 
     /* feed-forward */
     in = sublayer_input(l->pre_norm, &l->ff_norm, x, h, n, d);
-    if (l->gate.out_features) {
+    if (l->gate.n_out) {
         float *up = wide + n * ff;
-        if ((status = linear(&l->gate, in, wide, n, pm, threads))
-            || (status = linear(&l->up, in, up, n, pm, threads)))
+        if ((status = tformer_linear(&l->gate, in, wide, n, threads))
+            || (status = tformer_linear(&l->up, in, up, n, threads)))
             return status;
         activate(l->activation, wide, n * ff);
         for (long j = 0; j < n * ff; j++)
             wide[j] *= up[j];
     } else {
-        if ((status = linear(&l->up, in, wide, n, pm, threads)))
+        if ((status = tformer_linear(&l->up, in, wide, n, threads)))
             return status;
         activate(l->activation, wide, n * ff);
     }
-    if ((status = linear(&l->down, wide, out, n, pm, threads)))
+    if ((status = tformer_linear(&l->down, wide, out, n, threads)))
         return status;
     residual(l->pre_norm, &l->ff_norm, x, out, n, d);
     return 0;

@@ -21,58 +21,20 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from tformer.kernels import matvec
+from tformer.kernels import attend, fp32
 from tformer.kernels.attend import MAX_POSITIONS, serves_cache
-from tformer.kernels.blocks import KINDS, BlockLinear
-from tformer.kernels.quantize import Int8Linear
+from tformer.kernels.library import KV, BoundLinear, DecoderLayer, Linear, LMLayer, Norm
 from tformer.layers.feedforward import FeedForward, GatedFeedForward
 from tformer.layers.masks import attention_bias
 from tformer.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
     from tformer.decoding.cache import DecoderCache
-
-_p, _long = ctypes.c_void_p, ctypes.c_long
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("weight", _p), ("qweight", _p), ("packed", _p), ("row_sums", _p),
-                ("scale", _p), ("bias", _p), ("out_features", _long), ("in_features", _long),
-                ("layout", _long), ("kind", _long)]
-
-
-class _Norm(ctypes.Structure):
-    _fields_ = [("weight", _p), ("bias", _p), ("eps", ctypes.c_float), ("kind", ctypes.c_int)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [*((name, _Linear) for name in
-                  ("qkv", "self_out", "cross_q", "cross_out", "up", "down")),
-                *((name, _Norm) for name in ("self_norm", "cross_norm", "ff_norm")),
-                ("heads", _long), ("d_head", _long), ("d_value", _long),
-                ("scale", ctypes.c_float), ("pre_norm", ctypes.c_int), ("activation", ctypes.c_int),
-                ("packed_min_rows", _long)]
-
-
-class _LMLayer(ctypes.Structure):
-    _fields_ = [*((name, _Linear) for name in ("qkv", "out", "gate", "up", "down")),
-                *((name, _Norm) for name in ("attn_norm", "ff_norm", "q_norm", "k_norm")),
-                *((name, _long) for name in ("heads", "kv_heads", "d_head", "d_value",
-                                             "rotated")),
-                ("interleaved", ctypes.c_int), ("scale", ctypes.c_float),
-                ("pre_norm", ctypes.c_int), ("activation", ctypes.c_int),
-                ("packed_min_rows", _long)]
-
-
-class _KV(ctypes.Structure):
-    _fields_ = [("k", _p), ("v", _p), ("rows", _long),
-                *((f"{t}_{axis}", _long) for t in "kv" for axis in ("row", "head", "pos"))]
-
 
 _ACTIVATIONS = {nn.ReLU: 0, nn.SiLU: 3}
 """step.c's activations (and GELU: 1 exact, 2 tanh)."""
@@ -93,69 +55,49 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(module: nn.Module, f32_rows: int = matvec.MAX_ROWS) -> tuple[_Linear, int] | None:
-    """The structure for a linear layer and the most rows the step gives it (beyond that its
-    own kernels do better than step.c's; f32_rows for fp32 weights), or None where step.c
-    cannot read it."""
-    if isinstance(module, Int8Linear):
-        if not module.native:
-            return None
-        packed = module.packed
-        limit = 1 << 30 if packed is not None else matvec.INT8_MAX_ROWS
-        return _Linear(None, module.qweight.data_ptr(),
-                       None if packed is None else packed.data.data_ptr(),
-                       None if packed is None else packed.row_sums.data_ptr(),
-                       module.scale.data_ptr(), _ptr(module.bias), module.out_features,
-                       module.in_features, 0 if packed is None else packed.layout), limit
-    if isinstance(module, BlockLinear):  # (its `weight` is made at each read)
-        if not module.runs_native():
-            return None
-        return _Linear(None, module.blocks.data_ptr(), None, None, None, _ptr(module.bias),
-                       module.out_features, module.in_features, 0, KINDS[module.fmt]), 1 << 30
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if not (isinstance(weight, Tensor) and weight.dim() == 2 and _is_f32_cpu(weight)
-            and _is_f32_cpu(bias)):
-        return None
-    # fp32 rows: matvec's kernel, which PackedLinear runs up to MAX_ROWS rows.
-    return (_Linear(weight.data_ptr(), None, None, None, None, _ptr(bias), weight.shape[0],
-                    weight.shape[1], 0), f32_rows)
+def _linear(module: nn.Module, f32_rows: int = fp32.MAX_ROWS) -> BoundLinear | None:
+    """A linear layer as step.c reads it, or None where it cannot: its weight format's
+    module describes itself (`tformer_linear()`, tformer.h's struct tformer_linear with a
+    kind); a plain fp32 layer is given f32_rows at most (fp32.bound_linear)."""
+    own = getattr(module, "tformer_linear", None)
+    if own is not None:
+        return own()
+    return fp32.bound_linear(module, f32_rows)
 
 
-def _norm(module: nn.Module) -> _Norm | None:
+def _norm(module: nn.Module) -> Norm | None:
     """The structure for a LayerNorm or an RMSNorm (step.c's kinds 0 and 1), or None."""
     if isinstance(module, RMSNorm) and _is_f32_cpu(module.weight):
-        return _Norm(module.weight.data_ptr(), None, module.eps, 1)
+        return Norm(module.weight.data_ptr(), None, module.eps, 1)
     if not (isinstance(module, nn.LayerNorm) and module.weight is not None
             and len(module.normalized_shape) == 1 and _is_f32_cpu(module.weight)
             and _is_f32_cpu(module.bias)):
         return None
-    return _Norm(module.weight.data_ptr(), _ptr(module.bias), module.eps, 0)
-
-
-def _packed(layer: nn.Module) -> list[Tensor]:
-    """The packed int8 weights of a layer's Int8Linears (not buffers: made, not saved)."""
-    return [t for m in layer.modules() if isinstance(m, Int8Linear) and m.packed is not None
-            for t in (m.packed.data, m.packed.row_sums)]
+    return Norm(module.weight.data_ptr(), _ptr(module.bias), module.eps, 0)
 
 
 def _library() -> ctypes.CDLL | None:
-    """The kernels' library (matvec.load) with step.c's functions declared."""
-    lib = matvec.load()
-    if lib is not None and lib.tformer_lm_layer_step.argtypes is None:
-        lib.tformer_decoder_layer_step.argtypes = (
-            [_p] * 2 + [_long] + [_p, _long] * 4 + [_p, ctypes.c_int])
-        lib.tformer_decoder_layer_step.restype = ctypes.c_int
-        lib.tformer_lm_layer_step.argtypes = (
-            [_p] * 2 + [_long, _long, _p, _long] + [_p] * 3 + [_long, _p, ctypes.c_int])
-        lib.tformer_lm_layer_step.restype = ctypes.c_int
-        for name in ("tformer_decoder_layer_scratch", "tformer_lm_layer_scratch"):
-            getattr(lib, name).argtypes = [_p]
-            getattr(lib, name).restype = _long
-    return lib
+    """The kernels' library, where attend.c's kernel (which step.c calls) passed its check."""
+    return attend.native()
 
 
-def _kv(k: Tensor, v: Tensor) -> _KV:
-    return _KV(k.data_ptr(), v.data_ptr(), k.shape[0], *k.stride()[:3], *v.stride()[:3])
+class _BoundLayer(NamedTuple):
+    """A layer's structure, the most rows its products take, and every tensor it points
+    into: the layer's parameters and buffers, and what its linears made (packed weights)."""
+
+    struct: DecoderLayer | LMLayer
+    max_rows: int
+    tensors: list[Tensor]
+
+    @classmethod
+    def of(cls, struct: DecoderLayer | LMLayer, layer: nn.Module,
+           linears: list[BoundLinear]) -> _BoundLayer:
+        tensors = [*layer.parameters(), *layer.buffers(), *(t for b in linears for t in b.tensors)]
+        return cls(struct, min(b.max_rows for b in linears), tensors)
+
+
+def _kv(k: Tensor, v: Tensor) -> KV:
+    return KV(k.data_ptr(), v.data_ptr(), k.shape[0], *k.stride()[:3], *v.stride()[:3])
 
 
 class DecoderStep:
@@ -163,15 +105,13 @@ class DecoderStep:
     cache of one search. Made by `DecoderStep.of`, which returns None where step.c cannot
     run these layers; `serves` says whether it runs a given step."""
 
-    def __init__(self, layers: Sequence[nn.Module], structs: list[_Layer], rows: int,
-                 cache: DecoderCache) -> None:
+    def __init__(self, layers: Sequence[nn.Module], structs: list[DecoderLayer], rows: int,
+                 tensors: list[Tensor], cache: DecoderCache) -> None:
         self.layers = list(layers)
         self.cache = cache
         # Every tensor the structures point into, held for as long as they are used (the
         # pointers hold the structures).
-        self._tensors = [t for layer in self.layers
-                         for t in (*layer.parameters(), *layer.buffers(), *_packed(layer))]
-        self._tensors += [t for c in cache.self_attn for t in (c.k, c.v)]
+        self._tensors = tensors + [t for c in cache.self_attn for t in (c.k, c.v)]
         self.pointers = [ctypes.pointer(s) for s in structs]
         self.max_rows = rows
         self.self_kv = [ctypes.pointer(_kv(c.k, c.v)) for c in cache.self_attn]
@@ -191,17 +131,14 @@ class DecoderStep:
                 c.k.is_contiguous() and c.v.is_contiguous()
                 and serves_cache(c.k.dtype, c.k.device) for c in cache.self_attn):
             return None
-        structs, rows = [], 1 << 30
-        for layer in layers:
-            made = cls._layer(layer)
-            if made is None:
-                return None
-            structs.append(made[0])
-            rows = min(rows, made[1])
-        return cls(layers, structs, rows, cache)
+        made = [cls._layer(layer) for layer in layers]
+        if None in made:
+            return None
+        return cls(layers, [m.struct for m in made], min(m.max_rows for m in made),
+                   [t for m in made for t in m.tensors], cache)
 
     @staticmethod
-    def _layer(layer: nn.Module) -> tuple[_Layer, int] | None:
+    def _layer(layer: nn.Module) -> _BoundLayer | None:
         self_attn, cross_attn, ff = layer.self_attn, layer.cross_attn, layer.ff
         linears = [_linear(m) for m in (self_attn.qkv_proj, self_attn.out_proj, cross_attn.q_proj,
                                         cross_attn.out_proj, ff.up, ff.down)]
@@ -213,16 +150,10 @@ class DecoderStep:
             return None
         if (cross_attn.d_head, cross_attn.d_value) != (self_attn.d_head, self_attn.d_value):
             return None
-        # step.c gives the packed product one least number of rows: the layouts' (one a
-        # process, as the instruction set is).
-        min_rows = {m.packed.min_rows for m in layer.modules()
-                    if isinstance(m, Int8Linear) and m.packed is not None}
-        if len(min_rows) > 1:
-            return None
-        struct = _Layer(*(s for s, _ in linears), *norms, self_attn.n_head, self_attn.d_head,
-                        self_attn.d_value, self_attn.d_head**-0.5, int(pre.pop()), activation,
-                        min_rows.pop() if min_rows else 1 << 30)
-        return struct, min(limit for _, limit in linears)
+        struct = DecoderLayer(*(b.struct for b in linears), *norms, self_attn.n_head,
+                              self_attn.d_head, self_attn.d_value, self_attn.d_head**-0.5,
+                              int(pre.pop()), activation)
+        return _BoundLayer.of(struct, layer, linears)
 
     def serves(self, x: Tensor, memory_bias: Tensor) -> bool:
         """Whether step.c runs this step: x (N, 1, D) fp32 on the CPU with no gradient wanted,
@@ -278,11 +209,10 @@ class DecoderStep:
 
 
 LM_F32_ROWS = 8
-"""The most rows an fp32 language model's step takes. From five rows on, matvec's products
-run at ~0.8x oneDNN's (benchmarks/fp32_rows.py), but one call a layer saves ~70 torch calls:
-on SmolLM2-135M's shape, eight rows decoded 1.6x as fast through the step as through the
-modules, and sixteen 1.3x, where the weights are a few MB a matrix; a model whose matrices
-do not fit the cache loses more of the products' speed, so the limit stays at eight."""
+"""The most rows an fp32 language model's step takes. From five rows on, fp32.c's products
+are slower than oneDNN's, but one call a layer saves ~70 torch calls, which wins up to
+about here where the weights fit the cache; a model whose matrices do not loses more of the
+products' speed (the figures: benchmarks/README.md, "The kernels' thresholds")."""
 
 
 class LMStep:
@@ -290,11 +220,11 @@ class LMStep:
     `LMStep.of`, which returns None where step.c cannot run these blocks; `serves` says
     whether it runs a given step over a given cache."""
 
-    def __init__(self, blocks: Sequence[nn.Module], structs: list[_LMLayer], rows: int) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], structs: list[LMLayer], rows: int,
+                 tensors: list[Tensor]) -> None:
         self.blocks = list(blocks)
         # Every tensor the structures point into, held for as long as they are used.
-        self._tensors = [t for block in self.blocks
-                         for t in (*block.parameters(), *block.buffers(), *_packed(block))]
+        self._tensors = tensors
         self.pointers = [ctypes.pointer(s) for s in structs]
         self.max_rows = rows
         self.rotary = self.blocks[0].attn.rotary
@@ -307,27 +237,24 @@ class LMStep:
         """The step for `blocks`, or None where step.c cannot run them."""
         if _library() is None:
             return None
-        structs, rows = [], 1 << 30
-        for block in blocks:
-            made = cls._layer(block)
-            if made is None:
-                return None
-            structs.append(made[0])
-            rows = min(rows, made[1])
-        return cls(blocks, structs, rows)
+        made = [cls._layer(block) for block in blocks]
+        if None in made:
+            return None
+        return cls(blocks, [m.struct for m in made], min(m.max_rows for m in made),
+                   [t for m in made for t in m.tensors])
 
     @staticmethod
-    def _layer(block: nn.Module) -> tuple[_LMLayer, int] | None:
+    def _layer(block: nn.Module) -> _BoundLayer | None:
         attn, ff = block.attn, block.ff
         gated = isinstance(ff, GatedFeedForward)
         if attn.cross or not (gated or isinstance(ff, FeedForward)):
             return None
-        absent = (_Linear(), 1 << 30)
+        absent = BoundLinear(Linear(), 1 << 30, ())
         linears = [_linear(m, LM_F32_ROWS) if m is not None else absent
                    for m in (attn.qkv_proj, attn.out_proj, ff.gate if gated else None, ff.up,
                              ff.down)]
         norms = [_norm(block.attn_residual.norm), _norm(block.ff_residual.norm)]
-        head_norms = [_Norm(), _Norm()]
+        head_norms = [Norm(), Norm()]
         if attn.q_norm is not None:
             head_norms = [_norm(attn.q_norm), _norm(attn.k_norm)]
         activation = _activation(ff.activation)
@@ -335,17 +262,13 @@ class LMStep:
         if (None in linears or None in norms or None in head_norms or activation is None
                 or len(pre) != 1):
             return None
-        min_rows = {m.packed.min_rows for m in block.modules()
-                    if isinstance(m, Int8Linear) and m.packed is not None}
-        if len(min_rows) > 1:
-            return None
         rotary = attn.rotary
-        struct = _LMLayer(*(s for s, _ in linears), *norms, *head_norms, attn.n_head,
-                          attn.n_kv_head, attn.d_head, attn.d_value,
-                          0 if rotary is None else rotary.rotated,
-                          int(rotary is not None and rotary.interleaved), attn.d_head**-0.5,
-                          int(pre.pop()), activation, min_rows.pop() if min_rows else 1 << 30)
-        return struct, min(limit for _, limit in linears)
+        struct = LMLayer(*(b.struct for b in linears), *norms, *head_norms, attn.n_head,
+                         attn.n_kv_head, attn.d_head, attn.d_value,
+                         0 if rotary is None else rotary.rotated,
+                         int(rotary is not None and rotary.interleaved), attn.d_head**-0.5,
+                         int(pre.pop()), activation)
+        return _BoundLayer.of(struct, block, linears)
 
     def serves(self, x: Tensor, cache: DecoderCache) -> bool:
         """Whether step.c runs this step: x (N, T, D) fp32 on the CPU with no gradient wanted

@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "tformer.h"
 #include "vecmath.h"
 
 /* loss[i], and stats[2 i] = the row's maximum, stats[2 i + 1] = log sum_j exp(x_j - max),

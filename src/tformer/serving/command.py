@@ -16,7 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-from tformer.api import DRAFT_TOKENS, Draft, DraftTokens, PromptLookup, check_speculation_args
+from tformer.api import (
+    DRAFT_TOKENS,
+    Draft,
+    DraftTokens,
+    PromptLookup,
+    Weights,
+    check_speculation_args,
+)
 from tformer.arguments import Help
 from tformer.errors import TformerError
 
@@ -42,7 +49,7 @@ def serve_command(
     host: Annotated[str, Help("address to bind (default: loopback)")] = "127.0.0.1",
     port: Annotated[int, Help("port to listen on")] = 8000,
     api_key: Annotated[str | None, Help("require 'Authorization: Bearer KEY'")] = None,
-    int8: Annotated[bool, Help("int8 weights (CPU)")] = False,
+    weights: Weights = None,
     device: Annotated[str, Help("auto (CUDA if present) | cpu | cuda:N")] = "auto",
     name: Annotated[str | None, Help("the model's name in the API (default: the run)")] = None,
     max_batch: Annotated[int, Help("sequences decoded together")] = 16,
@@ -63,7 +70,7 @@ def serve_command(
     import uvicorn
 
     from tformer.data.chat import load_chat_template, special_tokens
-    from tformer.kernels.quantize import inference_model
+    from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.registry import get_family
     from tformer.serving.app import create_app
@@ -86,12 +93,12 @@ def serve_command(
     check_speculation_args(draft, draft_tokens, prompt_lookup)
 
     where = pick_device(device)
-    loaded = load_checkpoint(checkpoint, device=where)
+    loaded = load_checkpoint(checkpoint, device=where, weights=weights)
     family = get_family(loaded.cfg.family)
     if family.generate is None and family.translate is None:
         raise TformerError(f"the {family.name} family neither generates nor translates")
     kind = "lm" if family.generate is not None else "seq2seq"
-    model = inference_model(loaded.model, int8)
+    model = quantize_model(loaded.model, weights)
     tokenizer = loaded.tokenizer
     name = name or loaded.name
     if kind == "lm":
@@ -99,7 +106,7 @@ def serve_command(
         # continuous batching; one whose memory is its cache decodes one sequence per slot.
         batched = callable(getattr(model, "make_cache", None))
         speculator = speculator_for(loaded, model, draft=draft, draft_tokens=draft_tokens,
-                                    prompt_lookup=prompt_lookup, int8=int8,
+                                    prompt_lookup=prompt_lookup, weights=weights,
                                     device=where, capacity=max_batch)
         engine: LMEngine | TranslationBatcher = LMEngine(
             model, eos_id=tokenizer.eos_ids, max_batch=max_batch, max_waiting=max_waiting,
@@ -137,13 +144,13 @@ def serve_command(
 
 
 def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_tokens: int,
-                   prompt_lookup: int, int8: bool, device: Any, capacity: int
+                   prompt_lookup: int, weights: str | None, device: Any, capacity: int
                    ) -> Speculator | None:
     """What drafts for the engine (--draft, --prompt-lookup), checked; None without either."""
     if draft is None and not prompt_lookup:
         return None
     from tformer.api import check_draft
-    from tformer.kernels.quantize import inference_model
+    from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.serving.speculation import Speculator
 
@@ -155,9 +162,9 @@ def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_t
     check_cache(model, loaded)
     drafter = None
     if draft is not None:
-        other = load_checkpoint(draft, device=device)
+        other = load_checkpoint(draft, device=device, weights=weights)
         check_draft(loaded, other)
-        drafter = inference_model(other.model, int8)
+        drafter = quantize_model(other.model, weights)
         check_cache(drafter, other)
     return Speculator(context=model.cfg.context, capacity=capacity, draft=drafter,
                       lookup=prompt_lookup, draft_tokens=draft_tokens)

@@ -54,10 +54,10 @@ def average_checkpoints(paths: Sequence[Path], out: str | Path) -> Path:
             raise TformerError(
                 f"cannot average {paths[0]} and {path}: their model configs or tokenizers differ"
             )
-    loaded = [loading.load_checkpoint(p) for p in paths]
+    loaded = [loading.load_checkpoint(p, weights="fp32") for p in paths]
     if len({c.tokenizer.to_json() for c in loaded}) > 1:
         raise TformerError("cannot average checkpoints with different tokenizers")
-    target = loading.load_checkpoint(paths[0])
+    target = loading.load_checkpoint(paths[0], weights="fp32")
     states = [c.model.state_dict() for c in loaded]
     # Tied weights appear under several names with one storage; each name gets the same mean.
     for name, tensor in target.model.state_dict().items():

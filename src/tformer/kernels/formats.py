@@ -1,0 +1,120 @@
+"""Weight formats: how a model's linear layers hold their weights for inference, one entry
+each in FORMATS (`--weights NAME` on the command line, `weights=` in tformer.load).
+
+An entry gives the format's name, its C tag (tformer.h's enum tformer_kind, one row of
+kinds.c's table), how to make an nn.Linear into a layer of the format, and the self-check
+of its kernels. A format's layer describes itself to step.c through `tformer_linear()`
+(quantize.Int8Linear's is the example), so that a decoding step runs it in C without
+asking which format it holds.
+
+A new format is, file by file:
+- here, one WeightFormat in FORMATS: its name, its kind, a line of help, the class that
+  makes an nn.Linear into its layer, and that layer's check;
+- tformer.h: its kind in enum tformer_kind (q8_0, q4_0 and q4_1 have theirs) and the
+  prototype of its product, a tformer_linear_fn; kinds.c: its row, {name, product};
+- a C file of its kernels (the product reads struct tformer_linear's data, scales and
+  bias), named in library.SOURCES, its exported functions in library.SIGNATURES;
+- a Python module of its layer: forward through the kernel (torch where there is none),
+  `tformer_linear()` returning a library.BoundLinear of its kind, and `check(lib)`, its
+  self-check, run once through library.checked;
+- tests: tests/kernels/test_formats.py runs every registered format through kinds.c's
+  table against its layer's forward with no edit; its own test file compares its products
+  with a float64 reference written out in the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from tformer.errors import TformerError
+from tformer.kernels import blocks, fp32, int8, library
+from tformer.kernels.prepack import PackedLinear, prepack, prepack_available, swap_linears
+from tformer.kernels.quantize import Int8Linear
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A weight format: its name on the command line, its C kind, a line for --help, how to
+    make an nn.Linear into a layer of the format (None: fp32, the layer stays as it is, its
+    weight prepacked for decoding's small products), and the self-check of its kernels
+    (True: the native path computes right here; False: the format runs on torch)."""
+
+    name: str
+    kind: int
+    summary: str
+    quantize: Callable[[nn.Linear], nn.Module] | None
+    check: Callable[[], bool]
+    ggml_type: int | None = None
+    """The GGUF tensor type whose raw blocks this format holds as they are (None: none)."""
+    output: str | None = None
+    """The format a model's output layer takes instead (OUTPUT_LAYERS), or None for this
+    one: the 4-bit formats keep it in q8_0, as llama.cpp's quantizer keeps it finer. On
+    SmolLM2-135M a q4_1 output layer cost 4.4% of WikiText-2 perplexity on its own
+    (benchmarks/README.md, "Block formats")."""
+
+
+FORMATS: dict[str, WeightFormat] = {
+    "fp32": WeightFormat("fp32", library.KIND_FP32, "fp32 weights", None, fp32.available),
+    "int8": WeightFormat("int8", library.KIND_INT8,
+                         "int8 weights, one scale a row, int8 products (CPU)", Int8Linear,
+                         int8.available),
+    **{name: WeightFormat(name, blocks.KINDS[name], summary, blocks.quantizer(name),
+                          blocks.available, blocks.GGML_TYPES[name], output)
+       for name, summary, output in (
+           ("q8_0", "llama.cpp's Q8_0 blocks: 8 bits and a scale per 32 weights (CPU)", None),
+           ("q4_0", "llama.cpp's Q4_0 blocks: 4 bits and a scale per 32 weights, the output "
+                    "layer q8_0 (CPU)", "q8_0"),
+           ("q4_1", "llama.cpp's Q4_1 blocks: 4 bits, a scale and a minimum per 32 weights, "
+                    "the output layer q8_0 (CPU)", "q8_0"))},
+}
+"""Every weight format, by name."""
+
+
+def register(fmt: WeightFormat) -> None:
+    """Add a weight format to FORMATS; a name or kind already there is an error."""
+    if fmt.name in FORMATS:
+        raise ValueError(f"weight format {fmt.name!r} is already registered")
+    if any(other.kind == fmt.kind for other in FORMATS.values()):
+        raise ValueError(f"weight format {fmt.name!r}: kind {fmt.kind} is already taken")
+    FORMATS[fmt.name] = fmt
+
+
+def weight_format(name: str) -> WeightFormat:
+    """The format called `name`; a TformerError naming the known ones otherwise."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise TformerError(f"unknown weight format {name!r}: use one of "
+                           f"{', '.join(FORMATS)}") from None
+
+
+OUTPUT_LAYERS = ("lm_head", "out_proj")
+"""The attributes a model holds its output layer (onto the vocabulary) under, at its top
+level: GPT's and Transformer-XL's lm_head, the translation model's out_proj."""
+
+
+def quantize_model(model: nn.Module, weights: str | None) -> nn.Module:
+    """The model as decoding, evaluation and serving run it, its linear layers in the
+    format `weights`: fp32 keeps them (prepacked for the small matmuls of decoding, on the
+    CPU); another format makes a copy with each linear layer converted, except those the
+    model names in `int8_skip` (its output projection, say), which stay fp32 (prepacked
+    where oneDNN is available). The original model is left as it is. None: the weights as
+    the model holds them (fp32's treatment for its nn.Linears, blocks kept as they are)."""
+    fmt = weight_format(weights or "fp32")
+    if fmt.quantize is None:
+        return prepack(model)
+    if next(model.parameters()).device.type != "cpu":
+        raise TformerError(f"--weights {fmt.name} runs on the CPU; pass --device cpu")
+    skip = set(getattr(model, "int8_skip", ()))
+    keep = PackedLinear if prepack_available() else (lambda linear: linear)
+    copy = swap_linears(
+        model, lambda name, linear: keep(linear) if name in skip else fmt.quantize(linear))
+    if fmt.output is not None:
+        for attr in OUTPUT_LAYERS:
+            layer = getattr(model, attr, None)
+            if type(layer) is nn.Linear and attr not in skip:
+                setattr(copy, attr, weight_format(fmt.output).quantize(layer))
+    return copy

@@ -1,0 +1,33 @@
+/* The weight formats' table: one row per kind of tformer.h's enum tformer_kind, as
+ * llama.cpp's type_traits_cpu holds one per type. step.c's layers run every linear layer
+ * through tformer_linear, whatever its kind; a new format adds its row here and its
+ * product in a file of its own. */
+#include <stddef.h>
+
+#include "tformer.h"
+
+static const struct tformer_kind_traits kinds[TFORMER_KINDS] = {
+    [TFORMER_FP32] = {"fp32", tformer_fp32_linear},
+    [TFORMER_INT8] = {"int8", tformer_int8_linear},
+    [TFORMER_Q8_0] = {"q8_0", tformer_blocks_kind_linear},
+    [TFORMER_Q4_0] = {"q4_0", tformer_blocks_kind_linear},
+    [TFORMER_Q4_1] = {"q4_1", tformer_blocks_kind_linear},
+};
+
+/* y (m x n_out) = x (m x n_in) W^T + b through the product of l's kind. Returns the
+ * product's status (0, or -1 where it could not allocate), or -3 where the kind has no
+ * row in this build. */
+int tformer_linear(const struct tformer_linear *l, const float *x, float *y, long m, int threads)
+{
+    if (l->kind < 0 || l->kind >= TFORMER_KINDS || !kinds[l->kind].linear)
+        return -3;
+    return kinds[l->kind].linear(l, x, y, m, threads);
+}
+
+/* The kind's name in the table ("" for none): formats.py checks its registry against it. */
+const char *tformer_kind_name(int kind)
+{
+    if (kind < 0 || kind >= TFORMER_KINDS || !kinds[kind].name)
+        return "";
+    return kinds[kind].name;
+}

@@ -1,0 +1,359 @@
+"""The kernels' C library: how it is built and loaded, which instruction set it uses, and
+the one table (SIGNATURES, with the structures beside it) from which every binding to it is
+made. tformer.h declares the same functions and structures for the C files.
+
+The C sources ship with the package and are compiled on first use with the system's C
+compiler (`$CC`, else `cc`), into `$XDG_CACHE_HOME/tformer` (`~/.cache/tformer`), keyed by
+a hash of the sources and the command. Loading a library runs its constructors before any
+check can, so the kernel is built and loaded only from a directory that this user owns and
+nobody else may write to, and only a library file with the same properties; where the
+cache directory fails that test, a private temporary directory serves this process (and is
+removed once the library is loaded). Where none of this can happen (no compiler, not x86-64
+Linux with AVX2 and FMA, `TFORMER_ISA=torch` in the environment) `load()` returns None, with
+one warning: fp32 decoding keeps to oneDNN, with the same results up to float rounding, and
+int8 to torch's integer product, with the same results bit for bit, dropout to torch's
+(with other masks) and the loss to F.cross_entropy.
+
+Each wrapper module checks its own kernels against torch once per process (`checked`):
+one whose check fails runs on torch, the others on.
+
+The instruction set is decided once per process (`isa()`), from the CPU and the
+environment variable `TFORMER_ISA`:
+
+    avx512   the default where the CPU has AVX-512 VNNI: the int8 products use it
+    avxvnni  the default where the CPU has AVX-VNNI and not AVX-512 (Intel's consumer chips
+             since Alder Lake): AVX2 and the VEX-encoded byte dot product (int8_bytes.h)
+    avx2     AVX2 and FMA only, even where the CPU has more: what AVX2-only CPUs (AMD before
+             Zen 4, Intel's before Alder Lake) run, to test and time it anywhere
+    torch    no C kernels: everything runs on torch, as where they cannot be built (Arm, no
+             compiler). `TFORMER_NATIVE=0` means the same.
+
+Every choice gives the same int8 bits (int8.py's check sets the level back to AVX2 where a
+higher one computes wrong). Only the kernels' own instructions follow the switch: torch's,
+oneDNN's and MKL's pick theirs (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS set them; benchmarks/README.md uses all four).
+
+The kernels thread with OpenMP. Linked after torch (whose Linux builds use GNU OpenMP), the
+library resolves to the runtime torch already loaded and shares its threads; each call
+uses `torch.get_num_threads()` of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from tformer.errors import TformerError
+
+log = logging.getLogger(__name__)
+
+ISAS = ("avx512", "avxvnni", "avx2", "torch")
+"""TFORMER_ISA's values (see the module's text)."""
+ISA_NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2", "torch": "torch"}
+"""How tables name them."""
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("fp32.c", "int8.c", "int8_packed.c", "quantize.c", "kinds.c", "search.c",
+                        "attend.c", "step.c", "dropout.c", "xent.c", "glu.c", "rmsnorm.c",
+                        "blocks.c")]
+"""Built into one library: the weight formats' products (fp32.c, int8.c, int8_packed.c,
+quantize.c, and kinds.c's table of them), beam search's candidates (search.py), a decoding
+step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
+(dropout.py), the cross-entropy (xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
+HEADERS = [Path(__file__).with_name(name)
+           for name in ("tformer.h", "vecmath.h", "int8.h", "int8_bytes.h", "int8_bytes_rows.h",
+                        "int8_bytes_packed.h", "blocks_isa.h")]
+"""Included by the sources: part of the key the built library is cached under."""
+PRIVATE_PREFIX = "tformer-kernel-"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+         "-Werror=missing-prototypes", "-Werror=implicit-function-declaration"]
+"""The build's flags; the last two make a function defined without tformer.h's declaration,
+or called without one, an error of the build itself."""
+
+
+class Unavailable(Exception):
+    """The library cannot be built or loaded here; the message says why."""
+
+
+def requested_isa() -> str | None:
+    """TFORMER_ISA's value (TFORMER_NATIVE=0: "torch"), or None where it is not set."""
+    if os.environ.get("TFORMER_NATIVE", "1") == "0":
+        return "torch"
+    want = os.environ.get("TFORMER_ISA", "").strip().lower() or None
+    if want is not None and want not in ISAS:
+        raise TformerError(f"TFORMER_ISA={want!r}: use one of {', '.join(ISAS)}")
+    return want
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: `$CC`, else `cc`, else `gcc`; None where
+    there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(base) / "tformer"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private(path)
+        return path
+    except (OSError, Unavailable) as e:
+        log.info("not building the kernel in %s (%s): using a private temporary directory",
+                 path, e)
+    # mkdtemp makes a new directory only this user can enter, under a name nobody can guess.
+    return Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
+
+
+def check_private(path: Path, *, directory: bool = True) -> None:
+    """Raise Unavailable unless `path` is a real directory (or file) owned by this user that
+    neither its group nor others may write."""
+    info = os.lstat(path)
+    kind = stat.S_ISDIR if directory else stat.S_ISREG
+    if not kind(info.st_mode):
+        raise Unavailable(f"{path} is not a plain {'directory' if directory else 'file'}")
+    if info.st_uid != os.geteuid():
+        raise Unavailable(f"{path} belongs to another user")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Unavailable(f"others may write to {path}")
+
+
+def compile_library(compiler: str, library: Path) -> None:
+    # Build under a temporary name and rename: a process that finds the library finds all
+    # of it, even while another one is compiling.
+    fd, tmp = tempfile.mkstemp(dir=library.parent, suffix=".so.tmp")
+    os.close(fd)
+    cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o755)  # whatever the umask: nobody else may write it
+        os.replace(tmp, library)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Unavailable(f"{' '.join(cmd)} failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def library_name(compiler: str) -> str:
+    """The file a build of these sources with `compiler` is cached as: keyed by a hash of
+    the sources, the compiler and its flags."""
+    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    return f"tformer-{key}.so"
+
+
+# --- The structures of tformer.h, field for field ------------------------------------------
+
+KIND_FP32, KIND_INT8, KIND_Q8_0, KIND_Q4_0, KIND_Q4_1 = range(5)
+"""tformer.h's enum tformer_kind: a weight format's tag (formats.py's `kind`)."""
+
+_p, _long, _i32, _int, _float = (ctypes.c_void_p, ctypes.c_long, ctypes.c_int32, ctypes.c_int,
+                                 ctypes.c_float)
+
+
+class Linear(ctypes.Structure):
+    """struct tformer_linear: a linear layer in one of the weight formats (its `kind`)."""
+
+    _fields_ = [("kind", _i32), ("n_out", _i32), ("n_in", _i32), ("data", _p), ("scales", _p),
+                ("bias", _p), ("packed", _p), ("packed_sums", _p), ("layout", _i32),
+                ("packed_min_rows", _i32)]
+
+
+class BoundLinear(NamedTuple):
+    """A linear layer as step.c reads it: the structure, the most rows the step gives it
+    (beyond that the layer's own kernels do better), and the tensors the structure points
+    into, held for as long as it is used. A weight format's module makes it
+    (`tformer_linear()`; fp32.bound_linear for plain fp32 weights)."""
+
+    struct: Linear
+    max_rows: int
+    tensors: tuple[Tensor, ...]
+
+
+class Norm(ctypes.Structure):
+    """struct tformer_norm: a LayerNorm (kind 0) or an RMSNorm (1)."""
+
+    _fields_ = [("weight", _p), ("bias", _p), ("eps", _float), ("kind", _int)]
+
+
+class DecoderLayer(ctypes.Structure):
+    """struct tformer_decoder_layer."""
+
+    _fields_ = [*((name, Linear) for name in
+                  ("qkv", "self_out", "cross_q", "cross_out", "up", "down")),
+                *((name, Norm) for name in ("self_norm", "cross_norm", "ff_norm")),
+                ("heads", _long), ("d_head", _long), ("d_value", _long),
+                ("scale", _float), ("pre_norm", _int), ("activation", _int)]
+
+
+class LMLayer(ctypes.Structure):
+    """struct tformer_lm_layer."""
+
+    _fields_ = [*((name, Linear) for name in ("qkv", "out", "gate", "up", "down")),
+                *((name, Norm) for name in ("attn_norm", "ff_norm", "q_norm", "k_norm")),
+                *((name, _long) for name in ("heads", "kv_heads", "d_head", "d_value",
+                                             "rotated")),
+                ("interleaved", _int), ("scale", _float), ("pre_norm", _int),
+                ("activation", _int)]
+
+
+class KV(ctypes.Structure):
+    """struct tformer_kv: keys and values with their strides in floats."""
+
+    _fields_ = [("k", _p), ("v", _p), ("rows", _long),
+                *((f"{t}_{axis}", _long) for t in "kv" for axis in ("row", "head", "pos"))]
+
+
+# --- Every function of tformer.h: its result and its arguments ------------------------------
+
+_u32p = ctypes.POINTER(ctypes.c_uint32)
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    # the formats' table (kinds.c)
+    "tformer_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
+    "tformer_kind_name": (ctypes.c_char_p, [_int]),
+    # fp32 (fp32.c)
+    "tformer_matvec": (None, [_p] * 4 + [_long] * 3 + [_int]),
+    "tformer_fp32_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
+    # int8 (int8.c, int8_packed.c, quantize.c)
+    "tformer_isa": (_int, [_int]),
+    "tformer_avx2_method": (_int, [_int]),
+    "tformer_matvec_int8": (_int, [_p] * 6 + [_long] * 3 + [_int]),
+    "tformer_linear_int8": (_int, [_p] * 5 + [_long] * 3 + [_int]),
+    "tformer_int8_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
+    "tformer_pack_layout": (_int, []),
+    "tformer_packed_int8_size": (_long, [_long] * 2 + [_int]),
+    "tformer_pack_int8": (None, [_p, _long, _long, _p, _p, _int]),
+    "tformer_gemm_int8": (_int, [_p] * 7 + [_long] * 3 + [_int] * 2),
+    "tformer_linear_int8_packed": (_int, [_p] * 6 + [_long] * 3 + [_int] * 2),
+    "tformer_quantize_rows": (None, [_p] * 3 + [_long] * 2),
+    "tformer_scale_int8": (None, [_p] * 4 + [_long] * 2 + [_int]),
+    # llama.cpp's blocks (blocks.c)
+    "tformer_blocks_isa": (_int, [_int]),
+    "tformer_blocks_linear": (_int, [_int, _p, _long, _p, _long, _long, _p, _p, _int]),
+    "tformer_blocks_kind_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
+    # decoding (attend.c, search.c, step.c)
+    "tformer_attend_step": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2 + [_p] + [_long] * 2
+                            + [_p, _long, _p] + [_long] * 8 + [_float, _int]),
+    "tformer_top_logprobs": (None, [_p] * 3 + [_int] + [_p] * 2 + [_long] * 2 + [_int] * 2),
+    "tformer_decoder_layer_scratch": (_long, [ctypes.POINTER(DecoderLayer)]),
+    "tformer_decoder_layer_step": (_int, [ctypes.POINTER(DecoderLayer), _p, _long,
+                                          ctypes.POINTER(KV), _long, _p, _long,
+                                          ctypes.POINTER(KV), _long, _p, _long, _p, _int]),
+    "tformer_lm_layer_scratch": (_long, [ctypes.POINTER(LMLayer)]),
+    "tformer_lm_layer_step": (_int, [ctypes.POINTER(LMLayer), _p, _long, _long,
+                                     ctypes.POINTER(KV), _long, _p, _p, _p, _long, _p, _int]),
+    # training (dropout.c, xent.c, glu.c, rmsnorm.c)
+    "tformer_philox4x32": (None, [_u32p] * 3),
+    "tformer_dropout": (None, [_p] * 2 + [_long, ctypes.c_uint64, ctypes.c_uint32, _float,
+                                          _int]),
+    "tformer_xent_forward": (None, [_p] * 2 + [_long, _long, _float, ctypes.c_int64]
+                             + [_p] * 2 + [_int]),
+    "tformer_xent_backward": (None, [_p] * 4 + [_long, _long, _float, ctypes.c_int64, _p,
+                                     _int]),
+    "tformer_silu_mul_forward": (None, [_p] * 3 + [_long, _int]),
+    "tformer_silu_mul_backward": (None, [_p] * 5 + [_long, _int]),
+    "tformer_rms_norm_forward": (None, [_p, _p, _long, _long, _float, _p, _p, _int]),
+    "tformer_rms_norm_backward": (None, [_p] * 4 + [_long, _long, _p, _p, _int]),
+}
+"""tformer.h's functions as ctypes calls them (tests/kernels/test_library.py checks that
+the two name the same functions)."""
+
+# --- Instruction sets ------------------------------------------------------------------------
+
+ISA_AVX2, ISA_AVX512_VNNI, ISA_AVX_VNNI = 1, 2, 4
+"""tformer.h's TFORMER_ISA_*: the instruction set the int8 products use (and the layout
+their packed weights have: int8_packed.py)."""
+ISA_LEVELS = {"avx512": ISA_AVX512_VNNI, "avxvnni": ISA_AVX_VNNI, "avx2": ISA_AVX2}
+"""TFORMER_ISA's kernel instruction sets: tformer_isa's level for each."""
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library with every function of SIGNATURES declared and the instruction
+    set chosen, or None (with the reason logged) where it is not available. Its wrapper
+    modules take it through `checked`, which runs their self-checks."""
+    try:
+        return _load(requested_isa())
+    except Unavailable as e:
+        log.warning("tformer's C kernels are not in use (%s): everything runs on torch", e)
+        return None
+
+
+def _load(want: str | None) -> ctypes.CDLL:
+    if want == "torch":
+        off = os.environ.get("TFORMER_NATIVE") == "0"
+        raise Unavailable("TFORMER_NATIVE=0" if off else "TFORMER_ISA=torch")
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        raise Unavailable(f"written for x86-64 Linux, not {sys.platform} {platform.machine()}")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise Unavailable("the CPU lacks AVX2")
+    cc = compiler()
+    if cc is None:
+        raise Unavailable("no C compiler (set $CC)")
+    directory = cache_dir()
+    library = directory / library_name(cc)
+    try:
+        if not library.exists():
+            compile_library(cc, library)
+        # Checked again right before loading: the directory may have changed since.
+        check_private(directory)
+        check_private(library, directory=False)
+        lib = ctypes.CDLL(str(library))
+    except OSError as e:
+        raise Unavailable(f"cannot load {library}: {e}") from None
+    finally:
+        if directory.name.startswith(PRIVATE_PREFIX):
+            shutil.rmtree(directory, ignore_errors=True)  # a loaded library stays mapped
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    # The best instruction set the CPU has, at most the one asked for.
+    order = ["avx512", "avxvnni", "avx2"]
+    wanted = order[order.index(want):] if want in order else order
+    best = next(name for name in wanted if lib.tformer_isa(ISA_LEVELS[name]) == ISA_LEVELS[name])
+    if want not in (None, best):
+        log.warning("TFORMER_ISA=%s: this CPU lacks %s; using %s", want, ISA_NAMES[want],
+                    ISA_NAMES[best])
+    return lib
+
+
+_CHECKS: dict[Callable[[ctypes.CDLL], bool], tuple[ctypes.CDLL, bool]] = {}
+
+
+def checked(check: Callable[[ctypes.CDLL], bool]) -> ctypes.CDLL | None:
+    """The library, where load() has one and a wrapper module's `check` of its own kernels
+    passed on it (run once per library loaded); else None, and that module runs on torch.
+
+    The checks draw random tensors from a fork of torch's generator: training loads the
+    library at its first dropout, and a run resumed from a checkpoint must draw the same
+    random numbers as one that never stopped. They compare with torch in fp32, whatever
+    autocast a caller has on: the first check may come in a bf16 training step."""
+    lib = load()
+    if lib is None:
+        return None
+    # Called before every kernel call: one dictionary lookup once the check has run.
+    done = _CHECKS.get(check)
+    if done is None or done[0] is not lib:
+        with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False):
+            done = _CHECKS[check] = (lib, bool(check(lib)))
+        if not done[1]:
+            log.warning("tformer's C kernels computed wrong in %s.%s: it runs on torch",
+                        check.__module__, check.__qualname__)
+    return lib if done[1] else None

@@ -1,0 +1,171 @@
+/* The kernels' library: every function and structure another file, or Python through
+ * ctypes (kernels/library.py's SIGNATURES and structures mirror this file), can reach.
+ * Every .c file includes it, so the compiler checks each definition against its
+ * declaration; nothing else declares a tformer_ function. */
+#ifndef TFORMER_H
+#define TFORMER_H
+
+#include <stdint.h>
+
+/* --- Weight formats: a linear layer's weight is one of these kinds (kernels/formats.py's
+ * registry holds the same numbers); each has one row in kinds.c's table. ------------------ */
+enum tformer_kind {
+    TFORMER_FP32 = 0, /* data: float n_out x n_in */
+    TFORMER_INT8 = 1, /* data: int8 n_out x n_in, scales: one per output row */
+    TFORMER_Q8_0 = 2, /* data: n_out rows of n_in / 32 blocks (llama.cpp's block layouts) */
+    TFORMER_Q4_0 = 3,
+    TFORMER_Q4_1 = 4,
+    TFORMER_KINDS
+};
+
+/* A linear layer y = x W^T + b in one of the kinds. The fields after `bias` are the
+ * format's own: int8 keeps a copy of data packed for products of many rows. */
+struct tformer_linear {
+    int32_t kind; /* enum tformer_kind */
+    int32_t n_out, n_in;
+    const void *data;
+    const float *scales; /* NULL where the format keeps no scales apart from data */
+    const float *bias; /* or NULL */
+    const void *packed; /* int8: data packed for many rows (tformer_pack_int8), or NULL */
+    const int32_t *packed_sums; /* int8: the sum of each row of data */
+    int32_t layout; /* of packed: TFORMER_ISA_AVX2, TFORMER_ISA_AVX512_VNNI, TFORMER_AVX2_BYTES */
+    int32_t packed_min_rows; /* products of this many rows and more use packed */
+};
+
+/* One kind's product: y (m x n_out) = x (m x n_in, fp32) W^T + b. Returns 0, -1 where it
+ * could not allocate, -3 where the kind has no kernel in this build. */
+typedef int (*tformer_linear_fn)(const struct tformer_linear *l, const float *x, float *y,
+                                 long m, int threads);
+
+/* A row of kinds.c's table (llama.cpp's type_traits_cpu): the name formats.py gives the
+ * kind, and its product. */
+struct tformer_kind_traits {
+    const char *name;
+    tformer_linear_fn linear;
+};
+
+int tformer_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                   int threads);
+const char *tformer_kind_name(int kind);
+
+/* --- fp32 (fp32.c) ----------------------------------------------------------------------- */
+void tformer_matvec(const float *x, const float *w, const float *b, float *y, long m, long n,
+                    long k, int threads);
+int tformer_fp32_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                        int threads);
+
+/* --- int8 (int8.c: few rows; int8_packed.c: many rows; quantize.c: rounding) ------------- */
+enum { TFORMER_ISA_AVX2 = 1, TFORMER_ISA_AVX512_VNNI = 2, TFORMER_AVX2_BYTES = 3,
+       TFORMER_ISA_AVX_VNNI = 4 };
+enum { TFORMER_AVX2_WIDEN = 0, TFORMER_AVX2_SIGN = 1 };
+int tformer_isa(int want);
+int tformer_avx2_method(int want);
+int tformer_matvec_int8(const int8_t *x, const float *xscale, const int8_t *q,
+                        const float *wscale, const float *b, float *y, long m, long n, long k,
+                        int threads);
+int tformer_linear_int8(const float *x, const int8_t *q, const float *wscale, const float *b,
+                        float *y, long m, long n, long k, int threads);
+int tformer_int8_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                        int threads);
+int tformer_pack_layout(void);
+long tformer_packed_int8_size(long n, long k, int layout);
+void tformer_pack_int8(const int8_t *q, long n, long k, int8_t *packed, int32_t *colsum,
+                       int layout);
+int tformer_gemm_int8(const int8_t *x, const float *xscale, const int8_t *packed,
+                      const int32_t *colsum, const float *wscale, const float *b, float *y,
+                      long m, long n, long k, int layout, int threads);
+int tformer_linear_int8_packed(const float *x, const int8_t *packed, const int32_t *colsum,
+                               const float *wscale, const float *b, float *y, long m, long n,
+                               long k, int layout, int threads);
+void tformer_quantize_rows(const float *x, int8_t *xq, float *scale, long m, long k);
+void tformer_scale_int8(int32_t *acc, const float *xscale, const float *wscale, const float *b,
+                        long m, long n, int threads);
+
+/* --- llama.cpp's blocks: q8_0, q4_0, q4_1 (blocks.c, blocks_isa.h) ----------------------- */
+enum { TFORMER_BLOCKS_GENERIC = 0, TFORMER_BLOCKS_AVX2 = 1, TFORMER_BLOCKS_AVX_VNNI = 2,
+       TFORMER_BLOCKS_AVX512_VNNI = 3 };
+int tformer_blocks_isa(int want);
+int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, long n, long k,
+                          const float *b, float *y, int threads);
+int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                               int threads);
+
+/* --- A decoding step's attention (attend.c) and beam search's candidates (search.c) ------ */
+int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
+                        long k_pos, const float *v, long v_row, long v_head, long v_pos,
+                        const int64_t *rows, long rows_row, long group, const float *bias,
+                        long bias_row, float *out, long n, long r, long heads, long kv_group,
+                        long length, long own, long d, long dv, float scale, int threads);
+void tformer_top_logprobs(const float *x, const float *add, const int64_t *banned,
+                          int nbanned, float *top, int64_t *idx, long n, long v, int k,
+                          int threads);
+
+/* --- A decoder layer's step in one call (step.c) ----------------------------------------- */
+enum { TFORMER_NORM_LAYER, TFORMER_NORM_RMS };
+
+struct tformer_norm {
+    const float *weight, *bias; /* bias may be NULL (always for RMSNorm) */
+    float eps;
+    int kind; /* TFORMER_NORM_LAYER or TFORMER_NORM_RMS */
+};
+
+enum { TFORMER_ACT_RELU, TFORMER_ACT_GELU, TFORMER_ACT_GELU_TANH, TFORMER_ACT_SILU };
+
+/* A translation decoder's layer (models/seq2seq.py's DecoderLayer). */
+struct tformer_decoder_layer {
+    struct tformer_linear qkv, self_out, cross_q, cross_out, up, down;
+    struct tformer_norm self_norm, cross_norm, ff_norm;
+    long heads, d_head, d_value;
+    float scale; /* on the scores: d_head ** -0.5, as attend.py passes it */
+    int pre_norm, activation;
+};
+
+/* A language model's layer (models/gpt.py's GPTBlock): heads query heads sharing kv_heads
+ * key/value heads (grouped-query attention). */
+struct tformer_lm_layer {
+    struct tformer_linear qkv, out, gate, up, down; /* gate: n_out 0 where plain */
+    struct tformer_norm attn_norm, ff_norm, q_norm, k_norm; /* q/k_norm: weight NULL for none */
+    long heads, kv_heads, d_head, d_value;
+    long rotated; /* the leading dimensions of each head that rotate; 0: no rotary */
+    int interleaved; /* pairs (2i, 2i + 1), or else (i, i + rotated / 2) */
+    float scale;
+    int pre_norm, activation;
+};
+
+/* Keys and values, (rows, heads, positions, d) with these strides in floats. */
+struct tformer_kv {
+    float *k, *v;
+    long rows, k_row, k_head, k_pos, v_row, v_head, v_pos;
+};
+
+long tformer_decoder_layer_scratch(const struct tformer_decoder_layer *l);
+int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, long n,
+                               const struct tformer_kv *self_kv, long length,
+                               const int64_t *rows, long rows_row,
+                               const struct tformer_kv *cross_kv, long source_len,
+                               const float *bias, long bias_row, float *scratch, int threads);
+long tformer_lm_layer_scratch(const struct tformer_lm_layer *l);
+int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, long tokens,
+                          const struct tformer_kv *kv, long length, const float *cos,
+                          const float *sin, const float *bias, long bias_row, float *scratch,
+                          int threads);
+
+/* --- Training: dropout (dropout.c), the cross-entropy (xent.c), SwiGLU's gate (glu.c),
+ * RMSNorm (rmsnorm.c) --------------------------------------------------------------------- */
+void tformer_philox4x32(const uint32_t *counter, const uint32_t *key, uint32_t *out);
+void tformer_dropout(const float *x, float *y, long n, uint64_t seed, uint32_t threshold,
+                     float scale, int threads);
+void tformer_xent_forward(const float *x, const int64_t *target, long n, long v, float eps,
+                          int64_t ignore, float *loss, float *stats, int threads);
+void tformer_xent_backward(const float *x, const int64_t *target, const float *stats,
+                           const float *g, long n, long v, float eps, int64_t ignore,
+                           float *grad, int threads);
+void tformer_silu_mul_forward(const float *g, const float *u, float *out, long n, int threads);
+void tformer_silu_mul_backward(const float *g, const float *u, const float *dout, float *dg,
+                               float *du, long n, int threads);
+void tformer_rms_norm_forward(const float *x, const float *w, long rows, long d, float eps,
+                              float *y, float *r, int threads);
+void tformer_rms_norm_backward(const float *x, const float *w, const float *r, const float *dy,
+                               long rows, long d, float *dx, float *dw, int threads);
+
+#endif
