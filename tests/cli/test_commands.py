@@ -93,4 +93,7 @@ def test_an_unknown_weight_format_is_one_line_naming_the_known_ones(capsys):
     assert main(["generate", "ckpt", "--weights", "int3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert "--weights: invalid choice: 'int3' (choose from 'fp32', 'int8')" in err[0]
+    from tformer.kernels.formats import FORMATS
+
+    known = ", ".join(repr(name) for name in FORMATS)
+    assert f"--weights: invalid choice: 'int3' (choose from {known})" in err[0]

@@ -42,6 +42,8 @@ COMMANDS: dict[str, Command] = {
     "generate": Command("tformer.cli.generate:generate", "sample text from a language model"),
     "evaluate": Command("tformer.cli.evaluate:evaluate",
                         "loss, perplexity and bits per character"),
+    "chat": Command("tformer.cli.chat:chat",
+                    "a conversation with a chat model in the terminal"),
     "translate": Command("tformer.cli.translate:translate",
                          "translate lines with a seq2seq model"),
     "serve": Command("tformer.serving.command:serve_command",
@@ -58,9 +60,9 @@ COMMANDS: dict[str, Command] = {
                          preload=("torch", "tformer.registry", "tformer.loading",
                                   "matplotlib.figure")),
     "import": Command("tformer.interop.command:import_command",
-                      "a local Hugging Face model directory -> a checkpoint"),
+                      "a local Hugging Face model directory or GGUF file -> a checkpoint"),
     "export": Command("tformer.interop.command:export_command",
-                      "a checkpoint -> a Hugging Face model directory"),
+                      "a checkpoint -> a Hugging Face model directory or GGUF file"),
 }
 
 

