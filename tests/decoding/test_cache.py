@@ -92,7 +92,6 @@ def test_truncate_forgets_positions_and_the_next_step_writes_over_them():
 def test_a_cache_grows_with_its_sequence_and_decodes_as_an_uncached_pass(n_kv_head):
     """generate's cache starts small and grows (past the prompt, then step by step, on the
     one-call step path and torch's alike): every step's logits equal a full pass's."""
-    from tformer.models import gpt as gpt_module
     from tformer.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
