@@ -8,10 +8,11 @@ import threading
 import pytest
 import torch
 
+from tformer.decoding.pool import SlotPool
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import TransformerXL, TransformerXLConfig
 from tformer.registry import get_family
-from tformer.serving.scheduler import LMEngine, SlotPool
+from tformer.serving.scheduler import LMEngine
 from tformer.serving.sequence import Sampling, Sequence
 
 

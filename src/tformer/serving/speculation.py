@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.decoding.lm import left_pad
+from tformer.decoding.pool import SlotPool
 from tformer.decoding.speculative import (
     Drafted,
     SpeculationStats,
@@ -45,7 +46,6 @@ from tformer.decoding.speculative import (
     lookup_draft,
     sampling_probs,
 )
-from tformer.serving.scheduler import SlotPool
 from tformer.serving.sequence import Sampling, Sequence
 
 Draw = Callable[[Tensor, list[Sequence]], list[int | None]]
