@@ -1,0 +1,236 @@
+"""A paged KV cache: fixed-size blocks of keys and values from one pool, each text a list of
+blocks (its block table), so that a text holds what it uses and no text widens another
+(Kwon et al. 2023, "PagedAttention"). Serving's continuous batching decodes over it
+(serving/scheduler.py); a long prompt is read into it a chunk at a time.
+
+A forward pass over some rows hands the model a view that quacks as a DecoderCache: each
+layer gathers the rows' blocks into a (n, H_kv, W, ·) window (W: the longest row's length,
+shorter rows masked as padding at its end), attends over it and the new keys, and writes the
+new keys and values into the rows' blocks. Positions count real tokens, so a row decodes as
+it would alone.
+
+Shapes: n rows in the pass, T new tokens per row, W positions of the longest row, H_kv
+key/value heads, d key size, d_value value size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+BLOCK_SIZE = 16
+"""Positions per block: small enough that a text wastes little of its last block."""
+
+
+class PoolFull(RuntimeError):
+    """The pool has too few free blocks for what a pass would store."""
+
+
+@dataclass
+class Row:
+    """One text's place in the pool: its blocks and how many positions they hold."""
+
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+    written: int = 0
+    """Positions the last pass stored (speculation's rollback cuts into them)."""
+
+
+def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-positions // block_size)
+
+
+class _Layer:
+    """One layer's part of a pass: the gathered past, and where the new positions go."""
+
+    def __init__(self, k: Tensor, v: Tensor, pass_: _Pass) -> None:
+        self.k, self.v, self.pass_ = k, v, pass_
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+               attention: nn.Module) -> Tensor:
+        """Store the step's new keys and values in their blocks and attend with q over the
+        rows' past and them: (n, H, T, d) -> (n, H, T, d_value)."""
+        p = self.pass_
+        if p.width:
+            k_all = torch.cat([p.gather(self.k), k], dim=2)
+            v_all = torch.cat([p.gather(self.v), v], dim=2)
+        else:
+            k_all, v_all = k, v
+        out = attention.attend(q, k_all, v_all, mask, is_causal)
+        p.scatter(self.k, k)
+        p.scatter(self.v, v)
+        return out
+
+
+class _Pass:
+    """What GPT.forward reads of a DecoderCache (length, is_real, self_attn, step), over the
+    blocks of the rows in a pass."""
+
+    lineage = None
+    step = None
+
+    def __init__(self, pool: PagedPool, rows: list[Row], real: Tensor) -> None:
+        device = pool.device
+        bs = pool.block_size
+        lengths = torch.tensor([row.length for row in rows], device=device)
+        self.width = int(lengths.max())
+        self.length = self.width
+        n, T = real.shape
+        past_blocks = blocks_for(self.width, bs)
+        table = torch.zeros(n, max(past_blocks, 1), dtype=torch.long)
+        for i, row in enumerate(rows):
+            table[i, : len(row.blocks[:past_blocks])] = torch.tensor(
+                row.blocks[:past_blocks], dtype=torch.long)
+        self.table = table[:, :past_blocks].to(device)
+        uniform = bool((lengths == self.width).all()) and bool(real.all())
+        self.is_real: Tensor | None = None
+        if not uniform:
+            self.is_real = torch.cat([
+                torch.arange(self.width, device=device)[None] < lengths[:, None], real], dim=1)
+        # The new positions of each row, in order, and the block and offset each goes to.
+        self.real = real
+        rank = (real.cumsum(1) - 1) + lengths[:, None]
+        rows_of, cols = real.nonzero(as_tuple=True)
+        positions = rank[rows_of, cols]
+        full = [torch.tensor(row.blocks, dtype=torch.long) for row in rows]
+        flat = torch.cat(full).to(device) if full else torch.zeros(0, dtype=torch.long)
+        starts = torch.tensor([0] + [len(b) for b in full], device=device).cumsum(0)[:-1]
+        self.dest_block = flat[starts[rows_of] + positions // bs]
+        self.dest_offset = positions % bs
+        self.self_attn = [_Layer(k, v, self) for k, v in zip(pool.k, pool.v, strict=True)]
+
+    def gather(self, blocks: Tensor) -> Tensor:
+        """(blocks, H, bs, ·) pool -> (n, H, W, ·) the rows' past positions."""
+        n, nb = self.table.shape
+        gathered = blocks[self.table]
+        H, bs, d = gathered.shape[2:]
+        return gathered.transpose(1, 2).reshape(n, H, nb * bs, d)[:, :, : self.width]
+
+    def scatter(self, blocks: Tensor, new: Tensor) -> None:
+        """Write (n, H, T, ·) new keys or values, the real ones, into their blocks."""
+        blocks[self.dest_block, :, self.dest_offset] = new.transpose(1, 2)[self.real]
+
+
+class PagedPool:
+    """Blocks of keys and values for every layer of `model`, `blocks` of `block_size`
+    positions each, and the rows decoding over them (the first `rows` in `active`, in the
+    order of the sequences in flight). Block 0 holds zeros and pads the block tables: the
+    positions a pass gathers but masks must be finite, since a masked NaN spreads through
+    0 * NaN."""
+
+    def __init__(self, model: nn.Module, blocks: int, *, block_size: int = BLOCK_SIZE) -> None:
+        if blocks < 2:
+            raise ValueError(f"a paged pool needs at least 2 blocks, not {blocks}")
+        self.model = model
+        self.context = model.cfg.context
+        self.block_size = block_size
+        probe = model.make_cache(1, 1).self_attn
+        self.k = [layer.k.new_empty(blocks, layer.k.shape[1], block_size, layer.k.shape[3])
+                  for layer in probe]
+        self.v = [layer.v.new_empty(blocks, layer.v.shape[1], block_size, layer.v.shape[3])
+                  for layer in probe]
+        for buf in (*self.k, *self.v):
+            buf[0].zero_()
+        self.device = self.k[0].device
+        self.total = blocks - 1
+        self.free = list(range(blocks - 1, 0, -1))
+        self.active: list[Row] = []
+
+    @staticmethod
+    def block_bytes(model: nn.Module, block_size: int = BLOCK_SIZE) -> int:
+        """Bytes one block takes over every layer."""
+        probe = model.make_cache(1, 1).self_attn
+        return sum(block_size * (c.k.shape[1] * c.k.shape[3] + c.v.shape[1] * c.v.shape[3])
+                   * c.k.element_size() for c in probe)
+
+    @property
+    def rows(self) -> int:
+        return len(self.active)
+
+    @property
+    def used(self) -> int:
+        return self.total - len(self.free)
+
+    def _allocate(self, rows: list[Row], adding: list[int]) -> None:
+        """Give each row the blocks it needs for `adding` more positions, all or none."""
+        needs = [blocks_for(row.length + a, self.block_size) - len(row.blocks)
+                 for row, a in zip(rows, adding, strict=True)]
+        if sum(max(0, n) for n in needs) > len(self.free):
+            raise PoolFull(f"{sum(needs)} KV blocks needed, {len(self.free)} free")
+        for row, need in zip(rows, needs, strict=True):
+            for _ in range(need):
+                block = self.free.pop()
+                for buf in (*self.k, *self.v):
+                    buf[block].zero_()
+                row.blocks.append(block)
+
+    def forward(self, rows: list[Row], tokens: Tensor, real: Tensor | None = None, *,
+                last_only: bool = False) -> Tensor:
+        """(n, T) new tokens of `rows` (False in `real` where a row has fewer) -> (n, T, V)
+        logits, or (n, 1, V) with `last_only`; their keys and values stored. PoolFull (and
+        nothing stored) where the free blocks cannot hold them."""
+        tokens = tokens.to(self.device)
+        if real is None:
+            real = torch.ones_like(tokens, dtype=torch.bool)
+        real = real.to(self.device)
+        counts = real.sum(1).tolist()
+        longest = max(row.length + c for row, c in zip(rows, counts, strict=True))
+        if longest > self.context:
+            raise ValueError(f"{longest} positions exceed the model's context of "
+                             f"{self.context}")
+        self._allocate(rows, counts)
+        view = _Pass(self, rows, real)
+        logits = self.model(tokens, None if view.is_real is None else real, cache=view,
+                            last_only=last_only)
+        for row, count in zip(rows, counts, strict=True):
+            row.length += count
+            row.written = count
+        return logits
+
+    def read(self, row: Row, tokens: list[int], *, every_position: bool = False) -> Tensor:
+        """Read a chunk of a row's text: its (V,) last-position logits, or (T, V)."""
+        ids = torch.tensor([tokens], device=self.device)
+        return self.forward([row], ids, last_only=not every_position)[0]
+
+    def release(self, row: Row) -> None:
+        """Give a row's blocks back."""
+        self.free.extend(reversed(row.blocks))
+        row.blocks, row.length = [], 0
+
+    # The interface of decoding/pool.py's SlotPool, over the active rows.
+
+    def seat(self, row: Row) -> None:
+        self.active.append(row)
+
+    def step(self, last_tokens: list[int]) -> Tensor:
+        """One new token per active row -> (n, V) logits for the next ones."""
+        tokens = torch.tensor(last_tokens, device=self.device)[:, None]
+        return self.forward(self.active, tokens, last_only=True)[:, -1]
+
+    def extend(self, tokens: Tensor, real: Tensor, *, last_only: bool = False) -> Tensor:
+        """(n, T) new tokens per active row, False in `real` after a row's last ->
+        (n, T, V) logits, or (n, 1, V) with `last_only`."""
+        return self.forward(self.active, tokens, real, last_only=last_only)
+
+    def truncate(self, kept: Tensor, written: int) -> None:
+        """Row i keeps the first kept[i] of the positions the last `extend` stored."""
+        for row, keep in zip(self.active, kept.tolist(), strict=True):
+            row.length -= row.written - min(keep, row.written)
+            row.written = min(keep, row.written)
+            surplus = row.blocks[blocks_for(row.length, self.block_size):]
+            del row.blocks[len(row.blocks) - len(surplus):]
+            self.free.extend(reversed(surplus))
+
+    def remove(self, row: int) -> None:
+        """Free an active row; the last one moves into its place."""
+        self.release(self.active[row])
+        last = self.active.pop()
+        if row < len(self.active):
+            self.active[row] = last
+
+    def clear(self) -> None:
+        for row in self.active:
+            self.release(row)
+        self.active.clear()
