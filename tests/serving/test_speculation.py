@@ -174,11 +174,7 @@ def test_sampled_tokens_follow_the_targets_distribution(drafter):
     engine.submit([Sequence(prompt, Sampling(3, 1.0, seed=i), sink)
                    for i, sink in enumerate(sinks)])
     while engine.pending or engine.running:
-        joining = [engine.pending.popleft()
-                   for _ in range(min(len(engine.pending), batch - engine.running))]
-        engine._join(joining)
-        if engine.running:
-            engine._step()
+        engine._turn(engine._admit())
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
     for sink in sinks:
         counts[sink.tokens[1], sink.tokens[2]] += 1

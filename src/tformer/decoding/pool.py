@@ -70,6 +70,10 @@ class SlotPool:
         is_real[:n, :W] = self.is_real[:n, :W]
         self.pool, self.is_real = pool, is_real
 
+    @property
+    def device(self) -> torch.device:
+        return self.is_real.device
+
     def prefill(self, prompts: list[list[int]], *, every_position: bool = False) -> Tensor:
         """Read prompts into the next free rows, in one forward pass; return their (k, V)
         last-position logits, or with `every_position` all (k, P, V).

@@ -106,7 +106,7 @@ class Speculator:
         budgets = self._budgets(seqs, texts)
         if max(budgets) == 0:
             return None
-        device = slots.is_real.device
+        device = slots.device
         tokens, count, q = self._propose(seqs, texts, budgets, device)
         width = int(count.max())
         if width == 0:
