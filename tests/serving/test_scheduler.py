@@ -279,3 +279,22 @@ def test_a_text_larger_than_the_whole_pool_fails_with_a_clear_error(gpt):
     engine.submit([Sequence(list(range(20)), Sampling(3, 0.0), sink)])
     engine._turn(engine._admit())
     assert sink.reason == "error" and engine.kv_positions() == 16
+
+
+def test_a_prompt_larger_than_the_kv_memory_is_a_400(gpt):
+    from fastapi.testclient import TestClient
+
+    from tformer.data.tokenizers import CharTokenizer
+    from tformer.serving.app import create_app
+
+    tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz .")
+    engine = LMEngine(gpt, eos_id=None, max_batch=2, max_waiting=8, batched=True,
+                      kv_blocks=2)  # 16 positions in all
+    app = create_app(engine, tokenizer, model_name="tiny", kind="lm")
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": "a" * 20, "max_tokens": 2})
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "kv_memory_exceeded"
+        assert "16 positions" in r.json()["error"]["message"]
+        ok = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text

@@ -69,6 +69,24 @@ class Reading:
 # --- engines ----------------------------------------------------------------------------
 
 
+class Histogram:
+    """Seconds in cumulative buckets, as a Prometheus histogram counts them."""
+
+    BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(self.BUCKETS)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.sum += seconds
+        for i, bound in enumerate(self.BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+
+
 @dataclass
 class EngineStats:
     generated_tokens: int = 0
@@ -79,6 +97,10 @@ class EngineStats:
     finished_sequences: int = 0
     preemptions: int = 0
     """Sequences whose blocks were taken back for others, to be read again."""
+    first_token: Histogram = field(default_factory=Histogram)
+    """Seconds from a sequence's queueing to its first token."""
+    between_tokens: Histogram = field(default_factory=Histogram)
+    """Seconds between a sequence's tokens."""
     busy_seconds: float = 0.0
     """Time spent reading prompts and decoding (the rest the thread waits for work)."""
     speculation: SpeculationStats | None = None
@@ -453,6 +475,12 @@ class LMEngine:
                 seq.finish("stop")
                 return True
             seq.tokens.append(token)
+            now = time.perf_counter()
+            if seq.last_token_at is None:
+                self.stats.first_token.observe(now - seq.queued)
+            else:
+                self.stats.between_tokens.observe(now - seq.last_token_at)
+            seq.last_token_at = now
             seq.deliver(token, None)
             if len(seq.tokens) >= seq.sampling.max_tokens:
                 seq.finish("length")
