@@ -271,11 +271,14 @@ class LMEngine:
                 self.reading.append(Reading(seq, list(seq.prompt)))
 
     def _read(self) -> None:
-        """Read the waiting texts, the shortest left first, a chunk each, within what the
-        step's budget leaves after decoding (at least an eighth of it); seat each text read
-        to its end."""
+        """Read the waiting texts, the shortest left first, a chunk each, within the step's
+        budget: all of it where no row decodes, else a quarter of it (less the rows'
+        tokens, at least 16), so that the running rows' steps stay short while a long
+        prompt is read; seat each text read to its end."""
         assert self.slots is not None
-        budget = max(self.step_tokens - len(self.active), self.step_tokens // 8)
+        budget = self.step_tokens
+        if self.active:
+            budget = max(budget // 4 - len(self.active), 16)
         for r in sorted(self.reading, key=lambda r: r.left):
             if budget <= 0:
                 break
