@@ -115,3 +115,67 @@ def test_a_pass_that_does_not_fit_stores_nothing_and_rollback_frees_blocks():
     logits = pool.step([20])
     want = model(torch.tensor([text + [11, 20]]))[0, -1]
     torch.testing.assert_close(logits[0], want, atol=1e-5, rtol=1e-5)
+
+
+def close(got, model, text, start):
+    torch.testing.assert_close(got, model(torch.tensor([text]))[0, start:], atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", LAYOUTS[1:3], ids=str)
+@torch.no_grad()
+def test_a_prefix_found_in_the_cache_gives_the_logits_of_a_cold_read(options):
+    """A second text sharing the first's first 13 tokens takes its 3 full blocks of 4 and
+    reads the rest; its logits equal a full pass's. After the first text leaves, its
+    named blocks stay (idle) and serve a third text."""
+    model = model_of(options)
+    pool = PagedPool(model, 32, block_size=4)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 37, (13,), generator=g).tolist()
+    first = shared + [1, 2]
+    row = Row()
+    pool.read(row, first)
+    pool.seat(row)
+    second = shared + [5, 6, 7]
+    other = Row()
+    assert pool.reuse(other, second) == 12 and other.blocks == row.blocks[:3]
+    close(pool.read(other, second[12:], every_position=True), model, second, 12)
+    assert pool.found == 12 and pool.looked_up == len(second)
+    pool.seat(other)
+    pool.remove(0)  # the first text leaves: its blocks shared or idle, none free again
+    assert pool.used == len(other.blocks)
+    third = Row()
+    assert pool.reuse(third, first + [9]) == 12
+    close(pool.read(third, (first + [9])[12:], every_position=True), model, first + [9], 12)
+
+
+@torch.no_grad()
+def test_a_rollback_into_a_shared_block_copies_it_first():
+    """Text A's verified drafts fill a block that text B then takes; A rejects them and
+    writes another token where they were: A's copy changes, B's block does not."""
+    model = model_of({**LLAMA, "n_kv_head": 2})
+    pool = PagedPool(model, 32, block_size=4)
+    first = list(range(3, 18))  # 15 tokens
+    a = Row()
+    pool.read(a, first)
+    pool.seat(a)
+    pool.extend(torch.tensor([[30, 31, 32]]), torch.tensor([[True, True, True]]))
+    b_text = first + [30, 7, 8]
+    b = Row()
+    assert pool.reuse(b, b_text) == 16 and b.blocks == a.blocks[:4]
+    pool.truncate(torch.tensor([0]), 3)  # A keeps its 15 tokens: back inside block 3
+    assert a.length == 15 and a.blocks[3] != b.blocks[3]
+    close(pool.step([9]), model, first + [9], 15)
+    close(pool.read(b, [7, 8], every_position=True), model, b_text, 16)
+
+
+@torch.no_grad()
+def test_idle_named_blocks_are_taken_back_least_recently_used_first():
+    model = model_of({})
+    pool = PagedPool(model, 4, block_size=4)  # 3 usable blocks
+    a, b = Row(), Row()
+    pool.read(a, list(range(9)))  # 2 full blocks named, 1 partial
+    pool.release(a)
+    assert pool.available == 3 and len(pool.idle) == 2
+    pool.read(b, list(range(20, 30)))  # needs 3 blocks: the free one, then idle ones
+    assert len(pool.idle) == 0 and pool.reuse(Row(), list(range(9))) == 0

@@ -281,13 +281,15 @@ def test_a_text_larger_than_the_whole_pool_fails_with_a_clear_error(gpt):
     assert sink.reason == "error" and engine.kv_positions() == 16
 
 
-def test_a_prompt_larger_than_the_kv_memory_is_a_400(gpt):
+def test_a_prompt_larger_than_the_kv_memory_is_a_400():
     from fastapi.testclient import TestClient
 
     from tformer.data.tokenizers import CharTokenizer
     from tformer.serving.app import create_app
 
     tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz .")
+    gpt = decisive(GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context=24, n_layer=2,
+                                 n_head=2, d_model=16)))
     engine = LMEngine(gpt, eos_id=None, max_batch=2, max_waiting=8, batched=True,
                       kv_blocks=2)  # 16 positions in all
     app = create_app(engine, tokenizer, model_name="tiny", kind="lm")

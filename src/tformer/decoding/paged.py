@@ -9,12 +9,20 @@ shorter rows masked as padding at its end), attends over it and the new keys, an
 new keys and values into the rows' blocks. Positions count real tokens, so a row decodes as
 it would alone.
 
+With `prefix_cache`, every full block is known by a hash of its tokens and of everything
+before them (the previous block's hash), and kept after its text leaves, until its room is
+needed (least recently used first): a text that starts with the same tokens takes those
+blocks instead of reading them again (a chat's earlier turns, the n choices of one prompt).
+Only full blocks are shared, and a text writes only after its last position, so a shared
+block is never written; a rollback into one (speculation) first takes a private copy.
+
 Shapes: n rows in the pass, T new tokens per row, W positions of the longest row, H_kv
 key/value heads, d key size, d_value value size, V vocabulary.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +44,10 @@ class Row:
     length: int = 0
     written: int = 0
     """Positions the last pass stored (speculation's rollback cuts into them)."""
+    tokens: list[int] = field(default_factory=list)
+    """The tokens whose keys and values it holds (to name its full blocks)."""
+    hashes: list[int] = field(default_factory=list)
+    """The names of its full blocks, in order."""
 
 
 def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
@@ -120,7 +132,8 @@ class PagedPool:
     positions a pass gathers but masks must be finite, since a masked NaN spreads through
     0 * NaN."""
 
-    def __init__(self, model: nn.Module, blocks: int, *, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, model: nn.Module, blocks: int, *, block_size: int = BLOCK_SIZE,
+                 prefix_cache: bool = True) -> None:
         if blocks < 2:
             raise ValueError(f"a paged pool needs at least 2 blocks, not {blocks}")
         self.model = model
@@ -137,6 +150,16 @@ class PagedPool:
         self.total = blocks - 1
         self.free = list(range(blocks - 1, 0, -1))
         self.active: list[Row] = []
+        self.prefix_cache = prefix_cache
+        self.refs = [0] * blocks
+        self.named: dict[int, int] = {}
+        """Full blocks by name (hash of their tokens and their prefix's)."""
+        self.name_of: dict[int, int] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()
+        """Named blocks no row holds, least recently used first: free to take back."""
+        self.looked_up = 0
+        """Prompt positions looked up in the prefix cache, and those found there."""
+        self.found = 0
 
     @staticmethod
     def block_bytes(model: nn.Module, block_size: int = BLOCK_SIZE) -> int:
@@ -150,21 +173,82 @@ class PagedPool:
         return len(self.active)
 
     @property
+    def available(self) -> int:
+        """Blocks a row may take: free ones and named ones no row holds."""
+        return len(self.free) + len(self.idle)
+
+    @property
     def used(self) -> int:
-        return self.total - len(self.free)
+        return self.total - self.available
+
+    def _take(self) -> int:
+        """A free block, else the least recently used idle named one (forgotten)."""
+        if self.free:
+            block = self.free.pop()
+        else:
+            block, _ = self.idle.popitem(last=False)
+            del self.named[self.name_of.pop(block)]
+        for buf in (*self.k, *self.v):
+            buf[block].zero_()
+        self.refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        """A row lets go of a block: free, or idle where it is named."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.name_of:
+                self.idle[block] = None
+            else:
+                self.free.append(block)
 
     def _allocate(self, rows: list[Row], adding: list[int]) -> None:
         """Give each row the blocks it needs for `adding` more positions, all or none."""
         needs = [blocks_for(row.length + a, self.block_size) - len(row.blocks)
                  for row, a in zip(rows, adding, strict=True)]
-        if sum(max(0, n) for n in needs) > len(self.free):
-            raise PoolFull(f"{sum(needs)} KV blocks needed, {len(self.free)} free")
+        if sum(max(0, n) for n in needs) > self.available:
+            raise PoolFull(f"{sum(needs)} KV blocks needed, {self.available} free")
         for row, need in zip(rows, needs, strict=True):
             for _ in range(need):
-                block = self.free.pop()
-                for buf in (*self.k, *self.v):
-                    buf[block].zero_()
-                row.blocks.append(block)
+                row.blocks.append(self._take())
+
+    def _name_blocks(self, row: Row) -> None:
+        """Name the row's blocks that are full, and offer them to texts that follow."""
+        bs = self.block_size
+        while len(row.hashes) < row.length // bs:
+            i = len(row.hashes)
+            name = hash((row.hashes[-1] if i else 0, tuple(row.tokens[i * bs : (i + 1) * bs])))
+            row.hashes.append(name)
+            block = row.blocks[i]
+            if self.prefix_cache and name not in self.named and block not in self.name_of:
+                self.named[name] = block
+                self.name_of[block] = name
+
+    def reuse(self, row: Row, text: list[int]) -> int:
+        """Take the named blocks that hold the start of `text` after what the row holds
+        (the row holding whole blocks of it so far), up to its last token, whose logits a
+        pass must compute; the positions taken."""
+        bs = self.block_size
+        if not self.prefix_cache or row.length % bs or row.length != len(row.hashes) * bs:
+            return 0
+        start = row.length
+        if start == 0:
+            self.looked_up += len(text)
+        while row.length + bs <= len(text) - 1:
+            i = len(row.hashes)
+            chunk = tuple(text[row.length : row.length + bs])
+            name = hash((row.hashes[-1] if i else 0, chunk))
+            block = self.named.get(name)
+            if block is None:
+                break
+            self.idle.pop(block, None)
+            self.refs[block] += 1
+            row.blocks.append(block)
+            row.hashes.append(name)
+            row.tokens += chunk
+            row.length += bs
+        self.found += row.length - start
+        return row.length - start
 
     def forward(self, rows: list[Row], tokens: Tensor, real: Tensor | None = None, *,
                 last_only: bool = False) -> Tensor:
@@ -184,20 +268,23 @@ class PagedPool:
         view = _Pass(self, rows, real)
         logits = self.model(tokens, None if view.is_real is None else real, cache=view,
                             last_only=last_only)
-        for row, count in zip(rows, counts, strict=True):
+        for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
             row.length += count
             row.written = count
+            row.tokens += tokens[i][real[i]].tolist()
+            self._name_blocks(row)
         return logits
 
     def read(self, row: Row, tokens: list[int], *, every_position: bool = False) -> Tensor:
-        """Read a chunk of a row's text: its (V,) last-position logits, or (T, V)."""
+        """Read a chunk of a row's text: its (1, V) last-position logits, or (T, V)."""
         ids = torch.tensor([tokens], device=self.device)
         return self.forward([row], ids, last_only=not every_position)[0]
 
     def release(self, row: Row) -> None:
         """Give a row's blocks back."""
-        self.free.extend(reversed(row.blocks))
-        row.blocks, row.length = [], 0
+        for block in reversed(row.blocks):
+            self._drop(block)
+        row.blocks, row.length, row.tokens, row.hashes = [], 0, [], []
 
     # The interface of decoding/pool.py's SlotPool, over the active rows.
 
@@ -216,12 +303,33 @@ class PagedPool:
 
     def truncate(self, kept: Tensor, written: int) -> None:
         """Row i keeps the first kept[i] of the positions the last `extend` stored."""
+        bs = self.block_size
         for row, keep in zip(self.active, kept.tolist(), strict=True):
             row.length -= row.written - min(keep, row.written)
             row.written = min(keep, row.written)
-            surplus = row.blocks[blocks_for(row.length, self.block_size):]
-            del row.blocks[len(row.blocks) - len(surplus):]
-            self.free.extend(reversed(surplus))
+            del row.tokens[row.length :]
+            del row.hashes[row.length // bs :]
+            keep_blocks = blocks_for(row.length, bs)
+            for block in reversed(row.blocks[keep_blocks:]):
+                self._drop(block)
+            del row.blocks[keep_blocks:]
+            if row.length % bs:
+                self._own_last(row)
+
+    def _own_last(self, row: Row) -> None:
+        """Make the row's last block its own before it writes into it again: unnamed, or
+        a copy where other rows hold it too (copy on write)."""
+        block = row.blocks[-1]
+        if self.refs[block] > 1:
+            if not self.available:
+                raise PoolFull("no KV block free to copy a shared one into")
+            copy = self._take()
+            for buf in (*self.k, *self.v):
+                buf[copy] = buf[block]
+            self.refs[block] -= 1
+            row.blocks[-1] = copy
+        elif block in self.name_of:
+            del self.named[self.name_of.pop(block)]
 
     def remove(self, row: int) -> None:
         """Free an active row; the last one moves into its place."""

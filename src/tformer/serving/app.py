@@ -121,6 +121,8 @@ def pool_figures(engine: Any) -> list[tuple[str, str, str, Any]]:
         ("kv_blocks_free", "gauge", "KV cache blocks free.", len(pool.free)),
         ("preemptions_total", "counter", "Sequences preempted for want of KV blocks.",
          engine.stats.preemptions),
+        ("prefix_cache_hit_rate", "gauge", "Prompt positions found in the prefix cache.",
+         round(pool.found / pool.looked_up, 4) if pool.looked_up else 0.0),
     ]
 
 

@@ -64,6 +64,9 @@ def serve_command(
                            "waits (default: half the memory free at start, at most what "
                            "--max-batch full contexts take)", metavar="GIB")
     ] = None,
+    no_prefix_cache: Annotated[
+        bool, Help("read every prompt whole, even where the KV pool holds its start")
+    ] = False,
     step_tokens: Annotated[
         int, Help("tokens a decoding step reads at most: long prompts are read in chunks "
                   "of it between the running sequences' steps")
@@ -119,7 +122,7 @@ def serve_command(
         engine: LMEngine | TranslationBatcher = LMEngine(
             model, eos_id=tokenizer.eos_ids, max_batch=max_batch, max_waiting=max_waiting,
             batched=batched, generate=family.generate, speculator=speculator,
-            kv_blocks=blocks, step_tokens=step_tokens)
+            kv_blocks=blocks, step_tokens=step_tokens, prefix_cache=not no_prefix_cache)
     else:
         if draft is not None or prompt_lookup:
             raise TformerError(f"speculative decoding is for language models; "

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.lm import EosIds, generate, stop_ids
+from tformer.decoding.lm import EosIds, generate, left_pad, stop_ids
 from tformer.decoding.paged import PagedPool, PoolFull, Row, blocks_for
 from tformer.serving.sequence import Sequence, adjust, keep_logprobs, logprobs_of, sample
 
@@ -95,6 +95,8 @@ class EngineStats:
     prefills: int = 0
     """Forward passes that read the prompts of joining sequences."""
     finished_sequences: int = 0
+    prefill_chunks: int = 0
+    """Chunks of prompts read (several in one pass where they are read together)."""
     preemptions: int = 0
     """Sequences whose blocks were taken back for others, to be read again."""
     first_token: Histogram = field(default_factory=Histogram)
@@ -118,12 +120,13 @@ class LMEngine:
     speculator: drafts tokens for the pool's rows (serving/speculation.py), or None.
     kv_blocks: blocks of the paged KV pool (default: room for max_batch full contexts);
     step_tokens: tokens a step reads at most (chunked prefill).
+    prefix_cache: texts starting with blocks the pool has read take them (decoding/paged.py).
     """
 
     def __init__(self, model: nn.Module, *, eos_id: EosIds, max_batch: int = 16,
                  max_waiting: int = 64, batched: bool, generate: Generate = generate,
                  speculator: Speculator | None = None, kv_blocks: int | None = None,
-                 step_tokens: int = STEP_TOKENS) -> None:
+                 step_tokens: int = STEP_TOKENS, prefix_cache: bool = True) -> None:
         self.model = model
         self.generate = generate
         """Decodes one sequence when it cannot share a batch (its family's generate)."""
@@ -137,7 +140,8 @@ class LMEngine:
         self.slots: PagedPool | None = None
         if batched:
             assert self.context is not None
-            self.slots = PagedPool(model, kv_blocks or max_batch * blocks_for(self.context) + 1)
+            self.slots = PagedPool(model, kv_blocks or max_batch * blocks_for(self.context) + 1,
+                                   prefix_cache=prefix_cache)
         self.step_tokens = step_tokens
         self.reading: list[Reading] = []
         """Seated in the pool, their texts partly read."""
@@ -279,29 +283,79 @@ class LMEngine:
         budget = self.step_tokens
         if self.active:
             budget = max(budget // 4 - len(self.active), 16)
+        plan: list[tuple[Reading, int]] = []
         for r in sorted(self.reading, key=lambda r: r.left):
             if budget <= 0:
                 break
+            if not self._scores(r) and r.done == r.row.length:
+                r.done += self.slots.reuse(r.row, r.text)
             n = min(r.left, budget)
-            score = r.seq.sampling.prompt_logprobs and not r.resumed
-            try:
-                logits = self.slots.read(r.row, r.text[r.done : r.done + n],
-                                         every_position=bool(score))
-            except PoolFull:
-                if not self._free_for(r):
-                    break
-                continue
-            except Exception as e:
-                self._drop_reading(r)
-                r.seq.fail("reading the prompt", e)
-                continue
+            plan.append((r, n))
             budget -= n
-            r.done += n
-            if score:
-                r.scored.append(logits)
-            if r.left == 0:
-                self.reading.remove(r)
-                self._seat(r, logits[-1] if logits.dim() == 2 else logits)
+        # Chunks of similar lengths share a forward pass (left-padded to the longest).
+        groups: list[list[tuple[Reading, int]]] = []
+        for r, n in sorted(plan, key=lambda p: p[1]):
+            group = groups[-1] if groups else None
+            if group and n * (len(group) + 1) <= 2 * (sum(m for _, m in group) + n) + 64:
+                group.append((r, n))
+            else:
+                groups.append([(r, n)])
+        for group in groups:
+            if len(group) > 1 and self._read_together(group):
+                continue
+            for r, n in group:
+                if r in self.reading and not self._read_alone(r, n):
+                    break
+
+    def _scores(self, r: Reading) -> bool:
+        return bool(r.seq.sampling.prompt_logprobs) and not r.resumed
+
+    def _read_alone(self, r: Reading, n: int) -> bool:
+        """Read n more tokens of r's text; False where the pool has no room for them."""
+        assert self.slots is not None
+        try:
+            logits = self.slots.read(r.row, r.text[r.done : r.done + n],
+                                     every_position=self._scores(r))
+        except PoolFull:
+            return self._free_for(r)
+        except Exception as e:
+            self._drop_reading(r)
+            r.seq.fail("reading the prompt", e)
+            return True
+        self.stats.prefills += 1
+        self._chunk_read(r, n, logits)
+        return True
+
+    def _read_together(self, group: list[tuple[Reading, int]]) -> bool:
+        """Read a chunk of each text in one pass; False where it failed, nothing stored."""
+        assert self.slots is not None
+        chunks = [r.text[r.done : r.done + n] for r, n in group]
+        ids, real = left_pad(chunks, pad_id=0)
+        every = any(self._scores(r) for r, _ in group)
+        try:
+            logits = self.slots.forward([r.row for r, _ in group], ids, real,
+                                        last_only=not every)
+        except Exception as e:
+            if not isinstance(e, PoolFull):
+                log.warning("reading %d prompts together failed (%s); reading them one by "
+                            "one", len(group), e)
+            return False
+        self.stats.prefills += 1
+        width = ids.shape[1]
+        for i, (r, n) in enumerate(group):
+            self._chunk_read(r, n, logits[i, width - n :] if every else logits[i])
+        return True
+
+    def _chunk_read(self, r: Reading, n: int, logits: Tensor) -> None:
+        """Count n tokens of r's text read, whose logits are `logits` ((n or 1, V)); seat
+        it where it is read to its end."""
+        r.done += n
+        if self._scores(r):
+            r.scored.append(logits)
+        self.stats.prefill_chunks += 1
+        if r.left == 0:
+            self.reading.remove(r)
+            self._seat(r, logits[-1])
 
     def _free_for(self, r: Reading) -> bool:
         """Blocks for a text that does not fit: another partly read text's, read again
@@ -344,7 +398,6 @@ class LMEngine:
                 return
         self.slots.seat(r.row)
         self.active.append(seq)
-        self.stats.prefills += 1
         row = len(self.active) - 1
         if seq.sampling.max_tokens == 0 and not seq.finished:
             seq.finish("length")  # the prompt scored, nothing generated
@@ -410,7 +463,7 @@ class LMEngine:
             need = sum(max(0, blocks_for(min(row.length + ahead, self.context or 1 << 30),
                                          pool.block_size) - len(row.blocks))
                        for row in pool.active)
-            return need - len(pool.free)
+            return need - pool.available
 
         while self.active and short() > 0:
             holding = [r for r in self.reading if r.row.blocks]
