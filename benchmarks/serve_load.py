@@ -23,12 +23,19 @@ the long one's, and the server's peak resident memory (VmHWM), for this tree's s
 with --baseline-src DIR, another tree's (say main's) side by side.
 
     python benchmarks/serve_load.py --long-prompt CKPT --baseline-src /work/main/src
+
+With --chat CKPT, a client holds a 10-turn chat, sending the whole conversation each turn
+(/v1/chat/completions, streamed), against a server with its prefix cache and one with
+--no-prefix-cache: the time to first token of each turn.
+
+    python benchmarks/serve_load.py --chat CKPT
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import statistics
@@ -233,8 +240,60 @@ def long_prompt_scenario(args: argparse.Namespace) -> None:
               flush=True)
 
 
+async def chat_turns(url: str, turns: int, words: list[str], reply_tokens: int
+                     ) -> list[float]:
+    """Each turn's time to first token, the client resending the whole conversation."""
+    messages: list[dict[str, str]] = []
+    firsts = []
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as http:
+        for turn in range(turns):
+            question = " ".join(words[turn * 80 : (turn + 1) * 80])
+            messages.append({"role": "user", "content": question})
+            body = {"messages": messages, "max_tokens": reply_tokens, "temperature": 0,
+                    "stream": True}
+            start = time.perf_counter()
+            first, reply = None, []
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    if first is None:
+                        first = time.perf_counter() - start
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    reply.append(delta.get("content") or "")
+            firsts.append(first or float("nan"))
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    return firsts
+
+
+def chat_scenario(args: argparse.Namespace) -> None:
+    text = (Path("/work/shared/data/wikitext-2") / "wiki.valid.tokens")
+    words = text.read_text().split()[:5000] if text.exists() else ["word"] * 5000
+    print(f"a {args.turns}-turn chat resent whole each turn, {args.reply_tokens}-token "
+          f"replies, SmolLM2-135M fp32; load {os.getloadavg()[0]:.1f}")
+    print("| server | " + " | ".join(f"turn {t + 1} TTFT (s)" for t in range(args.turns))
+          + " |")
+    print("| --- |" + " ---: |" * args.turns)
+    results = {}
+    for name, options in [("prefix cache", ()), ("no prefix cache", ("--no-prefix-cache",))]:
+        server, url = start_real_server(args.chat, str(ROOT / "src"), *options)
+        try:
+            firsts = asyncio.run(chat_turns(url, args.turns, words, args.reply_tokens))
+            print("  " + figures(url, "tformer_prefix_cache_hit_rate"), file=sys.stderr)
+        finally:
+            server.terminate()
+            server.wait(120)
+        results[name] = firsts
+        print(f"| {name} | " + " | ".join(f"{t:.2f}" for t in firsts) + " |", flush=True)
+    last = results["no prefix cache"][-1] / results["prefix cache"][-1]
+    print(f"turn {args.turns}: {last:.1f}x faster to the first token with the prefix cache")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chat", metavar="CKPT", help="the multi-turn chat scenario instead")
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--long-prompt", metavar="CKPT",
                         help="the long-prompt scenario on this checkpoint instead")
     parser.add_argument("--baseline-src", help="another tree's src/ to serve beside this one")
@@ -260,6 +319,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.long_prompt:
         long_prompt_scenario(args)
+        return
+    if args.chat:
+        chat_scenario(args)
         return
     motif = 4 if args.repetitive else 0
     shape = (args.prompt_tokens, args.max_tokens, args.vocab, motif)
