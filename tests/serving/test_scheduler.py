@@ -300,3 +300,27 @@ def test_a_prompt_larger_than_the_kv_memory_is_a_400():
         assert "16 positions" in r.json()["error"]["message"]
         ok = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+
+
+def test_the_n_choices_of_a_prompt_share_its_blocks_and_chat_turns_reuse_the_last():
+    """Choice 2 of a 40-token prompt waits a step and takes choice 1's two full blocks of
+    16; a later prompt that continues the first is read from its cached blocks; the texts
+    are those each prompt makes alone."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=80, n_layer=2, n_head=2, d_model=16)))
+    engine = LMEngine(gpt, eos_id=None, max_batch=4, max_waiting=8, batched=True)
+    prompt = torch.randint(0, 29, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    sinks = [Collect(), Collect()]
+    engine.submit([Sequence(prompt, Sampling(5, 1.0, seed=i), sink)
+                   for i, sink in enumerate(sinks)])
+    while any(s.reason is None for s in sinks):
+        engine._turn(engine._admit())
+    pool = engine.slots
+    assert pool.found == 32 and pool.looked_up == 80
+    for i, sink in enumerate(sinks):
+        assert sink.tokens == alone(gpt, prompt, Sampling(5, 1.0, seed=i))
+    longer = prompt + sinks[0].tokens + [3, 4]
+    sink = Collect()
+    engine.submit([Sequence(longer, Sampling(4, 0.0), sink)])
+    while sink.reason is None:
+        engine._turn(engine._admit())
+    assert pool.found == 32 + 32 and sink.tokens == alone(gpt, longer, Sampling(4, 0.0))

@@ -48,6 +48,8 @@ class Row:
     """The tokens whose keys and values it holds (to name its full blocks)."""
     hashes: list[int] = field(default_factory=list)
     """The names of its full blocks, in order."""
+    looked_up: bool = False
+    """Whether its text has been looked up in the prefix cache (counted once)."""
 
 
 def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
@@ -232,7 +234,8 @@ class PagedPool:
         if not self.prefix_cache or row.length % bs or row.length != len(row.hashes) * bs:
             return 0
         start = row.length
-        if start == 0:
+        if not row.looked_up:
+            row.looked_up = True
             self.looked_up += len(text)
         while row.length + bs <= len(text) - 1:
             i = len(row.hashes)

@@ -284,11 +284,20 @@ class LMEngine:
         if self.active:
             budget = max(budget // 4 - len(self.active), 16)
         plan: list[tuple[Reading, int]] = []
+        starting: set[tuple[int, ...]] = set()
+        block = self.slots.block_size
         for r in sorted(self.reading, key=lambda r: r.left):
             if budget <= 0:
                 break
             if not self._scores(r) and r.done == r.row.length:
                 r.done += self.slots.reuse(r.row, r.text)
+            if self.slots.prefix_cache and r.done == 0 and len(r.text) > block:
+                # A text that starts as another one read now (the n choices of a prompt)
+                # waits a step, and then takes that one's blocks.
+                start = tuple(r.text[:block])
+                if start in starting:
+                    continue
+                starting.add(start)
             n = min(r.left, budget)
             plan.append((r, n))
             budget -= n
