@@ -257,9 +257,9 @@ async def chat_turns(url: str, turns: int, words: list[str], reply_tokens: int
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    if first is None:
-                        first = time.perf_counter() - start
                     delta = json.loads(line[6:])["choices"][0]["delta"]
+                    if first is None and delta.get("content"):  # not the role's chunk
+                        first = time.perf_counter() - start
                     reply.append(delta.get("content") or "")
             firsts.append(first or float("nan"))
             messages.append({"role": "assistant", "content": "".join(reply)})
