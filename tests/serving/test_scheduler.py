@@ -324,3 +324,15 @@ def test_the_n_choices_of_a_prompt_share_its_blocks_and_chat_turns_reuse_the_las
     while sink.reason is None:
         engine._turn(engine._admit())
     assert pool.found == 32 + 32 and sink.tokens == alone(gpt, longer, Sampling(4, 0.0))
+
+
+def test_prompts_that_cannot_all_be_read_at_once_take_turns():
+    """Three 40-token prompts, a pool of 4 blocks of 16 (64 positions): one is read at a
+    time, the others wait for its blocks; each text is the one it makes alone."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=80, n_layer=2, n_head=2, d_model=16)))
+    g = torch.Generator().manual_seed(6)
+    requests = [(torch.randint(0, 29, (40,), generator=g).tolist(), Sampling(6, 0.0), 0)
+                for _ in range(3)]
+    sinks = run_engine(gpt, requests, max_batch=3, kv_blocks=5, step_tokens=16)
+    for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
+        assert sink.tokens == alone(gpt, prompt, sampling) and sink.reason == "length"

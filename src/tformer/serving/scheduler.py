@@ -367,18 +367,19 @@ class LMEngine:
             self._seat(r, logits[-1])
 
     def _free_for(self, r: Reading) -> bool:
-        """Blocks for a text that does not fit: another partly read text's, read again
-        later; False where r must wait for running sequences to leave. A text that cannot
-        fit even alone fails."""
-        others = [o for o in self.reading if o is not r and o.row.blocks]
-        if others:
-            victim = max(others, key=lambda o: o.left)
+        """Blocks for a text that does not fit: those of a partly read text with more left
+        to read (read again later); False where r must wait for others to finish. A text
+        that cannot fit even alone fails."""
+        holders = [o for o in self.reading if o is not r and o.row.blocks]
+        later = [o for o in holders if o.left > r.left]
+        if later:
+            victim = max(later, key=lambda o: o.left)
             self._drop_reading(victim)
             victim.done, victim.scored = 0, []
             self.preempted.appendleft(victim)
             self.stats.preemptions += 1
             return True
-        if not self.active:
+        if not self.active and not holders:
             self._drop_reading(r)
             r.seq.fail("reading the prompt", PoolFull(
                 f"{len(r.text)} tokens do not fit in the KV pool "
