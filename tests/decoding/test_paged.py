@@ -34,11 +34,20 @@ def read(pool: PagedPool, row: Row, text: list[int], chunk: int) -> torch.Tensor
                       for i in range(0, len(text), chunk)])
 
 
+@pytest.mark.parametrize("gathered", [True, False], ids=["whole", "per-layer"])
 @pytest.mark.parametrize("options", LAYOUTS, ids=str)
 @torch.no_grad()
-def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options):
+def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options, gathered,
+                                                                        monkeypatch):
+    """Steps gather every layer's past at once for the one-call step kernel, or attend
+    layer by layer over the gathered blocks: both as a full pass."""
+    from tformer.decoding import paged
+
+    if not gathered:
+        monkeypatch.setattr(paged, "GATHER_BYTES", 0)
     model = model_of(options)
     pool = PagedPool(model, 64, block_size=4)
+    assert pool._gathers_whole(3, 20) == (gathered and pool._step is not None)
     g = torch.Generator().manual_seed(1)
     texts: list[list[int]] = []
     for length in (9, 3, 14):

@@ -28,6 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from tformer.decoding.cache import DecoderCache, KVCache
+
+GATHER_BYTES = 128 << 20
+"""The most a one-token step copies to gather every layer's past at once."""
+
 BLOCK_SIZE = 16
 """Positions per block: small enough that a text wastes little of its last block."""
 
@@ -149,6 +154,8 @@ class PagedPool:
         for buf in (*self.k, *self.v):
             buf[0].zero_()
         self.device = self.k[0].device
+        self._step = model.make_cache(1, 1).step
+        """The model's one-call decoding step (kernels/step.py), or None."""
         self.total = blocks - 1
         self.free = list(range(blocks - 1, 0, -1))
         self.active: list[Row] = []
@@ -269,13 +276,49 @@ class PagedPool:
                              f"{self.context}")
         self._allocate(rows, counts)
         view = _Pass(self, rows, real)
-        logits = self.model(tokens, None if view.is_real is None else real, cache=view,
-                            last_only=last_only)
+        if tokens.shape[1] == 1 and self._gathers_whole(len(rows), view.width):
+            logits = self._step_gathered(view, tokens, real, last_only)
+        else:
+            logits = self.model(tokens, None if view.is_real is None else real, cache=view,
+                                last_only=last_only)
         for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
             row.length += count
             row.written = count
             row.tokens += tokens[i][real[i]].tolist()
             self._name_blocks(row)
+        return logits
+
+    def _gathers_whole(self, rows: int, width: int) -> bool:
+        """Whether a one-token step gathers every layer's past at once (into buffers
+        the one-call step kernel reads, kernels/step.py): where it has the kernel and the
+        copies stay small."""
+        if self._step is None:
+            return False
+        per_position = sum(k[0, :, 0].numel() + v[0, :, 0].numel()
+                           for k, v in zip(self.k, self.v, strict=True))
+        return rows * (width + 1) * per_position * self.k[0].element_size() <= GATHER_BYTES
+
+    def _step_gathered(self, view: _Pass, tokens: Tensor, real: Tensor,
+                       last_only: bool) -> Tensor:
+        """A one-token step over contiguous copies of the rows' pasts (a DecoderCache the
+        model's one-call step runs over), the new keys and values then stored in blocks."""
+        n, W = len(tokens), view.width
+        caches = []
+        for k, v in zip(self.k, self.v, strict=True):
+            kg = k.new_empty(n, k.shape[1], W + 1, k.shape[3])
+            vg = v.new_empty(n, v.shape[1], W + 1, v.shape[3])
+            if W:
+                kg[:, :, :W] = view.gather(k)
+                vg[:, :, :W] = view.gather(v)
+            caches.append(KVCache.over(kg, vg, W))
+        cache = DecoderCache(caches)
+        cache.is_real = view.is_real
+        cache.step = self._step
+        logits = self.model(tokens, None if view.is_real is None else real, cache=cache,
+                            last_only=last_only)
+        for c, k, v in zip(caches, self.k, self.v, strict=True):
+            view.scatter(k, c.k[:, :, W:])
+            view.scatter(v, c.v[:, :, W:])
         return logits
 
     def read(self, row: Row, tokens: list[int], *, every_position: bool = False) -> Tensor:
