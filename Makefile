@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# A CPU build of exactly this torch is on local disk; any other version downloads a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,interop,serve,viz]'
+	$(PY) -m pip install --quiet -e '.[dev,interop,serve,structured,viz]'
 	touch $(STAMP)
 
 demo: $(STAMP)

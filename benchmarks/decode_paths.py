@@ -1,7 +1,7 @@
 """A decoding step, tformer's two ways, side by side on the OPUS-MT-shaped model (opus_mt.py).
 
 --compare attention: the attention kernel reading caches that stay in place
-    (kernels/attend.py, decoding.cache.Lineage), against torch's fused attention over
+    (kernels/attend.py, layers.cache.Lineage), against torch's fused attention over
     caches copied into the beams' order after every step (what runs where the kernel is not
     built); every decoder layer runs as modules on both sides.
 --compare step: each decoder layer's step as one C call (kernels/step.py), against the
@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from opus_mt import Sides  # noqa: E402
 
-from tformer.decoding import cache  # noqa: E402
+from tformer.decoding import runner  # noqa: E402
 from tformer.kernels import attend  # noqa: E402
 from tformer.kernels.step import DecoderStep  # noqa: E402
-from tformer.models import seq2seq  # noqa: E402
+from tformer.layers import cache  # noqa: E402
 
 COLUMNS = {"attention": ("in place + kernel", "copied + torch"),
            "step": ("one call a layer", "modules")}
@@ -42,15 +42,15 @@ COLUMNS = {"attention": ("in place + kernel", "copied + torch"),
 def kernel(on: bool):
     """Decoding with the attention kernel and caches in place (on), or as without the
     kernel; the layers run as modules either way."""
-    saved = cache.serves, seq2seq.serves_cache, DecoderStep.of
+    saved = cache.serves, runner.serves_cache, DecoderStep.of
     DecoderStep.of = lambda *args: None
     if not on:
         cache.serves = lambda x: False
-        seq2seq.serves_cache = lambda dtype, device: False
+        runner.serves_cache = lambda dtype, device: False
     try:
         yield
     finally:
-        cache.serves, seq2seq.serves_cache, DecoderStep.of = saved
+        cache.serves, runner.serves_cache, DecoderStep.of = saved
 
 
 @contextmanager

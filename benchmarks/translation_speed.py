@@ -97,20 +97,22 @@ def decoder_rows(loaded, lines: list[str], options: SearchOptions, batch: int) -
     """(rows the decoder ran, rows it would have run had every sentence of a batch stayed in
     it to the batch's last step): a batch's first step runs all of its rows."""
     model, steps = loaded.model, []  # each search's rows per step
-    decode = model.decode
+    # Every decoding step begins here, whichever way its layers then run
+    # (tformer.decoding.runner).
+    inputs = model.decoder_inputs
 
-    def counting(tgt, memory, src_real, *, cache=None, **kwargs):
+    def counting(tgt, src_real, *, cache=None, **kwargs):
         if cache is None or cache.length == 0:
             steps.append([])
         steps[-1].append(tgt.shape[0])
-        return decode(tgt, memory, src_real, cache=cache, **kwargs)
+        return inputs(tgt, src_real, cache=cache, **kwargs)
 
-    model.decode = counting
+    model.decoder_inputs = counting
     try:
         with torch.no_grad():
             translate(model, loaded.tokenizer, lines, options, batch_size=batch)
     finally:
-        del model.decode
+        del model.decoder_inputs
     return sum(map(sum, steps)), sum(rows[0] * len(rows) for rows in steps)
 
 

@@ -1,6 +1,7 @@
 """tformer.load: the package's face runs the command line's paths, so it writes what the
 command line writes, and its scores are the model's own next-token distribution."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,32 @@ def test_a_draft_of_another_vocabulary_is_one_line(lm, s2s, tmp_path, capsys):
     assert "a draft is a language model" in capsys.readouterr().err
     assert main(["generate", str(lm), "--draft", str(lm), "--prompt-lookup", "2"]) == 2
     assert "choose one" in capsys.readouterr().err
+
+
+def test_generate_follows_a_regex_as_the_command_line_does(lm, capsys, tmp_path):
+    pytest.importorskip("llguidance")
+    import re
+
+    model = tformer.load(lm, threads=1)
+    pattern = "(hear|speak) [a-f]{2,5}!"
+    for seed in range(4):
+        text = model.generate("ROMEO:", regex=pattern, temperature=1.0, seed=seed)
+        assert re.fullmatch(pattern, text), text
+    assert main(["generate", str(lm), "--prompt", "ROMEO:", "--regex", pattern, "--seed", "3",
+                 "--temperature", "1", "--threads", "1"]) == 0
+    assert capsys.readouterr().out == "ROMEO:" + model.generate(
+        "ROMEO:", regex=pattern, temperature=1.0, seed=3) + "\n"
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"enum": ["hear", 12]}')
+    assert main(["generate", str(lm), "--json-schema", str(schema), "--num-samples", "2"]) == 0
+    out = capsys.readouterr().out.split("\n")
+    assert {json.loads(out[1]), json.loads(out[3])} <= {"hear", 12}
+    # A schema the engine cannot compile, and a file that is not a schema: one line each.
+    schema.write_text('{"type": "bogus"}')
+    assert main(["generate", str(lm), "--json-schema", str(schema)]) == 2
+    assert "Invalid type: bogus" in capsys.readouterr().err
+    schema.write_text("{nope")
+    assert main(["generate", str(lm), "--json-schema", str(schema)]) == 2
+    assert "schema.json" in capsys.readouterr().err
+    with pytest.raises(tformer.TformerError, match="not both"):
+        model.generate("ROMEO:", regex="a", json_schema={"type": "string"})

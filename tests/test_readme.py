@@ -93,7 +93,7 @@ def run_line(line: str, tmp: Path, monkeypatch, capsys) -> int:
     # A README step count means SMALL's 10 steps here (enough checkpoints for `average
     # --last 10`), and "train for longer" two more.
     words = ["train.steps=12" if w.startswith("train.steps=") else w for w in words]
-    if words[0] == "train" and "--resume" not in words:
+    if words[0] == "train" and not words[1].startswith("--"):  # a config, maybe --resume
         config = load_small_config(words[1])
         given = {w.split("=", 1)[0] for w in words if "=" in w}  # the line's own data
         words += SMALL + [w.format(tmp=tmp) for w in config if w.split("=", 1)[0] not in given]
@@ -229,12 +229,36 @@ def test_the_serving_examples_run_on_the_readme_runs(workdir):
         assert json.loads(chat).get("choices", [{}])[0].get("message", {}).get("role") == (
             "assistant"), chat
         # The OpenAI client example, pointed at the first server.
-        (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+        example, structured = re.findall(r"```python\n(.*?)```", section, flags=re.S)
         example = example.replace("http://127.0.0.1:8000", servers["8000"].url)
         run = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
         assert run.stdout.strip()
+        # The structured-output and tool-call example, on a tiny stand-in for runs/smollm
+        # (random weights, but characters that can write JSON and a window for the tools).
+        servers["smollm"] = Server(smollm_stand_in(workdir))
+        structured = structured.replace("http://127.0.0.1:8000", servers["smollm"].url)
+        run = subprocess.run([sys.executable, "-c", structured], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        parsed, call, _answer = run.stdout.split("\n", 2)
+        assert parsed.startswith("name=") and call.startswith("get_weather {")
     finally:
         for server in servers.values():
             server.stop()
+
+
+def smollm_stand_in(workdir: Path) -> Path:
+    """A tiny chat model named smollm whose characters are printable ASCII, with a chat
+    template whose turns end at its end-of-text token."""
+    from .serving.conftest import tiny_checkpoint
+
+    text = "".join(chr(c) for c in range(32, 127)) + "\n"
+    path = tiny_checkpoint(workdir / "stand-in" / "smollm", {
+        "family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "context": 2048},
+        specials=True, text=text)
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}", encoding="utf-8")
+    return path

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from tformer.decoding.constraints import Matcher
     from tformer.decoding.speculative import SpeculationStats
     from tformer.loading import Checkpoint
     from tformer.registry import Family
@@ -250,10 +251,16 @@ class Model:
         prompt_lookup: int = 0,
         draft_tokens: int = DRAFT_TOKENS,
         stats: SpeculationStats | None = None,
+        json_schema: dict[str, Any] | str | None = None,
+        regex: str | None = None,
     ) -> Iterator[str]:
         """The continuation of `prompt` (text, or token ids), as pieces of text as they are
         decoded; it stops at the model's end-of-text token (any of them, where its tokenizer
         has several).
+
+        json_schema (a schema, or its JSON) or regex: the continuation follows it, every
+        token drawn among those that can continue it, and it ends where the text is
+        complete (tformer.decoding.constraints; needs the `structured` extra).
 
         draft (a model of the same tokenizer) or prompt_lookup (an n-gram size): speculative
         decoding, draft_tokens at a time (tformer.decoding.speculative): the same
@@ -264,10 +271,15 @@ class Model:
                                f"generate text")
         check_generation_args(max_new_tokens, temperature, top_k, top_p)
         ids = self.prompt_ids(prompt) if isinstance(prompt, str) else list(prompt)
+        constraint = self._constraint(json_schema, regex)
+        if constraint is not None and (draft is not None or prompt_lookup):
+            raise TformerError("a JSON schema or regex decodes without speculation: drop "
+                               "the draft or the prompt lookup")
         new: list[int] = []
         shown = ""
         for tokens in self._tokens(ids, max_new_tokens, temperature, top_k, top_p, generator,
-                                   use_cache, draft, prompt_lookup, draft_tokens, stats):
+                                   use_cache, draft, prompt_lookup, draft_tokens, stats,
+                                   constraint):
             new += tokens
             text = self.tokenizer.decode(new)
             # A byte-level token may end inside a character: wait for the rest of it.
@@ -282,17 +294,18 @@ class Model:
         self, ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
         top_p: float, generator: torch.Generator | None, use_cache: bool,
         draft: Model | None, prompt_lookup: int, draft_tokens: int,
-        stats: SpeculationStats | None,
+        stats: SpeculationStats | None, constraint: Matcher | None = None,
     ) -> Iterator[list[int]]:
         """The new tokens, a step (or a speculative round) at a time."""
         import torch
 
         if draft is None and not prompt_lookup:
+            more = {} if constraint is None else {"constraint": constraint}
             for token in self.family.generate(
                 self.module, torch.tensor([ids], device=self.device),
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                 top_p=top_p, generator=generator, use_cache=use_cache,
-                eos_id=self.tokenizer.eos_ids,
+                eos_id=self.tokenizer.eos_ids, **more,
             ):
                 if stats is not None:
                     stats.tokens += 1
@@ -311,6 +324,23 @@ class Model:
         ):
             yield new[0]
 
+    def _constraint(self, json_schema: dict[str, Any] | str | None, regex: str | None
+                    ) -> Matcher | None:
+        """A fresh matcher of the schema or regex (compiled once per model and text)."""
+        from tformer.decoding import constraints, lm
+
+        if json_schema is None and regex is None:
+            return None
+        if json_schema is not None and regex is not None:
+            raise TformerError("give a JSON schema or a regex, not both")
+        if self.family.generate is not lm.generate:
+            raise TformerError(f"{self.label} is a {self.family.name} model; a JSON schema or "
+                               f"regex constrains models decoded with a KV cache")
+        spec = (constraints.Constraint.json_schema(json_schema) if json_schema is not None
+                else constraints.Constraint.regex(regex or ""))
+        V = self.module.cfg.vocab_size
+        return constraints.compile_grammar(self.tokenizer, spec, V).start()
+
     def check_draft(self, draft: Model) -> None:
         """A draft model proposes this model's tokens: the same tokenizer, a language model."""
         check_draft(self.checkpoint, draft.checkpoint)
@@ -328,14 +358,18 @@ class Model:
         draft: Model | None = None,
         prompt_lookup: int = 0,
         draft_tokens: int = DRAFT_TOKENS,
+        json_schema: dict[str, Any] | str | None = None,
+        regex: str | None = None,
     ) -> str:
         """The continuation of `prompt` (the prompt itself not included). temperature 0 is
         greedy; the same seed gives the same text as `tformer generate --seed`. draft,
-        prompt_lookup, draft_tokens: speculative decoding, as in `stream`."""
+        prompt_lookup, draft_tokens: speculative decoding; json_schema, regex: the text
+        follows them; as in `stream`."""
         return "".join(self.stream(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, generator=self.generator(seed), use_cache=use_cache, draft=draft,
-            prompt_lookup=prompt_lookup, draft_tokens=draft_tokens,
+            prompt_lookup=prompt_lookup, draft_tokens=draft_tokens, json_schema=json_schema,
+            regex=regex,
         ))
 
     def score(self, text: str) -> list[tuple[str, float]]:

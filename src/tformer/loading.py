@@ -10,7 +10,8 @@ training (training/checkpoint.py, which shares the layout defined here).
         model.safetensors    weights (tied tensors stored once)
         tokenizer.json
         chat_template.jinja  the tokenizer's chat template, where it has one (serve's chat)
-        trainer_state.pt     optimizer, step, RNG states, data cursor (training only)
+        trainer_state.pt     optimizer, step, RNG states, data cursor (only --resume reads
+                             it; a shipped model goes without: tformer export --format tformer)
         adapters.safetensors a LoRA run's adapters (train.lora); with train.init_from its
         lora_base.json       checkpoint holds no model.safetensors but this reference to
                              the base: its path and its weights' sha256
@@ -29,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -95,7 +97,11 @@ def sha256_of(path: Path) -> str:
 
 
 def verify_checkpoint(path: Path) -> None:
-    """Raise TformerError naming the damaged file if the checkpoint is not as written."""
+    """Raise TformerError naming the damaged file if the checkpoint is not as written.
+
+    Every file the manifest lists must be there and as written, but trainer_state.pt: only
+    `--resume` reads it (and checks for it), so a model shipped without it (config, weights,
+    tokenizer, chat template) is whole."""
     path = Path(path)
     manifest_path = path / MANIFEST
     try:
@@ -115,6 +121,8 @@ def verify_checkpoint(path: Path) -> None:
             raise TformerError(f"checkpoint {path} is incomplete: {name} is not in its manifest")
     for name, expected in manifest.items():
         file = path / name
+        if name == TRAINER_STATE and not os.path.lexists(file):
+            continue
         try:
             size = file.stat().st_size
             if not file.is_file():

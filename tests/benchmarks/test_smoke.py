@@ -76,6 +76,10 @@ class Smoke:
 SMOKES = {
     "compile_decoding": Smoke(("--size", "small", "--new-tokens", "2", "--rounds", "1"),
                               "first compiled generation", slow=True),
+    "constrained": Smoke(("--tiny", "--tokens", "3", "--repeat", "1"), "| 16 |",
+                         needs=("llguidance",)),
+    "constraint_engines": Smoke(("--tiny", "--repeat", "1"), "| llguidance | char 96 |",
+                                needs=("llguidance",)),
     "decode_paths": Smoke(("--repeats", "1", "--len", "2"), "sent/s",
                           needs=("ctranslate2", "transformers", "sentencepiece"), kernel=True,
                           slow=True),

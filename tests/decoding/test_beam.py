@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from tformer.decoding import beam as beam_module
-from tformer.decoding import cache as cache_module
+from tformer.decoding import runner as runner_module
 from tformer.decoding.beam import beam_search, greedy_search, length_penalty
 from tformer.kernels import step as step_module
 from tformer.kernels.quantize import inference_model
 from tformer.kernels.search import torch_top_logprobs
-from tformer.models import seq2seq as seq2seq_module
+from tformer.layers import cache as cache_module
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
 PAD, BOS, EOS, A, B = 0, 1, 2, 3, 4
@@ -288,7 +288,7 @@ def test_caches_read_in_place_give_the_same_search_as_copied_ones(model, monkeyp
     src, real, _ = sources(12, seed=4)
     fast = beam_search(model, src, real, beam=beam, n_best=beam, alpha=0.6, **SPECIAL)
     fast_greedy = greedy_search(model, src, real, **SPECIAL)
-    monkeypatch.setattr(seq2seq_module, "serves_cache", lambda dtype, device: False)
+    monkeypatch.setattr(runner_module, "serves_cache", lambda dtype, device: False)
     monkeypatch.setattr(cache_module, "serves", lambda x: False)
     plain = beam_search(model, src, real, beam=beam, n_best=beam, alpha=0.6, **SPECIAL)
     plain_greedy = greedy_search(model, src, real, **SPECIAL)

@@ -30,7 +30,7 @@ def model_of(options: dict, context: int = 40) -> GPT:
 
 def read(pool: PagedPool, row: Row, text: list[int], chunk: int) -> torch.Tensor:
     """Read a text a chunk at a time; its every-position logits."""
-    return torch.cat([pool.read(row, text[i : i + chunk], every_position=True)
+    return torch.cat([pool.read_chunk(row, text[i : i + chunk], every_position=True)
                       for i in range(0, len(text), chunk)])
 
 
@@ -109,11 +109,11 @@ def test_a_pass_that_does_not_fit_stores_nothing_and_rollback_frees_blocks():
     pool = PagedPool(model, 5, block_size=4)  # 4 usable blocks: 16 positions
     text = list(range(10))
     row = Row()
-    pool.read(row, text)
+    pool.read_chunk(row, text)
     pool.seat(row)
     other = Row()
     with pytest.raises(PoolFull):
-        pool.read(other, [1, 2, 3, 4, 5])
+        pool.read_chunk(other, [1, 2, 3, 4, 5])
     assert other.length == 0 and other.blocks == [] and pool.used == 3
     # Speculation's verification and rollback: of 3 positions one kept, the fourth block
     # given back, and the next step continues the kept text.
@@ -143,19 +143,19 @@ def test_a_prefix_found_in_the_cache_gives_the_logits_of_a_cold_read(options):
     shared = torch.randint(0, 37, (13,), generator=g).tolist()
     first = shared + [1, 2]
     row = Row()
-    pool.read(row, first)
+    pool.read_chunk(row, first)
     pool.seat(row)
     second = shared + [5, 6, 7]
     other = Row()
     assert pool.reuse(other, second) == 12 and other.blocks == row.blocks[:3]
-    close(pool.read(other, second[12:], every_position=True), model, second, 12)
+    close(pool.read_chunk(other, second[12:], every_position=True), model, second, 12)
     assert pool.found == 12 and pool.looked_up == len(second)
     pool.seat(other)
     pool.remove(0)  # the first text leaves: its blocks shared or idle, none free again
     assert pool.used == len(other.blocks)
     third = Row()
     assert pool.reuse(third, first + [9]) == 12
-    close(pool.read(third, (first + [9])[12:], every_position=True), model, first + [9], 12)
+    close(pool.read_chunk(third, (first + [9])[12:], every_position=True), model, first + [9], 12)
 
 
 @torch.no_grad()
@@ -166,7 +166,7 @@ def test_a_rollback_into_a_shared_block_copies_it_first():
     pool = PagedPool(model, 32, block_size=4)
     first = list(range(3, 18))  # 15 tokens
     a = Row()
-    pool.read(a, first)
+    pool.read_chunk(a, first)
     pool.seat(a)
     pool.extend(torch.tensor([[30, 31, 32]]), torch.tensor([[True, True, True]]))
     b_text = first + [30, 7, 8]
@@ -175,7 +175,7 @@ def test_a_rollback_into_a_shared_block_copies_it_first():
     pool.truncate(torch.tensor([0]), 3)  # A keeps its 15 tokens: back inside block 3
     assert a.length == 15 and a.blocks[3] != b.blocks[3]
     close(pool.step([9]), model, first + [9], 15)
-    close(pool.read(b, [7, 8], every_position=True), model, b_text, 16)
+    close(pool.read_chunk(b, [7, 8], every_position=True), model, b_text, 16)
 
 
 @torch.no_grad()
@@ -183,8 +183,8 @@ def test_idle_named_blocks_are_taken_back_least_recently_used_first():
     model = model_of({})
     pool = PagedPool(model, 4, block_size=4)  # 3 usable blocks
     a, b = Row(), Row()
-    pool.read(a, list(range(9)))  # 2 full blocks named, 1 partial
+    pool.read_chunk(a, list(range(9)))  # 2 full blocks named, 1 partial
     pool.release(a)
     assert pool.available == 3 and len(pool.idle) == 2
-    pool.read(b, list(range(20, 30)))  # needs 3 blocks: the free one, then idle ones
+    pool.read_chunk(b, list(range(20, 30)))  # needs 3 blocks: the free one, then idle ones
     assert len(pool.idle) == 0 and pool.reuse(Row(), list(range(9))) == 0

@@ -10,10 +10,10 @@ import torch
 
 from tformer.config import config_from_dict
 from tformer.decoding.lm import generate
+from tformer.decoding.sampling import sampling_probs
 from tformer.decoding.speculative import (
     SpeculationStats,
     lookup_draft,
-    sampling_probs,
     speculative_generate,
 )
 from tformer.errors import TformerError
@@ -130,68 +130,83 @@ def test_past_the_context_the_window_slides_as_in_plain_decoding(draft):
     assert speculative(small, [prompt], 30, lookup=2, draft_tokens=8) == [expected]
 
 
-def exact_two_token_distribution(model, prompt, vocab):
-    """P(t1, t2 | prompt) of plain sampling at temperature 1, by enumeration."""
-    probs = torch.zeros(vocab, vocab, dtype=torch.float64)
+def exact_distribution(model, prompt, vocab):
+    """P(t2, t3 | prompt) of plain sampling at temperature 1 (t1 summed out), enumerated."""
     with torch.no_grad():
-        first = model(torch.tensor([prompt]))[0, -1].double().softmax(-1)
-        seconds = model(torch.tensor([[*prompt, t] for t in range(vocab)]))[:, -1]
-        probs = first[:, None] * seconds.double().softmax(-1)
-    return probs
+        def next_probs(texts):
+            return model(torch.tensor(texts))[:, -1].double().softmax(-1)
+
+        p1 = next_probs([prompt])[0]
+        p2 = next_probs([[*prompt, a] for a in range(vocab)])
+        p3 = next_probs([[*prompt, a, b] for a in range(vocab) for b in range(vocab)])
+        p3 = p3.reshape(vocab, vocab, vocab)
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
-# The chi-square statistic's 0.1% critical value for 35 degrees of freedom.
-CHI2_35_999 = 66.62
+def sharp(seed, vocab):
+    """A tiny model with weights large enough that its distributions are far from uniform:
+    two of them differ by far more than the test's critical value (a chi-square of ~1300
+    at 800 draws), so a round that drew from the drafter's would fail it."""
+    model = gpt(seed, vocab=vocab, n_layer=1, d_model=16, n_head=2)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3, generator=g)
+    return model
 
 
-@pytest.mark.parametrize("drafter", ["model", "lookup"])
-def test_sampled_tokens_follow_the_targets_distribution(drafter):
-    vocab, rows = 6, 8000
-    target = gpt(4, vocab=vocab, n_layer=1, d_model=16, n_head=2)
-    other = gpt(5, vocab=vocab, n_layer=1, d_model=16, n_head=2)  # disagrees often
-    prompt = [1, 2, 3, 1, 2]
-    expected = exact_two_token_distribution(target, prompt, vocab)
-    options = {"draft": other} if drafter == "model" else {"lookup": 2}
+def generated(target, prompt, runs, options, stats):
+    """Three tokens a call of speculative_generate: one row, its cache cut back after a
+    rejection (decoding/pool.py's OneRow)."""
     generator = torch.Generator().manual_seed(0)
-    stats = SpeculationStats()
-    samples = [[] for _ in range(rows)]
-    for new in speculative_generate(target, [prompt] * rows, max_new_tokens=2, temperature=1.0,
-                                    draft_tokens=2, generator=generator, stats=stats,
-                                    **options):
-        for row, tokens in zip(samples, new, strict=True):
-            row += tokens
-    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for a, b in samples:
-        counts[a, b] += 1
-    expected_counts = expected * rows
-    chi2 = float(((counts - expected_counts) ** 2 / expected_counts).sum())
-    assert chi2 < CHI2_35_999, chi2
-    assert 0 < stats.accepted < stats.drafted  # the draft was both right and wrong
+    return [speculative(target, [prompt], 3, temperature=1.0, draft_tokens=2,
+                        generator=generator, stats=stats, **options)[0] for _ in range(runs)]
 
 
-# The 0.1% critical value for 15 degrees of freedom.
+def served(target, prompt, runs, options, stats):
+    """Three tokens a sequence of the server's engine, one sequence at a time: the first
+    from reading the prompt, the others from rounds over its pool, rejected columns masked
+    (decoding/pool.py's SlotPool), each sequence with its own generator."""
+    from tformer.serving.scheduler import LMEngine
+    from tformer.serving.sequence import Sampling, Sequence
+    from tformer.serving.speculation import Speculator
+
+    spec = Speculator(capacity=1, draft_tokens=2, **options)
+    spec.stats = stats
+    engine = LMEngine(target, eos_id=None, max_batch=1, max_waiting=runs, batched=True,
+                      speculator=spec)
+    texts = [[] for _ in range(runs)]
+    engine.submit([Sequence(prompt, Sampling(3, 1.0, seed=i),
+                            lambda token, _, text=text: token is not None and text.append(token))
+                   for i, text in enumerate(texts)])
+    while engine.pending or engine.running:
+        engine._join([engine.pending.popleft()] if not engine.running else [])
+        if engine.running:
+            engine._step()
+    return texts
+
+
+# The chi-square statistic's 0.1% critical value for 15 degrees of freedom.
 CHI2_15_999 = 37.70
 
 
-def test_one_row_sampled_alone_follows_the_targets_distribution():
-    """One row's caches are cut back after a rejection rather than masked: the same test,
-    each draw its own call. One draft a round, so a rejected first draft leaves the second
-    token to a round that reads the cut-back caches."""
-    vocab, runs = 4, 2000
-    target = gpt(4, vocab=vocab, n_layer=1, d_model=16, n_head=2)
-    other = gpt(5, vocab=vocab, n_layer=1, d_model=16, n_head=2)
+@pytest.mark.parametrize("rows", [generated, served], ids=["generate", "serve"])
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_sampled_tokens_follow_the_targets_distribution(rows, drafter):
+    """The same speculative round (decoding/speculative.py) over generate's rows and over
+    the server's: (t2, t3), drafted and verified, follow plain sampling's distribution."""
+    vocab, runs = 4, 800
+    target, other = sharp(4, vocab), sharp(5, vocab)  # the drafter disagrees often
     prompt = [1, 2, 3, 1, 2]
-    expected = exact_two_token_distribution(target, prompt, vocab) * runs
-    generator = torch.Generator().manual_seed(0)
+    options = {"draft": other} if drafter == "model" else {"lookup": 2}
     stats = SpeculationStats()
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for _ in range(runs):
-        a, b = speculative(target, [prompt], 2, draft=other, draft_tokens=1,
-                           temperature=1.0, generator=generator, stats=stats)[0]
+    for _, a, b in rows(target, prompt, runs, options, stats):
         counts[a, b] += 1
+    expected = exact_distribution(target, prompt, vocab) * runs
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < CHI2_15_999, chi2
-    assert stats.rounds > runs  # some draws took two rounds: after a rejection
+    assert 0 < stats.accepted < stats.drafted  # the drafts were both right and wrong
 
 
 def test_sampling_probs_is_what_plain_sampling_draws_from():

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from tformer.decoding.runner import runner
 from tformer.kernels import matvec
 from tformer.kernels import step as step_module
 from tformer.kernels.quantize import inference_model
@@ -54,10 +55,14 @@ def prompts(rows: int, length: int = 14):
     return tokens, is_real
 
 
-def decode(model, tokens, is_real, *, prefill: int):
-    """Logits of every position: the first `prefill` in one pass, then one step a token."""
+def decode(model, tokens, is_real, *, prefill: int, step: bool = True):
+    """Logits of every position: the first `prefill` in one pass, then one step a token,
+    through the decoding runner (step: with its one-call step where it serves)."""
+    model = runner(model)
     padded = is_real is not None
     cache = model.make_cache(tokens.shape[0], padded=padded)
+    if not step:
+        cache.step = None
 
     def part(a, b):
         return tokens[:, a:b], is_real[:, a:b] if padded else None
@@ -100,6 +105,7 @@ def decode_in_chunks(model, tokens, is_real, *, prefill: int, chunk: int):
     """Logits of every position: the first `prefill` in one pass, then `chunk` at a time
     (as speculative decoding verifies its drafts)."""
     padded = is_real is not None
+    model = runner(model)
     cache = model.make_cache(tokens.shape[0], padded=padded)
     with torch.no_grad():
         logits = []
@@ -162,15 +168,7 @@ def test_int8_steps_match_the_int8_blocks_and_store_the_same_keys(layout, kernel
     tokens, is_real = prompts(8)
     got, got_cache = decode(model, tokens, is_real, prefill=5)
     modules = inference_model(make_model(LAYOUTS[layout]), int8=True)
-    original = modules.make_cache
-
-    def without_step(*args, **kwargs):
-        cache = original(*args, **kwargs)
-        cache.step = None
-        return cache
-
-    modules.make_cache = without_step
-    want, want_cache = decode(modules, tokens, is_real, prefill=5)
+    want, want_cache = decode(modules, tokens, is_real, prefill=5, step=False)
     assert isinstance(got_cache.step, LMStep) and want_cache.step is None
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for a, b in zip(got_cache.self_attn, want_cache.self_attn, strict=True):
@@ -221,7 +219,7 @@ def test_greedy_generation_gives_the_modules_tokens():
 @native
 def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
     model = inference_model(make_model(LAYOUTS["llama, grouped-query"]), int8=False)
-    cache = model.make_cache(4)
+    cache = runner(model).make_cache(4)
     step = cache.step
     x = torch.zeros(4, 1, 48)
     assert step.serves(x, cache)
@@ -229,7 +227,7 @@ def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
     assert not step.serves(torch.zeros(4, 3, 48), cache)  # a prompt: the modules
     assert not step.serves(x.double(), cache)
     assert not step.serves(torch.zeros(3, 1, 48), cache)  # rows other than the cache's
-    assert not step.serves(torch.zeros(9, 1, 48), model.make_cache(9))  # past LM_F32_ROWS
+    assert not step.serves(torch.zeros(9, 1, 48), runner(model).make_cache(9))  # past LM_F32_ROWS
     model.blocks[1].attn.recorded = []
     assert not step.serves(x, cache)
     model.blocks[1].attn.recorded = None
@@ -246,5 +244,6 @@ def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
 def test_blocks_it_cannot_read_keep_the_modules():
     model = make_model(LAYOUTS["gpt2"])
     model.blocks[0].ff.activation = nn.Tanh()
-    assert model.make_cache(2).step is None
-    assert make_model(LAYOUTS["gpt2"]).double().make_cache(2).step is None
+    assert runner(model).make_cache(2).step is None
+    assert runner(make_model(LAYOUTS["gpt2"]).double()).make_cache(2).step is None
+    assert model.make_cache(2).step is None  # a model's own cache never carries one

@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch import nn
 
+from tformer.decoding.runner import runner
 from tformer.kernels import matvec
 from tformer.kernels import step as step_module
 from tformer.kernels.attend import gather_positions
@@ -37,9 +38,10 @@ def run_steps(model, src, real, beams, steps, fused, cache_model=None):
     caches. `cache_model` makes the cache (default: the model itself)."""
     sentences = src.shape[0]
     g = torch.Generator().manual_seed(7)
+    model = runner(model)
     with torch.no_grad():
         memory = model.encode(src, real)
-        cache = (cache_model or model).make_cache(sentences * beams, steps + 1)
+        cache = runner(cache_model or model).make_cache(sentences * beams, steps + 1)
         if not fused:
             cache.step = None
         tokens = torch.randint(3, VOCAB, (sentences * beams, 1), generator=g)
@@ -148,7 +150,7 @@ def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
     src, real = sources(sentences=1)
     with torch.no_grad():
         memory = model.encode(src, real)
-        cache = model.make_cache(4, 8)
+        cache = runner(model).make_cache(4, 8)
         x = torch.zeros(4, 1, 32)
         model.decode(torch.full((4, 1), 3), memory, real, cache=cache)  # fills cross-attention
         step = cache.step
@@ -176,13 +178,13 @@ def test_the_step_runs_only_where_it_computes_the_same(monkeypatch):
 def test_layers_it_cannot_read_keep_the_modules():
     model = make_model()
     model.decoder[0].ff.activation = nn.Tanh()
-    assert model.make_cache(4, 8).step is None
-    assert make_model().double().make_cache(4, 8).step is None
+    assert runner(model).make_cache(4, 8).step is None
+    assert runner(make_model().double()).make_cache(4, 8).step is None
 
 
 @native
 def test_a_lineage_naming_a_row_outside_the_cache_is_an_error():
-    model = inference_model(make_model(), int8=True)
+    model = runner(inference_model(make_model(), int8=True))
     src, real = sources(sentences=1)
     with torch.no_grad():
         memory = model.encode(src, real)
@@ -206,7 +208,7 @@ def test_heads_whose_values_are_wider_than_their_keys(int8):
     model = inference_model(make_model("post", "gelu", d_head=6, d_value=10), int8=int8)
     src, real = sources(sentences=1)
     got, _ = run_steps(model, src, real, beams=4, steps=5, fused=True)
-    assert model.make_cache(4, 6).step is not None
+    assert runner(model).make_cache(4, 6).step is not None
     # fp32 against the model in float64; int8 against its own layers run as modules
     reference = model if int8 else make_model("post", "gelu", d_head=6, d_value=10).double()
     want, _ = run_steps(reference, src, real, beams=4, steps=5, fused=False)

@@ -304,6 +304,7 @@ def test_a_modern_config_trains_a_step_and_its_checkpoint_loads(tmp_path):
 def test_a_gated_or_rmsnorm_translation_model_decodes_as_its_full_pass(feedforward, norm_kind):
     # The one-call decoder step (kernels/step.py) runs plain feed-forward layers only, under
     # either norm: a gated model's cache carries none, and its layers run as modules.
+    from tformer.decoding.runner import runner
     from tformer.kernels.step import DecoderStep
     from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
@@ -314,6 +315,7 @@ def test_a_gated_or_rmsnorm_translation_model_decodes_as_its_full_pass(feedforwa
     src, tgt = torch.randint(0, 23, (3, 7)), torch.randint(0, 23, (3, 6))
     real = torch.ones_like(src, dtype=torch.bool)
     full = model(src, real, tgt)
+    model = runner(model)
     cache = model.make_cache(3, 6)
     if feedforward == "gated":
         assert cache.step is None

@@ -25,11 +25,12 @@ TEXT = "abcdefghijklmnopqrstuvwxyz ,.!?\n"
 
 
 def tiny_checkpoint(dest: Path, model: dict, *, std: float = 0.3, specials: bool = False,
-                    only_matrices: bool = False) -> Path:
+                    only_matrices: bool = False, text: str = TEXT) -> Path:
     """A model with random weights large enough that its logits have no near-ties (greedy
     results then compare decoding paths, not rounding), saved as a checkpoint.
-    only_matrices: leave biases and norms as the model initialised them."""
-    tokenizer = CharTokenizer(TEXT, specials=specials)
+    only_matrices: leave biases and norms as the model initialised them; text: the
+    characters of its vocabulary."""
+    tokenizer = CharTokenizer(text, specials=specials)
     cfg = config_from_dict({"model": {**model, "vocab_size": tokenizer.vocab_size},
                             "train": {"device": "cpu"}})
     torch.manual_seed(0)

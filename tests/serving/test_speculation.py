@@ -1,7 +1,7 @@
 """Speculative decoding in the server's engine: greedy sequences equal the library's plain
 decoding of each alone, whatever joins, leaves, speculates or not beside them; sampled ones
-follow the target's distribution (a chi-square test against the exact one); a run is cut
-at the end of a sequence inside it."""
+follow the target's distribution (tests/decoding/test_speculative.py, the same test over
+generate's rows and the server's); a run is cut at the end of a sequence inside it."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 
+from tformer.decoding.speculative import ModelProposer
 from tformer.models.gpt import GPT, GPTConfig
-from tformer.serving.scheduler import LMEngine
-from tformer.serving.sequence import Sampling, Sequence
+from tformer.serving.sequence import Sampling
 from tformer.serving.speculation import Speculator, speculates
 
-from .test_scheduler import Collect, alone, decisive, run_engine
+from .test_scheduler import alone, decisive, run_engine
 
 
 def gpt(context: int, *, layers: int = 2, width: int = 16, vocab: int = 29) -> GPT:
@@ -36,9 +36,8 @@ def near(model: GPT, noise: float = 0.05) -> GPT:
 def speculator(target: GPT, drafter: str, *, draft_tokens: int, capacity: int,
                draft: GPT | None = None) -> Speculator:
     if drafter == "lookup":
-        return Speculator(context=target.cfg.context, capacity=capacity, lookup=2,
-                          draft_tokens=draft_tokens)
-    return Speculator(context=target.cfg.context, capacity=capacity,
+        return Speculator(capacity=capacity, lookup=2, draft_tokens=draft_tokens)
+    return Speculator(capacity=capacity,
                       draft=draft if draft is not None else near(target),
                       draft_tokens=draft_tokens)
 
@@ -92,15 +91,15 @@ def test_the_draft_model_proposes_its_own_greedy_continuation(context, max_batch
     target = gpt(context)
     draft = near(target)
     proposals = []
-    propose = Speculator._propose
+    propose = ModelProposer.propose
 
-    def recorded(self, seqs, texts, budgets, device):
-        tokens, count, q = propose(self, seqs, texts, budgets, device)
-        proposals.extend((text, tokens[row, :count[row]].tolist())
-                         for row, text in enumerate(texts) if count[row] > 0)
-        return tokens, count, q
+    def recorded(self, texts, budgets, samplings, fail):
+        drafted, q = propose(self, texts, budgets, samplings, fail)
+        proposals.extend((list(text), drafted.tokens[row, :drafted.count[row]].tolist())
+                         for row, text in enumerate(texts) if drafted.count[row] > 0)
+        return drafted, q
 
-    monkeypatch.setattr(Speculator, "_propose", recorded)
+    monkeypatch.setattr(ModelProposer, "propose", recorded)
     spec = speculator(target, "model", draft_tokens=draft_tokens, capacity=max_batch,
                       draft=draft)
     run_engine(target, mixed_requests(context, 10, context), max_batch=max_batch,
@@ -136,49 +135,3 @@ def test_the_end_of_text_inside_an_accepted_run_ends_the_sequence_there():
     assert sinks[0].tokens == want and sinks[0].reason == "stop"
     assert sinks[1].tokens == alone(target, [7, 8], Sampling(3, 0.0), eos_id=eos)
     assert spec.stats.accepted == spec.stats.drafted > 0
-
-
-def exact_distribution(model, prompt, vocab):
-    """P(t2, t3 | prompt) of plain sampling at temperature 1 (t1 summed out), enumerated."""
-    with torch.no_grad():
-        def next_probs(texts):
-            return model(torch.tensor(texts))[:, -1].double().softmax(-1)
-
-        p1 = next_probs([prompt])[0]
-        p2 = next_probs([[*prompt, a] for a in range(vocab)])
-        p3 = next_probs([[*prompt, a, b] for a in range(vocab) for b in range(vocab)])
-        p3 = p3.reshape(vocab, vocab, vocab)
-    return torch.einsum("a,ab,abc->bc", p1, p2, p3)
-
-
-CHI2_35_999 = 66.62
-"""The chi-square statistic's 0.1% critical value for 35 degrees of freedom."""
-
-
-@pytest.mark.parametrize("drafter", ["model", "lookup"])
-def test_sampled_tokens_follow_the_targets_distribution(drafter):
-    """Each sequence draws its first token at its prefill and drafts the second (its
-    budget: max_tokens leaves one more): (t2, t3) come from speculative rounds."""
-    vocab, rows, batch = 6, 3000, 64
-    target = gpt(16, layers=1, vocab=vocab)
-    draft = gpt(16, layers=1, vocab=vocab)
-    torch.manual_seed(11)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.normal_(0.0, 0.3)  # another model, which disagrees often
-    prompt = [1, 2, 3, 1, 2]
-    spec = speculator(target, drafter, draft_tokens=2, capacity=batch, draft=draft)
-    engine = LMEngine(target, eos_id=None, max_batch=batch, max_waiting=rows, batched=True,
-                      speculator=spec)
-    sinks = [Collect() for _ in range(rows)]
-    engine.submit([Sequence(prompt, Sampling(3, 1.0, seed=i), sink)
-                   for i, sink in enumerate(sinks)])
-    while engine.pending or engine.running:
-        engine._turn(engine._admit())
-    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for sink in sinks:
-        counts[sink.tokens[1], sink.tokens[2]] += 1
-    expected = exact_distribution(target, prompt, vocab) * rows
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_35_999, chi2
-    assert 0 < spec.stats.accepted < spec.stats.drafted  # the drafts were right and wrong

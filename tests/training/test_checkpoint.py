@@ -93,3 +93,57 @@ def test_config_json_records_family_and_tokenizer(saved):
     assert config["model"]["family"] == "gpt"
     assert config["tokenizer"] == {"kind": "char", "vocab_size": 8}
     shutil.rmtree(path)
+
+
+SAVE_TWICE = """
+import hashlib, json, sys
+from pathlib import Path
+import torch
+from torch import nn
+from tformer.config import config_from_dict
+from tformer.data.tokenizers import BPETokenizer
+from tformer.registry import get_family
+from tformer.training.checkpoint import save_checkpoint, save_weights
+
+out = Path(sys.argv[1])
+out.mkdir()
+torch.manual_seed(0)
+shared = nn.Linear(4, 4)
+many = nn.ModuleDict({name: shared for name in "qwertyuiop"})  # one tensor, ten names
+save_weights(many, out / "many.safetensors")
+tokenizer = BPETokenizer.train(["the quick brown fox jumps over the lazy dog"] * 9, 280)
+cfg = config_from_dict({"model": {"family": "seq2seq", "vocab_size": tokenizer.vocab_size,
+                                  "n_layer": 1, "n_head": 2, "d_model": 8, "d_ff": 16}})
+save_checkpoint(out / "ckpt", cfg, get_family("seq2seq").model(cfg.model), tokenizer)
+files = [out / "many.safetensors", *sorted((out / "ckpt").iterdir())]
+print(json.dumps({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}))
+"""
+
+
+def test_the_same_weights_give_the_same_bytes_in_any_process(tmp_path):
+    """safetensors writes its header's metadata (the tied tensors' other names) in an order
+    that changes from process to process; the checkpoint sorts it."""
+    import os
+    import subprocess
+    import sys
+
+    digests = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        done = subprocess.run([sys.executable, "-c", SAVE_TWICE, str(out)], capture_output=True,
+                              text=True, timeout=120,
+                              env={**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        digests.append(json.loads(done.stdout))
+    assert digests[0] == digests[1]
+    assert {"many.safetensors", "model.safetensors", "manifest.json"} <= digests[0].keys()
+
+    def metadata(file):  # as the file holds it (safe_open's metadata() has its own order)
+        data = file.read_bytes()
+        return json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+
+    aliases = metadata(tmp_path / "1" / "many.safetensors")
+    assert len(aliases) == 18 and list(aliases) == sorted(aliases)  # weights and biases
+    assert len(metadata(tmp_path / "1" / "ckpt" / "model.safetensors")) >= 2  # tied embeddings
+    loaded = load_checkpoint(tmp_path / "1" / "ckpt")  # and the file reads as before
+    assert loaded.model.tgt_embed.weight is loaded.model.src_embed.weight

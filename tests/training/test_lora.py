@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from tests.conftest import TINY_TEXT
 from tformer import loading
 from tformer.cli import main
 from tformer.config import LoRAConfig, config_from_dict
@@ -24,7 +25,7 @@ from tformer.errors import TformerError
 from tformer.kernels.quantize import FrozenInt8Linear
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.registry import get_family
-from tformer.training import lora
+from tformer.training import lora, trainer
 from tformer.training.trainer import optimizer_step, start_run, stop_requests
 
 TINY = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.context=8",
@@ -242,22 +243,49 @@ main(sys.argv[1:])
 """
 
 
+class Killed(BaseException):
+    """Raised right after step 4's checkpoint: nothing of the run after the save happens."""
+
+
+@pytest.fixture(scope="module")
+def lora_base(tmp_path_factory) -> tuple[Path, Path]:
+    """(config, base run): the tiny GPT the LoRA runs below start from, trained once."""
+    tmp = tmp_path_factory.mktemp("lora-base")
+    corpus = tmp / "tiny.txt"
+    corpus.write_text(TINY_TEXT, encoding="utf-8")
+    config = gpt_config(tmp, corpus)
+    assert main(["train", str(config), "--out", str(tmp / "base"), *TINY]) == 0
+    return config, tmp / "base"
+
+
 @pytest.mark.parametrize("int8", [False, True])
-def test_a_killed_and_resumed_lora_run_ends_as_an_uninterrupted_one(tmp_path, tiny_corpus,
-                                                                    int8):
+def test_a_killed_and_resumed_lora_run_ends_as_an_uninterrupted_one(tmp_path, lora_base, int8,
+                                                                    monkeypatch):
     # With train.lora.int8 the resumed run rounds its base again from the fp32 checkpoint.
-    config = gpt_config(tmp_path, tiny_corpus)
-    base = tmp_path / "base"
-    assert main(["train", str(config), "--out", str(base), *TINY]) == 0
+    config, base = lora_base
     lora_run = [*TINY, "train.steps=6", "train.eval_every=3",
                 f"train.init_from={base}", "train.lora.r=2", "train.lora.dropout=0.2",
                 "model.dropout=0.1", "train.accumulate=2", f"train.lora.int8={str(int8).lower()}"]
     straight = tmp_path / "straight"
     assert main(["train", str(config), "--out", str(straight), *lora_run]) == 0
     killed = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", DIE_AFTER_STEP_4, "train", str(config),
-                           "--out", str(killed), *lora_run], capture_output=True, timeout=120)
-    assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    if not int8:  # a real kill: the process ends with no clean-up at all
+        proc = subprocess.run([sys.executable, "-c", DIE_AFTER_STEP_4, "train", str(config),
+                               "--out", str(killed), *lora_run], capture_output=True,
+                              timeout=120)
+        assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    else:  # the same stop in this process; the real kill is covered above
+        save = trainer.save_step_checkpoint
+
+        def save_then_die(run):
+            save(run)
+            if run.step == 4:
+                raise Killed
+
+        with monkeypatch.context() as patch:
+            patch.setattr(trainer, "save_step_checkpoint", save_then_die)
+            with pytest.raises(Killed):
+                main(["train", str(config), "--out", str(killed), *lora_run])
     assert loading.step_checkpoints(killed)[-1].name == "step-000004"
     assert main(["train", "--resume", "--out", str(killed), "train.lora=none"]) == 2
     assert main(["train", "--resume", "--out", str(killed)]) == 0

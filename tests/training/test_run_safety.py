@@ -1,10 +1,13 @@
 """A run directory under faults that come from outside the process: a second writer, readers
 while training saves, signals, a kill landing on a checkpoint's rename, a full disk, a
-read-only disk and a file size limit. Each runs `tformer` in a subprocess, as a user would."""
+read-only disk and a file size limit. Those that need another process (a second writer, a
+signal, a reader beside the writer, a kill) run `tformer` in a subprocess, as a user would; the
+disk faults run the same command through the CLI's entry point in this process."""
 
 import csv
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TINY_GPT, TINY_TEXT, toml_text
 from tformer import loading
+from tformer.cli import main
 from tformer.training import checkpoint as ckpt
 from tformer.training.run import resume_point
 
@@ -68,6 +73,37 @@ def files_of(run_dir: Path) -> dict[str, bytes]:
 def no_temporaries(run_dir: Path) -> bool:
     names = [p.name for p in run_dir.rglob(".*")]
     return not [n for n in names if n.startswith((".tmp-", ".trash-", ".old-")) or ".tmp" in n]
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory) -> Path:
+    """The tiny run trained for 6 steps, once: the fault tests below copy it and resume it."""
+    tmp = tmp_path_factory.mktemp("six-steps")
+    (tmp / "tiny.txt").write_text(TINY_TEXT, encoding="utf-8")
+    config = tmp / "config.toml"
+    config.write_text(toml_text({
+        "model": {**TINY_GPT["model"], "dropout": 0.1},
+        "data": {"path": str(tmp / "tiny.txt")},
+        "train": {**TINY_GPT["train"], "steps": 6, "log_every": 4, "eval_every": 3,
+                  "checkpoint_every": 3, "keep_checkpoints": 2, "warmup_steps": 2,
+                  "lr": 3e-3, "min_lr": 3e-4},
+    }), encoding="utf-8")
+    assert main(["train", str(config), "--out", str(tmp / "run")]) == 0
+    return tmp / "run"
+
+
+def copy_run(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to, symlinks=True)
+    return to
+
+
+def run_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """`tformer ARGS` through the CLI's own entry point, in this process: the exit code and
+    what it printed, as a subprocess would give them, without the start-up of one."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 # --- two writers, one run ----------------------------------------------------------------
@@ -256,10 +292,8 @@ def test_a_kill_on_a_checkpoint_rename_loses_nothing(tmp_path, nth, start_tforme
 # --- full disk, read-only disk, file size limit --------------------------------------------
 
 
-def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, start_tformer, tiny_config):
-    config = write_config(tiny_config, steps=6)
-    run = tmp_path / "run"
-    assert finish(start_tformer("train", str(config), "--out", str(run)))[0] == 0
+def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, capsys, six_steps):
+    run = copy_run(six_steps, tmp_path / "run")
     before = files_of(run)
     last = loading.step_checkpoints(run)[-1]
     weights = (last / loading.WEIGHTS).stat().st_size
@@ -267,12 +301,15 @@ def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, start_tformer
     assert weights < state
     limit = weights + 64  # the weights fit, the trainer state does not
 
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    code, out, err = finish(
-        start_tformer("train", "--resume", "--out", str(run), "train.steps=9", preexec_fn=limited)
-    )
+    # Python ignores SIGXFSZ, so a write past the limit fails with EFBIG in this process too;
+    # only the soft limit moves, and it is put back before anything else writes.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        code, out, err = run_in_process(capsys, "train", "--resume", "--out", str(run),
+                                        "train.steps=9")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert code == 2
     said = error_line(err)
     assert "cannot save checkpoint" in said and "File too large" in said and str(run) in said
@@ -282,7 +319,7 @@ def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, start_tformer
         if name.startswith(("checkpoints/", ".best-")):
             assert after[name] == data, name
     loading.verify_checkpoint(last)
-    assert finish(start_tformer("train", "--resume", "--out", str(run), "train.steps=9"))[0] == 0
+    assert run_in_process(capsys, "train", "--resume", "--out", str(run), "train.steps=9")[0] == 0
 
 
 @pytest.fixture
@@ -301,10 +338,8 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, small_fs, start_tformer, tiny_config):
-    config = write_config(tiny_config, steps=6)
-    run = small_fs / "run"
-    assert finish(start_tformer("train", str(config), "--out", str(run)))[0] == 0
+def test_a_full_disk_is_one_line_and_loses_nothing(small_fs, capsys, six_steps):
+    run = copy_run(six_steps, small_fs / "run")
     before = files_of(run)
     ballast = small_fs / "ballast"
     try:  # fill the disk to the last byte
@@ -314,7 +349,8 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, small_fs, start_tfo
                 f.flush()
     except OSError:
         pass
-    code, out, err = finish(start_tformer("train", "--resume", "--out", str(run), "train.steps=9"))
+    code, out, err = run_in_process(capsys, "train", "--resume", "--out", str(run),
+                                    "train.steps=9")
     assert code == 2
     said = error_line(err)
     assert "No space left on device" in said and str(run) in said
@@ -324,16 +360,15 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, small_fs, start_tfo
         k: v for k, v in before.items() if k != "metrics.csv"
     }
     ballast.unlink()
-    assert finish(start_tformer("train", "--resume", "--out", str(run), "train.steps=9"))[0] == 0
+    assert run_in_process(capsys, "train", "--resume", "--out", str(run), "train.steps=9")[0] == 0
 
 
-def test_a_read_only_disk_is_one_line(tmp_path, small_fs, start_tformer, tiny_config):
-    config = write_config(tiny_config, steps=3)
-    run = small_fs / "run"
-    assert finish(start_tformer("train", str(config), "--out", str(run)))[0] == 0
+def test_a_read_only_disk_is_one_line(small_fs, capsys, six_steps):
+    run = copy_run(six_steps, small_fs / "run")
     before = files_of(run)
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
-    code, out, err = finish(start_tformer("train", "--resume", "--out", str(run), "train.steps=6"))
+    code, out, err = run_in_process(capsys, "train", "--resume", "--out", str(run),
+                                    "train.steps=9")
     assert code == 2
     said = error_line(err)
     assert "Read-only file system" in said and str(run) in said

@@ -15,11 +15,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from tformer.config import config_from_dict
-from tformer.decoding import cache as decoding_cache
 from tformer.kernels import matvec
 from tformer.kernels.prepack import prepack
 from tformer.kernels.quantize import Int8Linear, quantize_int8
 from tformer.kernels.step import DecoderStep
+from tformer.layers import cache as decoding_cache
 from tformer.models.transformer_xl import Memory
 from tformer.registry import get_family
 from tformer.viz.cost import activation_bytes, linear_flops

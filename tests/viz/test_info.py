@@ -3,6 +3,7 @@ by hand, the summary's parts, and the command's tables. (Its FLOPs and activatio
 are tests/viz/test_cost.py's.)"""
 
 import json
+import re
 
 import pytest
 from safetensors.torch import load_file
@@ -79,3 +80,21 @@ def test_the_cadence_options_are_checked():
         config_from_dict({"model": {"family": "seq2seq"}, "data": {"val_bleu_every": -1}})
     with pytest.raises(TformerError, match="train.patience = -2 must be at least 0"):
         config_from_dict({"model": {"family": "gpt"}, "train": {"patience": -2}})
+
+
+def test_info_on_a_char_level_run_shows_the_fields_that_apply(runs, capsys):
+    assert main(["info", str(runs["b"])]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split(None, 1)[1].strip()
+            for line in out.splitlines() if line.startswith("  ") and len(line.split()) > 1}
+    assert rows["model.position"] == "learned" and rows["model.rotary"] == "False"
+    assert "model.sinusoid_layout" not in rows  # learned positions
+    assert not [key for key in rows if key.startswith("model.rope_")]  # no rotary
+    # The run's own settings, the defaults left out; the tokenizer from the checkpoint.
+    assert rows["train.lr"] == "0.003" and rows["train.steps"] == "12"
+    assert "train.schedule" not in rows and "data.tokenizer" not in rows
+    assert rows["kind"] == "char (characters)"
+    assert re.search(r"^  chat template +none$", out, re.M), out
+    info = summarize(runs["b"])
+    assert info["tokenizer"]["kind"] == "char" and info["tokenizer"]["special"] == {}
+    assert "model.rope_theta" not in info["config"]

@@ -1,11 +1,13 @@
 """`tformer generate CKPT --prompt TEXT`: sample from a language model, streamed as it goes,
-or with --json one object a sample; --draft or --prompt-lookup decode speculatively."""
+or with --json one object a sample; --draft or --prompt-lookup decode speculatively;
+--json-schema FILE or --regex constrain the text to follow them."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 from tformer.api import DRAFT_TOKENS, SAMPLING, Draft, DraftTokens, PromptLookup
@@ -33,6 +35,10 @@ def generate(
     draft: Draft = None,
     draft_tokens: DraftTokens = DRAFT_TOKENS,
     prompt_lookup: PromptLookup = 0,
+    json_schema: Annotated[
+        Path | None, Help("a JSON schema file the text follows (needs tformer[structured])")
+    ] = None,
+    regex: Annotated[str | None, Help("a regular expression the text follows")] = None,
     as_json: Annotated[
         bool, Help("one JSON object a sample (text, tokens, speed, speculation)",
                    flags=("--json",))
@@ -46,6 +52,7 @@ def generate(
     check_generation_args(max_new_tokens, temperature, top_k, top_p, num_samples)
     check_utf8(prompt, "--prompt")
     check_speculation_args(draft, draft_tokens, prompt_lookup)
+    schema = read_schema(json_schema) if json_schema is not None else None
     model = load(checkpoint, int8=int8, device=device, threads=threads, needs="generate")
     drafter = None
     if draft is not None:
@@ -76,6 +83,7 @@ def generate(
             ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, generator=generator, use_cache=not no_cache, draft=drafter,
             prompt_lookup=prompt_lookup, draft_tokens=draft_tokens, stats=stats,
+            json_schema=schema, regex=regex,
         ):
             pieces.append(piece)
             if not as_json:
@@ -98,3 +106,16 @@ def generate(
                   f"accepted ({100 * stats.acceptance_rate:.1f}%); {stats.tokens:,} tokens in "
                   f"{stats.rounds:,} passes of the model, {seconds:.2f} s", file=sys.stderr)
     return 0
+
+
+def read_schema(path: Path) -> dict:
+    """A JSON schema file; unreadable or not JSON is a one-line error naming it."""
+    from tformer.errors import TformerError
+
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TformerError(f"--json-schema {path}: {e}") from None
+    if not isinstance(schema, dict):
+        raise TformerError(f"--json-schema {path}: a schema is a JSON object")
+    return schema

@@ -1,6 +1,7 @@
-"""`tformer train CONFIG --out RUN` and `tformer train --resume --out RUN`: the run is
-prepared by tformer.training.run (config or resume point, the lock), trained by
-tformer.training.trainer; this module shows its progress."""
+"""`tformer train CONFIG --out RUN`, `tformer train --resume --out RUN`, and the one line a
+requeued job runs, `tformer train CONFIG --out RUN --resume` (start or continue, whichever
+RUN needs): the run is prepared by tformer.training.run (config or resume point, the lock),
+trained by tformer.training.trainer; this module shows its progress."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ if TYPE_CHECKING:
 
 
 def train(
-    config: Annotated[str | None, Help("CONFIG.toml (omit with --resume)", nargs="?")] = None,
+    config: Annotated[str | None, Help("CONFIG.toml (optional with --resume: with it, a run "
+                                       "with nothing to continue starts from it)",
+                                       nargs="?")] = None,
     overrides: Annotated[
         list[str] | None,
         Help("config overrides, e.g. train.lr=3e-4 model.n_layer=6", nargs="*",
@@ -25,12 +28,18 @@ def train(
     ] = None,
     *,
     out: Annotated[str, Help("run directory")],
-    resume: Annotated[bool, Help("continue RUN_DIR from its last checkpoint")] = False,
+    resume: Annotated[bool, Help("continue RUN_DIR from its newest usable checkpoint; with "
+                                 "CONFIG, start it when it has none (also --resume auto)")
+                      ] = False,
 ) -> int:
     from tformer.training.distributed import from_environment
     from tformer.training.run import prepare_run
 
     overrides = list(overrides or [])
+    # `--resume auto` (litgpt's spelling) is --resume: the word lands among the positionals.
+    if resume and "auto" in [config, *overrides] and not Path("auto").exists():
+        words = [w for w in [config, *overrides] if w is not None and w != "auto"]
+        config, overrides = (words[0], words[1:]) if words else (None, [])
     # `train --resume --out R train.steps=9`: the first override lands where the config goes.
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]

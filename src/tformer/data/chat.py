@@ -108,6 +108,11 @@ class ChatTemplate:
             raise TformerError(f"{origin} is not a valid Jinja template: line {e.lineno}: "
                                f"{e.message}") from None
         self.end_of_turn = self._find_end_of_turn()
+        from jinja2 import meta
+
+        self.takes_tools = "tools" in meta.find_undeclared_variables(
+            self.template.environment.parse(source))
+        """Whether the template writes the `tools` it is given into the prompt."""
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None) -> str:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer.decoding.runner import runner
 from tformer.errors import TformerError
 from tformer.evaluation.loss import Targets
 
@@ -64,7 +65,7 @@ class Ensemble(nn.Module):
         return [m.encode(src, src_real) for m in self.members]
 
     def make_cache(self, batch: int, max_len: int) -> EnsembleCache:
-        return EnsembleCache([m.make_cache(batch, max_len) for m in self.members])
+        return EnsembleCache([runner(m).make_cache(batch, max_len) for m in self.members])
 
     def decode(
         self,
@@ -78,7 +79,8 @@ class Ensemble(nn.Module):
         """(B, T) target ids so far -> (B, T, V) log of the models' mean distribution."""
         caches = cache.caches if cache is not None else [None] * len(self.members)
         logprobs = torch.stack([
-            F.log_softmax(m.decode(tgt, mem, src_real, cache=c, tgt_real=tgt_real).float(), -1)
+            F.log_softmax(runner(m).decode(tgt, mem, src_real, cache=c, tgt_real=tgt_real)
+                          .float(), -1)
             for m, mem, c in zip(self.members, memory, caches, strict=True)
         ])
         return torch.logsumexp(logprobs, dim=0) - math.log(len(self.members))

@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from tformer.decoding.constraints import Matcher, mask_logits
+from tformer.decoding.runner import runner
 from tformer.decoding.sampling import next_token
 
 EosIds = int | Sequence[int] | None
@@ -70,15 +72,21 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     eos_id: EosIds = None,
+    constraint: Matcher | None = None,
 ) -> Iterator[Tensor]:
     """Yield (B,) new tokens, one step at a time, after a (B, T) prompt.
 
     is_real: (B, T) False at padding, for left-padded prompts of different lengths.
-    A model with a fixed context sees the last `context` tokens: once the cache is full, the
-    window slides by running the model afresh over it, so cached and uncached generation
-    always see the same tokens and agree exactly. With eos_id (an id, or several), stops once
-    every row has produced one of them (finished rows repeat the first).
+    A model with a fixed context sees each row's last `context` tokens (`window`): once the
+    cache is full, the window slides by running the model afresh over it, so cached and
+    uncached generation always see the same tokens and agree exactly. With eos_id (an id,
+    or several), stops once every row has produced one of them (finished rows repeat the
+    first). constraint (one row): the tokens it disallows are masked before each draw, and
+    the text ends where the constrained text is complete (tformer.decoding.constraints).
     """
+    if constraint is not None and prompt.shape[0] != 1:
+        raise ValueError("a constraint decodes one row")
+    model = runner(model)  # the one-call kernel step where it serves
     B = prompt.shape[0]
     context = model.cfg.context
     padded = is_real is not None
@@ -92,23 +100,31 @@ def generate(
         if use_cache and cache is not None and cache.length + 1 > cache.max_len:
             fresh = True
         if fresh or not use_cache:
-            window = tokens[:, -context:]
-            window_real = real[:, -context:] if padded else None
+            texts = (tokens.tolist() if not padded
+                     else [row[keep].tolist() for row, keep in zip(tokens, real, strict=True)])
+            ids, window_real = window(texts, context)
             cache = model.make_cache(B, context, padded=padded) if use_cache else None
-            logits = model(window, window_real, cache=cache, last_only=True)
+            logits = model(ids.to(tokens.device),
+                           None if window_real is None else window_real.to(tokens.device),
+                           cache=cache, last_only=True)
             fresh = False
         else:
             logits = model(tokens[:, -1:], real[:, -1:] if padded else None, cache=cache,
                            last_only=True)
+        step = logits[:, -1]
+        if constraint is not None:
+            step = mask_logits(step.float().clone(), [constraint])
         token = next_token(
-            logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+            step, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )
         token = finished.update(token)
+        if constraint is not None:
+            constraint.advance(int(token[0]))
         tokens = torch.cat([tokens, token[:, None]], dim=1)
         if padded:
             real = torch.cat([real, torch.ones_like(token, dtype=torch.bool)[:, None]], dim=1)
         yield token
-        if finished.all:
+        if finished.all or (constraint is not None and constraint.stopped):
             break
 
 
@@ -123,3 +139,12 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
             ids[i, width - len(seq):] = torch.tensor(seq)
             is_real[i, width - len(seq):] = True
     return ids, is_real
+
+
+def window(texts: list[list[int]], context: int) -> tuple[Tensor, Tensor | None]:
+    """What a model of `context` positions reads to continue each text: its last `context`
+    tokens, left-padded -> (B, T) ids and is_real (None where no row is padded). Every
+    decoding path slides so past the context (generate, speculation, the server), and a
+    row reads the same whether it decodes in a batch or alone."""
+    ids, real = left_pad([text[-context:] for text in texts], 0)
+    return ids, None if bool(real.all()) else real

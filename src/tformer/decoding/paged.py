@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.cache import DecoderCache, KVCache
+from tformer.decoding.runner import runner
+from tformer.layers import DecoderCache, KVCache
 
 GATHER_BYTES = 128 << 20
 """The most a one-token step copies to gather every layer's past at once."""
@@ -143,7 +144,7 @@ class PagedPool:
                  prefix_cache: bool = True) -> None:
         if blocks < 2:
             raise ValueError(f"a paged pool needs at least 2 blocks, not {blocks}")
-        self.model = model
+        self.model = model = runner(model)
         self.context = model.cfg.context
         self.block_size = block_size
         probe = model.make_cache(1, 1).self_attn
@@ -321,7 +322,7 @@ class PagedPool:
             view.scatter(v, c.v[:, :, W:])
         return logits
 
-    def read(self, row: Row, tokens: list[int], *, every_position: bool = False) -> Tensor:
+    def read_chunk(self, row: Row, tokens: list[int], *, every_position: bool = False) -> Tensor:
         """Read a chunk of a row's text: its (1, V) last-position logits, or (T, V)."""
         ids = torch.tensor([tokens], device=self.device)
         return self.forward([row], ids, last_only=not every_position)[0]
@@ -332,7 +333,15 @@ class PagedPool:
             self._drop(block)
         row.blocks, row.length, row.tokens, row.hashes = [], 0, [], []
 
-    # The interface of decoding/pool.py's SlotPool, over the active rows.
+    # The interface of decoding/pool.py's SlotPool (and its Rows), over the active rows.
+
+    @property
+    def read(self) -> list[int]:
+        """Per active row: the tokens of its text it has read."""
+        return [row.length for row in self.active]
+
+    def held(self) -> int:
+        return max((row.length for row in self.active), default=0)
 
     def seat(self, row: Row) -> None:
         self.active.append(row)

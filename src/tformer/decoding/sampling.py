@@ -41,13 +41,25 @@ def next_token(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """(B, V) logits -> (B,) token ids. temperature 0 is greedy (argmax)."""
-    if not torch.isfinite(logits).all():
+    """(B, V) logits -> (B,) token ids. temperature 0 is greedy (argmax). -inf marks a
+    token that may not be drawn (a constraint's mask); NaN or +inf is a broken model."""
+    if not bool((logits < float("inf")).all()):
         raise TformerError(
             "the model's outputs are not finite (NaN or inf logits); its weights or its "
             "input are broken, and no token can be chosen"
         )
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = filter_top_p(filter_top_k(logits.float() / temperature, top_k), top_p)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """(..., V) logits -> the distribution `next_token` draws from, in float32: temperature,
+    then top-k, then top-p, then softmax (a one-hot argmax for temperature 0). Speculative
+    decoding's acceptance rule compares these distributions."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    flat = logits.float().reshape(-1, logits.shape[-1]) / temperature
+    flat = filter_top_p(filter_top_k(flat, top_k), top_p)
+    return flat.softmax(-1).reshape(logits.shape)

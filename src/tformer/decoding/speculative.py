@@ -1,40 +1,42 @@
-"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a cheap drafter proposes K
+"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a cheap proposer drafts K
 tokens, the target model scores all of them in one forward pass, and an acceptance rule keeps
 exactly the target's distribution. At batch 1 a step of the target reads every weight once
 whatever its number of tokens, so each accepted draft token is nearly free.
 
-Drafters: a small model of the same vocabulary (its own KV cache), or prompt lookup (the
-continuation of the last n-gram's earlier occurrence in the text so far; no model).
+Proposers: a small model of the same vocabulary (`ModelProposer`, over its own cache rows),
+or prompt lookup (`LookupProposer`: the continuation of the last n-gram's earlier occurrence
+in the text so far; no model).
 
 The rule, for a draft token x drawn from q where the target gives p (both after temperature,
 top-k and top-p, the distribution plain sampling draws from): accept x with probability
 min(1, p(x) / q(x)); at the first rejection draw from max(0, p - q), normalised, and stop;
 if all K are accepted, draw one more token from the target's next distribution. Greedy
 (temperature 0) accepts x where it is the target's argmax, and takes the argmax at the
-first mismatch: the output is the target's own greedy output.
+first mismatch: the output is the target's own greedy output. Greedy decoding compares
+token ids alone (`accept_greedy`): no distribution is formed.
 
-Rows of a batch accept different numbers of tokens. The caches keep one length for all
-rows; a row's rejected positions are marked as not real (the padding mask every cache keeps),
-so they are never attended to and positions count only the tokens a row kept. A single row
-needs no mask: its caches are cut back to the tokens it kept, and the next round writes over
-the rejected positions.
+`speculative_round` is one round over any cache rows (decoding/pool.py's `Rows`): propose,
+verify (one target pass over each row's pending token and its drafts), accept, roll back
+(each cache forgets the drafts its row rejected). `speculative_generate` is a loop of
+rounds over generate's rows; the server's engine (serving/speculation.py) runs the same
+round over its pool. Rows accept different numbers of tokens: a pool of many rows marks a
+row's rejected positions as not real, one row's cache is cut back (decoding/pool.py).
 
-Greedy decoding compares token ids alone (`accept_greedy`): no distribution is formed, so a
-round costs the passes and little else.
-
-Shapes: B batch, K draft tokens, V vocabulary.
+Shapes: n rows, K draft tokens, V vocabulary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.lm import EosIds, left_pad, stop_ids
-from tformer.decoding.sampling import filter_top_k, filter_top_p
+from tformer.decoding.lm import EosIds, left_pad, stop_ids, window
+from tformer.decoding.pool import Rows, rows_for
+from tformer.decoding.sampling import next_token, sampling_probs
 from tformer.errors import TformerError
 
 
@@ -58,14 +60,54 @@ class SpeculationStats:
                 "tokens": self.tokens, "acceptance_rate": round(self.acceptance_rate, 4)}
 
 
-def sampling_probs(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """(..., V) logits -> the distribution plain sampling draws from (one-hot argmax for
-    temperature 0), in float32."""
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    flat = logits.float().reshape(-1, logits.shape[-1]) / temperature
-    flat = filter_top_p(filter_top_k(flat, top_k), top_p)
-    return flat.softmax(-1).reshape(logits.shape)
+@dataclass(frozen=True)
+class RowSampling:
+    """How a row samples: the distribution (temperature, top-k, top-p) and its generator."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def key(self) -> tuple:
+        """Rows with equal keys draw together, as one batch."""
+        return self.temperature, self.top_k, self.top_p, id(self.generator)
+
+
+Draw = Callable[[Tensor, list[int]], list]
+"""A row's plain draw, for rows that drafted nothing: (m, V) logits of rows -> m tokens
+(None for a row that failed)."""
+Fail = Callable[[int, str, Exception], None]
+"""What to do when a row's drafting or sampling raises (row, what failed, the error); the
+row takes no token this round. None: the error propagates."""
+
+
+@dataclass
+class Drafted:
+    tokens: Tensor
+    """(n, K) proposed tokens (rows with fewer proposals are filled up: see count)."""
+    count: Tensor
+    """(n,) how many of each row's tokens were really proposed."""
+
+
+class Proposer(Protocol):
+    """Drafts tokens for the rows of a round. Its rows follow the target's."""
+
+    def room(self, texts: list[list[int]], budgets: list[int]) -> int:
+        """The most tokens a row may draft this round (its own cache's bound)."""
+        ...
+
+    def propose(self, texts: list[list[int]], budgets: list[int],
+                samplings: list[RowSampling | None], fail: Fail | None
+                ) -> tuple[Drafted, Tensor | None]:
+        """Up to budgets[i] tokens after text i, and the (n, K, V) distributions q they
+        were drawn from (None: point masses on the tokens, as prompt lookup's)."""
+        ...
+
+    def settle(self, drafted: Drafted, n_accepted: Tensor) -> None:
+        """After verification: keep what each row accepted, forget the rest."""
+        ...
 
 
 def lookup_draft(history: list[int], n: int, k: int) -> list[int]:
@@ -80,196 +122,224 @@ def lookup_draft(history: list[int], n: int, k: int) -> list[int]:
     return []
 
 
-class _Model:
-    """A model and its cache while speculation runs. A batch's cache is padded: rejected
-    positions are masked. One row's is not: rejected positions are cut off."""
+class LookupProposer:
+    """Prompt lookup of `n`-grams: no model, no cache."""
 
-    def __init__(self, module: nn.Module, batch: int, max_len: int) -> None:
-        self.module = module
-        self.cache = module.make_cache(batch, max_len, padded=batch > 1)
+    def __init__(self, n: int) -> None:
+        self.n = n
 
-    @property
-    def padded(self) -> bool:
-        return self.cache.is_real is not None
+    def room(self, texts: list[list[int]], budgets: list[int]) -> int:
+        return 1 << 30
 
-    def step(self, tokens: Tensor, is_real: Tensor) -> Tensor:
-        """(B, T) tokens after what the cache holds -> (B, T, V) logits."""
-        return self.module(tokens, is_real if self.padded else None, cache=self.cache)
-
-    def keep(self, start: int, keep: Tensor) -> None:
-        """Keep each row's positions before keep[row] (B,) of those from `start` on."""
-        cache = self.cache
-        if self.padded:
-            slots = torch.arange(start, cache.length, device=keep.device)
-            cache.is_real[:, start:cache.length] &= slots < keep[:, None]
-        else:
-            cache.truncate(int(keep[0]))
-
-
-@torch.no_grad()
-def speculative_generate(
-    target: nn.Module,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    draft: nn.Module | None = None,
-    lookup: int = 0,
-    draft_tokens: int = 4,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-    eos_id: EosIds = None,
-    stats: SpeculationStats | None = None,
-) -> Iterator[list[list[int]]]:
-    """Yield, round by round, each row's new tokens of that round (a list per row; a
-    finished row's is empty). draft: a drafting model of the target's vocabulary; lookup: the
-    n-gram size of prompt lookup (used where `draft` is None). A row ends at eos_id (or at
-    any of several) or after max_new_tokens; past the target's context, rounds are plain
-    steps over the sliding window, as tformer.decoding.lm.generate takes them."""
-    if not callable(getattr(target, "make_cache", None)) or (
-            draft is not None and not callable(getattr(draft, "make_cache", None))):
-        raise TformerError("speculative decoding needs models with a KV cache (gpt)")
-    if draft is None and lookup < 1:
-        raise TformerError("speculative decoding needs a draft model or --prompt-lookup N >= 1")
-    if draft_tokens < 1:
-        raise TformerError(f"--draft-tokens {draft_tokens} must be at least 1")
-    stats = stats if stats is not None else SpeculationStats()
-    B = len(prompts)
-    device = next(target.parameters()).device
-    context = target.cfg.context
-    if draft is not None:
-        context = min(context, draft.cfg.context)
-    history = [list(p) for p in prompts]
-    produced = [0] * B
-    done = [False] * B
-    stops = frozenset(stop_ids(eos_id))
-
-    def finished(row: int, token: int) -> bool:
-        return token in stops or produced[row] >= max_new_tokens
-
-    while not all(done):
-        longest = max(len(h) for h in history)
-        # Room for the draft tokens and the pending token: speculation needs every row's
-        # whole text inside the context (a longer one slides, and its positions move).
-        k = min(draft_tokens, context - longest - 1)
-        if k < 1:
-            yield from _plain_steps(target, history, produced, done, context, finished,
-                                    temperature, top_k, top_p, generator, stats)
-            return
-        # The caches hold all but each row's last token. Rejected drafts leave slots that
-        # are not real: a cache that fills up is rebuilt from the rows' texts.
-        width = longest - 1
-        max_len = context
-        ids, real = left_pad([h[:-1] for h in history], 0)
-        ids, real = ids.to(device), real.to(device)
-        models = [_Model(target, B, max_len)]
-        if draft is not None:
-            models.append(_Model(draft, B, max_len))
-        if width > 0:
-            for m in models:
-                m.step(ids, real)
-        pending = torch.tensor([[h[-1]] for h in history], device=device)
-        extra: Tensor | None = None  # a draft token the draft model has not read yet
-        while not all(done):
-            k = min(draft_tokens, context - max(len(h) for h in history) - 1)
-            if k < 1 or models[0].cache.length + k + 2 > max_len:
-                break  # start afresh: rebuilt caches, or plain steps past the context
-            alive = torch.tensor([not d for d in done], device=device)
-            drafted, q = _propose(models, draft, lookup, history, pending, extra, k,
-                                  alive, temperature, top_k, top_p, generator)
-            start = models[0].cache.length
-            verify = torch.cat([pending, drafted.tokens], dim=1)
-            logits = models[0].step(verify, torch.ones_like(verify, dtype=torch.bool))
-            if temperature == 0:
-                new_tokens, n_accepted = accept_greedy(logits.argmax(-1), drafted)
-            else:
-                p = sampling_probs(logits, temperature, top_k, top_p)
-                new_tokens, n_accepted = accept(p, q, drafted, temperature, generator)
-            round_out: list[list[int]] = []
-            for row in range(B):
-                if done[row]:
-                    round_out.append([])
-                    continue
-                kept: list[int] = []
-                for token in new_tokens[row]:
-                    kept.append(token)
-                    produced[row] += 1
-                    if finished(row, token):
-                        done[row] = True
-                        break
-                history[row] += kept
-                round_out.append(kept)
-                stats.drafted += int(drafted.count[row])
-                stats.accepted += min(int(n_accepted[row]), len(kept))
-                stats.tokens += len(kept)
-            stats.rounds += 1
-            yield round_out
-            # The target read pending + k drafts: rows keep pending and their accepted ones.
-            models[0].keep(start, start + 1 + n_accepted)
-            if draft is not None:
-                # The draft read pending and drafts 1..k-1; it keeps pending and the accepted
-                # ones it has read, and reads the k-th next round where all k were accepted.
-                dm = models[1]
-                dstart = dm.cache.length - k
-                dm.keep(dstart, dstart + 1 + n_accepted.clamp(max=k - 1))
-                all_in = n_accepted == k
-                extra = torch.where(all_in, drafted.tokens[:, -1], -1)[:, None]
-                extra = None if not bool(all_in.any()) else extra
-            pending = torch.tensor([[h[-1]] for h in history], device=device)
-
-
-@dataclass
-class Drafted:
-    tokens: Tensor
-    """(B, K) proposed tokens (rows with fewer proposals are filled up: see count)."""
-    count: Tensor
-    """(B,) how many of each row's tokens were really proposed."""
-
-
-def _propose(
-    models: list[_Model], draft: nn.Module | None, lookup: int, history: list[list[int]],
-    pending: Tensor, extra: Tensor | None, k: int, alive: Tensor, temperature: float,
-    top_k: int, top_p: float, generator: torch.Generator | None,
-) -> tuple[Drafted, Tensor | None]:
-    """k draft tokens a row, and q (B, K, V) where a model drafted them (None: lookup)."""
-    B = pending.shape[0]
-    device = pending.device
-    if draft is None:
-        tokens = torch.zeros(B, k, dtype=torch.long, device=device)
-        count = torch.zeros(B, dtype=torch.long, device=device)
-        for row, h in enumerate(history):
-            proposal = lookup_draft(h, lookup, k) if alive[row] else []
-            if proposal:
-                tokens[row, :len(proposal)] = torch.tensor(proposal, device=device)
-                count[row] = len(proposal)
+    def propose(self, texts: list[list[int]], budgets: list[int],
+                samplings: list[RowSampling | None], fail: Fail | None
+                ) -> tuple[Drafted, Tensor | None]:
+        tokens = torch.zeros(len(texts), max(budgets), dtype=torch.long)
+        count = torch.zeros(len(texts), dtype=torch.long)
+        for row, (text, budget) in enumerate(zip(texts, budgets, strict=True)):
+            proposal = lookup_draft(text, self.n, budget) if budget else []
+            tokens[row, :len(proposal)] = torch.tensor(proposal, dtype=torch.long)
+            count[row] = len(proposal)
         return Drafted(tokens, count), None
-    dm = models[1]
-    feed, real = pending, torch.ones_like(pending, dtype=torch.bool)
-    if extra is not None:
-        # Rows that accepted every draft last round read that round's last one first.
-        feed = torch.cat([extra.clamp(min=0), pending], dim=1)
-        real = torch.cat([extra >= 0, real], dim=1)
-    drafted, qs = [], []
-    for i in range(k):
-        logits = dm.step(feed, real)[:, -1]
-        if temperature == 0:  # greedy acceptance needs the draft's tokens only
-            token = logits.argmax(-1)
-        else:
-            q = sampling_probs(logits, temperature, top_k, top_p)
-            token = torch.multinomial(q, 1, generator=generator)[:, 0]
+
+    def settle(self, drafted: Drafted, n_accepted: Tensor) -> None:
+        pass
+
+
+class ModelProposer:
+    """A draft model over its own cache rows (decoding/pool.py), which follow the target's.
+    A round first feeds each drafting row what it has not read of its text (its pending
+    token; also the last draft where all were accepted, or what plain steps added), then
+    drafts one token a pass."""
+
+    def __init__(self, rows: Rows) -> None:
+        self.rows = rows
+
+    def room(self, texts: list[list[int]], budgets: list[int]) -> int:
+        # The whole text inside the draft's context (a longer one slides, and its positions
+        # move), and its columns: the longest row, the unread tokens, then K - 1 drafts.
+        unread = max(len(text) - read for text, read, budget
+                     in zip(texts, self.rows.read, budgets, strict=True) if budget > 0)
+        context = self.rows.context
+        return min(context - max(len(text) for text in texts),
+                   context - self.rows.held() - unread + 1)
+
+    def propose(self, texts: list[list[int]], budgets: list[int],
+                samplings: list[RowSampling | None], fail: Fail | None
+                ) -> tuple[Drafted, Tensor | None]:
+        K = max(budgets)
+        count = torch.tensor(budgets)
+        device = self.rows.device
+        drafting = (count > 0).to(device)[:, None]
+        unread = [text[read:] if budget else []
+                  for text, read, budget in zip(texts, self.rows.read, budgets, strict=True)]
+        ids, real = left_pad(unread, 0)
+        logits = self.rows.extend(ids.to(device), real.to(device), last_only=True)[:, -1]
+        draws = [row if budget else None for row, budget in enumerate(budgets)]
+        tokens, qs = [], []
+        for i in range(K):
+            q, token = _draft_step(logits, samplings, draws, fail)
+            tokens.append(token)
             qs.append(q)
-        drafted.append(token)
-        if i < k - 1:
-            feed, real = token[:, None], torch.ones(B, 1, dtype=torch.bool, device=device)
-    tokens = torch.stack(drafted, dim=1)
-    count = torch.where(alive, k, 0)
-    return Drafted(tokens, count), torch.stack(qs, dim=1) if qs else None
+            if i < K - 1:
+                logits = self.rows.extend(token[:, None], drafting, last_only=True)[:, -1]
+        q = None if all(q is None for q in qs) else torch.stack(
+            [q if q is not None else torch.zeros_like(logits, dtype=torch.float32)
+             for q in qs], dim=1)
+        return Drafted(torch.stack(tokens, dim=1), count), q
+
+    def settle(self, drafted: Drafted, n_accepted: Tensor) -> None:
+        # The draft read drafts 1..K-1: a row keeps the accepted ones (the K-th, and the
+        # target's token, it reads next round); a row that drafted nothing read nothing.
+        K = drafted.tokens.shape[1]
+        if K > 1:
+            kept = [min(n, K - 1) if c > 0 else K - 1
+                    for n, c in zip(n_accepted.tolist(), drafted.count.tolist(), strict=True)]
+            self.rows.truncate(torch.tensor(kept, device=self.rows.device), K - 1)
+
+
+def _index(rows: list[int], n: int, device: torch.device) -> Tensor | slice:
+    """Rows as an index: every row of n as a slice, so one group of all rows (generate's
+    batch, one row alone) indexes nothing."""
+    return slice(None) if len(rows) == n else torch.tensor(rows, device=device)
+
+
+def _groups(rows: list[int], samplings: list[RowSampling | None]) -> dict[tuple, list[int]]:
+    """The rows, by the sampling they share (each group draws as one batch)."""
+    groups: dict[tuple, list[int]] = {}
+    for row in rows:
+        sampling = samplings[row]
+        assert sampling is not None
+        groups.setdefault(sampling.key, []).append(row)
+    return groups
+
+
+def _draft_step(logits: Tensor, samplings: list[RowSampling | None], rows: list[int | None],
+                fail: Fail | None) -> tuple[Tensor | None, Tensor]:
+    """(n, V) draft logits -> each drafting row's distribution q (None where every row is
+    greedy: greedy acceptance needs the tokens alone) and its token drawn from q."""
+    n = logits.shape[0]
+    live = [row for row in rows if row is not None and samplings[row] is not None]
+    groups = _groups(live, samplings)
+    whole = len(live) == n and len(groups) == 1  # one draw for every row: no indexing
+    tokens = None if whole else torch.zeros(n, dtype=torch.long, device=logits.device)
+    q = None
+    for group in groups.values():
+        opts = samplings[group[0]]
+        assert opts is not None
+        index = _index(group, n, logits.device)
+        try:
+            if opts.temperature == 0:
+                drawn = logits[index].argmax(-1)
+            else:
+                probs = sampling_probs(logits[index], opts.temperature, opts.top_k, opts.top_p)
+                drawn = torch.multinomial(probs, 1, generator=opts.generator)[:, 0]
+                if whole:
+                    q = probs
+                else:
+                    if q is None:
+                        q = torch.zeros(logits.shape, dtype=torch.float32,
+                                        device=logits.device)
+                    q[index] = probs
+            if whole:
+                return q, drawn
+            tokens[index] = drawn
+        except Exception as e:  # a broken draft distribution fails its rows
+            if fail is None:
+                raise
+            for row in group:
+                fail(row, "drafting", e)
+                samplings[row] = None
+    if tokens is None:  # the one group failed
+        tokens = torch.zeros(n, dtype=torch.long, device=logits.device)
+    return q, tokens
+
+
+def speculative_round(
+    target: Rows, proposer: Proposer, texts: list[list[int]], budgets: list[int],
+    samplings: list[RowSampling | None], draw: Draw, stats: SpeculationStats,
+    fail: Fail | None = None,
+) -> list[list | None] | None:
+    """One round: each row's new tokens (None for a row that takes none: samplings[row] is
+    None, or it failed), or None where no row drafts (the caller's plain step then).
+
+    target: the target's rows, having read each text but its last token (pending); budgets:
+    the most tokens each row may draft (0: it takes a plain draw from the same pass, as
+    `draw` makes it). Every row's text and its drafts stay inside both contexts.
+    """
+    samplings = list(samplings)
+    longest = max(len(text) for text in texts)
+    budgets = [b if samplings[row] is not None else 0 for row, b in enumerate(budgets)]
+    if max(budgets) > 0:
+        # The target reads each row's pending token and drafts after the text it holds.
+        room = min(target.context - longest, proposer.room(texts, budgets))
+        budgets = [max(0, min(budget, room)) for budget in budgets]
+    if max(budgets) == 0:
+        return None
+    drafted, q = proposer.propose(texts, budgets, samplings, fail)
+    counts = drafted.count.tolist()
+    width = max(counts)
+    if width == 0:
+        return None
+    device = target.device
+    count = drafted.count.to(device)
+    alive = [s is not None for s in samplings]
+    pending = torch.tensor([text[-1] for text in texts], device=device)
+    draft_tokens = drafted.tokens[:, :width].to(device)
+    verify = torch.cat([pending[:, None], draft_tokens], dim=1)
+    # A row that takes no token (a finished one) reads nothing.
+    real = torch.arange(width + 1, device=device)[None] <= count[:, None]
+    if not all(alive):
+        real &= torch.tensor(alive, device=device)[:, None]
+    logits = target.extend(verify, real)
+
+    runs: list[list | None] = [None] * len(texts)
+    n_accepted = torch.zeros(len(texts), dtype=torch.long, device=device)
+    plain = [row for row, n in enumerate(counts) if n == 0 and samplings[row] is not None]
+    if plain:
+        for row, token in zip(plain, draw(logits[plain, 0], plain), strict=True):
+            runs[row] = [token]
+    verifying = [row for row, n in enumerate(counts) if n > 0 and samplings[row] is not None]
+    for group in _groups(verifying, samplings).values():
+        opts = samplings[group[0]]
+        assert opts is not None
+        index = _index(group, len(texts), device)
+        w = max(counts[row] for row in group)
+        if isinstance(index, slice) and w == width:  # every row, every column
+            part, scores, q_part = Drafted(draft_tokens, count), logits, q
+        else:
+            part = Drafted(draft_tokens[index, :w], count[index])
+            scores, q_part = logits[index, :w + 1], None if q is None else q[index, :w]
+        try:
+            if opts.temperature == 0:
+                new, accepted = accept_greedy(scores.argmax(-1), part)
+            else:
+                p = sampling_probs(scores, opts.temperature, opts.top_k, opts.top_p)
+                new, accepted = accept(p, None if q_part is None else q_part.to(device),
+                                       part, opts.temperature, opts.generator)
+        except Exception as e:
+            if fail is None:
+                raise
+            for row in group:
+                fail(row, "sampling", e)
+            continue
+        if isinstance(index, slice):
+            n_accepted = accepted
+        else:
+            n_accepted[index] = accepted
+        for row, tokens in zip(group, new, strict=True):
+            runs[row] = tokens
+            stats.drafted += counts[row]
+            stats.accepted += len(tokens) - 1  # its accepted drafts, then the target's own
+    target.truncate(1 + n_accepted, width + 1)
+    proposer.settle(drafted, n_accepted.cpu())
+    stats.rounds += 1
+    return runs
 
 
 def accept_greedy(best: Tensor, drafted: Drafted) -> tuple[list[list[int]], Tensor]:
     """`accept` at temperature 0, from the target's argmax after pending and each draft
-    (best: B x K + 1): drafts are kept while they are the target's choice, then the
+    (best: n x K + 1): drafts are kept while they are the target's choice, then the
     target's own token follows."""
     K = drafted.tokens.shape[1]
     ok = drafted.tokens == best[:, :K]
@@ -285,8 +355,8 @@ def accept(
     generator: torch.Generator | None,
 ) -> tuple[list[list[int]], Tensor]:
     """Each row's tokens of this round (its accepted drafts, then the target's own), and
-    how many drafts each accepted. p (B, K + 1, V): the target after pending and each
-    draft; q (B, K, V) the drafter's, None for a point mass on each draft token."""
+    how many drafts each accepted. p (n, K + 1, V): the target after pending and each
+    draft; q (n, K, V) the drafter's, None for a point mass on each draft token."""
     B, K = drafted.tokens.shape
     tokens = drafted.tokens
     p_draft = p[:, :K].gather(-1, tokens[..., None])[..., 0]
@@ -324,31 +394,85 @@ def accept(
     return out, n_accepted
 
 
-def _plain_steps(
-    target: nn.Module, history: list[list[int]], produced: list[int], done: list[bool],
-    context: int, finished, temperature: float, top_k: int, top_p: float,
-    generator: torch.Generator | None, stats: SpeculationStats,
+@torch.no_grad()
+def speculative_generate(
+    target: nn.Module,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    draft: nn.Module | None = None,
+    lookup: int = 0,
+    draft_tokens: int = 4,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    eos_id: EosIds = None,
+    stats: SpeculationStats | None = None,
 ) -> Iterator[list[list[int]]]:
-    """One token a round for every row, each row's own sliding window over its last
-    `context` tokens (plain decoding's rule once a text outgrows the context)."""
-    from tformer.decoding.sampling import next_token
-
+    """Yield, round by round, each row's new tokens of that round (a list per row; a
+    finished row's is empty). draft: a drafting model of the target's vocabulary; lookup: the
+    n-gram size of prompt lookup (used where `draft` is None). A row ends at eos_id (or at
+    any of several) or after max_new_tokens; past the target's context, rounds are plain
+    steps over the sliding window (tformer.decoding.lm.window)."""
+    if not callable(getattr(target, "make_cache", None)) or (
+            draft is not None and not callable(getattr(draft, "make_cache", None))):
+        raise TformerError("speculative decoding needs models with a KV cache (gpt)")
+    if draft is None and lookup < 1:
+        raise TformerError("speculative decoding needs a draft model or --prompt-lookup N >= 1")
+    if draft_tokens < 1:
+        raise TformerError(f"--draft-tokens {draft_tokens} must be at least 1")
+    stats = stats if stats is not None else SpeculationStats()
     device = next(target.parameters()).device
-    window = target.cfg.context
-    while not all(done):
-        ids, real = left_pad([h[-window:] for h in history], 0)
-        logits = target(ids.to(device), real.to(device), last_only=True)[:, -1]
-        chosen = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                            generator=generator)
+    context = target.cfg.context
+    history = [list(p) for p in prompts]
+    produced = [0] * len(prompts)
+    stops = frozenset(stop_ids(eos_id))
+    sampling = RowSampling(temperature, top_k, top_p, generator)
+    samplings: list[RowSampling | None] = [sampling] * len(prompts)
+
+    def draw(logits: Tensor, rows: list[int]) -> list[int]:
+        return next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                          generator=generator).tolist()
+
+    # The caches hold all but each row's last token (pending).
+    rows = rows_for(target, [h[:-1] for h in history])
+    proposer: Proposer = (ModelProposer(rows_for(draft, [h[:-1] for h in history]))
+                          if draft is not None else LookupProposer(lookup))
+    while any(s is not None for s in samplings):
+        live = [row for row, s in enumerate(samplings) if s is not None]
+        if max(len(h) for h in history) > context:
+            # Past the context, every row reads its window afresh (a text slides, and its
+            # positions move): plain steps.
+            ids, real = window([history[row] for row in live], context)
+            logits = target(ids.to(device), None if real is None else real.to(device),
+                            last_only=True)[:, -1]
+            runs: list[list | None] = [None] * len(history)
+            for row, token in zip(live, draw(logits, live), strict=True):
+                runs[row] = [token]
+            stats.rounds += 1
+        else:
+            budgets = [min(draft_tokens, max_new_tokens - produced[row] - 1)
+                       if samplings[row] is not None else 0 for row in range(len(history))]
+            runs = speculative_round(rows, proposer, history, budgets, samplings, draw, stats)
+            if runs is None:
+                pending = torch.tensor([[h[-1]] for h in history], device=device)
+                alive = torch.tensor([[s is not None] for s in samplings], device=device)
+                logits = rows.extend(pending, alive, last_only=True)[:, -1]
+                runs = [None] * len(history)
+                for row, token in zip(live, draw(logits[live], live), strict=True):
+                    runs[row] = [token]
+                stats.rounds += 1
         out: list[list[int]] = []
-        for row, token in enumerate(chosen.tolist()):
-            if done[row]:
-                out.append([])
-                continue
-            history[row].append(token)
-            produced[row] += 1
-            stats.tokens += 1
-            done[row] = finished(row, token)
-            out.append([token])
-        stats.rounds += 1
+        for row, run in enumerate(runs):
+            kept: list[int] = []
+            for token in run or []:
+                kept.append(token)
+                produced[row] += 1
+                if token in stops or produced[row] >= max_new_tokens:
+                    samplings[row] = None
+                    break
+            history[row] += kept
+            stats.tokens += len(kept)
+            out.append(kept)
         yield out

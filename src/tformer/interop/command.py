@@ -3,13 +3,16 @@ found here (each format's module imports tformer.interop's shared readers, never
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from tformer.arguments import Help
 from tformer.errors import TformerError
 from tformer.interop import read_hf_config
+from tformer.loading import read_config, resolve_checkpoint
 
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
@@ -32,17 +35,73 @@ def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
     return found[model_type](src, dest)
 
 
-def export_checkpoint(checkpoint: str | Path, dest: str | Path, format: str = "gpt2") -> Path:
-    """A tformer checkpoint -> a Hugging Face model directory at `dest`."""
-    from tformer.interop import gpt2, llama
+@dataclass(frozen=True)
+class Exporter:
+    """One format `tformer export` writes."""
 
-    # llama: whichever of Llama, Qwen2, Qwen3 and Mistral the model's config is exactly.
-    exporters = {"gpt2": gpt2.export_gpt2, "llama": llama.export_llama}
-    if format not in exporters:
-        raise TformerError(
-            f"--format {format!r} is not known; choose one of: {', '.join(exporters)}"
-        )
-    return exporters[format](Path(checkpoint), Path(dest))
+    function: str
+    """"module:function", (checkpoint: Path, dest: Path) -> Path; imported when used."""
+    summary: str
+    """What it writes, for --help."""
+    fits: str | None = None
+    """"module:function", (cfg: RunConfig) -> the name of the family it would write the model
+    as, or a TformerError naming what it cannot express. Export without --format takes the
+    first format in EXPORTERS whose `fits` accepts the model."""
+    suffix: str | None = None
+    """An --out ending in it chooses this format when no --format is given."""
+
+
+EXPORTERS: dict[str, Exporter] = {
+    "gpt2": Exporter("tformer.interop.gpt2:export_gpt2", "GPT2LMHeadModel",
+                     fits="tformer.interop.gpt2:exported_family"),
+    "llama": Exporter("tformer.interop.llama:export_llama",
+                      "Llama, Qwen2, Qwen3 or Mistral, whichever the config is exactly",
+                      fits="tformer.interop.llama:exported_family"),
+    "tformer": Exporter("tformer.training.checkpoint:ship_checkpoint",
+                        "this library's checkpoint as a model is shipped: config, weights, "
+                        "tokenizer, without the trainer state only --resume needs"),
+}
+"""--format NAME -> its exporter; a format is one entry here."""
+
+
+def _function(dotted: str) -> Callable[..., Any]:
+    module, name = dotted.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def choose_format(checkpoint: str | Path, dest: str | Path,
+                  format: str | None = None) -> tuple[str, str]:
+    """(the format, the family it writes) for exporting `checkpoint` to `dest`: `format`
+    where given, else the one --out's suffix names, else the first whose family the
+    model's config is exactly; none is a one-line error with each format's reason."""
+    if format is not None and format not in EXPORTERS:
+        raise TformerError(f"--format {format!r} is not known; choose one of: "
+                           f"{', '.join(EXPORTERS)}")
+    if format is None:
+        format = next((name for name, e in EXPORTERS.items()
+                       if e.suffix is not None and str(dest).endswith(e.suffix)), None)
+    if format is not None:
+        fits = EXPORTERS[format].fits
+        cfg = read_config(resolve_checkpoint(checkpoint)) if fits else None
+        return format, _function(fits)(cfg) if fits else format
+    cfg = read_config(resolve_checkpoint(checkpoint))
+    reasons = []
+    for name, exporter in EXPORTERS.items():
+        if exporter.fits is None:
+            continue
+        try:
+            return name, _function(exporter.fits)(cfg)
+        except TformerError as e:
+            reasons.append(f"{name}: {e}")
+    raise TformerError(f"no format other libraries load expresses {checkpoint} exactly ("
+                       f"{'; '.join(reasons)}); --format tformer ships it as it is")
+
+
+def export_checkpoint(checkpoint: str | Path, dest: str | Path,
+                      format: str | None = None) -> Path:
+    """A tformer checkpoint -> `dest` in `format` (None: choose_format's choice)."""
+    format, _ = choose_format(checkpoint, dest, format)
+    return _function(EXPORTERS[format].function)(Path(checkpoint), Path(dest))
 
 
 def import_command(
@@ -80,8 +139,10 @@ def export_command(
     checkpoint: Annotated[str, Help("run or checkpoint directory")],
     *,
     out: Annotated[str, Help("the new model directory")],
-    format: Annotated[str, Help("gpt2 (GPT2LMHeadModel), or llama (Llama, Qwen2, Qwen3 or "
-                                "Mistral: whichever the config is exactly)")] = "gpt2",
+    format: Annotated[str | None, Help(
+        "; ".join(f"{name}: {e.summary}" for name, e in EXPORTERS.items())
+        + " (default: the family the model's config is exactly)",
+        choices=tuple(EXPORTERS))] = None,
     adapter: Annotated[
         bool, Help("a LoRA run's adapters alone, in PEFT's format, for its exported base "
                    "(without it a LoRA run is exported with its adapters merged)")
@@ -93,6 +154,11 @@ def export_command(
         export_adapter(Path(checkpoint), Path(out))
         print(f"exported the LoRA adapters of {checkpoint} in PEFT's format into {out}")
         return 0
-    export_checkpoint(checkpoint, out, format)
-    print(f"exported {checkpoint} as {format} into {out}")
+    chosen, family = choose_format(checkpoint, out, format)
+    dest = _function(EXPORTERS[chosen].function)(Path(checkpoint), Path(out))
+    size = sum(f.stat().st_size for f in Path(dest).rglob("*") if f.is_file())
+    how = family if family == chosen else f"{family} (--format {chosen})"
+    print(f"exported {checkpoint} as {how}"
+          + (", chosen by its config" if format is None else "")
+          + f" into {dest}: {size / 2**20:.2f} MiB")
     return 0

@@ -209,12 +209,16 @@ def gpt2_config(cfg: GPTConfig) -> dict[str, Any]:
     wanted = {
         "position": "learned", "norm": "pre", "final_norm": True, "bias": True,
         "output_bias": False, "scale_embeddings": False, "embed_norm": False,
+        "norm_kind": "layernorm", "norm_eps": 1e-5, "feedforward": "plain", "rotary": False,
+        "qk_norm": False, "window": None,
     }
     for key, value in wanted.items():
         if getattr(cfg, key) != value:
             differ.append(f"model.{key} = {getattr(cfg, key)!r} (GPT-2: {value!r})")
-    if cfg.attn_bias is False:
-        differ.append("model.attn_bias = False (GPT-2: true)")
+    if cfg.attn_bias is False or cfg.qkv_bias is False:
+        differ.append("model.attn_bias / qkv_bias = False (GPT-2: true)")
+    if cfg.n_kv_head not in (None, cfg.n_head):
+        differ.append(f"model.n_kv_head = {cfg.n_kv_head} (GPT-2: n_head)")
     if cfg.d_head not in (None, cfg.d_model // cfg.n_head) or cfg.d_model % cfg.n_head:
         differ.append(f"model.d_head = {cfg.d_head} (GPT-2: d_model / n_head)")
     if cfg.d_value not in (None, cfg.d_head or cfg.d_model // cfg.n_head):
@@ -242,6 +246,14 @@ def gpt2_config(cfg: GPTConfig) -> dict[str, Any]:
         "use_cache": True,
         "tie_word_embeddings": cfg.tie_embeddings,
     }
+
+
+def exported_family(cfg: RunConfig) -> str:
+    """"gpt2" where GPT-2 expresses the run's model exactly, else a TformerError saying why."""
+    if cfg.family != "gpt":
+        raise TformerError(f"GPT-2 is a gpt model; this is a {cfg.family} model")
+    gpt2_config(cfg.model)
+    return "gpt2"
 
 
 def _write_tokenizer(tokenizer: Any, dest: Path) -> dict[str, Any]:

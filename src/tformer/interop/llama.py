@@ -243,6 +243,14 @@ def model_type_of(cfg: GPTConfig) -> str:
     return model_type
 
 
+def exported_family(cfg: RunConfig) -> str:
+    """The Hugging Face family (llama, qwen2, qwen3, mistral) whose layout the run's model is
+    exactly, else a TformerError saying why none is."""
+    if cfg.family != "gpt":
+        raise TformerError(f"the Llama families are gpt models; this is a {cfg.family} model")
+    return model_type_of(cfg.model)
+
+
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     """GPTConfig -> the config.json of its Hugging Face family (transformers 5.x form, which
     4.x reads too through its rope_theta and rope_scaling keys, written as well)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,12 +29,10 @@ from torch import Tensor, nn
 from tformer.kernels import matvec
 from tformer.kernels.attend import MAX_POSITIONS, serves_cache
 from tformer.kernels.quantize import Int8Linear
-from tformer.layers.feedforward import FeedForward, GatedFeedForward
-from tformer.layers.masks import attention_bias
-from tformer.layers.norm import RMSNorm
 
-if TYPE_CHECKING:
-    from tformer.decoding.cache import DecoderCache
+DecoderCache = Any
+"""tformer.layers.cache.DecoderCache (kernels import nothing above them: the modules a step
+reads say what they are through `gated` and `rms`)."""
 
 _p, _long = ctypes.c_void_p, ctypes.c_long
 
@@ -117,7 +115,7 @@ def _linear(module: nn.Module, f32_rows: int = matvec.MAX_ROWS) -> tuple[_Linear
 
 def _norm(module: nn.Module) -> _Norm | None:
     """The structure for a LayerNorm or an RMSNorm (step.c's kinds 0 and 1), or None."""
-    if isinstance(module, RMSNorm) and _is_f32_cpu(module.weight):
+    if getattr(module, "rms", False) and _is_f32_cpu(module.weight):
         return _Norm(module.weight.data_ptr(), None, module.eps, 1)
     if not (isinstance(module, nn.LayerNorm) and module.weight is not None
             and len(module.normalized_shape) == 1 and _is_f32_cpu(module.weight)
@@ -313,8 +311,8 @@ class LMStep:
     @staticmethod
     def _layer(block: nn.Module) -> tuple[_LMLayer, int] | None:
         attn, ff = block.attn, block.ff
-        gated = isinstance(ff, GatedFeedForward)
-        if attn.cross or not (gated or isinstance(ff, FeedForward)):
+        gated = getattr(ff, "gated", None)  # layers.feedforward's two kinds
+        if attn.cross or gated is None:
             return None
         absent = (_Linear(), 1 << 30)
         linears = [_linear(m, LM_F32_ROWS) if m is not None else absent
@@ -382,7 +380,9 @@ class LMStep:
             cos, sin = cos.contiguous(), sin.contiguous()
         bias = None
         if mask is not None:  # the last token's row: the causal part is the kernel's
-            bias = attention_bias(mask[..., -1, :], x.dtype).reshape(-1, mask.shape[-1])
+            last = mask[..., -1, :]
+            bias = torch.zeros(last.shape, dtype=x.dtype).masked_fill_(~last, float("-inf"))
+            bias = bias.reshape(-1, mask.shape[-1])
             bias = bias.expand(batch, -1)
         if self._scratch.numel() < n * self._scratch_row:
             self._scratch = torch.empty(n * self._scratch_row)

@@ -1,8 +1,8 @@
 """Building blocks that every family shares."""
 
-from tformer.decoding.cache import DecoderCache, KVCache, Lineage, StaticKV
 from tformer.kernels.dropout import Dropout, dropout
 from tformer.layers.attention import MultiHeadAttention
+from tformer.layers.cache import DecoderCache, KVCache, Lineage, StaticKV
 from tformer.layers.feedforward import (
     ACTIVATIONS,
     FEEDFORWARDS,

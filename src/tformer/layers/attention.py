@@ -5,7 +5,7 @@ width, d_head query/key size per head, d_value value size per head.
 
 The module projects queries, keys and values, attends, and projects back. How a decoding
 step attends over what earlier steps left is the business of the cache it is handed
-(tformer.decoding.cache), which knows how its keys lie and may run a kernel that reads them
+(tformer.layers.cache), which knows how its keys lie and may run a kernel that reads them
 in place; how the probabilities are formed (fused, or written out to record or drop them)
 is scaled_dot_product's.
 """
@@ -27,7 +27,7 @@ __all__ = [
 
 
 class Cache(Protocol):
-    """A layer's decoding state (tformer.decoding.cache: KVCache, StaticKV)."""
+    """A layer's decoding state (tformer.layers.cache: KVCache, StaticKV)."""
 
     def kept(self) -> tuple[Tensor, Tensor] | None:
         """Keys and values kept from an earlier step that replace this step's (the encoder's,

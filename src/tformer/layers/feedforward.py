@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 from torch import Tensor, nn
 
@@ -26,6 +27,9 @@ FEEDFORWARDS = ("plain", "gated")
 class FeedForward(nn.Module):
     """(B, T, D) -> (B, T, D), applied to each position alone: down(act(up(x)))."""
 
+    gated: ClassVar[bool] = False
+    """Which of the two a one-call decoding step computes (kernels/step.py)."""
+
     def __init__(
         self, d_model: int, d_ff: int, *, activation: str = "gelu", dropout: float = 0.0,
         bias: bool = True,
@@ -42,6 +46,8 @@ class FeedForward(nn.Module):
 
 class GatedFeedForward(nn.Module):
     """(B, T, D) -> (B, T, D): down(act(gate(x)) * up(x)) (Shazeer 2020, eq. 5-6)."""
+
+    gated: ClassVar[bool] = True
 
     def __init__(
         self, d_model: int, d_ff: int, *, activation: str = "silu", dropout: float = 0.0,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +20,9 @@ class RMSNorm(nn.Module):
     bfloat16, the mean of squares loses most of its digits. In float32 on a CPU, one C pass
     forward and two back (kernels/rmsnorm.py).
     """
+
+    rms: ClassVar[bool] = True
+    """What a one-call decoding step reads it as (kernels/step.py: not a LayerNorm)."""
 
     def __init__(self, d: int, *, eps: float = 1e-6) -> None:
         super().__init__()

@@ -57,6 +57,11 @@ class ModelConfig:
         check_choice("model.norm", self.norm, self.norm_positions)
         check_choice("model.sinusoid_layout", self.sinusoid_layout, SINUSOID_LAYOUTS)
 
+    def unused_fields(self) -> frozenset[str]:
+        """Fields the config's other choices make moot (a sinusoid layout without sinusoidal
+        positions): what `tformer info` leaves out. None here; a family names its own."""
+        return frozenset()
+
     @property
     def ff_width(self) -> int:
         return self.d_ff or 4 * self.d_model

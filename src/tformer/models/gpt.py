@@ -16,8 +16,6 @@ from torch import Tensor, nn
 from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError
 from tformer.evaluation.loss import Targets
-from tformer.kernels.attend import serves_cache
-from tformer.kernels.step import LMStep
 from tformer.layers import (
     POSITIONS,
     ROTARY_LAYOUTS,
@@ -35,6 +33,10 @@ from tformer.layers import (
     window_mask,
 )
 from tformer.models.base import Model, StackConfig
+
+ROPE_SCALED = frozenset({"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                         "rope_original_context"})
+"""The fields of rotary scalings: linear reads the factor alone, llama3 all four."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,17 @@ class GPTConfig(StackConfig):
             raise TformerError(f"model.rope_fraction = {self.rope_fraction} rotates nothing "
                                f"of a head of {self.head_size}")
 
+    def unused_fields(self) -> frozenset[str]:
+        unused = set(super().unused_fields())
+        if self.position != "sinusoidal":
+            unused.add("sinusoid_layout")
+        if self.norm != "pre":
+            unused.add("final_norm")
+        scaled = {"none": ROPE_SCALED, "linear": ROPE_SCALED - {"rope_factor"}}
+        unused |= ({"rope_theta", "rope_fraction", "rope_layout", "rope_scaling", *ROPE_SCALED}
+                   if not self.rotary else scaled.get(self.rope_scaling, set()))
+        return frozenset(unused)
+
     def rotary_module(self) -> Rotary | None:
         if not self.rotary:
             return None
@@ -99,6 +112,21 @@ class GPTConfig(StackConfig):
 
 CACHE_COLUMNS = 64
 """Positions a new KV cache makes room for; it grows as a prompt and its continuation need."""
+
+
+@dataclass
+class StackInput:
+    """What the blocks read (GPT.inputs)."""
+
+    x: Tensor
+    """(B, T, D) embedded tokens."""
+    mask: Tensor | None
+    """May-attend, broadcastable to (B, 1, T, S); None: causal among the new tokens and
+    every cached key."""
+    positions: Tensor
+    """(B, T) or (T,) positions, for rotary embeddings."""
+    uniform: bool
+    """Whether the last token's mask row covers every other new token's."""
 
 
 class GPTBlock(nn.Module):
@@ -180,14 +208,12 @@ class GPT(Model):
     ) -> DecoderCache:
         """An empty KV cache for `batch` sequences of up to `max_len` (default: context) tokens,
         whose buffers grow with what they hold (`reserve` makes room ahead).
-        `padded`: the prompts will come with a padding mask that the cache must remember.
-        On the CPU in fp32 it carries the blocks prepared for one-call decoding steps
-        (kernels/step.py) where those can run them."""
+        `padded`: the prompts will come with a padding mask that the cache must remember."""
         cfg = self.cfg
         max_len = min(max_len or cfg.context, cfg.context)
         attn = self.blocks[0].attn
         param = self.embed.weight
-        cache = DecoderCache(
+        return DecoderCache(
             [
                 KVCache(batch, attn.n_kv_head, max_len, attn.d_head, attn.d_value,
                         dtype=param.dtype, device=param.device, columns=CACHE_COLUMNS)
@@ -195,9 +221,6 @@ class GPT(Model):
             ],
             track_padding=padded,
         )
-        if serves_cache(param.dtype, param.device):
-            cache.step = LMStep.of(self.blocks)
-        return cache
 
     def forward(
         self,
@@ -216,7 +239,17 @@ class GPT(Model):
         cache: a DecoderCache from make_cache; the new tokens continue what it holds.
         targets: (evaluation/loss.py) return their loss instead of the logits, never holding
             all of these at once.
+
+        Its three steps (`inputs`, `stack`, `outputs`) are apart so that a decoding runner
+        (tformer.decoding.runner) may compute the middle one another way.
         """
+        inp = self.inputs(tokens, is_real, cache)
+        return self.outputs(self.stack(inp, cache), last_only=last_only, targets=targets)
+
+    def inputs(self, tokens: Tensor, is_real: Tensor | None = None,
+               cache: DecoderCache | None = None) -> StackInput:
+        """The embedded tokens and what the blocks attend with: the mask over cached and new
+        keys and each token's position (the cache's padding record takes is_real)."""
         B, T = tokens.shape
         past = cache.length if cache is not None else 0
         if past + T > self.cfg.context:
@@ -251,19 +284,23 @@ class GPT(Model):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = self.dropout(x)
-        rotary_positions = positions if keys_real is not None else positions[0]
-        step = cache.step if cache is not None else None
-        several = T > 1 and (windowed or (is_real is not None and not bool(is_real.all())))
-        if isinstance(step, LMStep) and not several and step.serves(x, cache):
-            # One C call per block (kernels/step.py): the same computation as the loop below.
-            # A few tokens a call only where the last one's mask covers the others': no
-            # window sliding between them, no padding among them (a padding query sees
-            # itself, lm_mask).
-            x = step.run(x, cache, rotary_positions, mask)
-        else:
-            for i, block in enumerate(self.blocks):
-                x = block(x, mask, cache.self_attn[i] if cache is not None else None,
-                          rotary_positions)
+        # The last token's mask row covers the others' where no window slides between them
+        # and no padding is among them (a padding query sees itself, lm_mask).
+        uniform = T == 1 or not (windowed or (is_real is not None and not bool(is_real.all())))
+        return StackInput(x, mask, positions if keys_real is not None else positions[0],
+                          uniform)
+
+    def stack(self, inp: StackInput, cache: DecoderCache | None = None) -> Tensor:
+        """Every block in turn: the (B, T, D) states after them."""
+        x = inp.x
+        for i, block in enumerate(self.blocks):
+            x = block(x, inp.mask, cache.self_attn[i] if cache is not None else None,
+                      inp.positions)
+        return x
+
+    def outputs(self, x: Tensor, *, last_only: bool = False,
+                targets: Targets | None = None) -> Tensor:
+        """The closing norm and the vocabulary projection (or the loss of `targets`)."""
         if last_only:
             x = x[:, -1:]
         if self.final_norm is not None:

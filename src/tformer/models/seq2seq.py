@@ -22,8 +22,6 @@ from torch import Tensor, nn
 
 from tformer.checks import check_range
 from tformer.evaluation.loss import Targets
-from tformer.kernels.attend import serves_cache
-from tformer.kernels.step import DecoderStep
 from tformer.layers import (
     DecoderCache,
     Dropout,
@@ -253,6 +251,18 @@ class Seq2Seq(Model):
         targets: (evaluation/loss.py) return their loss instead of the logits, never holding
             all of these at once.
         """
+        x, memory_mask, self_mask = self.decoder_inputs(tgt, src_real, cache=cache,
+                                                        tgt_real=tgt_real)
+        x = self.decoder_stack(x, memory, memory_mask, self_mask, cache)
+        return self.decoder_outputs(x, targets=targets)
+
+    def decoder_inputs(
+        self, tgt: Tensor, src_real: Tensor, *, cache: DecoderCache | None = None,
+        tgt_real: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`decode`'s first step (apart, so that a decoding runner, tformer.decoding.runner,
+        may compute the layers another way): the embedded targets (B, T, D), the memory's
+        padding as a float bias (B', 1, 1, S), and the targets' own mask (None: causal)."""
         start = cache.length if cache is not None else 0
         if start > 0 and tgt.shape[1] > 1:
             raise ValueError("after the first cached step, decode one token at a time")
@@ -265,15 +275,19 @@ class Seq2Seq(Model):
         if tgt_real is not None:
             self_mask = attention_bias(lm_mask(tgt_real, tgt.shape[1], tgt.shape[1], tgt.device),
                                        x.dtype)
-        step = cache.step if cache is not None and start > 0 else None
-        if isinstance(step, DecoderStep) and step.serves(x, memory_mask):
-            # One C call per layer (kernels/step.py): the same computation as the loop below.
-            x = step.run(x, memory_mask)
-        else:
-            for i, layer in enumerate(self.decoder):
-                self_cache = cache.self_attn[i] if cache is not None else None
-                cross_cache = cache.cross_attn[i] if cache is not None else None
-                x = layer(x, memory, memory_mask, self_cache, cross_cache, self_mask)
+        return x, memory_mask, self_mask
+
+    def decoder_stack(self, x: Tensor, memory: Tensor, memory_mask: Tensor,
+                      self_mask: Tensor | None, cache: DecoderCache | None = None) -> Tensor:
+        """Every decoder layer in turn: the (B, T, D) states after them."""
+        for i, layer in enumerate(self.decoder):
+            self_cache = cache.self_attn[i] if cache is not None else None
+            cross_cache = cache.cross_attn[i] if cache is not None else None
+            x = layer(x, memory, memory_mask, self_cache, cross_cache, self_mask)
+        return x
+
+    def decoder_outputs(self, x: Tensor, *, targets: Targets | None = None) -> Tensor:
+        """The closing norm and the vocabulary projection (or the loss of `targets`)."""
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         if targets is not None:
@@ -289,27 +303,21 @@ class Seq2Seq(Model):
         return self.decode(tgt, self.encode(src, src_real), src_real, tgt_real=tgt_real,
                            targets=targets)
 
-    def make_cache(self, batch: int, max_len: int) -> DecoderCache:
+    def make_cache(self, batch: int, max_len: int, *, lineage: bool = False) -> DecoderCache:
         """An empty cache for `batch` target sequences of up to `max_len` tokens: a KV cache
-        per decoder layer and a slot per layer for the encoder's keys/values. Where the
-        attention kernel serves the cache, beam search's reorders go through a Lineage
-        instead of copying the caches, and the cache carries the decoder's layers prepared
-        for one-call steps (kernels/step.py) where those can run them."""
+        per decoder layer and a slot per layer for the encoder's keys/values. lineage: beam
+        search's reorders go through a Lineage instead of copying the caches (for an
+        attention kernel that reads keys where it says: tformer.decoding.runner asks for
+        one where the kernel serves)."""
         attn = self.decoder[0].self_attn
         param = self.src_embed.weight
         layers = range(len(self.decoder))
-        lineage = None
-        if serves_cache(param.dtype, param.device):
-            lineage = Lineage(batch, max_len, param.device)
-        cache = DecoderCache(
+        shared = Lineage(batch, max_len, param.device) if lineage else None
+        return DecoderCache(
             [
                 KVCache(batch, self.cfg.n_head, max_len, attn.d_head, attn.d_value,
-                        dtype=param.dtype, device=param.device, lineage=lineage)
+                        dtype=param.dtype, device=param.device, lineage=shared)
                 for _ in layers
             ],
             [StaticKV() for _ in layers],
         )
-        # step.c computes plain feed-forward layers only: gated ones run as modules.
-        if lineage is not None and self.cfg.feedforward == "plain":
-            cache.step = DecoderStep.of(self.decoder, cache)
-        return cache

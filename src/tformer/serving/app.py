@@ -1,7 +1,8 @@
 """The HTTP application: its routes (OpenAI-style completions and chat completions for
 language models, translations for seq2seq models, the remote-tokenizer routes /tokenizer_info,
 /tokenize and /detokenize, health and Prometheus metrics), the API key, the limits of a
-public server, and its metrics. What a route answers is in serving/completions.py; the
+public server, and its metrics. What a route answers is in serving/completions.py and
+serving/chat.py; the
 request bodies and the errors in serving/protocol.py.
 """
 
@@ -23,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tformer.data.chat import TEMPLATE_FILE, ChatTemplate
 from tformer.data.tokenizers import special_names
 from tformer.errors import TformerError
-from tformer.serving.completions import Mailbox, chat, complete, end_of_turn, translate_lines
+from tformer.serving.chat import chat, end_of_turn
+from tformer.serving.completions import Mailbox, complete, translate_lines
 from tformer.serving.protocol import (
     ApiError,
     ChatRequest,

@@ -211,8 +211,8 @@ def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_t
         check_draft(loaded, other)
         drafter = inference_model(other.model, int8)
         check_cache(drafter, other)
-    return Speculator(context=model.cfg.context, capacity=capacity, draft=drafter,
-                      lookup=prompt_lookup, draft_tokens=draft_tokens)
+    return Speculator(capacity=capacity, draft=drafter, lookup=prompt_lookup,
+                      draft_tokens=draft_tokens)
 
 
 def draining_server_class() -> type:

@@ -14,17 +14,16 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tformer.data.chat import ChatTemplate, ChatTemplateError, encode_text
+from tformer.data.chat import encode_text
 from tformer.decoding.translate import SearchOptions
 from tformer.errors import TformerError
 from tformer.serving.protocol import (
     ApiError,
-    ChatRequest,
     CompletionRequest,
     Limits,
     Prompt,
@@ -33,8 +32,12 @@ from tformer.serving.protocol import (
 )
 from tformer.serving.scheduler import LMEngine
 from tformer.serving.sequence import Sampling, Sequence
+from tformer.serving.structured import compile_for, request_constraint
 from tformer.serving.tokens import TokenTexts
 from tformer.serving.translation import TranslationBatcher, TranslationJob
+
+if TYPE_CHECKING:
+    from tformer.decoding.constraints import Grammar
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +158,15 @@ async def complete(body: CompletionRequest, request: Request, engine: LMEngine, 
         raise ApiError(400, f"best_of {body.best_of} differs from n {body.n}: this server "
                        f"draws each choice once", param="best_of")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    param = "response_format" if body.response_format is not None else "structured_outputs"
+    # Off the event loop: a model's first constraint reads its vocabulary (about a second).
+    constraint = await asyncio.to_thread(
+        compile_for, request_constraint(body.response_format, body.structured_outputs),
+        tokenizer, engine.model.cfg.vocab_size, batched=engine.batched, param=param)
     run = Completion(body, engine, tokenizer, model_name, limits, request.app.state.mailbox,
                      prompts=read_prompts(tokenizer, body.prompt), max_tokens=body.max_tokens,
-                     echo=body.echo, logprobs=body.logprobs, stops=stops)
+                     echo=body.echo, logprobs=body.logprobs, stops=stops,
+                     constraint=constraint)
     return await run.answer(request)
 
 
@@ -171,11 +180,12 @@ class Completion:
     def __init__(self, body: SamplingFields, engine: LMEngine, tokenizer: Any,
                  model_name: str, limits: Limits, mailbox: Mailbox, *,
                  prompts: list[tuple[str, list[int]]], max_tokens: int | None, echo: bool,
-                 logprobs: int | None, stops: list[str], stop_tokens: tuple[int, ...] = ()
-                 ) -> None:
+                 logprobs: int | None, stops: list[str], stop_tokens: tuple[int, ...] = (),
+                 constraint: Grammar | None = None) -> None:
         """prompts: each prompt's text and ids; max_tokens None: as many as the window
         leaves (up to the server's limit); logprobs: how many likeliest tokens to show
-        beside each one's log-probability (None: none)."""
+        beside each one's log-probability (None: none); constraint: what every choice's
+        text follows."""
         self.body, self.model_name = body, model_name
         self.echo, self.logprobs = echo, logprobs
         if not engine.batched:
@@ -203,7 +213,7 @@ class Completion:
                                     prompt_logprobs=echo and logprobs is not None,
                                     frequency_penalty=body.frequency_penalty,
                                     presence_penalty=body.presence_penalty, logit_bias=bias,
-                                    stop_tokens=stop_tokens)
+                                    stop_tokens=stop_tokens, constraint=constraint)
                 self.seqs.append(Sequence(ids, sampling, self._deliver(len(self.seqs),
                                                                        mailbox)))
         if len(self.seqs) > engine.max_waiting:
@@ -454,90 +464,6 @@ class Completion:
             choice.ready(final=True)
         choices = [self._choice_body(i) for i in range(len(self.choices))]
         return JSONResponse({**self._head(), "choices": choices, "usage": self.usage})
-
-
-# --- chat completions -------------------------------------------------------------------
-
-
-def end_of_turn(template: ChatTemplate | None, token_texts: TokenTexts
-                ) -> tuple[list[str], tuple[int, ...]]:
-    """What ends a reply besides the end of text: the template's end-of-turn token when
-    the tokenizer has it as one token, else its text as a stop string."""
-    if template is None or template.end_of_turn is None:
-        return [], ()
-    try:
-        ids = token_texts.encode(template.end_of_turn)
-    except TformerError:
-        ids = []
-    if len(ids) == 1:
-        return [], (ids[0],)
-    return [template.end_of_turn], ()
-
-
-async def chat(body: ChatRequest, request: Request, engine: LMEngine, tokenizer: Any,
-               model_name: str, limits: Limits, template: ChatTemplate,
-               chat_stops: tuple[list[str], tuple[int, ...]]) -> JSONResponse | StreamingResponse:
-    if body.top_logprobs is not None and not body.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        text = template.render(messages, add_generation_prompt=True)
-    except ChatTemplateError as e:
-        raise ApiError(400, f"messages: {e}", param="messages") from None
-    stop_texts, stop_tokens = chat_stops
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    run = ChatCompletion(body, engine, tokenizer, model_name, limits,
-                         request.app.state.mailbox,
-                         prompts=[(text, encode_prompt(tokenizer, text, rendered=True))],
-                         max_tokens=body.budget(), echo=False,
-                         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                         stops=stops + stop_texts, stop_tokens=stop_tokens)
-    return await run.answer(request)
-
-
-class ChatCompletion(Completion):
-    """One chat completions request: a Completion of the rendered messages, answered as
-    chat.completion (or a stream of chat.completion.chunk objects with deltas)."""
-
-    object_name = "chat.completion"
-    id_prefix = "chatcmpl"
-
-    def _chunk(self, index: int, text: str, reason: str | None,
-               logprobs: dict[str, Any] | None = None, *, role: bool = False) -> str:
-        delta = {"role": "assistant", "content": text} if role else {"content": text}
-        if reason is not None and not text:
-            delta = {}
-        choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": reason}
-        chunk = {**self._chunk_head(), "choices": [choice]}
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    def _chunk_head(self) -> dict[str, Any]:
-        return {**self._head(), "object": "chat.completion.chunk"}
-
-    def _opening(self, index: int) -> str | None:
-        return self._chunk(index, "", None, role=True)
-
-    def _choice_body(self, index: int) -> dict[str, Any]:
-        return {"index": index,
-                "message": {"role": "assistant", "content": self.choices[index].text},
-                "logprobs": self._logprobs(index), "finish_reason": self.reasons[index]}
-
-    def _logprobs(self, index: int, start: int = 0, end: int | None = None
-                  ) -> dict[str, Any] | None:
-        """OpenAI's chat log-probabilities of the reply's tokens [start, end): each token's
-        text, UTF-8 bytes, log-probability and the likeliest tokens with theirs."""
-        if self.logprobs is None:
-            return None
-        seq, choice = self.seqs[index], self.choices[index]
-
-        def entry(token: int, logprob: float) -> dict[str, Any]:
-            text = self.token_texts(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
-                   for token, (lp, top) in zip(choice.ids, seq.logprobs, strict=False)]
-        return {"content": content[start:end]}
 
 
 # --- translations -----------------------------------------------------------------------

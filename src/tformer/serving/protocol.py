@@ -45,8 +45,35 @@ class ApiError(Exception):
 # --- request bodies ---------------------------------------------------------------------
 
 
+def holds_lone_surrogate(value: Any) -> bool:
+    """Whether a JSON value holds a string with a lone surrogate ("\\ud800" is valid JSON but
+    no text: UTF-8 cannot encode it, and neither can a tokenizer)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(holds_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(holds_lone_surrogate(k) or holds_lone_surrogate(v) for k, v in value.items())
+    return False
+
+
 class Strict(BaseModel):
+    """Every request body: unknown fields refused, and text that is not text (a lone
+    surrogate) a 400 naming the field, on every route."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
+        if holds_lone_surrogate(value):
+            raise ValueError("holds a lone surrogate (such as \\ud800), which is not text; "
+                             "send UTF-8 text")
+        return value
 
 
 class StreamOptions(Strict):
@@ -115,6 +142,18 @@ class SamplingFields(Strict):
         return pairs
 
 
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs` request field (its `guided_*` fields of old)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    """Accepted: JSON here is always written without white space between tokens."""
+
+
 class CompletionRequest(SamplingFields):
     """OpenAI's completions request. Accepted for its clients with no effect: `user`, and
     `best_of` when it equals n (one draw per choice is all this server makes)."""
@@ -128,6 +167,9 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1)
     suffix: None = None
     """OpenAI's insertion; only null (what clients send by default) is taken."""
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    """What the text follows (serving/structured.py)."""
 
     @field_validator("prompt")
     @classmethod
@@ -143,19 +185,27 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(Strict):
+    """A message as OpenAI's clients send it; serving/tools.py reads its content parts,
+    checks its role and renders its tool calls."""
+
     role: str
     content: str | list[dict[str, Any]] | None = None
-    """A text, or OpenAI's content parts, handed to the template as they are."""
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant's calls, sent back on the next turn."""
+    tool_call_id: str | None = None
+    """A tool message's: the call it answers."""
+    refusal: str | None = None
+    """An assistant's refusal, as clients send a reply back; not rendered."""
 
 
 class ChatRequest(SamplingFields):
     """OpenAI's chat completions request.
 
     Accepted for OpenAI's clients with no effect: `user`, `store`, `metadata`,
-    `service_tier`, `parallel_tool_calls`; `tools` empty, `tool_choice` "none" or "auto",
-    `response_format` {"type": "text"} (what they mean when they are given otherwise is not
-    served here, and is a 400)."""
+    `service_tier`. `tools`, `tool_choice` and `parallel_tool_calls` as serving/tools.py
+    reads them; `response_format` and vLLM's `structured_outputs` as
+    serving/structured.py does."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -169,29 +219,9 @@ class ChatRequest(SamplingFields):
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tool calls are not served here")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: str | None) -> str | None:
-        if value not in (None, "none", "auto"):
-            raise ValueError("tool calls are not served here; 'none' or 'auto' only")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value != {"type": "text"}:
-            raise ValueError('only {"type": "text"} is served here')
-        return value
+    structured_outputs: StructuredOutputs | None = None
 
     def budget(self) -> int | None:
         if (self.max_tokens is not None and self.max_completion_tokens is not None

@@ -30,9 +30,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.lm import EosIds, generate, left_pad, stop_ids
+from tformer.decoding.lm import EosIds, generate, left_pad, stop_ids, window
 from tformer.decoding.paged import PagedPool, PoolFull, Row, blocks_for
-from tformer.serving.sequence import Sequence, adjust, keep_logprobs, logprobs_of, sample
+from tformer.decoding.pool import Seats
+from tformer.serving.sequence import (
+    Sequence,
+    adjust,
+    advance,
+    keep_logprobs,
+    logprobs_of,
+    sample,
+)
 
 if TYPE_CHECKING:
     from tformer.decoding.speculative import SpeculationStats
@@ -142,18 +150,22 @@ class LMEngine:
             assert self.context is not None
             self.slots = PagedPool(model, kv_blocks or max_batch * blocks_for(self.context) + 1,
                                    prefix_cache=prefix_cache)
+        self.speculator = speculator if batched else None
+        self.seats: Seats[Sequence] = Seats(
+            ([self.slots] if self.slots is not None else [])  # type: ignore[list-item]
+            + (self.speculator.pools if self.speculator is not None else []))
+        """The row order of the pools (the target's, the drafter's) and the sequences."""
+        self.active = self.seats.items
+        """In the pool, sequence i in row i."""
         self.step_tokens = step_tokens
         self.reading: list[Reading] = []
         """Seated in the pool, their texts partly read."""
         self.preempted: deque[Reading] = deque()
         """Taken out of the pool for want of blocks; seated again before any new sequence."""
-        self.active: list[Sequence] = []
-        """In the pool, sequence i in row i."""
         self.sliding: list[Sequence] = []
         """Past the model's context: each step reads its last `context` tokens afresh, as
         tformer.decoding.lm.generate slides its window (they hold no pool row)."""
         self.pending: deque[Sequence] = deque()
-        self.speculator = speculator if batched else None
         self.stats = EngineStats(speculation=speculator.stats if self.speculator else None)
         self._cond = threading.Condition()
         self._stopping = False
@@ -213,14 +225,10 @@ class LMEngine:
                 for seq in (self.active + self.sliding + [r.seq for r in self.reading]
                             + [r.seq for r in self.preempted]):
                     seq.fail("decoding", e)
-                self.active.clear()
+                self.seats.clear()
                 self.sliding.clear()
                 self.reading.clear()
                 self.preempted.clear()
-                if self.slots is not None:
-                    self.slots.clear()
-                if self.speculator is not None:
-                    self.speculator.clear()
             self.stats.busy_seconds += time.perf_counter() - start
 
     def _admit(self) -> list[Sequence]:
@@ -323,8 +331,8 @@ class LMEngine:
         """Read n more tokens of r's text; False where the pool has no room for them."""
         assert self.slots is not None
         try:
-            logits = self.slots.read(r.row, r.text[r.done : r.done + n],
-                                     every_position=self._scores(r))
+            logits = self.slots.read_chunk(r.row, r.text[r.done : r.done + n],
+                                           every_position=self._scores(r))
         except PoolFull:
             return self._free_for(r)
         except Exception as e:
@@ -508,6 +516,7 @@ class LMEngine:
         logits = adjust(logits, seqs)
         tokens = sample(logits, seqs)
         keep_logprobs(logits, seqs, tokens)
+        advance(seqs, tokens)
         return tokens
 
     def _start_sliding(self) -> None:
@@ -519,11 +528,12 @@ class LMEngine:
                 self.sliding.append(seq)
 
     def _step_sliding(self) -> None:
-        """One token for each sliding sequence, from one pass over their windows (all
-        `context` tokens long, so no padding)."""
-        context = self.model.cfg.context
-        windows = [(seq.prompt + seq.tokens)[-context:] for seq in self.sliding]
-        logits = self.model(torch.tensor(windows, device=self.device), None, last_only=True)
+        """One token for each sliding sequence, from one pass over their windows
+        (tformer.decoding.lm.window: all `context` tokens long here, so no padding)."""
+        ids, real = window([seq.prompt + seq.tokens for seq in self.sliding],
+                           self.model.cfg.context)
+        logits = self.model(ids.to(self.device), None if real is None else real.to(self.device),
+                            last_only=True)
         tokens = self._draw(logits[:, -1], self.sliding)
         ended = {id(seq) for seq, token in zip(self.sliding, tokens, strict=True)
                  if self._accept(seq, token)}
@@ -548,6 +558,9 @@ class LMEngine:
                 self.stats.between_tokens.observe(now - seq.last_token_at)
             seq.last_token_at = now
             seq.deliver(token, None)
+            if seq.complete:  # the constrained text ends the choice
+                seq.finish("stop")
+                return True
             if len(seq.tokens) >= seq.sampling.max_tokens:
                 seq.finish("length")
                 return True
@@ -579,12 +592,6 @@ class LMEngine:
         self._unseat(row)
 
     def _unseat(self, row: int) -> None:
-        if self.slots is not None:
-            self.slots.remove(row)
-        if self.speculator is not None:
-            self.speculator.remove(row)
-        last = self.active.pop()
-        if row < len(self.active):
-            self.active[row] = last
+        self.seats.remove(row)
 
 

@@ -12,11 +12,16 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from tformer.decoding.constraints import mask_logits
 from tformer.decoding.sampling import next_token
+
+if TYPE_CHECKING:
+    from tformer.decoding.constraints import Grammar, Matcher
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +52,15 @@ class Sampling:
     """(token id, added to its logit)."""
     stop_tokens: tuple[int, ...] = ()
     """Tokens that end the sequence as the end of text does (a chat's end of turn)."""
+    constraint: Grammar | None = None
+    """What the text follows (a JSON schema, a regex, a tool call's form): every draw is
+    among the tokens that can continue it, and the sequence ends where it is complete."""
 
     @property
     def adjusts(self) -> bool:
-        """Whether the logits change before drawing (penalties, bias)."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+        """Whether the logits change before drawing (penalties, bias, a constraint)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
+                    or self.constraint is not None)
 
 
 TokenLogprob = tuple[float, list[tuple[int, float]]]
@@ -88,6 +97,14 @@ class Sequence:
         self.queued = time.perf_counter()
         self.last_token_at: float | None = None
         """When its last token was handed over (for the latency histograms)."""
+        self.matcher: Matcher | None = None
+        if sampling.constraint is not None:
+            self.matcher = sampling.constraint.start(sampling.stop_tokens)
+
+    @property
+    def complete(self) -> bool:
+        """The constrained text is complete and nothing may follow it."""
+        return self.matcher is not None and self.matcher.stopped
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -117,7 +134,8 @@ class Sequence:
 
 def adjust(logits: Tensor, seqs: list[Sequence]) -> Tensor:
     """(n, V) logits -> the logits each sequence draws from: OpenAI's frequency and
-    presence penalties over the tokens it has drawn so far, and its logit bias. A sequence
+    presence penalties over the tokens it has drawn so far, its logit bias, and its
+    constraint's mask (-inf where a token cannot continue the constrained text). A sequence
     whose adjustment fails is failed (and dropped after this step)."""
     if not any(seq.sampling.adjusts for seq in seqs):
         return logits
@@ -137,7 +155,34 @@ def adjust(logits: Tensor, seqs: list[Sequence]) -> Tensor:
                 logits[row, token] += bias
         except Exception as e:
             seq.fail("adjusting the logits", e)
+    constrained = [row for row, seq in enumerate(seqs)
+                   if seq.matcher is not None and not seq.finished]
+    if constrained:
+        try:
+            matchers = [seqs[row].matcher for row in constrained]
+            if len(constrained) == len(seqs):
+                mask_logits(logits, matchers)  # in place
+            else:
+                logits[constrained] = mask_logits(logits[constrained], matchers)
+        except Exception:  # find the sequence whose mask fails: each alone
+            for row in constrained:
+                try:
+                    logits[row : row + 1] = mask_logits(logits[row : row + 1],
+                                                        [seqs[row].matcher])
+                except Exception as e:
+                    seqs[row].fail("constraining the logits", e)
     return logits
+
+
+def advance(seqs: list[Sequence], tokens: list[int | None]) -> None:
+    """Move each constrained sequence's matcher past its drawn token."""
+    for seq, token in zip(seqs, tokens, strict=True):
+        if seq.matcher is None or token is None or seq.finished:
+            continue
+        try:
+            seq.matcher.advance(token)
+        except Exception as e:
+            seq.fail("following the constraint", e)
 
 
 def sample(logits: Tensor, seqs: list[Sequence]) -> list[int | None]:

@@ -43,6 +43,7 @@ from tformer.loading import (
     TOKENIZER,
     TRAINER_STATE,
     WEIGHTS,
+    load_checkpoint,
     read_config,
     resolve_checkpoint,
     sha256_of,
@@ -200,7 +201,7 @@ def _write_checkpoint_files(
     config["tokenizer"] = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     if cfg.train.lora is None:
-        save_model(model, str(tmp / WEIGHTS))
+        save_weights(model, tmp / WEIGHTS)
     else:
         lora.save_adapters(model, tmp / ADAPTERS)
         if lora_base is not None:
@@ -208,7 +209,7 @@ def _write_checkpoint_files(
                                          encoding="utf-8")
         else:
             with lora.adapters_removed(model):
-                save_model(model, str(tmp / WEIGHTS))
+                save_weights(model, tmp / WEIGHTS)
     save_tokenizer(tokenizer, tmp / TOKENIZER)
     if trainer_state is not None:
         torch.save(trainer_state, tmp / TRAINER_STATE)
@@ -220,6 +221,31 @@ def _write_checkpoint_files(
         manifest[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
     write_json(tmp / MANIFEST, manifest)
     _fsync_dir(tmp)
+
+
+def save_weights(model: nn.Module, file: Path, metadata: dict[str, str] | None = None) -> None:
+    """The model's tensors as a safetensors file (tied tensors once), the same bytes for the
+    same weights in every process. safetensors writes the header's metadata (the names of the
+    tied tensors it leaves out, and `metadata`) from a Rust HashMap, whose order changes from
+    process to process; the header is written again with those keys sorted."""
+    save_model(model, str(file), metadata=metadata)
+    with open(file, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        if "__metadata__" in header:
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:  # as safetensors does, padded with spaces
+            f.seek(8)
+            f.write(text.ljust(size))
+            return
+        rest = file.with_name(f".{file.name}.sorted")
+        with open(rest, "wb") as out:
+            padded = text.ljust(-(-len(text) // 8) * 8)
+            out.write(len(padded).to_bytes(8, "little") + padded)
+            f.seek(8 + size)
+            shutil.copyfileobj(f, out)
+    os.replace(rest, file)
 
 
 def _replace_dir(tmp: Path, dest: Path) -> None:
@@ -257,34 +283,16 @@ def _version_of(link: Path) -> Path | None:
     return link.parent / os.readlink(link)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+def ship_checkpoint(checkpoint: Path, dest: Path) -> Path:
+    """`checkpoint` (a run: its best, else its newest) in the form a model is shipped in:
+    config, weights, tokenizer and chat template, with their manifest, and no trainer state
+    (only --resume reads it; it is twice the weights' size). A LoRA run's adapters are merged,
+    so the result stands alone."""
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise TformerError(f"{dest} exists and is not empty; choose another directory")
+    loaded = load_checkpoint(checkpoint)
+    return save_checkpoint(dest, loaded.cfg, loaded.model, loaded.tokenizer)
 
 
 def inherit_model(

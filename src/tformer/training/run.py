@@ -8,13 +8,19 @@ What `tformer train` and `tformer train --resume` promise, decided here before a
   with a warning naming it and why, and the next older one is tried;
 - a run stopped before its first checkpoint (preempted in its first minutes) starts again
   from step 0 under `--resume`, from the resolved config it wrote, with one warning;
+- `train CONFIG --resume` is the one command a requeued job runs again and again: it
+  continues the run where there is a checkpoint to continue (CONFIG must agree with the
+  run's own config), and otherwise starts CONFIG afresh, discarding what an interrupted
+  start left (its config, metrics, a best/ with no step checkpoint beside it);
 - overrides may change how a resumed run trains, never the shapes of what it trains.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -23,19 +29,22 @@ from typing import Any
 
 import torch
 
-from tformer.config import RunConfig, config_from_dict, load_config
+from tformer.config import RunConfig, config_from_dict, load_config, tomllib
 from tformer.errors import TformerError
 from tformer.loading import (
     BEST,
+    CHECKPOINTS,
     CONFIG,
     TRAINER_STATE,
     check_weight_shapes,
+    is_checkpoint,
     read_config,
     step_checkpoints,
     verify_checkpoint,
 )
 from tformer.registry import get_family
 from tformer.training import checkpoint as ckpt
+from tformer.training.metrics import METRICS
 
 log = logging.getLogger(__name__)
 
@@ -62,21 +71,15 @@ def prepare_run(
     with `overrides` where `resume` continues it. Errors are TformerErrors saying what to do.
     """
     run_dir = Path(run_dir)
-    if resume:
-        if config is not None:
-            raise TformerError(
-                "--resume continues RUN_DIR with its own config; pass changes as key=value "
-                "overrides, not a config file"
-            )
-        if not run_dir.is_dir():
-            raise TformerError(f"--resume: run directory not found: {run_dir}")
-        cfg = None
-    else:
-        if config is None:
-            raise TformerError("train needs a CONFIG.toml (or --resume to continue RUN_DIR)")
-        cfg = load_config(config, overrides, inherit=ckpt.inherit_model)
     if run_dir.exists() and not run_dir.is_dir():
         raise TformerError(f"--out {run_dir} is a file; a run directory is needed")
+    if resume and is_checkpoint(run_dir):
+        raise TformerError(not_a_run(run_dir))
+    if config is None and not resume:
+        raise TformerError("train needs a CONFIG.toml (or --resume to continue RUN_DIR)")
+    if config is None and not run_dir.is_dir():
+        raise TformerError(f"--resume: run directory not found: {run_dir}")
+    cfg = None if config is None else load_config(config, overrides, inherit=ckpt.inherit_model)
     with ckpt.run_lock(run_dir) if is_main else nullcontext():
         if is_main:
             if not resume and (step_checkpoints(run_dir) or os.path.lexists(run_dir / BEST)):
@@ -85,17 +88,89 @@ def prepare_run(
                     f"or choose another --out"
                 )
             ckpt.recover_run_dir(run_dir)
-        if cfg is not None:
+        if cfg is not None and not resume:
             yield PreparedRun(cfg, run_dir, None)
             return
         resume_from = resume_point(run_dir)
+        if resume_from is None and step_checkpoints(run_dir):
+            raise TformerError(
+                f"--resume: none of the checkpoints in {run_dir / CHECKPOINTS} can be "
+                f"continued (each is named above with why); nothing was changed"
+            )
+        if resume_from is None and cfg is not None:
+            if is_main:
+                discard_interrupted_start(run_dir)
+            yield PreparedRun(cfg, run_dir, None)
+            return
         if resume_from is None:
             yield PreparedRun(restart_config(run_dir, overrides), run_dir, None)
             return
         saved = read_config(resume_from)
-        cfg = config_from_dict(saved.to_dict(), overrides)
-        check_same_model(saved, cfg, resume_from, run_dir)
-        yield PreparedRun(cfg, run_dir, resume_from)
+        resumed = config_from_dict(saved.to_dict(), overrides)
+        if cfg is not None:
+            check_config_agrees(Path(config), cfg, resumed, resume_from)
+        check_same_model(saved, resumed, resume_from, run_dir)
+        yield PreparedRun(resumed, run_dir, resume_from)
+
+
+def not_a_run(path: Path) -> str:
+    """Why `--resume --out PATH` refuses a checkpoint directory (a shipped model, best/)."""
+    held = ("" if (path / TRAINER_STATE).is_file()
+            else f" holding no {TRAINER_STATE} (the optimizer and data state training needs)")
+    return (f"--resume continues a run directory; {path} is a checkpoint{held}: to train on "
+            f"from its weights, start a new run with train.init_from={path}")
+
+
+def discard_interrupted_start(run_dir: Path) -> None:
+    """What a start stopped before its first step checkpoint leaves behind (the resolved
+    config, metrics, TensorBoard events, a best/ of its first evaluation), removed so that
+    the run starts afresh as if it never had; anything else in the directory stays."""
+    left = [run_dir / name for name in (CONFIG, METRICS, "tensorboard", CHECKPOINTS)]
+    left += [p for p in run_dir.iterdir()
+             if p.name == BEST or p.name.startswith((f".{BEST}-", f".{CONFIG}.", f".{METRICS}."))]
+    found = [p for p in left if os.path.lexists(p)]
+    if found:
+        log.warning("%s holds no checkpoint to continue: starting the run from its config, "
+                    "discarding %s", run_dir, ", ".join(sorted(p.name for p in found)))
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def check_config_agrees(config: Path, cfg: RunConfig, resumed: RunConfig,
+                        checkpoint: Path) -> None:
+    """`train CONFIG --resume` continues the run only if each key CONFIG sets has the value
+    the run trains with (overrides count on both sides): a changed CONFIG is a new run."""
+    text = config.read_text(encoding="utf-8")
+    raw = json.loads(text) if config.suffix == ".json" else tomllib.loads(text)
+    given, have = cfg.to_dict(), resumed.to_dict()
+    differ = [f"{key} = {mine!r} (the run: {theirs!r})"
+              for key in sorted(dotted_keys(raw))
+              if (mine := lookup(given, key)) != (theirs := lookup(have, key))]
+    if differ:
+        raise TformerError(
+            f"--resume: {config} contradicts the config {checkpoint} was trained with: "
+            f"{', '.join(differ)}; change how it trains with key=value overrides, or start "
+            f"that config in another --out"
+        )
+
+
+def dotted_keys(tables: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tables.items():
+        if isinstance(value, dict):
+            keys += dotted_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def lookup(tables: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tables = tables.get(part) if isinstance(tables, dict) else None
+    return tables
 
 
 def resume_point(run_dir: Path) -> Path | None:
@@ -128,7 +203,11 @@ def restart_config(run_dir: Path, overrides: list[str]) -> RunConfig:
     """The config of a run that was stopped before it wrote any checkpoint: the resolved
     config it saved at its start, so `--resume` starts it again from step 0."""
     if not (run_dir / CONFIG).is_file():
-        raise TformerError(f"--resume: {run_dir} holds no usable checkpoint")
+        raise TformerError(
+            f"--resume: {run_dir} holds no usable checkpoint; to start its run, or continue "
+            f"it whichever it needs, give its config too: tformer train CONFIG --out "
+            f"{run_dir} --resume"
+        )
     saved = read_config(run_dir)
     log.warning("%s holds no usable checkpoint yet: starting its run again from step 0",
                 run_dir)

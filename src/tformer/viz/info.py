@@ -9,6 +9,7 @@ validation metrics, and its tokenizer.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from tformer import loading
+from tformer.data.tokenizers import special_names
 from tformer.registry import get_family
 from tformer.training import checkpoint as ckpt
 
@@ -35,13 +37,46 @@ def parameters_by_module(model: nn.Module) -> dict[str, int]:
 
 
 def flat_config(cfg: Any) -> dict[str, Any]:
-    """The config as dotted keys; data.vocab_size only where a tokenizer is trained to that
-    size (a character tokenizer's vocabulary is the corpus's characters)."""
-    flat = {f"{section}.{key}": value
-            for section, table in cfg.to_dict().items() for key, value in table.items()}
-    if flat.get("data.tokenizer") == "char":
-        flat.pop("data.vocab_size", None)
-    return flat
+    """The config as dotted keys, those that apply: the model's fields but the ones its own
+    choices make moot (unused_fields), and the [data] and [train] fields the run set (an
+    imported model has none). The tokenizer is shown from the checkpoint's own, so the
+    data table's tokenizer fields are left out."""
+    unused = cfg.model.unused_fields()
+    flat = {f"model.{key}": value for key, value in cfg.to_dict()["model"].items()
+            if key not in unused}
+    for section in ("data", "train"):
+        table = getattr(cfg, section)
+        flat |= {f"{section}.{f.name}": value
+                 for f in dataclasses.fields(table)
+                 if (value := getattr(table, f.name)) != default_of(f)
+                 and (section, f.name) not in TOKENIZER_FIELDS}
+    return {key: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+            for key, v in flat.items()}
+
+
+TOKENIZER_FIELDS = {("data", "tokenizer"), ("data", "vocab_size")}
+
+
+def default_of(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+TOKENIZER_KINDS = {"char": "characters", "word": "words", "bpe": "byte-level BPE",
+                   "gpt2": "byte-level BPE, pretrained", "sentencepiece": "SentencePiece"}
+
+
+def tokenizer_summary(tokenizer: Any) -> dict[str, Any]:
+    """What the checkpoint's tokenizer is: its kind, vocabulary, special tokens (name and
+    id), end-of-text ids, and whether it holds a chat template."""
+    specials = {key: {"name": name, "id": getattr(tokenizer, f"{key}_id", None)}
+                for key, name in special_names(tokenizer).items() if name is not None}
+    return {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "special": specials,
+            "eos_ids": list(tokenizer.eos_ids),
+            "chat_template": tokenizer.chat_template is not None}
 
 
 def validation_metrics(path: Path, step: int | None) -> dict[str, float]:
@@ -96,9 +131,7 @@ def summarize(checkpoint: str | Path) -> dict[str, Any]:
         "memory_bytes": {**memory, "assumes": f"fp32, AdamW, {cost.assumes}"},
         "step": step,
         "validation": validation_metrics(loaded.path, step),
-        "tokenizer": {"kind": loaded.tokenizer.kind, "vocab_size": loaded.tokenizer.vocab_size,
-                      "eos_ids": list(loaded.tokenizer.eos_ids),
-                      "chat_template": loaded.tokenizer.chat_template is not None},
+        "tokenizer": tokenizer_summary(loaded.tokenizer),
     }
 
 
@@ -135,7 +168,8 @@ def format_summary(info: dict[str, Any]) -> str:
         lines.extend(f"  {k:<{width}}  {v}" for k, v in rows)
         lines.append("")
 
-    table(f"{info['checkpoint']} ({info['family']})",
+    table(f"{info['checkpoint']} ({info['family']}): the fields that apply; [data] and "
+          f"[train] where the run set them",
           [(k, str(v)) for k, v in info["config"].items()])
     params = info["parameters"]
     table("parameters (shared tensors once)",
@@ -150,10 +184,15 @@ def format_summary(info: dict[str, Any]) -> str:
     checkpoint_rows = [("step", str(info["step"]) if info["step"] is not None else "-")]
     checkpoint_rows += [(f"validation {k}", f"{v:.4f}") for k, v in info["validation"].items()]
     tok = info["tokenizer"]
-    checkpoint_rows += [("tokenizer", f"{tok['kind']}, {tok['vocab_size']:,} tokens")]
-    if len(tok["eos_ids"]) > 1:
-        checkpoint_rows += [("end-of-text ids", ", ".join(map(str, tok["eos_ids"])))]
-    if tok["chat_template"]:
-        checkpoint_rows += [("chat template", "chat_template.jinja")]
     table("checkpoint", checkpoint_rows)
+    kind = TOKENIZER_KINDS.get(tok["kind"], tok["kind"])
+    tokenizer_rows = [("kind", f"{tok['kind']} ({kind})" if kind != tok["kind"] else kind),
+                      ("vocabulary", f"{tok['vocab_size']:,} tokens")]
+    tokenizer_rows += [(key, f"{special['name']} ({special['id']})")
+                       for key, special in tok["special"].items()]
+    if len(tok["eos_ids"]) > 1:
+        tokenizer_rows += [("end-of-text ids", ", ".join(map(str, tok["eos_ids"])))]
+    tokenizer_rows += [("chat template", "chat_template.jinja" if tok["chat_template"]
+                        else "none")]
+    table("tokenizer (the checkpoint's tokenizer.json)", tokenizer_rows)
     return "\n".join(lines).rstrip() + "\n"

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tformer.decoding import cache as cache_module
-from tformer.decoding.cache import DecoderCache, KVCache, Lineage
 from tformer.kernels.attend import serves
 from tformer.layers import MultiHeadAttention
+from tformer.layers import cache as cache_module
+from tformer.layers.cache import DecoderCache, KVCache, Lineage
 
 CPU = torch.device("cpu")
 

@@ -276,9 +276,9 @@ class DecoderCache:
                 first.k.shape[0], first.max_len, dtype=torch.bool, device=first.k.device
             )
         self.step: object | None = None
-        """Kept for the model that made the cache: its layers prepared for one-call decoding
-        steps over these caches (kernels/step.py: Seq2Seq's DecoderStep, GPT's LMStep), or
-        None."""
+        """Kept for the decoding runner that made the cache (tformer.decoding.runner): the
+        model's layers prepared for one-call steps over these caches (kernels/step.py:
+        Seq2Seq's DecoderStep, GPT's LMStep), or None (the model alone never sets it)."""
 
     @property
     def length(self) -> int:

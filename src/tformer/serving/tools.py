@@ -1,0 +1,283 @@
+"""Chat messages as clients send them, and tool calls: the tools written into the prompt,
+the calls read back out of the model's reply, and the constraint that makes a call
+happen when `tool_choice` requires one.
+
+Messages: `content` is a text or a list of text parts, joined with a newline (as vLLM
+joins them); another part type (image_url, input_audio, file) is a 400 naming it. Roles:
+system, developer (rendered as system), user, assistant, tool.
+
+Tools reach the prompt through the chat template when it takes `tools` (Qwen2.5/3's,
+Llama 3.1+'s, Hermes'), with assistant `tool_calls` and `tool` messages as such templates
+read them. A template that does not gets TOOLS_SYSTEM_BLOCK at the start of its system
+message, an assistant's calls as Hermes blocks in its text, and a tool's result as a user
+turn in a <tool_response> block (Hermes' and Qwen's convention).
+
+A reply's calls are read in the template's form: Hermes/Qwen `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks (FORMAT "hermes"; also the default block's), or
+Llama 3's JSON `{"name": ..., "parameters": {...}}` (several joined by ";"; FORMAT "llama3",
+for templates that speak of `<|python_tag|>` or `ipython`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from tformer.data.chat import ChatTemplate
+from tformer.decoding.constraints import Constraint
+from tformer.serving.protocol import ApiError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOLS_SYSTEM_BLOCK = (
+    "You can call these functions (tools); their parameters are JSON schemas:\n"
+    "{tools}\n"
+    "To call one, answer with a block of this form, one for each call:\n"
+    "<tool_call>\n"
+    '{{"name": "<function name>", "arguments": <the arguments as a JSON object>}}\n'
+    "</tool_call>"
+)
+"""The system block that offers the tools to a template that has no place for them
+(`{tools}`: one JSON object a line, each {"type": "function", "function": {...}})."""
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+# --- messages ---------------------------------------------------------------------------
+
+
+def message_text(content: Any, index: int) -> str | None:
+    """A message's content as one text: text parts joined with a newline."""
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        if kind in ("text", "input_text", "refusal") and isinstance(
+                part.get("text", part.get("refusal")), str):
+            texts.append(part.get("text", part.get("refusal")))
+        else:
+            raise ApiError(400, f"messages[{index}]: content parts of type {kind!r} are not "
+                           f"served here (text only)", param="messages")
+    return "\n".join(texts)
+
+
+def template_messages(messages: list[dict[str, Any]], template: ChatTemplate,
+                      tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Request messages -> the dicts the template renders: roles checked, texts joined,
+    tool calls and tool results in the template's form (or written out as text where
+    the template has no place for them)."""
+    native = template.takes_tools
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{i}]: unknown role {role!r}; one of "
+                           f"{', '.join(ROLES)}", param="messages")
+        text = message_text(message.get("content"), i)
+        item: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                "content": text or ""}
+        if message.get("name") is not None:
+            item["name"] = message["name"]
+        calls = message.get("tool_calls")
+        if calls and role != "assistant":
+            raise ApiError(400, f"messages[{i}]: only assistant messages hold tool_calls",
+                           param="messages")
+        if role == "tool" and message.get("tool_call_id") is None:
+            raise ApiError(400, f"messages[{i}]: a tool message needs tool_call_id",
+                           param="messages")
+        if calls:
+            parsed = [_call_of(call, i) for call in calls]
+            if native:
+                item["tool_calls"] = [
+                    {"id": c.get("id"), "type": "function",
+                     "function": {"name": name, "arguments": args}}
+                    for c, (name, args) in zip(calls, parsed, strict=True)]
+            else:
+                blocks = [hermes_block(name, args) for name, args in parsed]
+                item["content"] = "\n".join(([text] if text else []) + blocks)
+        if role == "tool":
+            if native:
+                item["tool_call_id"] = message["tool_call_id"]
+            else:
+                item = {"role": "user",
+                        "content": f"<tool_response>\n{text or ''}\n</tool_response>"}
+        out.append(item)
+    if tools and not native:
+        block = TOOLS_SYSTEM_BLOCK.format(
+            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def _call_of(call: dict[str, Any], index: int) -> tuple[str, Any]:
+    """An assistant's tool call -> (name, arguments as a JSON value)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, f"messages[{index}]: a tool call needs function.name",
+                       param="messages")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise ApiError(400, f"messages[{index}]: the arguments of tool call "
+                           f"{function['name']!r} are not JSON", param="messages") from None
+    return function["name"], arguments
+
+
+def hermes_block(name: str, arguments: Any) -> str:
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{HERMES_OPEN}\n{call}\n{HERMES_CLOSE}"
+
+
+# --- tools and tool_choice --------------------------------------------------------------
+
+
+def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any
+                ) -> tuple[list[dict[str, Any]], str | None]:
+    """The request's tools (each {"type": "function", "function": {"name", ...}}) and
+    which call is required: None (auto or none), "" (any one), or a function's name."""
+    tools = tools or []
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict) or \
+                not isinstance(function.get("name"), str):
+            raise ApiError(400, f"tools[{i}]: a tool is {{\"type\": \"function\", "
+                           f"\"function\": {{\"name\": ...}}}}", param="tools")
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise ApiError(400, f"tools[{i}]: parameters is a JSON schema (an object)",
+                           param="tools")
+        names.append(function["name"])
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return tools, None
+    if tool_choice == "required":
+        if not tools:
+            raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        return tools, ""
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type") == "function" and isinstance(name, str):
+            if name not in names:
+                raise ApiError(400, f"tool_choice names {name!r}, which is not among the "
+                               f"tools", param="tool_choice")
+            return tools, name
+    raise ApiError(400, "tool_choice is 'none', 'auto', 'required' or {\"type\": "
+                   "\"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+
+
+def call_format(template: ChatTemplate) -> str:
+    """How the template's model writes its calls: 'llama3' or 'hermes'."""
+    if template.takes_tools and ("<|python_tag|>" in template.source
+                                 or "ipython" in template.source) \
+            and HERMES_OPEN not in template.source:
+        return "llama3"
+    return "hermes"
+
+
+def tool_constraint(tools: list[dict[str, Any]], required: str, form: str,
+                    parallel: bool) -> Constraint:
+    """The grammar of a reply that is tool calls only: any of the tools ('' required) or
+    the named one, each call's arguments an instance of its function's parameters; one
+    call, or with `parallel` one or more."""
+    key = "parameters" if form == "llama3" else "arguments"
+    schemas = []
+    for tool in tools:
+        function = tool["function"]
+        if required and function["name"] != required:
+            continue
+        schemas.append({"type": "object", "properties": {
+            "name": {"const": function["name"]},
+            key: function.get("parameters") or {"type": "object"}},
+            "required": ["name", key], "additionalProperties": False})
+    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    one = json.dumps(schema)
+    if form == "llama3":
+        call = f"%json {one}"
+        more = '(";" call)*' if parallel else ""
+    else:
+        call = f'"{HERMES_OPEN}\\n" %json {one} "\\n{HERMES_CLOSE}"'
+        more = '("\\n" call)*' if parallel else ""
+    return Constraint.grammar(f"start: call {more}\ncall: {call}\n")
+
+
+# --- reading the calls out of a reply ---------------------------------------------------
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str
+    """JSON text, as OpenAI's API carries it."""
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{secrets.token_hex(12)}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+_HERMES = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE),
+                     re.DOTALL)
+
+
+def parse_calls(text: str, form: str) -> tuple[str | None, list[ToolCall]]:
+    """A reply -> its text before the calls (None when empty) and the calls; a reply
+    whose calls do not parse is text with no calls."""
+    if form == "llama3":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for piece in body.split(";"):
+            call = _call(piece.strip(), "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+        return None, calls
+    start = text.find(HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for match in _HERMES.finditer(text, start):
+        call = _call(match.group(1), "arguments")
+        if call is not None:
+            calls.append(call)
+    if not calls:
+        return text, []
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def _call(text: str, key: str) -> ToolCall | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(key, value.get("arguments", value.get("parameters", {})))
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def held_back(text: str, form: str) -> int:
+    """Where a stream must stop sending a reply's text as content: at the start of a call
+    (or of what may yet become one); len(text) when nothing needs holding."""
+    if form == "llama3":
+        return 0 if text.lstrip().startswith("{") or not text.strip() else len(text)
+    at = text.find(HERMES_OPEN)
+    if at >= 0:
+        return at
+    for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(HERMES_OPEN[:k]):
+            return len(text) - k
+    return len(text)
