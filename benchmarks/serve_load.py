@@ -15,12 +15,27 @@ server's; --repetitive prompts repeat a short motif, the case prompt lookup is f
     python benchmarks/serve_load.py                 # GPT-2 small: 12 x 768, context 1024
     python benchmarks/serve_load.py --layers 4 --clients 1 4 16   # a smaller run
     python benchmarks/serve_load.py --clients 1 --repetitive --prompt-lookup 3
+
+With --long-prompt CKPT (the real SmolLM2-135M-Instruct, imported) it runs instead the
+scenario of one 7,314-token prompt sent with seven ~115-token ones at the same moment, each
+streaming 8 greedy tokens: the time to first token and to the end of each short request,
+the long one's, and the server's peak resident memory (VmHWM), for this tree's server and,
+with --baseline-src DIR, another tree's (say main's) side by side.
+
+    python benchmarks/serve_load.py --long-prompt CKPT --baseline-src /work/main/src
+
+With --chat CKPT, a client holds a 10-turn chat, sending the whole conversation each turn
+(/v1/chat/completions, streamed), against a server with its prefix cache and one with
+--no-prefix-cache: the time to first token of each turn.
+
+    python benchmarks/serve_load.py --chat CKPT
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import statistics
@@ -146,8 +161,145 @@ def figures(url: str, *names: str) -> str:
                     if line.startswith(names))
 
 
+def start_real_server(ckpt: str, src: str, *options: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": src}
+    server = subprocess.Popen([sys.executable, "-m", "tformer", "serve", ckpt, "--port",
+                               str(port), "--device", "cpu", "--max-batch", "16", *options],
+                              env=env)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise SystemExit("the server did not start")
+        time.sleep(0.5)
+
+
+async def timed_stream(http: httpx.AsyncClient, prompt: list[int], tokens: int
+                       ) -> tuple[float, float]:
+    """(seconds to the first token, seconds to the end) of one streamed completion."""
+    start = time.perf_counter()
+    first = None
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and first is None and line != "data: [DONE]":
+                first = time.perf_counter() - start
+    return first or float("nan"), time.perf_counter() - start
+
+
+def vm_hwm_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def long_prompt_round(url: str, long_tokens: int, short_tokens: int, shorts: int
+                            ) -> list[tuple[float, float]]:
+    g = torch.Generator().manual_seed(0)
+    long = torch.randint(100, 40000, (long_tokens,), generator=g).tolist()
+    short = [torch.randint(100, 40000, (short_tokens,), generator=g).tolist()
+             for _ in range(shorts)]
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as http:
+        await timed_stream(http, short[0][:8], 2)  # warm up
+        return await asyncio.gather(timed_stream(http, long, 8),
+                                    *(timed_stream(http, p, 8) for p in short))
+
+
+def long_prompt_scenario(args: argparse.Namespace) -> None:
+    sides = [("this tree", str(ROOT / "src"))]
+    if args.baseline_src:
+        sides.append(("baseline", args.baseline_src))
+    print(f"one {args.long_tokens}-token prompt + {args.shorts} of {args.short_tokens} tokens "
+          f"at once, 8 greedy tokens each, SmolLM2-135M fp32; load {os.getloadavg()[0]:.1f}")
+    print("| server | short TTFT median / max (s) | short done max (s) | long TTFT (s) "
+          "| peak RSS (GB) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, src in sides:
+        server, url = start_real_server(args.long_prompt, src)
+        try:
+            times = asyncio.run(long_prompt_round(url, args.long_tokens, args.short_tokens,
+                                                  args.shorts))
+            peak = vm_hwm_mb(server.pid)
+        finally:
+            server.terminate()
+            server.wait(120)
+        firsts = [t[0] for t in times[1:]]
+        print(f"| {name} | {statistics.median(firsts):.2f} / {max(firsts):.2f} | "
+              f"{max(t[1] for t in times[1:]):.2f} | {times[0][0]:.2f} | {peak / 1024:.2f} |",
+              flush=True)
+
+
+async def chat_turns(url: str, turns: int, words: list[str], reply_tokens: int
+                     ) -> list[float]:
+    """Each turn's time to first token, the client resending the whole conversation."""
+    messages: list[dict[str, str]] = []
+    firsts = []
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as http:
+        for turn in range(turns):
+            question = " ".join(words[turn * 80 : (turn + 1) * 80])
+            messages.append({"role": "user", "content": question})
+            body = {"messages": messages, "max_tokens": reply_tokens, "temperature": 0,
+                    "stream": True}
+            start = time.perf_counter()
+            first, reply = None, []
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    if first is None and delta.get("content"):  # not the role's chunk
+                        first = time.perf_counter() - start
+                    reply.append(delta.get("content") or "")
+            firsts.append(first or float("nan"))
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    return firsts
+
+
+def chat_scenario(args: argparse.Namespace) -> None:
+    text = (Path("/work/shared/data/wikitext-2") / "wiki.valid.tokens")
+    words = text.read_text().split()[:5000] if text.exists() else ["word"] * 5000
+    print(f"a {args.turns}-turn chat resent whole each turn, {args.reply_tokens}-token "
+          f"replies, SmolLM2-135M fp32; load {os.getloadavg()[0]:.1f}")
+    print("| server | " + " | ".join(f"turn {t + 1} TTFT (s)" for t in range(args.turns))
+          + " |")
+    print("| --- |" + " ---: |" * args.turns)
+    results = {}
+    for name, options in [("prefix cache", ()), ("no prefix cache", ("--no-prefix-cache",))]:
+        server, url = start_real_server(args.chat, str(ROOT / "src"), *options)
+        try:
+            firsts = asyncio.run(chat_turns(url, args.turns, words, args.reply_tokens))
+            print("  " + figures(url, "tformer_prefix_cache_hit_rate"), file=sys.stderr)
+        finally:
+            server.terminate()
+            server.wait(120)
+        results[name] = firsts
+        print(f"| {name} | " + " | ".join(f"{t:.2f}" for t in firsts) + " |", flush=True)
+    last = results["no prefix cache"][-1] / results["prefix cache"][-1]
+    print(f"turn {args.turns}: {last:.1f}x faster to the first token with the prefix cache")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chat", metavar="CKPT", help="the multi-turn chat scenario instead")
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--reply-tokens", type=int, default=32)
+    parser.add_argument("--long-prompt", metavar="CKPT",
+                        help="the long-prompt scenario on this checkpoint instead")
+    parser.add_argument("--baseline-src", help="another tree's src/ to serve beside this one")
+    parser.add_argument("--long-tokens", type=int, default=7314)
+    parser.add_argument("--short-tokens", type=int, default=115)
+    parser.add_argument("--shorts", type=int, default=7)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests", type=int, default=2, help="per client")
     parser.add_argument("--prompt-tokens", type=int, default=16)
@@ -165,6 +317,12 @@ def main() -> None:
     parser.add_argument("--repetitive", action="store_true",
                         help="prompts that repeat a motif of 4 tokens")
     args = parser.parse_args()
+    if args.long_prompt:
+        long_prompt_scenario(args)
+        return
+    if args.chat:
+        chat_scenario(args)
+        return
     motif = 4 if args.repetitive else 0
     shape = (args.prompt_tokens, args.max_tokens, args.vocab, motif)
 

@@ -192,3 +192,28 @@ def test_a_lineage_is_reordered_once_for_all_layers():
         following.narrow(slice(0, 1), 0)
     with pytest.raises(ValueError, match="share one lineage, or none"):
         DecoderCache([following.self_attn[0], copying.self_attn[0]])
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_masked_attention_in_query_chunks_equals_the_whole_score_matrix(monkeypatch, kv_heads):
+    """A long masked prompt is attended a few queries at a time; the result is the plain
+    softmax(q k^T / sqrt(d) + mask) v over the whole matrix, computed here in float64."""
+    from tformer.layers import scaled_dot_product as sdp
+
+    monkeypatch.setattr(sdp, "QUERY_CHUNK", 4)
+    g = torch.Generator().manual_seed(0)
+    B, H, T, past, d = 2, 4, 11, 3, 8
+    q = torch.randn(B, H, T, d, generator=g, dtype=torch.float64)
+    k = torch.randn(B, kv_heads, past + T, d, generator=g, dtype=torch.float64)
+    v = torch.randn(B, kv_heads, past + T, d, generator=g, dtype=torch.float64)
+    is_real = torch.ones(B, past + T, dtype=torch.bool)
+    is_real[1, :5] = False  # a left-padded row
+    mask = lm_mask(is_real, T, past + T, q.device)
+    mask = mask & (torch.arange(T)[:, None] + past - torch.arange(past + T)[None] < 6)  # window
+    got = sdp.scaled_dot_product(q, k, v, mask, False, dropout_p=0.0, recorded=None)
+
+    group = H // kv_heads
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ kk.transpose(-1, -2)) / math.sqrt(d)
+    scores = scores.masked_fill(~mask, -math.inf)
+    torch.testing.assert_close(got, scores.softmax(-1) @ vv, atol=1e-12, rtol=1e-12)

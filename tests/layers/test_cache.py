@@ -86,3 +86,27 @@ def test_truncate_forgets_positions_and_the_next_step_writes_over_them():
         assert torch.equal(k, torch.cat([kept, after], dim=2)) and torch.equal(v, k)
     with pytest.raises(ValueError, match="cannot cut"):
         cache.truncate(5)
+
+
+@pytest.mark.parametrize("n_kv_head", [2, 1])
+def test_a_cache_grows_with_its_sequence_and_decodes_as_an_uncached_pass(n_kv_head):
+    """generate's cache starts small and grows (past the prompt, then step by step, on the
+    one-call step path and torch's alike): every step's logits equal a full pass's."""
+    from tformer.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=31, context=200, n_layer=2, n_head=2, n_kv_head=n_kv_head,
+                          d_model=16, rotary=True, position="none")).eval()
+    tokens = torch.randint(0, 31, (2, 150))
+    cache = model.make_cache(2)
+    widths = []
+    with torch.no_grad():
+        logits = [model(tokens[:, :70], cache=cache, last_only=True)[:, -1]]
+        widths.append(cache.self_attn[0].k.shape[2])
+        for t in range(70, 150):
+            logits.append(model(tokens[:, t : t + 1], cache=cache)[:, -1])
+            widths.append(cache.self_attn[-1].k.shape[2])
+        full = model(tokens)[:, 69:]
+    assert widths[0] < 200 and len(set(widths)) >= 2 and widths[-1] >= 150
+    assert cache.max_len == 200
+    torch.testing.assert_close(torch.stack(logits, 1), full, atol=1e-5, rtol=1e-5)

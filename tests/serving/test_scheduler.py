@@ -64,10 +64,12 @@ class Collect:
             self.event.set()
 
 
-def run_engine(model, requests, *, max_batch, batched=True, eos_id=None, speculator=None):
+def run_engine(model, requests, *, max_batch, batched=True, eos_id=None, speculator=None,
+               **options):
     """Step an engine by hand: request i joins before step `requests[i][2]`."""
     engine = LMEngine(model, eos_id=eos_id, max_batch=max_batch, max_waiting=100,
-                      batched=batched, generate=decoder_of(model), speculator=speculator)
+                      batched=batched, generate=decoder_of(model), speculator=speculator,
+                      **options)
     sinks = [Collect() for _ in requests]
     seqs = [Sequence(p, s, sink) for (p, s, _), sink in zip(requests, sinks, strict=True)]
     step = 0
@@ -75,33 +77,20 @@ def run_engine(model, requests, *, max_batch, batched=True, eos_id=None, specula
         for seq, (_, _, at) in zip(seqs, requests, strict=True):
             if at == step:
                 engine.submit([seq])
-        joining = []
-        while engine.pending and len(engine.active) + len(joining) < max_batch:
-            joining.append(engine.pending.popleft())
-        engine._join(joining)
-        engine._drop_cancelled()
-        if engine.running:
-            engine._step()
+        engine._turn(engine._admit())
         step += 1
         assert step < 500
     return sinks
 
 
-@pytest.mark.parametrize(("context", "max_batch"), [(24, 4), (160, 7)])
+@pytest.mark.parametrize(("context", "max_batch", "step_tokens"),
+                         [(24, 4, 5), (160, 7, 512)])
 def test_sequences_joining_and_leaving_decode_as_they_would_alone(context, max_batch,
-                                                                   monkeypatch):
-    """(24, 4): rows wait for a free one, and long sequences push the clock to the end of
-    the buffer; (160, 7): the buffers grow, in rows and in columns, while sequences run."""
+                                                                   step_tokens):
+    """(24, 4, 5): rows wait for a free one, and prompts are read a few tokens a step
+    between the others' decoding steps; (160, 7, 512): whole prompts in one chunk."""
     gpt = decisive(GPT(GPTConfig(vocab_size=29, context=context, n_layer=2, n_head=2,
                                  d_model=16)))
-    compactions = []
-    original = SlotPool.compact
-
-    def compact(self, longest):
-        compactions.append(longest)
-        original(self, longest)
-
-    monkeypatch.setattr(SlotPool, "compact", compact)
     torch.manual_seed(3)
     requests = []
     for i in range(10):
@@ -112,16 +101,10 @@ def test_sequences_joining_and_leaving_decode_as_they_would_alone(context, max_b
                             temperature=0.0 if greedy else 1.0, top_k=0 if greedy else 7,
                             seed=i)
         requests.append((prompt, sampling, 2 * i))
-    grown = []
-    reserve = SlotPool._reserve
-    monkeypatch.setattr(SlotPool, "_reserve", lambda self, rows, columns: (
-        grown.append(rows > self.is_real.shape[0] or columns > self.is_real.shape[1]),
-        reserve(self, rows, columns)))
-    sinks = run_engine(gpt, requests, max_batch=max_batch)
+    sinks = run_engine(gpt, requests, max_batch=max_batch, step_tokens=step_tokens)
     for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
         assert sink.tokens == alone(gpt, prompt, sampling)
         assert sink.reason == "length"
-    assert compactions if context == 24 else sum(grown) >= 2
 
 
 def test_the_end_of_text_token_ends_a_sequence(gpt):
@@ -175,8 +158,8 @@ def test_a_cancelled_sequence_leaves_and_the_others_go_on(gpt):
     seq = Sequence([1, 2], Sampling(10, 0.0), sink)
     other = Collect()
     engine.submit([seq, Sequence([3], Sampling(5, 0.0), other)])
-    engine._join([engine.pending.popleft(), engine.pending.popleft()])
-    engine._step()
+    engine._turn(engine._admit())  # both prompts read, a first token each
+    engine._turn([])
     seq.cancel()
     engine._drop_cancelled()
     engine._step()
@@ -244,3 +227,112 @@ def test_sequences_past_the_context_slide_their_window_as_generate_does(max_batc
         assert sink.tokens == alone(gpt, prompt, sampling)
         assert sink.reason == "length"
     assert sum(len(p) + s.max_tokens > 16 for p, s, _ in requests) >= 3
+
+
+def test_a_short_prompt_is_answered_while_a_long_one_is_still_being_read():
+    """Chunked prefill: the long prompt is read 8 tokens a step; the short one, sent with
+    it, is read at once and decodes in the steps that follow."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=160, n_layer=2, n_head=2, d_model=16)))
+    engine = LMEngine(gpt, eos_id=None, max_batch=4, max_waiting=8, batched=True,
+                      step_tokens=8)
+    long_sink, short_sink = Collect(), Collect()
+    long_prompt = torch.randint(0, 29, (120,), generator=torch.Generator().manual_seed(0))
+    engine.submit([Sequence(long_prompt.tolist(), Sampling(4, 0.0), long_sink),
+                   Sequence([3, 4, 5], Sampling(4, 0.0), short_sink)])
+    for _ in range(5):
+        engine._turn(engine._admit())
+    assert short_sink.reason == "length" and not long_sink.tokens
+    while long_sink.reason is None:
+        engine._turn(engine._admit())
+    assert short_sink.tokens == alone(gpt, [3, 4, 5], Sampling(4, 0.0))
+    assert long_sink.tokens == alone(gpt, long_prompt.tolist(), Sampling(4, 0.0))
+
+
+def test_rows_preempted_for_want_of_blocks_resume_with_the_same_text(monkeypatch):
+    """A pool of 9 blocks of 16 positions cannot hold three 40-token texts growing to 70:
+    rows are preempted, read again from their prompt and tokens, and make the text they
+    would alone (greedy and seeded sampling alike)."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=80, n_layer=2, n_head=2, d_model=16)))
+    g = torch.Generator().manual_seed(2)
+    requests = [(torch.randint(0, 29, (40,), generator=g).tolist(),
+                 Sampling(30, 0.0 if i % 2 == 0 else 1.0, top_k=0 if i % 2 == 0 else 5,
+                          seed=i), 0) for i in range(3)]
+    engine_stats = []
+    original = LMEngine._make_room
+
+    def make_room(self):
+        original(self)
+        engine_stats.append(self.stats.preemptions)
+
+    monkeypatch.setattr(LMEngine, "_make_room", make_room)
+    sinks = run_engine(gpt, requests, max_batch=3, kv_blocks=10)
+    assert max(engine_stats) >= 1
+    for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
+        assert sink.tokens == alone(gpt, prompt, sampling)
+        assert sink.reason == "length"
+
+
+def test_a_text_larger_than_the_whole_pool_fails_with_a_clear_error(gpt):
+    engine = LMEngine(gpt, eos_id=None, max_batch=2, max_waiting=8, batched=True,
+                      kv_blocks=2)  # one block of 16 positions
+    sink = Collect()
+    engine.submit([Sequence(list(range(20)), Sampling(3, 0.0), sink)])
+    engine._turn(engine._admit())
+    assert sink.reason == "error" and engine.kv_positions() == 16
+
+
+def test_a_prompt_larger_than_the_kv_memory_is_a_400():
+    from fastapi.testclient import TestClient
+
+    from tformer.data.tokenizers import CharTokenizer
+    from tformer.serving.app import create_app
+
+    tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz .")
+    gpt = decisive(GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context=24, n_layer=2,
+                                 n_head=2, d_model=16)))
+    engine = LMEngine(gpt, eos_id=None, max_batch=2, max_waiting=8, batched=True,
+                      kv_blocks=2)  # 16 positions in all
+    app = create_app(engine, tokenizer, model_name="tiny", kind="lm")
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": "a" * 20, "max_tokens": 2})
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "kv_memory_exceeded"
+        assert "16 positions" in r.json()["error"]["message"]
+        ok = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+def test_the_n_choices_of_a_prompt_share_its_blocks_and_chat_turns_reuse_the_last():
+    """Choice 2 of a 40-token prompt waits a step and takes choice 1's two full blocks of
+    16; a later prompt that continues the first is read from its cached blocks; the texts
+    are those each prompt makes alone."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=80, n_layer=2, n_head=2, d_model=16)))
+    engine = LMEngine(gpt, eos_id=None, max_batch=4, max_waiting=8, batched=True)
+    prompt = torch.randint(0, 29, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    sinks = [Collect(), Collect()]
+    engine.submit([Sequence(prompt, Sampling(5, 1.0, seed=i), sink)
+                   for i, sink in enumerate(sinks)])
+    while any(s.reason is None for s in sinks):
+        engine._turn(engine._admit())
+    pool = engine.slots
+    assert pool.found == 32 and pool.looked_up == 80
+    for i, sink in enumerate(sinks):
+        assert sink.tokens == alone(gpt, prompt, Sampling(5, 1.0, seed=i))
+    longer = prompt + sinks[0].tokens + [3, 4]
+    sink = Collect()
+    engine.submit([Sequence(longer, Sampling(4, 0.0), sink)])
+    while sink.reason is None:
+        engine._turn(engine._admit())
+    assert pool.found == 32 + 32 and sink.tokens == alone(gpt, longer, Sampling(4, 0.0))
+
+
+def test_prompts_that_cannot_all_be_read_at_once_take_turns():
+    """Three 40-token prompts, a pool of 4 blocks of 16 (64 positions): one is read at a
+    time, the others wait for its blocks; each text is the one it makes alone."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=80, n_layer=2, n_head=2, d_model=16)))
+    g = torch.Generator().manual_seed(6)
+    requests = [(torch.randint(0, 29, (40,), generator=g).tolist(), Sampling(6, 0.0), 0)
+                for _ in range(3)]
+    sinks = run_engine(gpt, requests, max_batch=3, kv_blocks=5, step_tokens=16)
+    for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
+        assert sink.tokens == alone(gpt, prompt, sampling) and sink.reason == "length"

@@ -42,7 +42,9 @@ def test_models_and_health(gpt_server):
     samples = [line for line in metrics.text.splitlines() if not line.startswith("#")]
     names = {line.split("{")[0].split(" ")[0] for line in samples}
     assert {"tformer_requests_total", "tformer_tokens_per_second",
-            "tformer_queue_length"} <= names
+            "tformer_queue_length", "tformer_kv_blocks_used", "tformer_kv_blocks_free",
+            "tformer_time_to_first_token_seconds_bucket",
+            "tformer_time_between_tokens_seconds_count"} <= names
     for line in samples:  # name{labels} value, the value a number
         float(line.rsplit(" ", 1)[1])
 

@@ -84,6 +84,7 @@ class SlotPool:
 
     def _allocate(self, rows: int, columns: int) -> tuple[DecoderCache, Tensor]:
         pool = self.model.make_cache(rows, columns, padded=True)
+        pool.reserve(columns)
         # Unused columns are read (then masked): they must hold finite numbers, since a
         # masked NaN still spreads through 0 * NaN.
         for layer in pool.self_attn:

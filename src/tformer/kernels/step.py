@@ -299,6 +299,7 @@ class LMStep:
         x = x.contiguous().clone()
         batch, tokens = x.shape[:2]
         n, length = batch * tokens, cache.self_attn[0].end_after(tokens)
+        cache.reserve(length)  # every layer's buffers, grown where they must
         cos = sin = None
         if self.rotary is not None:
             cos, sin = (t.reshape(-1, t.shape[-1]) for t in self.rotary.cos_sin(positions,

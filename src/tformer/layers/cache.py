@@ -92,9 +92,13 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         lineage: Lineage | None = None,
+        columns: int | None = None,
     ) -> None:
-        self.k = torch.empty(batch, n_head, max_len, d_head, dtype=dtype, device=device)
-        self.v = torch.empty(batch, n_head, max_len, d_value, dtype=dtype, device=device)
+        columns = max_len if columns is None else min(columns, max_len)
+        self.k = torch.empty(batch, n_head, columns, d_head, dtype=dtype, device=device)
+        self.v = torch.empty(batch, n_head, columns, d_value, dtype=dtype, device=device)
+        self.limit = max_len
+        """The most positions it will hold: the buffers grow to it as positions arrive."""
         self.length = 0
         self.lineage = lineage
         self._spare: tuple[Tensor, Tensor] | None = None
@@ -108,19 +112,40 @@ class KVCache:
         larger pool), holding `length` positions already."""
         cache = cls.__new__(cls)
         cache.k, cache.v, cache.length, cache.lineage = k, v, length, None
+        cache.limit = k.shape[2]
         cache._spare, cache._borrowed = None, True
         return cache
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.limit
 
     def end_after(self, positions: int) -> int:
-        """The length after storing `positions` more; RuntimeError where they do not fit."""
+        """The length after storing `positions` more, the buffers grown to hold them;
+        RuntimeError where they do not fit."""
         end = self.length + positions
         if end > self.max_len:
             raise RuntimeError(f"KV cache holds {self.max_len} positions; {end} requested")
+        if end > self.k.shape[2]:
+            self.reserve(end)
         return end
+
+    def reserve(self, columns: int) -> None:
+        """Grow the buffers to at least `columns` positions (by half again at least, so
+        that growing one position at a time copies each position a few times in all),
+        keeping what they hold: a cache holds what its sequences use, not their limit."""
+        have = self.k.shape[2]
+        if columns <= have:
+            return
+        if self._borrowed:
+            raise RuntimeError(f"a KV cache over borrowed buffers holds {have} positions; "
+                               f"{columns} requested")
+        columns = min(self.limit, max(columns, have + have // 2))
+        k = self.k.new_empty(*self.k.shape[:2], columns, self.k.shape[3])
+        v = self.v.new_empty(*self.v.shape[:2], columns, self.v.shape[3])
+        k[:, :, : self.length] = self.k[:, :, : self.length]
+        v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v, self._spare = k, v, None
 
     def store(self, k: Tensor, v: Tensor) -> None:
         """Write (N, H, T, ·) new keys/values after the positions stored so far: to the
@@ -262,6 +287,11 @@ class DecoderCache:
     @property
     def max_len(self) -> int:
         return self.self_attn[0].max_len
+
+    def reserve(self, columns: int) -> None:
+        """Grow every layer's buffers to at least `columns` positions."""
+        for cache in self.self_attn:
+            cache.reserve(columns)
 
     def narrow(self, rows: slice, length: int) -> DecoderCache:
         """A cache over some rows of this one, sharing its buffers, at `length` positions:

@@ -110,6 +110,10 @@ class GPTConfig(StackConfig):
                       layout=self.rope_layout, scaling=scaling)
 
 
+CACHE_COLUMNS = 64
+"""Positions a new KV cache makes room for; it grows as a prompt and its continuation need."""
+
+
 @dataclass
 class StackInput:
     """What the blocks read (GPT.inputs)."""
@@ -202,7 +206,8 @@ class GPT(Model):
     def make_cache(
         self, batch: int, max_len: int | None = None, *, padded: bool = False
     ) -> DecoderCache:
-        """An empty KV cache for `batch` sequences of up to `max_len` (default: context) tokens.
+        """An empty KV cache for `batch` sequences of up to `max_len` (default: context) tokens,
+        whose buffers grow with what they hold (`reserve` makes room ahead).
         `padded`: the prompts will come with a padding mask that the cache must remember."""
         cfg = self.cfg
         max_len = min(max_len or cfg.context, cfg.context)
@@ -211,7 +216,7 @@ class GPT(Model):
         return DecoderCache(
             [
                 KVCache(batch, attn.n_kv_head, max_len, attn.d_head, attn.d_value,
-                        dtype=param.dtype, device=param.device)
+                        dtype=param.dtype, device=param.device, columns=CACHE_COLUMNS)
                 for _ in range(cfg.n_layer)
             ],
             track_padding=padded,

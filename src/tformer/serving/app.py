@@ -90,10 +90,42 @@ class Metrics:
             ("running_sequences", "gauge", "Sequences being decoded.", engine.running),
             ("uptime_seconds", "gauge", "Seconds since start.",
              round(time.monotonic() - self.started, 3)),
-        ] + speculation_figures(stats.speculation):
+        ] + speculation_figures(stats.speculation) + pool_figures(engine):
             lines += [f"# HELP tformer_{name} {help_}", f"# TYPE tformer_{name} {kind}",
                       f"tformer_{name} {value}"]
+        for name, help_, histogram in [
+            ("time_to_first_token_seconds", "From queueing to a sequence's first token.",
+             getattr(stats, "first_token", None)),
+            ("time_between_tokens_seconds", "Between a sequence's tokens.",
+             getattr(stats, "between_tokens", None)),
+        ]:
+            if histogram is not None:
+                lines += histogram_lines(f"tformer_{name}", help_, histogram)
         return "\n".join(lines) + "\n"
+
+
+def histogram_lines(name: str, help_: str, histogram: Any) -> list[str]:
+    lines = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+    for bound, n in zip(histogram.BUCKETS, histogram.counts, strict=True):
+        lines.append(f'{name}_bucket{{le="{bound}"}} {n}')
+    lines += [f'{name}_bucket{{le="+Inf"}} {histogram.count}',
+              f"{name}_sum {round(histogram.sum, 6)}", f"{name}_count {histogram.count}"]
+    return lines
+
+
+def pool_figures(engine: Any) -> list[tuple[str, str, str, Any]]:
+    """/metrics' lines of the paged KV pool (none where the engine has none)."""
+    pool = getattr(engine, "slots", None)
+    if pool is None or not hasattr(pool, "free"):
+        return []
+    return [
+        ("kv_blocks_used", "gauge", "KV cache blocks holding sequences.", pool.used),
+        ("kv_blocks_free", "gauge", "KV cache blocks free.", len(pool.free)),
+        ("preemptions_total", "counter", "Sequences preempted for want of KV blocks.",
+         engine.stats.preemptions),
+        ("prefix_cache_hit_rate", "gauge", "Prompt positions found in the prefix cache.",
+         round(pool.found / pool.looked_up, 4) if pool.looked_up else 0.0),
+    ]
 
 
 def speculation_figures(spec: SpeculationStats | None) -> list[tuple[str, str, str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -65,6 +66,18 @@ def serve_command(
     draft: Draft = None,
     draft_tokens: DraftTokens = DRAFT_TOKENS,
     prompt_lookup: PromptLookup = 0,
+    kv_memory: Annotated[
+        float | None, Help("GiB for the KV cache's blocks; a request that does not fit "
+                           "waits (default: half the memory free at start, at most what "
+                           "--max-batch full contexts take)", metavar="GIB")
+    ] = None,
+    no_prefix_cache: Annotated[
+        bool, Help("read every prompt whole, even where the KV pool holds its start")
+    ] = False,
+    step_tokens: Annotated[
+        int, Help("tokens a decoding step reads at most: long prompts are read in chunks "
+                  "of it between the running sequences' steps")
+    ] = 512,
 ) -> int:
     require_serving_packages()
     import uvicorn
@@ -88,6 +101,10 @@ def serve_command(
         raise TformerError(f"--max-body-bytes {max_body_bytes} must be at least 1024")
     if batch_window_ms < 0:
         raise TformerError(f"--batch-window-ms {batch_window_ms} must be 0 or more")
+    if kv_memory is not None and kv_memory <= 0:
+        raise TformerError(f"--kv-memory {kv_memory} must be more than 0 GiB")
+    if step_tokens < 1:
+        raise TformerError(f"--step-tokens {step_tokens} must be at least 1")
     if api_key is not None and not api_key:
         raise TformerError("--api-key must not be empty")
     check_speculation_args(draft, draft_tokens, prompt_lookup)
@@ -108,9 +125,11 @@ def serve_command(
         speculator = speculator_for(loaded, model, draft=draft, draft_tokens=draft_tokens,
                                     prompt_lookup=prompt_lookup, weights=weights,
                                     device=where, capacity=max_batch)
+        blocks = kv_blocks(model, kv_memory, max_batch, where) if batched else None
         engine: LMEngine | TranslationBatcher = LMEngine(
             model, eos_id=tokenizer.eos_ids, max_batch=max_batch, max_waiting=max_waiting,
-            batched=batched, generate=family.generate, speculator=speculator)
+            batched=batched, generate=family.generate, speculator=speculator,
+            kv_blocks=blocks, step_tokens=step_tokens, prefix_cache=not no_prefix_cache)
     else:
         if draft is not None or prompt_lookup:
             raise TformerError(f"speculative decoding is for language models; "
@@ -125,8 +144,12 @@ def serve_command(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     how = ""
+    if isinstance(engine, LMEngine) and engine.slots is not None:
+        pool = engine.slots
+        how = (f"; KV pool {pool.total * pool.block_bytes(model) / 2**30:.2f} GiB "
+               f"({pool.total} blocks of {pool.block_size} positions)")
     if draft is not None or prompt_lookup:
-        how = (f"; {'prompt lookup' if prompt_lookup else draft} drafts {draft_tokens} "
+        how += (f"; {'prompt lookup' if prompt_lookup else draft} drafts {draft_tokens} "
                f"tokens a round")
     print(f"tformer: serving {name} ({loaded.cfg.family}) at http://{host}:{port}{how}",
           file=sys.stderr, flush=True)
@@ -141,6 +164,35 @@ def serve_command(
         log.info("stopped by %s after the requests in flight finished",
                  signal.Signals(server.signalled).name)
     return 0
+
+
+def free_memory(device: Any) -> int:
+    """Bytes free on `device` now: the accelerator's, or the machine's available memory."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_blocks(model: Any, gib: float | None, max_batch: int, device: Any) -> int:
+    """Blocks of the paged KV pool: `gib` GiB of them, or half the free memory, at most
+    what max_batch full contexts take."""
+    from tformer.decoding.paged import PagedPool, blocks_for
+
+    size = PagedPool.block_bytes(model)
+    most = max_batch * blocks_for(model.cfg.context) + 1
+    if gib is None:
+        return max(2, min(most, free_memory(device) // 2 // size))
+    blocks = int(gib * 2**30 // size)
+    if blocks < 2:
+        raise TformerError(f"--kv-memory {gib} GiB holds no block of the KV cache "
+                           f"({size / 2**20:.2f} MiB each)")
+    return blocks
 
 
 def speculator_for(loaded: Checkpoint, model: Any, *, draft: str | None, draft_tokens: int,

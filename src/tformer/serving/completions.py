@@ -250,6 +250,11 @@ class Completion:
         if max_tokens is not None and max_tokens > limits.max_tokens:
             raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit "
                            f"of {limits.max_tokens}", param="max_tokens")
+        room = engine.kv_positions()
+        if room is not None and len(ids) + 1 > room:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this server's KV memory "
+                           f"holds {room} positions in all (--kv-memory)", param="prompt",
+                           code="kv_memory_exceeded")
         window = engine.context or limits.max_prompt_tokens
         if max_tokens is None:
             # A chat reply may run to the end of the window (past it, the window slides).

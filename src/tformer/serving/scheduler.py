@@ -3,12 +3,16 @@
 A language model with a KV cache decodes by continuous batching (Yu et al. 2022, "Orca"):
 one thread owns the model and runs one decoding step at a time for every sequence in
 flight; a new request joins at the next step, a finished or abandoned one leaves at once.
-Its cache is a pool of rows (decoding/pool.py's `SlotPool`), one per sequence. A model
-whose memory is not a KV cache (Transformer-XL) decodes through its own generation path,
-one sequence per slot, the slots taking turns step by step. Translations are grouped for a
-short window and decoded as one batch by beam search (serving/translation.py). With a
-drafter (serving/speculation.py), a step of the pool is one speculative round, and a
-sequence may take several tokens from it.
+Its cache is a paged pool (decoding/paged.py): blocks of keys and values from one budget,
+each sequence a list of them. A prompt is read a chunk at a time, within a budget of tokens
+per step that the running sequences' decoding shares, so a long prompt never holds up the
+others' tokens; a sequence that needs a block when none is free is preempted (its blocks
+freed) and read again later. A model whose memory is not a
+KV cache (Transformer-XL) decodes through its own generation path, one sequence per slot,
+the slots taking turns step by step. Translations are grouped for a short window and
+decoded as one batch by beam search (serving/translation.py). With a drafter
+(serving/speculation.py), a step of the pool is one speculative round, and a sequence may
+take several tokens from it.
 
 Shapes: n sequences in flight, W cache columns in use, V vocabulary.
 """
@@ -20,14 +24,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.lm import EosIds, generate, stop_ids, window
-from tformer.decoding.pool import Seats, SlotPool
+from tformer.decoding.lm import EosIds, generate, left_pad, stop_ids, window
+from tformer.decoding.paged import PagedPool, PoolFull, Row, blocks_for
+from tformer.decoding.pool import Seats
 from tformer.serving.sequence import (
     Sequence,
     adjust,
@@ -47,7 +52,47 @@ Generate = Callable[..., Iterator[torch.Tensor]]
 """A family's generate (tformer.registry.Family.generate)."""
 
 
+STEP_TOKENS = 512
+"""Tokens a step reads at most, decoding's and prompts' together (chunked prefill)."""
+
+
+@dataclass
+class Reading:
+    """A sequence whose text the pool reads a chunk at a time: its prompt, or after a
+    preemption its prompt and the tokens it had made (recomputed)."""
+
+    seq: Sequence
+    text: list[int]
+    resumed: bool = False
+    row: Row = field(default_factory=Row)
+    done: int = 0
+    scored: list[Tensor] = field(default_factory=list)
+    """Every position's logits so far, where the prompt is to be scored."""
+
+    @property
+    def left(self) -> int:
+        return len(self.text) - self.done
+
+
 # --- engines ----------------------------------------------------------------------------
+
+
+class Histogram:
+    """Seconds in cumulative buckets, as a Prometheus histogram counts them."""
+
+    BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(self.BUCKETS)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.sum += seconds
+        for i, bound in enumerate(self.BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
 
 
 @dataclass
@@ -58,6 +103,14 @@ class EngineStats:
     prefills: int = 0
     """Forward passes that read the prompts of joining sequences."""
     finished_sequences: int = 0
+    prefill_chunks: int = 0
+    """Chunks of prompts read (several in one pass where they are read together)."""
+    preemptions: int = 0
+    """Sequences whose blocks were taken back for others, to be read again."""
+    first_token: Histogram = field(default_factory=Histogram)
+    """Seconds from a sequence's queueing to its first token."""
+    between_tokens: Histogram = field(default_factory=Histogram)
+    """Seconds between a sequence's tokens."""
     busy_seconds: float = 0.0
     """Time spent reading prompts and decoding (the rest the thread waits for work)."""
     speculation: SpeculationStats | None = None
@@ -73,11 +126,15 @@ class LMEngine:
     the model has no fixed window). A sequence that grows past it goes on as
     tformer.decoding.lm.generate does, each token read from the last `context` ones.
     speculator: drafts tokens for the pool's rows (serving/speculation.py), or None.
+    kv_blocks: blocks of the paged KV pool (default: room for max_batch full contexts);
+    step_tokens: tokens a step reads at most (chunked prefill).
+    prefix_cache: texts starting with blocks the pool has read take them (decoding/paged.py).
     """
 
     def __init__(self, model: nn.Module, *, eos_id: EosIds, max_batch: int = 16,
                  max_waiting: int = 64, batched: bool, generate: Generate = generate,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, kv_blocks: int | None = None,
+                 step_tokens: int = STEP_TOKENS, prefix_cache: bool = True) -> None:
         self.model = model
         self.generate = generate
         """Decodes one sequence when it cannot share a batch (its family's generate)."""
@@ -88,14 +145,23 @@ class LMEngine:
         self.batched = batched
         self.device = next(model.parameters()).device
         self.context: int | None = model.cfg.context if batched else None
-        self.slots = SlotPool(model, max_batch) if batched else None
+        self.slots: PagedPool | None = None
+        if batched:
+            assert self.context is not None
+            self.slots = PagedPool(model, kv_blocks or max_batch * blocks_for(self.context) + 1,
+                                   prefix_cache=prefix_cache)
         self.speculator = speculator if batched else None
         self.seats: Seats[Sequence] = Seats(
-            ([self.slots] if self.slots is not None else [])
+            ([self.slots] if self.slots is not None else [])  # type: ignore[list-item]
             + (self.speculator.pools if self.speculator is not None else []))
         """The row order of the pools (the target's, the drafter's) and the sequences."""
         self.active = self.seats.items
         """In the pool, sequence i in row i."""
+        self.step_tokens = step_tokens
+        self.reading: list[Reading] = []
+        """Seated in the pool, their texts partly read."""
+        self.preempted: deque[Reading] = deque()
+        """Taken out of the pool for want of blocks; seated again before any new sequence."""
         self.sliding: list[Sequence] = []
         """Past the model's context: each step reads its last `context` tokens afresh, as
         tformer.decoding.lm.generate slides its window (they hold no pool row)."""
@@ -120,13 +186,17 @@ class LMEngine:
             self._cond.notify()
         return True
 
+    def kv_positions(self) -> int | None:
+        """The most positions one sequence may hold in the KV pool (None: no pool)."""
+        return None if self.slots is None else self.slots.total * self.slots.block_size
+
     @property
     def waiting(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + len(self.preempted)
 
     @property
     def running(self) -> int:
-        return len(self.active) + len(self.sliding)
+        return len(self.active) + len(self.sliding) + len(self.reading)
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish every queued and running sequence, then end the thread."""
@@ -141,28 +211,46 @@ class LMEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self.pending and not self.running and not self._stopping:
+                while not self.waiting and not self.running and not self._stopping:
                     self._cond.wait()
-                if self._stopping and not self.pending and not self.running:
+                if self._stopping and not self.waiting and not self.running:
                     return
-                joining = []
-                while self.pending and self.running + len(joining) < self.max_batch:
-                    joining.append(self.pending.popleft())
+                joining = self._admit()
             start = time.perf_counter()
             try:
-                with torch.inference_mode():
-                    self._join(joining)
-                    self._drop_cancelled()
-                    if self.running:
-                        self._step()
+                self._turn(joining)
             except Exception as e:
                 # A forward pass over the whole batch failed: no sequence can go on alone.
                 log.exception("decoding failed; ending the sequences in flight")
-                for seq in self.active + self.sliding:
+                for seq in (self.active + self.sliding + [r.seq for r in self.reading]
+                            + [r.seq for r in self.preempted]):
                     seq.fail("decoding", e)
                 self.seats.clear()
                 self.sliding.clear()
+                self.reading.clear()
+                self.preempted.clear()
             self.stats.busy_seconds += time.perf_counter() - start
+
+    def _admit(self) -> list[Sequence]:
+        """Take sequences off the queues while there is room in the batch: the preempted
+        (straight back to reading) before the new, which are returned."""
+        while self.preempted and self.running < self.max_batch:
+            self.reading.append(self.preempted.popleft())
+        joining = []
+        while self.pending and self.running + len(joining) < self.max_batch:
+            joining.append(self.pending.popleft())
+        return joining
+
+    def _turn(self, joining: list[Sequence]) -> None:
+        """One step of the engine: seat the joining sequences, decode a token (or a
+        speculative round) for the running ones, read the waiting texts' next chunks."""
+        with torch.inference_mode():
+            self._join(joining)
+            self._drop_cancelled()
+            if self.active or self.sliding:
+                self._step()
+            if self.reading:
+                self._read()
 
     def _join(self, joining: list[Sequence]) -> None:
         for seq in joining:
@@ -185,77 +273,164 @@ class LMEngine:
                 )
                 self.active.append(seq)
             return
-        if not joining:
-            return
-        try:
-            logits = self._prefill(joining)
-        except Exception as e:
-            if len(joining) == 1:
-                joining[0].fail("reading the prompt", e)
-                return
-            # Find the one that fails: each prompt read alone. A failed prefill leaves its
-            # rows unoccupied, so nothing needs undoing.
-            log.warning("reading %d prompts together failed (%s); reading them one by one",
-                        len(joining), e)
-            for seq in joining:
-                self._join_ready([seq])
-            return
-        self._join_ready(joining, logits)
+        room = self.kv_positions()
+        for seq in joining:
+            if room is not None and len(seq.prompt) + 1 > room:
+                seq.fail("reading the prompt", ValueError(
+                    f"the prompt of {len(seq.prompt)} tokens does not fit in the KV pool "
+                    f"({room} positions)"))
+            else:
+                self.reading.append(Reading(seq, list(seq.prompt)))
 
-    def _join_ready(self, joining: list[Sequence], logits: Tensor | None = None) -> None:
-        """Seat sequences whose prompts are read (`logits`), or read them first."""
-        if logits is None:
-            try:
-                logits = self._prefill(joining)
-            except Exception as e:
-                for seq in joining:
-                    seq.fail("reading the prompt", e)
-                return
-        self.stats.prefills += 1
-        if logits.dim() == 3:
-            self._score_prompts(joining, logits)
-            logits = logits[:, -1]
-        self.active.extend(joining)
-        tokens = self._draw(logits, joining)
-        first = len(self.active) - len(joining)
-        done = []
-        for i, (seq, token) in enumerate(zip(joining, tokens, strict=True)):
-            if seq.sampling.max_tokens == 0 and not seq.finished:
-                seq.finish("length")  # the prompt scored, nothing generated
-                done.append(first + i)
-            elif self._accept(seq, token):
-                done.append(first + i)
-        for row in reversed(done):
-            self._leave(row)
-
-    def _prefill(self, joining: list[Sequence]) -> Tensor:
-        """(k, V) last-position logits, or (k, P, V) when a prompt is to be scored."""
+    def _read(self) -> None:
+        """Read the waiting texts, the shortest left first, a chunk each, within the step's
+        budget: all of it where no row decodes, else a quarter of it (less the rows'
+        tokens, at least 16), so that the running rows' steps stay short while a long
+        prompt is read; seat each text read to its end."""
         assert self.slots is not None
-        score = any(seq.sampling.prompt_logprobs for seq in joining)
-        logits = self.slots.prefill([seq.prompt for seq in joining], every_position=score)
+        budget = self.step_tokens
+        if self.active:
+            budget = max(budget // 4 - len(self.active), 16)
+        plan: list[tuple[Reading, int]] = []
+        starting: set[tuple[int, ...]] = set()
+        block = self.slots.block_size
+        for r in sorted(self.reading, key=lambda r: r.left):
+            if budget <= 0:
+                break
+            if not self._scores(r) and r.done == r.row.length:
+                r.done += self.slots.reuse(r.row, r.text)
+            if self.slots.prefix_cache and r.done == 0 and len(r.text) > block:
+                # A text that starts as another one read now (the n choices of a prompt)
+                # waits a step, and then takes that one's blocks.
+                start = tuple(r.text[:block])
+                if start in starting:
+                    continue
+                starting.add(start)
+            n = min(r.left, budget)
+            plan.append((r, n))
+            budget -= n
+        # Chunks of similar lengths share a forward pass (left-padded to the longest).
+        groups: list[list[tuple[Reading, int]]] = []
+        for r, n in sorted(plan, key=lambda p: p[1]):
+            group = groups[-1] if groups else None
+            if group and n * (len(group) + 1) <= 2 * (sum(m for _, m in group) + n) + 64:
+                group.append((r, n))
+            else:
+                groups.append([(r, n)])
+        for group in groups:
+            if len(group) > 1 and self._read_together(group):
+                continue
+            for r, n in group:
+                if r in self.reading and not self._read_alone(r, n):
+                    break
+
+    def _scores(self, r: Reading) -> bool:
+        return bool(r.seq.sampling.prompt_logprobs) and not r.resumed
+
+    def _read_alone(self, r: Reading, n: int) -> bool:
+        """Read n more tokens of r's text; False where the pool has no room for them."""
+        assert self.slots is not None
+        try:
+            logits = self.slots.read_chunk(r.row, r.text[r.done : r.done + n],
+                                           every_position=self._scores(r))
+        except PoolFull:
+            return self._free_for(r)
+        except Exception as e:
+            self._drop_reading(r)
+            r.seq.fail("reading the prompt", e)
+            return True
+        self.stats.prefills += 1
+        self._chunk_read(r, n, logits)
+        return True
+
+    def _read_together(self, group: list[tuple[Reading, int]]) -> bool:
+        """Read a chunk of each text in one pass; False where it failed, nothing stored."""
+        assert self.slots is not None
+        chunks = [r.text[r.done : r.done + n] for r, n in group]
+        ids, real = left_pad(chunks, pad_id=0)
+        every = any(self._scores(r) for r, _ in group)
+        try:
+            logits = self.slots.forward([r.row for r, _ in group], ids, real,
+                                        last_only=not every)
+        except Exception as e:
+            if not isinstance(e, PoolFull):
+                log.warning("reading %d prompts together failed (%s); reading them one by "
+                            "one", len(group), e)
+            return False
+        self.stats.prefills += 1
+        width = ids.shape[1]
+        for i, (r, n) in enumerate(group):
+            self._chunk_read(r, n, logits[i, width - n :] if every else logits[i])
+        return True
+
+    def _chunk_read(self, r: Reading, n: int, logits: Tensor) -> None:
+        """Count n tokens of r's text read, whose logits are `logits` ((n or 1, V)); seat
+        it where it is read to its end."""
+        r.done += n
+        if self._scores(r):
+            r.scored.append(logits)
+        self.stats.prefill_chunks += 1
+        if r.left == 0:
+            self.reading.remove(r)
+            self._seat(r, logits[-1])
+
+    def _free_for(self, r: Reading) -> bool:
+        """Blocks for a text that does not fit: those of a partly read text with more left
+        to read (read again later); False where r must wait for others to finish. A text
+        that cannot fit even alone fails."""
+        holders = [o for o in self.reading if o is not r and o.row.blocks]
+        later = [o for o in holders if o.left > r.left]
+        if later:
+            victim = max(later, key=lambda o: o.left)
+            self._drop_reading(victim)
+            victim.done, victim.scored = 0, []
+            self.preempted.appendleft(victim)
+            self.stats.preemptions += 1
+            return True
+        if not self.active and not holders:
+            self._drop_reading(r)
+            r.seq.fail("reading the prompt", PoolFull(
+                f"{len(r.text)} tokens do not fit in the KV pool "
+                f"({self.kv_positions()} positions)"))
+        return False
+
+    def _drop_reading(self, r: Reading) -> None:
+        assert self.slots is not None
+        self.slots.release(r.row)
+        if r in self.reading:
+            self.reading.remove(r)
+
+    def _seat(self, r: Reading, logits: Tensor) -> None:
+        """A text read to its end joins the decoding rows with its next token drawn from
+        its last position's (V,) logits."""
+        assert self.slots is not None
+        seq = r.seq
+        if r.scored:
+            self._score_prompt(seq, torch.cat(r.scored))
         if self.speculator is not None:
             try:
-                self.speculator.join([seq.prompt for seq in joining])
-            except Exception:
-                for _ in joining:  # the rows the target read, unoccupied again
-                    self.slots.remove(self.slots.rows - 1)
-                raise
-        return logits
-
-    def _score_prompts(self, joining: list[Sequence], logits: Tensor) -> None:
-        """Each prompt token's log-probability given the ones before it, from the (k, P, V)
-        logits of the left-padded prompts (a row's L tokens sit in the last L columns)."""
-        P = logits.shape[1]
-        for row, seq in enumerate(joining):
-            if not seq.sampling.prompt_logprobs or seq.finished:
-                continue
-            try:
-                L = len(seq.prompt)
-                scored = logprobs_of(logits[row, P - L : P - 1], seq.prompt[1:],
-                                     seq.sampling.logprobs or 0)
-                seq.prompt_logprobs = [None, *scored]
+                self.speculator.join([r.text])
             except Exception as e:
-                seq.fail("scoring the prompt", e)
+                self.slots.release(r.row)
+                seq.fail("reading the prompt", e)
+                return
+        self.slots.seat(r.row)
+        self.active.append(seq)
+        row = len(self.active) - 1
+        if seq.sampling.max_tokens == 0 and not seq.finished:
+            seq.finish("length")  # the prompt scored, nothing generated
+            self._leave(row)
+        elif self._accept(seq, self._draw(logits[None], [seq])[0]):
+            self._leave(row)
+
+    def _score_prompt(self, seq: Sequence, logits: Tensor) -> None:
+        """Each prompt token's log-probability given the ones before it, from the (P, V)
+        logits of every position."""
+        try:
+            scored = logprobs_of(logits[:-1], seq.prompt[1:], seq.sampling.logprobs or 0)
+            seq.prompt_logprobs = [None, *scored]
+        except Exception as e:
+            seq.fail("scoring the prompt", e)
 
     def _step(self) -> None:
         runs: list[list[int | None]]  # each active sequence's new tokens, in order
@@ -282,6 +457,9 @@ class LMEngine:
     def _step_pool(self) -> list[list[int | None]]:
         """A speculative round where rows draft, else one token for every row."""
         assert self.slots is not None
+        self._make_room()
+        if not self.active:
+            return []
         if self.speculator is not None:
             runs = self.speculator.round(self.slots, self.active, self._draw)
             if runs is not None:
@@ -289,6 +467,41 @@ class LMEngine:
         tokens = self._draw(self.slots.step([seq.tokens[-1] for seq in self.active]),
                             self.active)
         return [[token] for token in tokens]
+
+    def _make_room(self) -> None:
+        """Free blocks until every row can take a step (a speculative round's drafts
+        included): partly read texts first, then the rows seated last, each read again
+        later from its prompt and the tokens it made. A row that cannot step even alone
+        fails."""
+        assert self.slots is not None
+        pool = self.slots
+        ahead = 1 + (self.speculator.draft_tokens if self.speculator is not None else 0)
+
+        def short() -> int:
+            need = sum(max(0, blocks_for(min(row.length + ahead, self.context or 1 << 30),
+                                         pool.block_size) - len(row.blocks))
+                       for row in pool.active)
+            return need - pool.available
+
+        while self.active and short() > 0:
+            holding = [r for r in self.reading if r.row.blocks]
+            if holding:
+                victim = max(holding, key=lambda r: r.left)
+                self._drop_reading(victim)
+                victim.done, victim.scored = 0, []
+                self.preempted.appendleft(victim)
+            elif len(self.active) > 1:
+                seq = self.active[-1]
+                self._unseat(len(self.active) - 1)
+                self.preempted.appendleft(Reading(seq, seq.prompt + seq.tokens, resumed=True))
+            else:
+                seq = self.active[0]
+                seq.fail("decoding", PoolFull(
+                    f"{len(seq.prompt) + len(seq.tokens)} tokens fill the KV pool "
+                    f"({self.kv_positions()} positions)"))
+                self._leave(0)
+                return
+            self.stats.preemptions += 1
 
     def _accept_run(self, seq: Sequence, run: list[int | None]) -> bool:
         """Hand a step's tokens over up to the one that ends the sequence (those after it
@@ -338,6 +551,12 @@ class LMEngine:
                 seq.finish("stop")
                 return True
             seq.tokens.append(token)
+            now = time.perf_counter()
+            if seq.last_token_at is None:
+                self.stats.first_token.observe(now - seq.queued)
+            else:
+                self.stats.between_tokens.observe(now - seq.last_token_at)
+            seq.last_token_at = now
             seq.deliver(token, None)
             if seq.complete:  # the constrained text ends the choice
                 seq.finish("stop")
@@ -360,6 +579,12 @@ class LMEngine:
                 seq.finish("cancelled")
                 self.stats.finished_sequences += 1
         self.sliding = [seq for seq in self.sliding if not seq.cancelled]
+        for r in [r for r in self.reading if r.seq.cancelled]:
+            self._drop_reading(r)
+            r.seq.finish("cancelled")
+        for r in [r for r in self.preempted if r.seq.cancelled]:
+            self.preempted.remove(r)
+            r.seq.finish("cancelled")
 
     def _leave(self, row: int) -> None:
         """Remove the sequence at `row`: the last one takes its place (in the pool too)."""

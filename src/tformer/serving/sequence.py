@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -93,6 +94,9 @@ class Sequence:
         """One per prompt token (None for the first, which nothing predicts), once read."""
         self.end_token: int | None = None
         """The token that ended the sequence (end of text, or a stop token), if one did."""
+        self.queued = time.perf_counter()
+        self.last_token_at: float | None = None
+        """When its last token was handed over (for the latency histograms)."""
         self.matcher: Matcher | None = None
         if sampling.constraint is not None:
             self.matcher = sampling.constraint.start(sampling.stop_tokens)

@@ -1,0 +1,399 @@
+"""A paged KV cache: fixed-size blocks of keys and values from one pool, each text a list of
+blocks (its block table), so that a text holds what it uses and no text widens another
+(Kwon et al. 2023, "PagedAttention"). Serving's continuous batching decodes over it
+(serving/scheduler.py); a long prompt is read into it a chunk at a time.
+
+A forward pass over some rows hands the model a view that quacks as a DecoderCache: each
+layer gathers the rows' blocks into a (n, H_kv, W, ·) window (W: the longest row's length,
+shorter rows masked as padding at its end), attends over it and the new keys, and writes the
+new keys and values into the rows' blocks. Positions count real tokens, so a row decodes as
+it would alone.
+
+With `prefix_cache`, every full block is known by a hash of its tokens and of everything
+before them (the previous block's hash), and kept after its text leaves, until its room is
+needed (least recently used first): a text that starts with the same tokens takes those
+blocks instead of reading them again (a chat's earlier turns, the n choices of one prompt).
+Only full blocks are shared, and a text writes only after its last position, so a shared
+block is never written; a rollback into one (speculation) first takes a private copy.
+
+Shapes: n rows in the pass, T new tokens per row, W positions of the longest row, H_kv
+key/value heads, d key size, d_value value size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from tformer.decoding.runner import runner
+from tformer.layers import DecoderCache, KVCache
+
+GATHER_BYTES = 128 << 20
+"""The most a one-token step copies to gather every layer's past at once."""
+
+BLOCK_SIZE = 16
+"""Positions per block: small enough that a text wastes little of its last block."""
+
+
+class PoolFull(RuntimeError):
+    """The pool has too few free blocks for what a pass would store."""
+
+
+@dataclass
+class Row:
+    """One text's place in the pool: its blocks and how many positions they hold."""
+
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+    written: int = 0
+    """Positions the last pass stored (speculation's rollback cuts into them)."""
+    tokens: list[int] = field(default_factory=list)
+    """The tokens whose keys and values it holds (to name its full blocks)."""
+    hashes: list[int] = field(default_factory=list)
+    """The names of its full blocks, in order."""
+    looked_up: bool = False
+    """Whether its text has been looked up in the prefix cache (counted once)."""
+
+
+def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-positions // block_size)
+
+
+class _Layer:
+    """One layer's part of a pass: the gathered past, and where the new positions go."""
+
+    def __init__(self, k: Tensor, v: Tensor, pass_: _Pass) -> None:
+        self.k, self.v, self.pass_ = k, v, pass_
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+               attention: nn.Module) -> Tensor:
+        """Store the step's new keys and values in their blocks and attend with q over the
+        rows' past and them: (n, H, T, d) -> (n, H, T, d_value)."""
+        p = self.pass_
+        if p.width:
+            k_all = torch.cat([p.gather(self.k), k], dim=2)
+            v_all = torch.cat([p.gather(self.v), v], dim=2)
+        else:
+            k_all, v_all = k, v
+        out = attention.attend(q, k_all, v_all, mask, is_causal)
+        p.scatter(self.k, k)
+        p.scatter(self.v, v)
+        return out
+
+
+class _Pass:
+    """What GPT.forward reads of a DecoderCache (length, is_real, self_attn, step), over the
+    blocks of the rows in a pass."""
+
+    lineage = None
+    step = None
+
+    def __init__(self, pool: PagedPool, rows: list[Row], real: Tensor) -> None:
+        device = pool.device
+        bs = pool.block_size
+        lengths = torch.tensor([row.length for row in rows], device=device)
+        self.width = int(lengths.max())
+        self.length = self.width
+        n, T = real.shape
+        past_blocks = blocks_for(self.width, bs)
+        table = torch.zeros(n, max(past_blocks, 1), dtype=torch.long)
+        for i, row in enumerate(rows):
+            table[i, : len(row.blocks[:past_blocks])] = torch.tensor(
+                row.blocks[:past_blocks], dtype=torch.long)
+        self.table = table[:, :past_blocks].to(device)
+        uniform = bool((lengths == self.width).all()) and bool(real.all())
+        self.is_real: Tensor | None = None
+        if not uniform:
+            self.is_real = torch.cat([
+                torch.arange(self.width, device=device)[None] < lengths[:, None], real], dim=1)
+        # The new positions of each row, in order, and the block and offset each goes to.
+        self.real = real
+        rank = (real.cumsum(1) - 1) + lengths[:, None]
+        rows_of, cols = real.nonzero(as_tuple=True)
+        positions = rank[rows_of, cols]
+        full = [torch.tensor(row.blocks, dtype=torch.long) for row in rows]
+        flat = torch.cat(full).to(device) if full else torch.zeros(0, dtype=torch.long)
+        starts = torch.tensor([0] + [len(b) for b in full], device=device).cumsum(0)[:-1]
+        self.dest_block = flat[starts[rows_of] + positions // bs]
+        self.dest_offset = positions % bs
+        self.self_attn = [_Layer(k, v, self) for k, v in zip(pool.k, pool.v, strict=True)]
+
+    def gather(self, blocks: Tensor) -> Tensor:
+        """(blocks, H, bs, ·) pool -> (n, H, W, ·) the rows' past positions."""
+        n, nb = self.table.shape
+        gathered = blocks[self.table]
+        H, bs, d = gathered.shape[2:]
+        return gathered.transpose(1, 2).reshape(n, H, nb * bs, d)[:, :, : self.width]
+
+    def scatter(self, blocks: Tensor, new: Tensor) -> None:
+        """Write (n, H, T, ·) new keys or values, the real ones, into their blocks."""
+        blocks[self.dest_block, :, self.dest_offset] = new.transpose(1, 2)[self.real]
+
+
+class PagedPool:
+    """Blocks of keys and values for every layer of `model`, `blocks` of `block_size`
+    positions each, and the rows decoding over them (the first `rows` in `active`, in the
+    order of the sequences in flight). Block 0 holds zeros and pads the block tables: the
+    positions a pass gathers but masks must be finite, since a masked NaN spreads through
+    0 * NaN."""
+
+    def __init__(self, model: nn.Module, blocks: int, *, block_size: int = BLOCK_SIZE,
+                 prefix_cache: bool = True) -> None:
+        if blocks < 2:
+            raise ValueError(f"a paged pool needs at least 2 blocks, not {blocks}")
+        self.model = model = runner(model)
+        self.context = model.cfg.context
+        self.block_size = block_size
+        probe = model.make_cache(1, 1).self_attn
+        self.k = [layer.k.new_empty(blocks, layer.k.shape[1], block_size, layer.k.shape[3])
+                  for layer in probe]
+        self.v = [layer.v.new_empty(blocks, layer.v.shape[1], block_size, layer.v.shape[3])
+                  for layer in probe]
+        for buf in (*self.k, *self.v):
+            buf[0].zero_()
+        self.device = self.k[0].device
+        self._step = model.make_cache(1, 1).step
+        """The model's one-call decoding step (kernels/step.py), or None."""
+        self.total = blocks - 1
+        self.free = list(range(blocks - 1, 0, -1))
+        self.active: list[Row] = []
+        self.prefix_cache = prefix_cache
+        self.refs = [0] * blocks
+        self.named: dict[int, int] = {}
+        """Full blocks by name (hash of their tokens and their prefix's)."""
+        self.name_of: dict[int, int] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()
+        """Named blocks no row holds, least recently used first: free to take back."""
+        self.looked_up = 0
+        """Prompt positions looked up in the prefix cache, and those found there."""
+        self.found = 0
+
+    @staticmethod
+    def block_bytes(model: nn.Module, block_size: int = BLOCK_SIZE) -> int:
+        """Bytes one block takes over every layer."""
+        probe = model.make_cache(1, 1).self_attn
+        return sum(block_size * (c.k.shape[1] * c.k.shape[3] + c.v.shape[1] * c.v.shape[3])
+                   * c.k.element_size() for c in probe)
+
+    @property
+    def rows(self) -> int:
+        return len(self.active)
+
+    @property
+    def available(self) -> int:
+        """Blocks a row may take: free ones and named ones no row holds."""
+        return len(self.free) + len(self.idle)
+
+    @property
+    def used(self) -> int:
+        return self.total - self.available
+
+    def _take(self) -> int:
+        """A free block, else the least recently used idle named one (forgotten)."""
+        if self.free:
+            block = self.free.pop()
+        else:
+            block, _ = self.idle.popitem(last=False)
+            del self.named[self.name_of.pop(block)]
+        for buf in (*self.k, *self.v):
+            buf[block].zero_()
+        self.refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        """A row lets go of a block: free, or idle where it is named."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.name_of:
+                self.idle[block] = None
+            else:
+                self.free.append(block)
+
+    def _allocate(self, rows: list[Row], adding: list[int]) -> None:
+        """Give each row the blocks it needs for `adding` more positions, all or none."""
+        needs = [blocks_for(row.length + a, self.block_size) - len(row.blocks)
+                 for row, a in zip(rows, adding, strict=True)]
+        if sum(max(0, n) for n in needs) > self.available:
+            raise PoolFull(f"{sum(needs)} KV blocks needed, {self.available} free")
+        for row, need in zip(rows, needs, strict=True):
+            for _ in range(need):
+                row.blocks.append(self._take())
+
+    def _name_blocks(self, row: Row) -> None:
+        """Name the row's blocks that are full, and offer them to texts that follow."""
+        bs = self.block_size
+        while len(row.hashes) < row.length // bs:
+            i = len(row.hashes)
+            name = hash((row.hashes[-1] if i else 0, tuple(row.tokens[i * bs : (i + 1) * bs])))
+            row.hashes.append(name)
+            block = row.blocks[i]
+            if self.prefix_cache and name not in self.named and block not in self.name_of:
+                self.named[name] = block
+                self.name_of[block] = name
+
+    def reuse(self, row: Row, text: list[int]) -> int:
+        """Take the named blocks that hold the start of `text` after what the row holds
+        (the row holding whole blocks of it so far), up to its last token, whose logits a
+        pass must compute; the positions taken."""
+        bs = self.block_size
+        if not self.prefix_cache or row.length % bs or row.length != len(row.hashes) * bs:
+            return 0
+        start = row.length
+        if not row.looked_up:
+            row.looked_up = True
+            self.looked_up += len(text)
+        while row.length + bs <= len(text) - 1:
+            i = len(row.hashes)
+            chunk = tuple(text[row.length : row.length + bs])
+            name = hash((row.hashes[-1] if i else 0, chunk))
+            block = self.named.get(name)
+            if block is None:
+                break
+            self.idle.pop(block, None)
+            self.refs[block] += 1
+            row.blocks.append(block)
+            row.hashes.append(name)
+            row.tokens += chunk
+            row.length += bs
+        self.found += row.length - start
+        return row.length - start
+
+    def forward(self, rows: list[Row], tokens: Tensor, real: Tensor | None = None, *,
+                last_only: bool = False) -> Tensor:
+        """(n, T) new tokens of `rows` (False in `real` where a row has fewer) -> (n, T, V)
+        logits, or (n, 1, V) with `last_only`; their keys and values stored. PoolFull (and
+        nothing stored) where the free blocks cannot hold them."""
+        tokens = tokens.to(self.device)
+        if real is None:
+            real = torch.ones_like(tokens, dtype=torch.bool)
+        real = real.to(self.device)
+        counts = real.sum(1).tolist()
+        longest = max(row.length + c for row, c in zip(rows, counts, strict=True))
+        if longest > self.context:
+            raise ValueError(f"{longest} positions exceed the model's context of "
+                             f"{self.context}")
+        self._allocate(rows, counts)
+        view = _Pass(self, rows, real)
+        if tokens.shape[1] == 1 and self._gathers_whole(len(rows), view.width):
+            logits = self._step_gathered(view, tokens, real, last_only)
+        else:
+            logits = self.model(tokens, None if view.is_real is None else real, cache=view,
+                                last_only=last_only)
+        for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
+            row.length += count
+            row.written = count
+            row.tokens += tokens[i][real[i]].tolist()
+            self._name_blocks(row)
+        return logits
+
+    def _gathers_whole(self, rows: int, width: int) -> bool:
+        """Whether a one-token step gathers every layer's past at once (into buffers
+        the one-call step kernel reads, kernels/step.py): where it has the kernel and the
+        copies stay small."""
+        if self._step is None:
+            return False
+        per_position = sum(k[0, :, 0].numel() + v[0, :, 0].numel()
+                           for k, v in zip(self.k, self.v, strict=True))
+        return rows * (width + 1) * per_position * self.k[0].element_size() <= GATHER_BYTES
+
+    def _step_gathered(self, view: _Pass, tokens: Tensor, real: Tensor,
+                       last_only: bool) -> Tensor:
+        """A one-token step over contiguous copies of the rows' pasts (a DecoderCache the
+        model's one-call step runs over), the new keys and values then stored in blocks."""
+        n, W = len(tokens), view.width
+        caches = []
+        for k, v in zip(self.k, self.v, strict=True):
+            kg = k.new_empty(n, k.shape[1], W + 1, k.shape[3])
+            vg = v.new_empty(n, v.shape[1], W + 1, v.shape[3])
+            if W:
+                kg[:, :, :W] = view.gather(k)
+                vg[:, :, :W] = view.gather(v)
+            caches.append(KVCache.over(kg, vg, W))
+        cache = DecoderCache(caches)
+        cache.is_real = view.is_real
+        cache.step = self._step
+        logits = self.model(tokens, None if view.is_real is None else real, cache=cache,
+                            last_only=last_only)
+        for c, k, v in zip(caches, self.k, self.v, strict=True):
+            view.scatter(k, c.k[:, :, W:])
+            view.scatter(v, c.v[:, :, W:])
+        return logits
+
+    def read_chunk(self, row: Row, tokens: list[int], *, every_position: bool = False) -> Tensor:
+        """Read a chunk of a row's text: its (1, V) last-position logits, or (T, V)."""
+        ids = torch.tensor([tokens], device=self.device)
+        return self.forward([row], ids, last_only=not every_position)[0]
+
+    def release(self, row: Row) -> None:
+        """Give a row's blocks back."""
+        for block in reversed(row.blocks):
+            self._drop(block)
+        row.blocks, row.length, row.tokens, row.hashes = [], 0, [], []
+
+    # The interface of decoding/pool.py's SlotPool (and its Rows), over the active rows.
+
+    @property
+    def read(self) -> list[int]:
+        """Per active row: the tokens of its text it has read."""
+        return [row.length for row in self.active]
+
+    def held(self) -> int:
+        return max((row.length for row in self.active), default=0)
+
+    def seat(self, row: Row) -> None:
+        self.active.append(row)
+
+    def step(self, last_tokens: list[int]) -> Tensor:
+        """One new token per active row -> (n, V) logits for the next ones."""
+        tokens = torch.tensor(last_tokens, device=self.device)[:, None]
+        return self.forward(self.active, tokens, last_only=True)[:, -1]
+
+    def extend(self, tokens: Tensor, real: Tensor, *, last_only: bool = False) -> Tensor:
+        """(n, T) new tokens per active row, False in `real` after a row's last ->
+        (n, T, V) logits, or (n, 1, V) with `last_only`."""
+        return self.forward(self.active, tokens, real, last_only=last_only)
+
+    def truncate(self, kept: Tensor, written: int) -> None:
+        """Row i keeps the first kept[i] of the positions the last `extend` stored."""
+        bs = self.block_size
+        for row, keep in zip(self.active, kept.tolist(), strict=True):
+            row.length -= row.written - min(keep, row.written)
+            row.written = min(keep, row.written)
+            del row.tokens[row.length :]
+            del row.hashes[row.length // bs :]
+            keep_blocks = blocks_for(row.length, bs)
+            for block in reversed(row.blocks[keep_blocks:]):
+                self._drop(block)
+            del row.blocks[keep_blocks:]
+            if row.length % bs:
+                self._own_last(row)
+
+    def _own_last(self, row: Row) -> None:
+        """Make the row's last block its own before it writes into it again: unnamed, or
+        a copy where other rows hold it too (copy on write)."""
+        block = row.blocks[-1]
+        if self.refs[block] > 1:
+            if not self.available:
+                raise PoolFull("no KV block free to copy a shared one into")
+            copy = self._take()
+            for buf in (*self.k, *self.v):
+                buf[copy] = buf[block]
+            self.refs[block] -= 1
+            row.blocks[-1] = copy
+        elif block in self.name_of:
+            del self.named[self.name_of.pop(block)]
+
+    def remove(self, row: int) -> None:
+        """Free an active row; the last one moves into its place."""
+        self.release(self.active[row])
+        last = self.active.pop()
+        if row < len(self.active):
+            self.active[row] = last
+
+    def clear(self) -> None:
+        for row in self.active:
+            self.release(row)
+        self.active.clear()

@@ -1,0 +1,190 @@
+"""The paged KV pool against full passes of the model over each text: rows of different
+lengths join, read their prompts a chunk at a time, decode together and leave, on the GPT
+layouts (GPT-2, grouped-query Llama, Qwen3's q/k norm, Mistral's sliding window)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer.decoding.lm import generate
+from tformer.decoding.paged import PagedPool, PoolFull, Row
+from tformer.models.gpt import GPT, GPTConfig
+
+LLAMA = {"position": "none", "rotary": True, "norm_kind": "rmsnorm", "norm_eps": 1e-6,
+         "feedforward": "gated", "activation": "silu", "bias": False}
+LAYOUTS = [{}, {**LLAMA, "n_kv_head": 2}, {**LLAMA, "n_kv_head": 1, "qk_norm": True},
+           {**LLAMA, "window": 5, "n_kv_head": 2}]
+
+
+def model_of(options: dict, context: int = 40) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=37, context=context, n_layer=2, n_head=4, d_model=16,
+                          tie_embeddings=False, **options)).eval()
+    with torch.no_grad():  # decisive logits: greedy texts compare tokens, not rounding
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def read(pool: PagedPool, row: Row, text: list[int], chunk: int) -> torch.Tensor:
+    """Read a text a chunk at a time; its every-position logits."""
+    return torch.cat([pool.read_chunk(row, text[i : i + chunk], every_position=True)
+                      for i in range(0, len(text), chunk)])
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["whole", "per-layer"])
+@pytest.mark.parametrize("options", LAYOUTS, ids=str)
+@torch.no_grad()
+def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options, gathered,
+                                                                        monkeypatch):
+    """Steps gather every layer's past at once for the one-call step kernel, or attend
+    layer by layer over the gathered blocks: both as a full pass."""
+    from tformer.decoding import paged
+
+    if not gathered:
+        monkeypatch.setattr(paged, "GATHER_BYTES", 0)
+    model = model_of(options)
+    pool = PagedPool(model, 64, block_size=4)
+    assert pool._gathers_whole(3, 20) == (gathered and pool._step is not None)
+    g = torch.Generator().manual_seed(1)
+    texts: list[list[int]] = []
+    for length in (9, 3, 14):
+        text = torch.randint(0, 37, (length,), generator=g).tolist()
+        row = Row()
+        got = read(pool, row, text, chunk=4)
+        torch.testing.assert_close(got, model(torch.tensor([text]))[0], atol=1e-5, rtol=1e-5)
+        pool.seat(row)
+        texts.append(text)
+    for step in range(12):
+        if step == 4:  # the second row leaves; the last takes its place
+            pool.remove(1)
+            texts[1] = texts.pop()
+        if step == 6:  # a new row joins mid-flight
+            text = torch.randint(0, 37, (7,), generator=g).tolist()
+            row = Row()
+            read(pool, row, text, chunk=3)
+            pool.seat(row)
+            texts.append(text)
+        new = torch.randint(0, 37, (len(texts),), generator=g).tolist()
+        logits = pool.step(new)
+        for i, token in enumerate(new):
+            texts[i].append(token)
+            want = model(torch.tensor([texts[i]]))[0, -1]
+            torch.testing.assert_close(logits[i], want, atol=1e-5, rtol=1e-5)
+    assert pool.used == sum(-(-len(t) // 4) for t in texts)
+    pool.clear()
+    assert pool.used == 0
+
+
+@pytest.mark.parametrize("options", LAYOUTS[:2], ids=str)
+@torch.no_grad()
+def test_greedy_text_equals_generate_token_for_token(options):
+    model = model_of(options)
+    pool = PagedPool(model, 32, block_size=4)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    outs = [[] for _ in prompts]
+    last = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        row = Row()
+        logits = read(pool, row, prompt, chunk=3)[-1]
+        pool.seat(row)
+        out.append(int(logits.argmax()))
+        last.append(out[-1])
+    for _ in range(15):
+        logits = pool.step(last)
+        last = [int(t) for t in logits.argmax(-1)]
+        for out, token in zip(outs, last, strict=True):
+            out.append(token)
+    for prompt, out in zip(prompts, outs, strict=True):
+        alone = [int(t[0]) for t in generate(model, torch.tensor([prompt]), max_new_tokens=16,
+                                             temperature=0.0)]
+        assert out == alone
+
+
+@torch.no_grad()
+def test_a_pass_that_does_not_fit_stores_nothing_and_rollback_frees_blocks():
+    model = model_of({})
+    pool = PagedPool(model, 5, block_size=4)  # 4 usable blocks: 16 positions
+    text = list(range(10))
+    row = Row()
+    pool.read_chunk(row, text)
+    pool.seat(row)
+    other = Row()
+    with pytest.raises(PoolFull):
+        pool.read_chunk(other, [1, 2, 3, 4, 5])
+    assert other.length == 0 and other.blocks == [] and pool.used == 3
+    # Speculation's verification and rollback: of 3 positions one kept, the fourth block
+    # given back, and the next step continues the kept text.
+    pool.extend(torch.tensor([[11, 12, 13]]), torch.tensor([[True, True, True]]))
+    assert pool.used == 4 and row.length == 13
+    pool.truncate(torch.tensor([1]), 3)
+    assert pool.used == 3 and row.length == 11
+    logits = pool.step([20])
+    want = model(torch.tensor([text + [11, 20]]))[0, -1]
+    torch.testing.assert_close(logits[0], want, atol=1e-5, rtol=1e-5)
+
+
+def close(got, model, text, start):
+    torch.testing.assert_close(got, model(torch.tensor([text]))[0, start:], atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", LAYOUTS[1:3], ids=str)
+@torch.no_grad()
+def test_a_prefix_found_in_the_cache_gives_the_logits_of_a_cold_read(options):
+    """A second text sharing the first's first 13 tokens takes its 3 full blocks of 4 and
+    reads the rest; its logits equal a full pass's. After the first text leaves, its
+    named blocks stay (idle) and serve a third text."""
+    model = model_of(options)
+    pool = PagedPool(model, 32, block_size=4)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 37, (13,), generator=g).tolist()
+    first = shared + [1, 2]
+    row = Row()
+    pool.read_chunk(row, first)
+    pool.seat(row)
+    second = shared + [5, 6, 7]
+    other = Row()
+    assert pool.reuse(other, second) == 12 and other.blocks == row.blocks[:3]
+    close(pool.read_chunk(other, second[12:], every_position=True), model, second, 12)
+    assert pool.found == 12 and pool.looked_up == len(second)
+    pool.seat(other)
+    pool.remove(0)  # the first text leaves: its blocks shared or idle, none free again
+    assert pool.used == len(other.blocks)
+    third = Row()
+    assert pool.reuse(third, first + [9]) == 12
+    close(pool.read_chunk(third, (first + [9])[12:], every_position=True), model, first + [9], 12)
+
+
+@torch.no_grad()
+def test_a_rollback_into_a_shared_block_copies_it_first():
+    """Text A's verified drafts fill a block that text B then takes; A rejects them and
+    writes another token where they were: A's copy changes, B's block does not."""
+    model = model_of({**LLAMA, "n_kv_head": 2})
+    pool = PagedPool(model, 32, block_size=4)
+    first = list(range(3, 18))  # 15 tokens
+    a = Row()
+    pool.read_chunk(a, first)
+    pool.seat(a)
+    pool.extend(torch.tensor([[30, 31, 32]]), torch.tensor([[True, True, True]]))
+    b_text = first + [30, 7, 8]
+    b = Row()
+    assert pool.reuse(b, b_text) == 16 and b.blocks == a.blocks[:4]
+    pool.truncate(torch.tensor([0]), 3)  # A keeps its 15 tokens: back inside block 3
+    assert a.length == 15 and a.blocks[3] != b.blocks[3]
+    close(pool.step([9]), model, first + [9], 15)
+    close(pool.read_chunk(b, [7, 8], every_position=True), model, b_text, 16)
+
+
+@torch.no_grad()
+def test_idle_named_blocks_are_taken_back_least_recently_used_first():
+    model = model_of({})
+    pool = PagedPool(model, 4, block_size=4)  # 3 usable blocks
+    a, b = Row(), Row()
+    pool.read_chunk(a, list(range(9)))  # 2 full blocks named, 1 partial
+    pool.release(a)
+    assert pool.available == 3 and len(pool.idle) == 2
+    pool.read_chunk(b, list(range(20, 30)))  # needs 3 blocks: the free one, then idle ones
+    assert len(pool.idle) == 0 and pool.reuse(Row(), list(range(9))) == 0
