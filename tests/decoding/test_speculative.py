@@ -190,7 +190,13 @@ def served(target, prompt, runs, options, stats):
 CHI2_15_999 = 37.70
 
 
-@pytest.mark.parametrize("rows", [generated, served], ids=["generate", "serve"])
+@pytest.mark.parametrize("rows", [
+    generated,
+    # Over the paged pool the server's rounds take minutes for 800 sequences: make test-slow.
+    # serve's speculative rounds keep greedy decoding's tokens in make test
+    # (tests/serving/test_speculation.py).
+    pytest.param(served, marks=pytest.mark.slow),
+], ids=["generate", "serve"])
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
 def test_sampled_tokens_follow_the_targets_distribution(rows, drafter):
     """The same speculative round (decoding/speculative.py) over generate's rows and over
