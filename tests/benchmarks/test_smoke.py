@@ -97,6 +97,8 @@ SMOKES = {
     "modern_config": Smoke(("--tiny", "--seeds", "1"), "mean val loss", slow=True),
     "opus_mt": Smoke(("--batches", "1", "--len", "4"), "find the same 4 tokens",
                      needs=("ctranslate2", "transformers", "sentencepiece"), slow=True),
+    "prefill": Smoke(("--lengths", "64", "--repeats", "1", "--threads", "1"), "| ratio |",
+                     needs=("gguf", "transformers"), slow=True),
     "serve_load": Smoke(("--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64",
                          "--context", "64", "--clients", "1", "2", "--requests", "1",
                          "--prompt-tokens", "4", "--max-tokens", "3", "--repeats", "1",
