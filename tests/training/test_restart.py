@@ -6,6 +6,8 @@ CONFIG that contradicts the run's own is refused in one line."""
 import csv
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,18 +45,25 @@ def kill_at(where):
     trainer.save_step_checkpoint = save_then_die
 
 
+KILLED = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("restart", sys.argv[1])
+restart = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(restart)
+restart.kill_at(sys.argv[2])
+from tformer.cli import main
+main(sys.argv[3:])
+"""
+
+
 def killed(where, *args):
-    """`tformer ARGS` in a forked copy of this process (torch imported already: fast) that
-    SIGKILLs itself at `where`."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            kill_at(where)
-            main(list(args))
-        finally:
-            os._exit(1)  # never back into pytest
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+    """`tformer ARGS` in a process of its own that SIGKILLs itself at `where`. (Not a fork of
+    this one: a fork of a process with threads can inherit a lock another thread held, and
+    wait on it for ever.)"""
+    proc = subprocess.run([sys.executable, "-c", KILLED, __file__, where, *args],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
 
 KILLABLE = {"model": {"dropout": 0.1}, "steps": 9, "log_every": 1, "eval_every": 3,
