@@ -56,6 +56,20 @@ def prompt(length: int) -> list[int]:
     return torch.randint(100, 40000, (length,), generator=g).tolist()
 
 
+def timed(prefill, length: int) -> dict[str, float]:
+    """One `length`-token prompt read by `prefill` after a short warm-up one: its seconds, the
+    RSS just before it and the process's peak."""
+    import torch
+
+    with torch.inference_mode():
+        prefill(prompt(32))
+        before = rss_mb()
+        start = time.perf_counter()
+        prefill(prompt(length))
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "before": before, "peak": peak_mb()}
+
+
 def run_tformer(checkpoint: str, length: int, threads: int) -> dict[str, float]:
     sys.path.insert(0, str(ROOT / "src"))
     import torch
@@ -70,13 +84,7 @@ def run_tformer(checkpoint: str, length: int, threads: int) -> dict[str, float]:
         cache = model.make_cache(1, padded=False)
         model(tokens, cache=cache, last_only=True)
 
-    with torch.inference_mode():
-        prefill(prompt(32))
-        before = rss_mb()
-        start = time.perf_counter()
-        prefill(prompt(length))
-        seconds = time.perf_counter() - start
-    return {"seconds": seconds, "before": before, "peak": peak_mb()}
+    return timed(prefill, length)
 
 
 def run_transformers(length: int, threads: int) -> dict[str, float]:
@@ -90,13 +98,7 @@ def run_transformers(length: int, threads: int) -> dict[str, float]:
     def prefill(ids: list[int]) -> None:
         model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
 
-    with torch.inference_mode():
-        prefill(prompt(32))
-        before = rss_mb()
-        start = time.perf_counter()
-        prefill(prompt(length))
-        seconds = time.perf_counter() - start
-    return {"seconds": seconds, "before": before, "peak": peak_mb()}
+    return timed(prefill, length)
 
 
 def measure(side: str, checkpoint: str, length: int, threads: int) -> dict[str, float]:
