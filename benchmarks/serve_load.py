@@ -143,11 +143,16 @@ def start_server(ckpt: Path, clients: int, *options: str) -> tuple[subprocess.Po
         [sys.executable, "-m", "tformer", "serve", str(ckpt), "--port", str(port),
          "--device", "cpu", "--max-batch", str(clients), "--max-waiting", str(4 * clients),
          *options], env=env)
+    return server, ready(server, url)
+
+
+def ready(server: subprocess.Popen, url: str) -> str:
+    """`url` once the server there answers /health (within 5 minutes), else exit."""
     deadline = time.monotonic() + 300
     while True:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return server, url
+                return url
         except httpx.HTTPError:
             pass
         if server.poll() is not None or time.monotonic() > deadline:
@@ -168,17 +173,7 @@ def start_real_server(ckpt: str, src: str, *options: str) -> tuple[subprocess.Po
     server = subprocess.Popen([sys.executable, "-m", "tformer", "serve", ckpt, "--port",
                                str(port), "--device", "cpu", "--max-batch", "16", *options],
                               env=env)
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            raise SystemExit("the server did not start")
-        time.sleep(0.5)
+    return server, ready(server, url)
 
 
 async def timed_stream(http: httpx.AsyncClient, prompt: list[int], tokens: int
