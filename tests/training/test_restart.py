@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tformer import loading
@@ -59,9 +60,11 @@ main(sys.argv[3:])
 def killed(where, *args):
     """`tformer ARGS` in a process of its own that SIGKILLs itself at `where`. (Not a fork of
     this one: a fork of a process with threads can inherit a lock another thread held, and
-    wait on it for ever.)"""
+    wait on it for ever.) It computes with as many threads as this one: another count sums
+    a matrix product in another order, and the weights would differ in their last bits."""
+    threads = str(torch.get_num_threads())
     proc = subprocess.run([sys.executable, "-c", KILLED, __file__, where, *args],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          env={**os.environ, "OMP_NUM_THREADS": threads}, capture_output=True,
                           timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
