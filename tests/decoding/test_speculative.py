@@ -165,8 +165,8 @@ def generated(target, prompt, runs, options, stats):
 
 def served(target, prompt, runs, options, stats):
     """Three tokens a sequence of the server's engine, one sequence at a time: the first
-    from reading the prompt, the others from rounds over its pool, rejected columns masked
-    (decoding/pool.py's SlotPool), each sequence with its own generator."""
+    from reading the prompt, the others from rounds over its paged pool (decoding/paged.py),
+    rejected positions cut back, each sequence with its own generator."""
     from tformer.serving.scheduler import LMEngine
     from tformer.serving.sequence import Sampling, Sequence
     from tformer.serving.speculation import Speculator
@@ -179,10 +179,8 @@ def served(target, prompt, runs, options, stats):
     engine.submit([Sequence(prompt, Sampling(3, 1.0, seed=i),
                             lambda token, _, text=text: token is not None and text.append(token))
                    for i, text in enumerate(texts)])
-    while engine.pending or engine.running:
-        engine._join([engine.pending.popleft()] if not engine.running else [])
-        if engine.running:
-            engine._step()
+    while engine.waiting or engine.running:
+        engine._turn(engine._admit())  # the decoding thread's loop, without the thread
     return texts
 
 
@@ -192,10 +190,7 @@ CHI2_15_999 = 37.70
 
 @pytest.mark.parametrize("rows", [
     generated,
-    # Over the paged pool the server's rounds take minutes for 800 sequences: make test-slow.
-    # serve's speculative rounds keep greedy decoding's tokens in make test
-    # (tests/serving/test_speculation.py).
-    pytest.param(served, marks=pytest.mark.slow),
+    served,
 ], ids=["generate", "serve"])
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
 def test_sampled_tokens_follow_the_targets_distribution(rows, drafter):
