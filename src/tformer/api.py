@@ -261,8 +261,11 @@ class Model:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def prompt_ids(self, text: str) -> list[int]:
-        """The prompt's tokens; an empty prompt starts from bos (or a newline)."""
-        ids = self.tokenizer.encode(text)
+        """The prompt's tokens, after bos where the model reads texts so; an empty prompt
+        starts from bos (or a newline)."""
+        from tformer.data.tokenizers import text_start
+
+        ids = text_start(self.tokenizer, self.tokenizer.encode(text))
         if not ids:
             bos = self.tokenizer.bos_id
             ids = [bos] if bos is not None else self.tokenizer.encode("\n")
@@ -406,15 +409,18 @@ class Model:
         ))
 
     def score(self, text: str) -> list[tuple[str, float]]:
-        """Each token of `text` after the first, with its log-probability (natural log)
-        given the tokens before it. A text longer than the model's context is read in
-        consecutive windows of the context, as `tformer evaluate` reads a file."""
+        """Each token of `text` after the first (every one, where the model reads a text
+        after bos), with its log-probability (natural log) given the tokens before it. A
+        text longer than the model's context is read in consecutive windows of the context,
+        as `tformer evaluate` reads a file."""
         import torch
+
+        from tformer.data.tokenizers import text_start
 
         if self.family.generate is None:
             raise TformerError(f"{self.label} is a {self.family.name} model; score needs a "
                                f"language model")
-        ids = self.tokenizer.encode(text)
+        ids = text_start(self.tokenizer, self.tokenizer.encode(text))
         if len(ids) < 2:
             raise TformerError("score needs a text of at least two tokens")
         window = self.window or len(ids)

@@ -313,10 +313,15 @@ def test_llama3_rope_scaling_comes_back_from_rope_freqs(tiny_gguf):
         model_from_gguf(file)
 
 
-def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
+@pytest.mark.parametrize("add_bos", [None, False])
+def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(add_bos, tmp_path):
     """A `llama` vocabulary (SentencePiece's BPE: scores, byte fallback, U+2581 for spaces)
-    gives the ids of the sentencepiece library's own model it was written from."""
+    gives the ids of the sentencepiece library's own model it was written from; a prompt
+    begins with bos unless the file says tokenizer.ggml.add_bos_token = false (llama.cpp's
+    default for this kind of vocabulary)."""
     import io
+
+    from tformer.data.tokenizers import text_start
 
     spm = pytest.importorskip("sentencepiece")
     lines = [f"the {w} of {v} and {w}{v}s, naïve façade" for w in ("cat", "dog", "lobster")
@@ -339,6 +344,8 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
     writer.add_unk_token_id(sp.unk_id())
     writer.add_bos_token_id(sp.bos_id())
     writer.add_eos_token_id(sp.eos_id())
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -347,6 +354,8 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
     for text in ["the cat of sea", "lobsters at night", "naïve façade ü€ 42", "  two  spaces"]:
         assert tokenizer.encode(text) == sp.encode(text), text
         assert tokenizer.decode(tokenizer.encode(text)) == sp.decode(sp.encode(text))
+        assert text_start(tokenizer, tokenizer.encode(text)) == sp.encode(
+            text, add_bos=add_bos is None), text
 
 
 @pytest.mark.parametrize("key, value, words", [

@@ -360,3 +360,55 @@ def test_readme_llama_example(instruct, tmp_path, monkeypatch, capsys):
         template.render(MESSAGES))
     eos = transformers.GenerationConfig.from_pretrained(source).eos_token_id
     assert transformers.GenerationConfig.from_pretrained("smollm-mine").eos_token_id == eos
+
+
+def test_a_tokenizer_that_begins_texts_with_bos_does_so_through_import_serve_and_export(
+        tmp_path):
+    """A tokenizer.json whose post-processor begins each text with bos (Llama 2, Mistral,
+    Llama 3): a prompt's ids, a scored text and the server's /tokenize begin with bos as
+    transformers' tokenizer does; the export gives it back; and a tokenizer that says so
+    without a post-processor (a GGUF file's) is exported with one."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer, processors
+
+    import tformer
+    from tformer.data.tokenizers import PretrainedBPETokenizer
+    from tformer.interop.command import export_checkpoint, import_checkpoint
+    from tformer.serving.app import create_app
+    from tformer.serving.scheduler import LMEngine
+
+    config_class, model_class, fields = FAMILIES["llama3"]
+    config = getattr(transformers, config_class)(**COMMON, **fields, bos_token_id=0,
+                                                 eos_token_id=1)
+    torch.manual_seed(0)
+    source = tmp_path / "source"
+    getattr(transformers, model_class)(config).save_pretrained(source)
+    plain = bpe_tokenizer()
+    tok = Tokenizer.from_str(plain.backend_tokenizer.to_str())
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", 0)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(source)
+    reference = transformers.AutoTokenizer.from_pretrained(source)
+    text = "Kalo mi dun"
+    expected = reference(text)["input_ids"]
+    assert expected[0] == 0
+
+    model = tformer.load(import_checkpoint(source, tmp_path / "ours"))
+    assert model.tokenizer.add_bos and model.prompt_ids(text) == expected
+    assert len(model.score(text)) == len(expected) - 1  # every token of the text
+    engine = LMEngine(model.module, eos_id=1, max_batch=1, max_waiting=1, batched=True)
+    with TestClient(create_app(engine, model.tokenizer, model_name="m", kind="lm")) as client:
+        assert client.post("/tokenize", json={"prompt": text}).json()["tokens"] == expected
+        assert client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}
+                           ).json()["tokens"] == expected[1:]
+    back = export_checkpoint(tmp_path / "ours", tmp_path / "back", "llama")
+    assert transformers.AutoTokenizer.from_pretrained(back)(text)["input_ids"] == expected
+
+    # As a GGUF file's vocabulary comes in: add_bos said, no post-processor.
+    no_post = PretrainedBPETokenizer(Tokenizer.from_str(plain.backend_tokenizer.to_str()),
+                                     bos="<s>", eos="</s>", add_bos=True)
+    from tformer.interop import with_bos_template
+
+    rebuilt = Tokenizer.from_str(with_bos_template(no_post))
+    assert rebuilt.encode(text).ids == expected

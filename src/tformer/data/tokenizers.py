@@ -15,7 +15,7 @@ import json
 import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from tformer.errors import TformerError
 
@@ -277,6 +277,10 @@ class PretrainedBPETokenizer:
     A model may end a text at more ids than its eos token: Llama 3's instruct models list
     <|end_of_text|>, <|eom_id|> and <|eot_id|> in their generation config. `more_eos` are
     those ids; eos_ids is eos_id followed by them.
+
+    Some models were trained on texts that each begin with bos (Llama 2, Mistral, Llama 3):
+    `add_bos` says so, and `text_start` puts it before a prompt. `encode` itself never adds
+    it, since it also encodes pieces of texts.
     """
 
     kind = "gpt2"
@@ -284,13 +288,16 @@ class PretrainedBPETokenizer:
 
     def __init__(
         self, tokenizer, *, bos: str | None, eos: str | None, pad: str | None = None,
-        more_eos: Sequence[int] = (),
+        more_eos: Sequence[int] = (), add_bos: bool = False,
     ) -> None:  # tokenizer: a tokenizers.Tokenizer
         self.tok = tokenizer
         self.names = {"bos": bos, "eos": eos, "pad": pad}
         self.bos_id = self._id(bos)
         self.eos_id = self._id(eos)
         self.pad_id = self._id(pad)
+        if add_bos and self.bos_id is None:
+            raise TformerError("the tokenizer adds bos to every text but names no bos token")
+        self.add_bos = add_bos
         for token in more_eos:
             if not isinstance(token, int) or self.tok.id_to_token(token) is None:
                 raise TformerError(f"end-of-text id {token!r} is not a token of the tokenizer "
@@ -323,7 +330,9 @@ class PretrainedBPETokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
     def to_json(self) -> str:
-        more = {"eos_ids": list(self.eos_ids)} if self.eos_ids[1:] else {}
+        more: dict[str, Any] = {"eos_ids": list(self.eos_ids)} if self.eos_ids[1:] else {}
+        if self.add_bos:
+            more["add_bos"] = True
         return json.dumps(
             {"kind": self.kind, **self.names, **more,
              "tokenizer": json.loads(self.tok.to_str())},
@@ -441,6 +450,15 @@ def train_tokenizer(
     )
 
 
+def text_start(tokenizer: Any, ids: list[int]) -> list[int]:
+    """A text's ids as its model reads a text from the start: after bos where the model was
+    trained so (a pretrained tokenizer's `add_bos`), unless the text already begins with it
+    (a chat template that writes bos itself)."""
+    if getattr(tokenizer, "add_bos", False) and ids[:1] != [tokenizer.bos_id]:
+        return [tokenizer.bos_id, *ids]
+    return ids
+
+
 def tokenizer_from_json(text: str) -> Tokenizer:
     data = json.loads(text)
     if data.get("kind") == "char":
@@ -456,6 +474,7 @@ def tokenizer_from_json(text: str) -> Tokenizer:
             HFTokenizer.from_str(json.dumps(data["tokenizer"])),
             bos=data["bos"], eos=data["eos"], pad=data["pad"],
             more_eos=data.get("eos_ids", [])[1:],  # none before several could be kept
+            add_bos=data.get("add_bos", False),
         )
     return BPETokenizer(HFTokenizer.from_str(text))
 

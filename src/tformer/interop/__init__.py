@@ -76,6 +76,39 @@ def read_chat_template(src: Path, tokenizer_config: dict[str, Any]) -> str | Non
     return template
 
 
+def adds_bos(tok: Any, bos: str | None) -> bool:
+    """Whether a tokenizer.json puts bos before each text it encodes: its post-processor's
+    template for one text begins with bos (Llama 2, Mistral, Llama 3). Transformers reads a
+    byte-level tokenizer.json so whatever tokenizer_config.json's `add_bos_token` says."""
+    if bos is None:
+        return False
+    post = json.loads(tok.to_str()).get("post_processor") or {}
+    for step in post.get("processors", [post]):
+        if step.get("type") == "TemplateProcessing":
+            first = (step.get("single") or [{}])[0]
+            return first.get("SpecialToken", {}).get("id") == bos
+    return False
+
+
+def with_bos_template(tokenizer: Any) -> str:
+    """The tokenizer's tokenizer.json, made to begin each text with bos where the model
+    reads texts so and the tokenizer's own post-processor does not already do it (a
+    vocabulary read from a GGUF file), so that transformers encodes as tformer does."""
+    from tokenizers import Tokenizer, processors
+
+    text = tokenizer.tok.to_str()
+    bos = tokenizer.names["bos"]
+    if not tokenizer.add_bos or adds_bos(tokenizer.tok, bos):
+        return text
+    tok = Tokenizer.from_str(text)
+    template = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+        special_tokens=[(bos, tokenizer.bos_id)])
+    before = tok.post_processor
+    tok.post_processor = template if before is None else processors.Sequence([before, template])
+    return tok.to_str()
+
+
 def export_token_ids(tokenizer: Any, names: dict[str, str | None]) -> dict[str, Any]:
     """`{key}_token_id` of the named special tokens, for config.json and
     generation_config.json: eos_token_id the list of every end-of-text id where the tokenizer

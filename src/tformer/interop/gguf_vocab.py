@@ -144,9 +144,12 @@ def tokenizer_from_gguf(file: Any) -> PretrainedBPETokenizer:
     ends = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
     ends += [i for i, (t, k) in enumerate(zip(tokens, types, strict=True))
              if k == CONTROL and t in END_OF_TURN]
+    # Without the key, llama.cpp puts bos before a SentencePiece vocabulary's texts only.
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     tokenizer = PretrainedBPETokenizer(tok, bos=name("bos"), eos=eos, pad=name("padding"),
                                        more_eos=[i for i in dict.fromkeys(ends)
-                                                 if i is not None])
+                                                 if i is not None],
+                                       add_bos=add_bos and name("bos") is not None)
     tokenizer.chat_template = meta.get("tokenizer.chat_template")
     return tokenizer
 
@@ -176,7 +179,8 @@ def gguf_vocab(tokenizer: Any) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre_name(tokenizer.tok),
         "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges, "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.add_bos_token": bool(getattr(tokenizer, "add_bos", False)),
     }
     for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         i = getattr(tokenizer, f"{key}_id", None)

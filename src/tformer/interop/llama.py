@@ -24,6 +24,7 @@ from tformer.data.lm import LMDataConfig
 from tformer.data.tokenizers import PretrainedBPETokenizer
 from tformer.errors import TformerError
 from tformer.interop import (
+    adds_bos,
     export_token_ids,
     read_chat_template,
     read_hf_config,
@@ -31,6 +32,7 @@ from tformer.interop import (
     read_json,
     special_ids,
     take,
+    with_bos_template,
     write_chat_template,
 )
 from tformer.models.gpt import GPT, GPTConfig
@@ -184,7 +186,8 @@ def read_tokenizer(src: Path, hf: dict[str, Any]) -> PretrainedBPETokenizer:
 
     try:
         tokenizer = PretrainedBPETokenizer(tok, bos=special("bos"), eos=special("eos"),
-                                           pad=special("pad"), more_eos=ids["eos"])
+                                           pad=special("pad"), more_eos=ids["eos"],
+                                           add_bos=adds_bos(tok, special("bos")))
     except TformerError as e:
         raise TformerError(f"{src}: {e}") from None
     tokenizer.chat_template = read_chat_template(src, config)
@@ -324,7 +327,7 @@ def export_llama(checkpoint: Path, dest: Path) -> Path:
     ids = export_token_ids(tokenizer, names)
     hf |= ids
     save_file(hf_weights(loaded.model), tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "tokenizer.json").write_text(tokenizer.tok.to_str(), encoding="utf-8")
+    (tmp / "tokenizer.json").write_text(with_bos_template(tokenizer), encoding="utf-8")
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
                         "model_max_length": hf["max_position_embeddings"], **specials}
     write_chat_template(tokenizer, tmp, tokenizer_config)

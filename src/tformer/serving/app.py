@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tformer.data.chat import TEMPLATE_FILE, ChatTemplate
-from tformer.data.tokenizers import special_names
+from tformer.data.tokenizers import special_names, text_start
 from tformer.errors import TformerError
 from tformer.serving.chat import chat, end_of_turn
 from tformer.serving.completions import Mailbox, complete, translate_lines
@@ -230,6 +230,8 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
             ids = token_texts.encode(body.prompt)
         except TformerError as e:
             raise ApiError(400, f"prompt: {e}", param="prompt") from None
+        if body.add_special_tokens:
+            ids = text_start(tokenizer, ids)
         return {"count": len(ids), "max_model_len": engine.context, "tokens": ids}
 
     @app.post("/detokenize")

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tformer.data.chat import encode_text
+from tformer.data.tokenizers import text_start
 from tformer.decoding.translate import SearchOptions
 from tformer.errors import TformerError
 from tformer.serving.protocol import (
@@ -124,12 +125,13 @@ class Mailbox:
 
 
 def encode_prompt(tokenizer: Any, text: str, *, rendered: bool = False) -> list[int]:
-    """The prompt's token ids; `rendered` text (a chat template's) names special tokens by
-    their text, which become their ids."""
+    """The prompt's token ids, after bos where the model reads texts so; `rendered` text (a
+    chat template's) names special tokens by their text, which become their ids."""
     try:
         ids = encode_text(tokenizer, text) if rendered else tokenizer.encode(text)
     except TformerError as e:
         raise ApiError(400, f"prompt: {e}", param="prompt") from None
+    ids = text_start(tokenizer, ids)
     if ids:
         return ids
     # Nothing to condition on: start from the start of text, as `tformer generate` does.

@@ -236,7 +236,7 @@ class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
-    """Accepted for vLLM's clients; tformer's tokenizers add no special tokens to a text."""
+    """As vLLM's: bos before the text, where the model reads texts after bos."""
 
 
 class DetokenizeRequest(Strict):
