@@ -114,3 +114,8 @@ def test_a_shipped_form_made_by_export_round_trips(runs, tmp_path, capsys):
     with torch.no_grad():
         assert torch.equal(after.model(tokens), before.model(tokens))
     assert after.cfg.to_dict() == before.cfg.to_dict()
+    # The steps trained go with it, for `info` to show (4: the run's best).
+    from tformer.viz.info import summarize
+
+    assert summarize(dest)["step"] == summarize(runs["gpt"])["step"] == 4
+    assert summarize(runs["copies"]["gpt"])["step"] == 4  # a copy without its trainer state

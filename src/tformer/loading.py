@@ -241,7 +241,14 @@ def read_config(path: Path) -> RunConfig:
     if not isinstance(raw, dict):
         raise TformerError(f"checkpoint file {file} is damaged: it is not a JSON object")
     raw.pop("tokenizer", None)
+    raw.pop("step", None)  # the steps trained (training/checkpoint.py's trained_steps)
     return config_from_dict(raw)
+
+
+def read_tokenizer_kind(path: Path) -> str | None:
+    """The kind of tokenizer a checkpoint holds, as its config.json names it."""
+    raw = json.loads((Path(path) / CONFIG).read_text(encoding="utf-8"))
+    return (raw.get("tokenizer") or {}).get("kind")
 
 
 def load_checkpoint(

@@ -157,6 +157,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any] | None = None,
     *,
     lora_base: dict[str, str] | None = None,
+    step: int | None = None,
 ) -> Path:
     """Write a checkpoint directory at `dest`, replacing any existing one atomically.
 
@@ -167,7 +168,8 @@ def save_checkpoint(
     A full disk, a read-only disk or a file size limit is a TformerError naming the path and
     the cause; the temporary directory is removed and the earlier checkpoints are untouched.
     `best` (replaced again and again while readers may load it) is published as a link to a
-    new directory, switched in one rename.
+    new directory, switched in one rename. `step`: the steps the weights were trained for,
+    where no trainer state says it.
     """
     dest = Path(dest)
     tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
@@ -176,7 +178,7 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        _write_checkpoint_files(tmp, cfg, model, tokenizer, trainer_state, lora_base)
+        _write_checkpoint_files(tmp, cfg, model, tokenizer, trainer_state, lora_base, step)
         if dest.name == BEST:
             _publish_version(tmp, dest)
         else:
@@ -197,9 +199,14 @@ def _write_checkpoint_files(
     tokenizer: Tokenizer,
     trainer_state: dict[str, Any] | None,
     lora_base: dict[str, str] | None,
+    step: int | None,
 ) -> None:
     config = cfg.to_dict()
     config["tokenizer"] = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
+    if trainer_state is not None:
+        step = trainer_state["step"]
+    if step is not None:
+        config["step"] = int(step)  # what readers show; the trainer state is --resume's
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     if cfg.train.lora is None:
         held = blocks.formats_of(model)  # weights held as blocks: named in the header
@@ -295,7 +302,20 @@ def ship_checkpoint(checkpoint: Path, dest: Path) -> Path:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise TformerError(f"{dest} exists and is not empty; choose another directory")
     loaded = load_checkpoint(checkpoint)
-    return save_checkpoint(dest, loaded.cfg, loaded.model, loaded.tokenizer)
+    return save_checkpoint(dest, loaded.cfg, loaded.model, loaded.tokenizer,
+                           step=trained_steps(loaded.path))
+
+
+def trained_steps(path: Path) -> int | None:
+    """The steps a checkpoint's weights were trained for: config.json's `step`, else its
+    trainer state's (checkpoints written before the config held it); None for weights
+    brought in from elsewhere."""
+    config = json.loads((Path(path) / CONFIG).read_text(encoding="utf-8"))
+    if "step" in config:
+        return int(config["step"])
+    if (Path(path) / TRAINER_STATE).is_file():
+        return int(load_trainer_state(path)["step"])
+    return None
 
 
 def inherit_model(

@@ -114,9 +114,7 @@ def summarize(checkpoint: str | Path) -> dict[str, Any]:
     }
     memory["training_total"] = sum(memory.values())
 
-    step = None
-    if (loaded.path / loading.TRAINER_STATE).is_file():
-        step = int(ckpt.load_trainer_state(loaded.path)["step"])
+    step = ckpt.trained_steps(loaded.path)
     return {
         "checkpoint": loaded.label,
         "path": str(loaded.path),
