@@ -72,6 +72,17 @@ def test_a_model_no_family_expresses_is_one_error_naming_each_reason(tmp_path):
     assert choose_format(tmp_path / "odd", tmp_path / "out", "tformer") == ("tformer", "tformer")
     assert list(EXPORTERS)[:2] == ["gpt2", "llama"]
 
+    # GPT-2's layout exactly, but characters for tokens: no format is chosen that would
+    # refuse the tokenizer only once the weights are written.
+    cfg = GPTConfig(vocab_size=11, n_layer=1, n_head=2, d_model=8, context=8)
+    save_checkpoint(tmp_path / "chars", RunConfig("gpt", cfg, LMDataConfig(), TrainConfig()),
+                    GPT(cfg), CharTokenizer("abcdefghij"))
+    with pytest.raises(TformerError) as e:
+        choose_format(tmp_path / "chars", tmp_path / "out")
+    assert str(e.value).count("the tokenizer is 'char'") == 3, str(e.value)
+    with pytest.raises(TformerError, match="the tokenizer is 'char'"):
+        choose_format(tmp_path / "chars", tmp_path / "out.gguf")
+
 
 def shown_rows(out):
     """`tformer info`'s table rows as {key: value}."""

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from tformer.arguments import Help
 from tformer.errors import TformerError
 from tformer.interop import read_hf_config
-from tformer.loading import read_config, resolve_checkpoint
+from tformer.loading import read_config, read_tokenizer_kind, resolve_checkpoint
 
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
@@ -54,21 +54,28 @@ class Exporter:
     first format in EXPORTERS whose `fits` accepts the model."""
     suffix: str | None = None
     """An --out ending in it chooses this format when no --format is given."""
+    tokenizers: tuple[str, ...] = ()
+    """The tokenizer kinds it can write (none named: any)."""
 
+
+BYTE_LEVEL_BPE = ("gpt2", "bpe")
+"""A pretrained byte-level BPE, and the one `tformer train` makes: what other libraries read."""
 
 EXPORTERS: dict[str, Exporter] = {
     "gpt2": Exporter("tformer.interop.gpt2:export_gpt2", "GPT2LMHeadModel",
-                     fits="tformer.interop.gpt2:exported_family"),
+                     fits="tformer.interop.gpt2:exported_family", tokenizers=BYTE_LEVEL_BPE),
     "llama": Exporter("tformer.interop.llama:export_llama",
                       "Llama, Qwen2, Qwen3 or Mistral, whichever the config is exactly",
-                      fits="tformer.interop.llama:exported_family"),
+                      fits="tformer.interop.llama:exported_family",
+                      tokenizers=BYTE_LEVEL_BPE),
     "tformer": Exporter("tformer.training.checkpoint:ship_checkpoint",
                         "this library's checkpoint as a model is shipped: config, weights, "
                         "tokenizer, without the trainer state only --resume needs"),
     "gguf": Exporter("tformer.interop.gguf_export:export_gguf",
                      "one GGUF file for llama.cpp, Ollama and LM Studio (Llama-layout or "
                      "GPT-2 models; --type sets its matrices' type)",
-                     fits="tformer.interop.gguf_export:exported_family", suffix=".gguf"),
+                     fits="tformer.interop.gguf_export:exported_family", suffix=".gguf",
+                     tokenizers=BYTE_LEVEL_BPE),
 }
 """--format NAME -> its exporter; a format is one entry here."""
 
@@ -78,28 +85,36 @@ def _function(dotted: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
+def _family_written(exporter: Exporter, path: Path) -> str:
+    """The family `exporter` writes the checkpoint at `path` as; a TformerError naming what
+    it cannot write (its model or its tokenizer)."""
+    kind = read_tokenizer_kind(path)
+    if exporter.tokenizers and kind not in exporter.tokenizers:
+        raise TformerError(f"the tokenizer is {kind!r}; this format writes a byte-level BPE "
+                           f"one ({' or '.join(exporter.tokenizers)})")
+    return _function(exporter.fits)(read_config(path)) if exporter.fits else "tformer"
+
+
 def choose_format(checkpoint: str | Path, dest: str | Path,
                   format: str | None = None) -> tuple[str, str]:
     """(the format, the family it writes) for exporting `checkpoint` to `dest`: `format`
-    where given, else the one --out's suffix names, else the first whose family the
-    model's config is exactly; none is a one-line error with each format's reason."""
+    where given, else the one --out's suffix names, else the first that writes the model
+    and its tokenizer exactly; none is a one-line error with each format's reason."""
     if format is not None and format not in EXPORTERS:
         raise TformerError(f"--format {format!r} is not known; choose one of: "
                            f"{', '.join(EXPORTERS)}")
+    path = resolve_checkpoint(checkpoint)
     if format is None:
         format = next((name for name, e in EXPORTERS.items()
                        if e.suffix is not None and str(dest).endswith(e.suffix)), None)
     if format is not None:
-        fits = EXPORTERS[format].fits
-        cfg = read_config(resolve_checkpoint(checkpoint)) if fits else None
-        return format, _function(fits)(cfg) if fits else format
-    cfg = read_config(resolve_checkpoint(checkpoint))
+        return format, _family_written(EXPORTERS[format], path)
     reasons = []
     for name, exporter in EXPORTERS.items():
         if exporter.fits is None:
             continue
         try:
-            return name, _function(exporter.fits)(cfg)
+            return name, _family_written(exporter, path)
         except TformerError as e:
             reasons.append(f"{name}: {e}")
     raise TformerError(f"no format other libraries load expresses {checkpoint} exactly ("
