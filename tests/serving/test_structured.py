@@ -195,6 +195,11 @@ def test_the_calls_and_results_are_rendered_on_the_next_turn(client):
                                            tool_choice="none", max_tokens=1)
     assert reply.usage.prompt_tokens > alone.usage.prompt_tokens + len(
         call.function.arguments) + len('{"temp_c": 21}')
+    # "none" forbids calls, not the knowledge of the tools: they are in its prompt too.
+    auto = client.chat.completions.create(model="tiny-json", messages=ASK, tools=TOOLS,
+                                          tool_choice="auto", max_tokens=1)
+    bare = client.chat.completions.create(model="tiny-json", messages=ASK, max_tokens=1)
+    assert alone.usage.prompt_tokens == auto.usage.prompt_tokens > bare.usage.prompt_tokens
 
 
 def test_parallel_tool_calls_may_be_several(client):

@@ -49,13 +49,14 @@ async def chat(body: ChatRequest, request: Request, engine: LMEngine, tokenizer:
                chat_stops: tuple[list[str], tuple[int, ...]]) -> JSONResponse | StreamingResponse:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    # With tool_choice "none" the model still reads the tools (as with OpenAI's and vLLM's),
+    # and what it writes is its answer, never read as calls.
     tools, required = check_tools(body.tools, body.tool_choice)
-    offered = tools if body.tool_choice != "none" else []
     messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages],
-                                 template, offered)
+                                 template, tools)
     try:
         text = template.render(messages, add_generation_prompt=True,
-                               tools=offered if offered and template.takes_tools else None)
+                               tools=tools if tools and template.takes_tools else None)
     except ChatTemplateError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     form = call_format(template)
@@ -81,7 +82,7 @@ async def chat(body: ChatRequest, request: Request, engine: LMEngine, tokenizer:
                          max_tokens=body.budget(), echo=False,
                          logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                          stops=stops + stop_texts, stop_tokens=stop_tokens, constraint=grammar)
-    run.form = form if offered else None
+    run.form = form if tools and body.tool_choice != "none" else None
     return await run.answer(request)
 
 
