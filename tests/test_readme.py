@@ -3,8 +3,9 @@
 The lines are read from the README itself, so the README cannot drift from the code: a
 renamed option, or an order of arguments the parser does not take, fails here. Each line
 runs with the same words; only the sizes are shrunk by overrides appended to `train`
-(train.steps=10 and a tiny model), and the run directories and files it names are made in a
-temporary directory first. torchrun lines are checked for their tformer part only.
+(train.steps=10 and a tiny model; three steps of the real pretrained model), replies to 24
+tokens, and the run directories and files it names are made in a temporary directory first.
+torchrun lines are checked for their tformer part only.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def run_line(line: str, tmp: Path, monkeypatch, capsys) -> int:
         small = SMALL + [w.format(tmp=tmp) for w in config if w.split("=", 1)[0] not in given]
         if not (ROOT / words[1]).is_file() and "init_from" in config_text(words[1], tmp):
             # a config the README writes for a pretrained model: its model is the checkpoint's
-            small = [w for w in small if not w.startswith("model.")]
+            small = [w for w in small if not w.startswith("model.")] + ["train.steps=3"]
         words += small
+    if words[0] == "chat":
+        words += ["--max-new-tokens", "24"]
     monkeypatch.chdir(tmp)
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin or ""))
     capsys.readouterr()
