@@ -28,8 +28,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
 # Fast checks; the slow ones (torchrun, kill and resume, torch.compile) have their own target.
+# Two workers, a test module each at a time (its fixtures built once), one thread each: many
+# tests wait on servers and subprocesses, so two of them keep two cores busy (about half the
+# time of one worker with two threads).
 test: lint
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
