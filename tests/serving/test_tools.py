@@ -160,3 +160,36 @@ def test_a_stream_sends_the_text_before_a_call_then_the_call():
     out = stream_of("hermes", ["a <tool", " kit"])
     assert "".join(o["delta"].get("content", "") for o in out) == "a <tool kit"
     assert out[-1]["reason"] == "stop"
+
+
+def test_a_stream_sends_each_call_as_it_is_written():
+    """Piece by piece (a character at a time here): a call's id and name go out once the
+    name is whole, its arguments' text as it grows, before the reply ends; the pieces of
+    each call join to the arguments the whole reply gives, which are the model's text."""
+    from tformer.serving.tools import parse_calls
+
+    reply = ('Sure, <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": [2, "}"]}}}'
+             '\n</tool_call>\n<tool_call>\n{"name": "neg", "arguments": {"x":  -3}}\n'
+             '</tool_call>')
+    out = stream_of("hermes", list(reply))
+    content = "".join(o["delta"].get("content", "") for o in out)
+    assert content == "Sure, "
+    deltas = [(n, d) for n, o in enumerate(out) for d in o["delta"].get("tool_calls", [])]
+    # The first call's name, and most of its arguments, before the reply has ended.
+    first_name = next(n for n, d in deltas if d["index"] == 0 and "id" in d)
+    assert first_name < len(out) - 20
+    argument_deltas = [d for _, d in deltas if d["index"] == 0 and "id" not in d]
+    assert len(argument_deltas) > 10
+    joined: dict[int, str] = {}
+    for _, d in deltas:
+        if "id" in d:
+            assert d["function"]["arguments"] == "" and d["type"] == "function"
+            assert d["index"] not in joined
+            joined[d["index"]] = ""
+        else:
+            joined[d["index"]] += d["function"]["arguments"]
+    _, calls = parse_calls(reply, "hermes")
+    assert [joined[i] for i in range(2)] == [c.arguments for c in calls] == [
+        '{"a": 1, "b": {"c": [2, "}"]}}', '{"x":  -3}']
+    assert [d["function"]["name"] for _, d in deltas if "id" in d] == ["add", "neg"]
+    assert out[-1] == {"delta": {}, "reason": "tool_calls"}

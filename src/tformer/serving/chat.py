@@ -20,7 +20,9 @@ from tformer.serving.scheduler import LMEngine
 from tformer.serving.structured import compile_for, request_constraint
 from tformer.serving.tokens import TokenTexts
 from tformer.serving.tools import (
+    ToolCall,
     call_format,
+    calls_so_far,
     check_tools,
     held_back,
     parse_calls,
@@ -113,11 +115,14 @@ class ChatCompletion(Completion):
     def _tool_chunks(self, index: int, text: str, reason: str | None,
                      logprobs: dict[str, Any] | None) -> str:
         """A stream's pieces of a reply that may hold tool calls: its text up to where a
-        call may start is content, sent as it comes; the calls are read at its end and
-        sent as tool_calls deltas (a call's name, then its arguments)."""
+        call may start is content, sent as it comes; each Hermes call is sent as it is
+        written, as tool_calls deltas (its id and name once whole, then its arguments' text
+        piece by piece); Llama 3's calls, and a reply whose calls turn out not to parse,
+        at the end."""
         if not hasattr(self, "_replies"):
             self._replies = [""] * len(self.seqs)
             self._content_sent = [0] * len(self.seqs)
+            self._calls_sent: list[list[ToolCall]] = [[] for _ in self.seqs]
         self._replies[index] += text
         reply, sent = self._replies[index], self._content_sent[index]
         events = ""
@@ -127,6 +132,8 @@ class ChatCompletion(Completion):
                 events = self._event(index, {"content": reply[sent:max(cut, sent)]}, None,
                                      logprobs)
                 self._content_sent[index] = max(cut, sent)
+            if self.form == "hermes":
+                events += self._call_deltas(index, calls_so_far(reply))
             return events
         content, calls = parse_calls(reply, self.form or "")
         if not calls:
@@ -137,13 +144,28 @@ class ChatCompletion(Completion):
         before = (content or "")[sent:]
         if before or logprobs:
             events += self._event(index, {"content": before}, None, logprobs)
-        for i, call in enumerate(calls):
-            events += self._event(index, {"tool_calls": [{
-                "index": i, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}]}, None)
-            events += self._event(index, {"tool_calls": [{
-                "index": i, "function": {"arguments": call.arguments}}]}, None)
+        events += self._call_deltas(index, [(c.name, c.arguments) for c in calls])
         return events + self._event(index, {}, "tool_calls")
+
+    def _call_deltas(self, index: int, calls: list[tuple[str, str]]) -> str:
+        """The tool_calls deltas that bring what the client has of the reply's calls up to
+        `calls` (name, arguments so far): a new call's id and name, then the arguments'
+        text it has not had. A call's arguments only grow, by construction of
+        tools.calls_so_far."""
+        events = ""
+        sent = self._calls_sent[index]
+        for i, (name, arguments) in enumerate(calls):
+            if i == len(sent):
+                sent.append(ToolCall(name, ""))
+                events += self._event(index, {"tool_calls": [{
+                    "index": i, "id": sent[i].id, "type": "function",
+                    "function": {"name": name, "arguments": ""}}]}, None)
+            have = sent[i].arguments
+            if len(arguments) > len(have) and arguments.startswith(have):
+                events += self._event(index, {"tool_calls": [{
+                    "index": i, "function": {"arguments": arguments[len(have):]}}]}, None)
+                sent[i].arguments = arguments
+        return events
 
     def _chunk_head(self) -> dict[str, Any]:
         return {**self._head(), "object": "chat.completion.chunk"}

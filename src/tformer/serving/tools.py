@@ -259,6 +259,8 @@ def parse_calls(text: str, form: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def _call(text: str, key: str) -> ToolCall | None:
+    """A call's JSON -> the call, its arguments the text the model wrote where it wrote
+    its name first (as a stream sends them), else written out again."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -266,18 +268,51 @@ def _call(text: str, key: str) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(key, value.get("arguments", value.get("parameters", {})))
+    head = _NAME_FIRST.match(text)
+    if head is not None:
+        _, end = json.JSONDecoder().raw_decode(text, head.end())  # parsed whole above
+        return ToolCall(value["name"], text[head.end():end])
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def held_back(text: str, form: str) -> int:
+_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+                         r'"(?:arguments|parameters)"\s*:\s*')
+"""The start of a call that names its function first, up to its arguments."""
+
+
+def calls_so_far(text: str) -> list[tuple[str, str]]:
+    """The Hermes calls of a reply still being written: for each call begun whose name is
+    whole (and written first), (the name, the text of its arguments so far), so that a
+    stream sends a call as it is written. Of a call not yet closed, the arguments' last
+    closing braces and spaces wait: they may close the call rather than them."""
+    found = []
+    for start in [m.end() for m in re.finditer(re.escape(HERMES_OPEN), text)]:
+        head = _NAME_FIRST.match(text, start)
+        if head is None:
+            break
+        name = json.loads(f'"{head.group(1)}"')
+        end = text.find(HERMES_CLOSE, head.end())
+        whole = _call(text[start:end], "arguments") if end >= 0 else None
+        if whole is not None:
+            found.append((name, whole.arguments))
+            continue
+        body = text[head.end():]
+        body = body[:end - head.end()] if end >= 0 else \
+            body[:held_back(body, "hermes", HERMES_CLOSE)]
+        found.append((name, body.rstrip("} \n\t\r")))
+        break  # a call not yet whole is the last that can be sent
+    return found
+
+
+def held_back(text: str, form: str, tag: str = HERMES_OPEN) -> int:
     """Where a stream must stop sending a reply's text as content: at the start of a call
-    (or of what may yet become one); len(text) when nothing needs holding."""
+    (or of what may yet become one: `tag`'s start); len(text) when nothing needs holding."""
     if form == "llama3":
         return 0 if text.lstrip().startswith("{") or not text.strip() else len(text)
-    at = text.find(HERMES_OPEN)
+    at = text.find(tag)
     if at >= 0:
         return at
-    for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(HERMES_OPEN[:k]):
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
             return len(text) - k
     return len(text)
