@@ -216,12 +216,13 @@ def long_prompt_scenario(args: argparse.Namespace) -> None:
     if args.baseline_src:
         sides.append(("baseline", args.baseline_src))
     print(f"one {args.long_tokens}-token prompt + {args.shorts} of {args.short_tokens} tokens "
-          f"at once, 8 greedy tokens each, SmolLM2-135M fp32; load {os.getloadavg()[0]:.1f}")
+          f"at once, 8 greedy tokens each, SmolLM2-135M {args.weights}; "
+          f"load {os.getloadavg()[0]:.1f}")
     print("| server | short TTFT median / max (s) | short done max (s) | long TTFT (s) "
           "| peak RSS (GB) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, src in sides:
-        server, url = start_real_server(args.long_prompt, src)
+        server, url = start_real_server(args.long_prompt, src, "--weights", args.weights)
         try:
             times = asyncio.run(long_prompt_round(url, args.long_tokens, args.short_tokens,
                                                   args.shorts))
@@ -265,13 +266,14 @@ def chat_scenario(args: argparse.Namespace) -> None:
     text = (Path("/work/shared/data/wikitext-2") / "wiki.valid.tokens")
     words = text.read_text().split()[:5000] if text.exists() else ["word"] * 5000
     print(f"a {args.turns}-turn chat resent whole each turn, {args.reply_tokens}-token "
-          f"replies, SmolLM2-135M fp32; load {os.getloadavg()[0]:.1f}")
+          f"replies, SmolLM2-135M {args.weights}; load {os.getloadavg()[0]:.1f}")
     print("| server | " + " | ".join(f"turn {t + 1} TTFT (s)" for t in range(args.turns))
           + " |")
     print("| --- |" + " ---: |" * args.turns)
     results = {}
     for name, options in [("prefix cache", ()), ("no prefix cache", ("--no-prefix-cache",))]:
-        server, url = start_real_server(args.chat, str(ROOT / "src"), *options)
+        server, url = start_real_server(args.chat, str(ROOT / "src"), "--weights",
+                                        args.weights, *options)
         try:
             firsts = asyncio.run(chat_turns(url, args.turns, words, args.reply_tokens))
             print("  " + figures(url, "tformer_prefix_cache_hit_rate"), file=sys.stderr)
@@ -288,6 +290,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chat", metavar="CKPT", help="the multi-turn chat scenario instead")
     parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--weights", default="fp32",
+                        help="the real model's weight format in the server (--chat, "
+                             "--long-prompt): fp32, or q4_1 as the GGUF file holds it")
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--long-prompt", metavar="CKPT",
                         help="the long-prompt scenario on this checkpoint instead")
