@@ -24,6 +24,13 @@ with --baseline-src DIR, another tree's (say main's) side by side.
 
     python benchmarks/serve_load.py --long-prompt CKPT --baseline-src /work/main/src
 
+With --budget CKPT, --budget-clients (64) clients each send a --budget-tokens (2,000)
+prompt at once to a server with --kv-memory 1 (GiB): the answered and failed requests, the
+wall time, and the server's resident memory at idle and at its peak against the pool's
+budget plus the idle model plus 500 MB.
+
+    python benchmarks/serve_load.py --budget CKPT
+
 With --chat CKPT, a client holds a 10-turn chat, sending the whole conversation each turn
 (/v1/chat/completions, streamed), against a server with its prefix cache and one with
 --no-prefix-cache: the time to first token of each turn.
@@ -286,6 +293,59 @@ def chat_scenario(args: argparse.Namespace) -> None:
     print(f"turn {args.turns}: {last:.1f}x faster to the first token with the prefix cache")
 
 
+async def budget_round(url: str, clients: int, prompt_tokens: int
+                       ) -> list[tuple[float, float] | BaseException]:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 40000, (prompt_tokens,), generator=g).tolist()
+               for _ in range(clients)]
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+        await timed_stream(http, prompts[0][:8], 2)  # warm up
+        return await asyncio.gather(*(timed_stream(http, p, 8) for p in prompts),
+                                    return_exceptions=True)
+
+
+def vm_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def budget_scenario(args: argparse.Namespace) -> None:
+    """Many long prompts at once into a KV pool far smaller than they need together: none
+    may fail, and the server's memory stays within the pool, the model and 500 MB."""
+    need = args.budget_clients * (args.budget_tokens + 8)
+    print(f"{args.budget_clients} clients x {args.budget_tokens}-token prompts at once ("
+          f"{need:,} positions), 8 greedy tokens each, --kv-memory {args.kv_memory} GiB, "
+          f"SmolLM2-135M {args.weights}; load {os.getloadavg()[0]:.1f}")
+    server, url = start_real_server(
+        args.budget, str(ROOT / "src"), "--weights", args.weights, "--kv-memory",
+        str(args.kv_memory), "--max-waiting", str(2 * args.budget_clients))
+    try:
+        idle = vm_rss_mb(server.pid)
+        start = time.perf_counter()
+        results = asyncio.run(budget_round(url, args.budget_clients, args.budget_tokens))
+        wall = time.perf_counter() - start
+        peak = vm_hwm_mb(server.pid)
+        print("  " + figures(url, "tformer_preemptions", "tformer_kv_blocks"), file=sys.stderr)
+    finally:
+        server.terminate()
+        server.wait(120)
+    done = [r for r in results if not isinstance(r, BaseException)]
+    for r in results:
+        if isinstance(r, BaseException):
+            print(f"  failed: {r!r}"[:300], file=sys.stderr)
+    limit = idle + args.kv_memory * 1024 + 500
+    firsts = sorted(t[0] for t in done) or [float("nan")]
+    print("| answered | failed | wall (s) | TTFT median / max (s) | RSS idle / peak (MB) "
+          "| idle + budget + 500 MB |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {len(done)} | {len(results) - len(done)} | {wall:.1f} | "
+          f"{statistics.median(firsts):.1f} / {firsts[-1]:.1f} | {idle:.0f} / {peak:.0f} | "
+          f"{limit:.0f} ({'within' if peak <= limit else 'OVER'}) |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chat", metavar="CKPT", help="the multi-turn chat scenario instead")
@@ -297,6 +357,11 @@ def main() -> None:
     parser.add_argument("--long-prompt", metavar="CKPT",
                         help="the long-prompt scenario on this checkpoint instead")
     parser.add_argument("--baseline-src", help="another tree's src/ to serve beside this one")
+    parser.add_argument("--budget", metavar="CKPT",
+                        help="the scenario of many long prompts under a small --kv-memory")
+    parser.add_argument("--budget-clients", type=int, default=64)
+    parser.add_argument("--budget-tokens", type=int, default=2000)
+    parser.add_argument("--kv-memory", type=float, default=1.0)
     parser.add_argument("--long-tokens", type=int, default=7314)
     parser.add_argument("--short-tokens", type=int, default=115)
     parser.add_argument("--shorts", type=int, default=7)
@@ -317,6 +382,9 @@ def main() -> None:
     parser.add_argument("--repetitive", action="store_true",
                         help="prompts that repeat a motif of 4 tokens")
     args = parser.parse_args()
+    if args.budget:
+        budget_scenario(args)
+        return
     if args.long_prompt:
         long_prompt_scenario(args)
         return
