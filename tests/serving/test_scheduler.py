@@ -248,6 +248,35 @@ def test_a_short_prompt_is_answered_while_a_long_one_is_still_being_read():
     assert long_sink.tokens == alone(gpt, long_prompt.tolist(), Sampling(4, 0.0))
 
 
+def test_short_prompts_that_fit_the_step_are_read_whole_while_rows_decode():
+    """While rows decode, a long prompt is read a quarter of the step's budget at a time,
+    but short prompts that fit in the step are read to their end in it: three 10-token
+    prompts sent together each have their first token after one step (30 tokens, more
+    than the quarter), and every text is what it would be alone."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=160, n_layer=2, n_head=2, d_model=16)))
+    engine = LMEngine(gpt, eos_id=None, max_batch=8, max_waiting=8, batched=True,
+                      step_tokens=32)
+    g = torch.Generator().manual_seed(1)
+    long_prompt = torch.randint(0, 29, (120,), generator=g).tolist()
+    shorts = [torch.randint(0, 29, (10,), generator=g).tolist() for _ in range(3)]
+    first, long_sink, sinks = Collect(), Collect(), [Collect() for _ in shorts]
+    engine.submit([Sequence(long_prompt, Sampling(6, 0.0), long_sink),
+                   Sequence([3, 4, 5], Sampling(12, 0.0), first)])
+    engine._turn(engine._admit())
+    assert len(first.tokens) == 1 and not long_sink.tokens  # decoding; the long one read on
+    engine.submit([Sequence(p, Sampling(4, 0.0), s) for p, s in zip(shorts, sinks,
+                                                                     strict=True)])
+    engine._turn(engine._admit())
+    assert [len(s.tokens) for s in sinks] == [1, 1, 1] and not long_sink.tokens
+    while engine.running or engine.waiting:
+        engine._turn(engine._admit())
+    for prompt, sink, sampling in [(long_prompt, long_sink, Sampling(6, 0.0)),
+                                   ([3, 4, 5], first, Sampling(12, 0.0)),
+                                   *[(p, s, Sampling(4, 0.0)) for p, s in zip(
+                                       shorts, sinks, strict=True)]]:
+        assert sink.tokens == alone(gpt, prompt, sampling)
+
+
 def test_rows_preempted_for_want_of_blocks_resume_with_the_same_text(monkeypatch):
     """A pool of 9 blocks of 16 positions cannot hold three 40-token texts growing to 70:
     rows are preempted, read again from their prompt and tokens, and make the text they

@@ -283,14 +283,16 @@ class LMEngine:
                 self.reading.append(Reading(seq, list(seq.prompt)))
 
     def _read(self) -> None:
-        """Read the waiting texts, the shortest left first, a chunk each, within the step's
-        budget: all of it where no row decodes, else a quarter of it (less the rows'
-        tokens, at least 16), so that the running rows' steps stay short while a long
-        prompt is read; seat each text read to its end."""
+        """Read the waiting texts, the shortest left first, within the step's budget (less
+        the decoding rows' tokens): a text that fits is read to its end and seated, so a
+        short prompt's first token never waits behind a long one; the texts that do not
+        fit are read a chunk at a time, together at most a quarter of the budget while
+        rows decode (at least 16), so that the running rows' steps stay short while a
+        long prompt is read."""
         assert self.slots is not None
-        budget = self.step_tokens
-        if self.active:
-            budget = max(budget // 4 - len(self.active), 16)
+        piece = max(self.step_tokens // 4 - len(self.active), 16) if self.active else \
+            self.step_tokens
+        budget = max(self.step_tokens - len(self.active), piece)
         plan: list[tuple[Reading, int]] = []
         starting: set[tuple[int, ...]] = set()
         block = self.slots.block_size
@@ -306,7 +308,11 @@ class LMEngine:
                 if start in starting:
                     continue
                 starting.add(start)
-            n = min(r.left, budget)
+            n = r.left if r.left <= budget else min(budget, piece)
+            if n <= 0:
+                break
+            if n < r.left:
+                piece -= n
             plan.append((r, n))
             budget -= n
         # Chunks of similar lengths share a forward pass (left-padded to the longest).
