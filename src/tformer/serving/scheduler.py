@@ -283,12 +283,10 @@ class LMEngine:
                 self.reading.append(Reading(seq, list(seq.prompt)))
 
     def _read(self) -> None:
-        """Read the waiting texts, the shortest left first, within the step's budget (less
-        the decoding rows' tokens): a text that fits is read to its end and seated, so a
-        short prompt's first token never waits behind a long one; the texts that do not
-        fit are read a chunk at a time, together at most a quarter of the budget while
-        rows decode (at least 16), so that the running rows' steps stay short while a
-        long prompt is read."""
+        """Read the waiting texts, shortest left first, within the step's budget: a text
+        that fits is read to its end and seated (a short prompt never waits behind a long
+        one); the rest a chunk at a time, at most a quarter of the budget in all while rows
+        decode (so that their steps stay short while a long prompt is read)."""
         assert self.slots is not None
         piece = max(self.step_tokens // 4 - len(self.active), 16) if self.active else \
             self.step_tokens
@@ -311,8 +309,7 @@ class LMEngine:
             n = r.left if r.left <= budget else min(budget, piece)
             if n <= 0:
                 break
-            if n < r.left:
-                piece -= n
+            piece -= n if n < r.left else 0
             plan.append((r, n))
             budget -= n
         # Chunks of similar lengths share a forward pass (left-padded to the longest).
