@@ -123,11 +123,30 @@ def test_a_constraint_is_compiled_once_per_tokenizer_and_text():
     (lambda: Constraint.regex("(?<=a)b"), "look-around"),
     (lambda: Constraint.json_schema("{not json"), "not JSON"),
     (lambda: Constraint.grammar("start: nothing_defined"), "nothing_defined"),
+    (lambda: Constraint.grammar("root ::= (("), "neither Lark nor GBNF"),
 ])
 def test_what_cannot_be_compiled_says_why(constraint, message):
     tok = CharTokenizer(CHARS, specials=True)
     with pytest.raises(ConstraintError, match=message):
         compile_grammar(tok, constraint())
+
+
+def test_a_gbnf_grammar_is_followed_as_its_lark_twin():
+    """llama.cpp's grammar form (GBNF) and Lark, one language: every draw of either is a
+    sentence of it, and both allow the same first tokens."""
+    import re
+
+    tok = CharTokenizer(CHARS, specials=True)
+    gbnf = Constraint.grammar('root ::= "(" num ("," num)* ")"\nnum ::= [0-9] | "a" [b-c]+')
+    lark = Constraint.grammar('start: "(" num ("," num)* ")"\nnum: /[0-9]/ | "a" /[b-c]/+')
+    sentence = r"\((?:[0-9]|a[bc]+)(?:,(?:[0-9]|a[bc]+))*\)"
+    for seed in range(20):
+        assert re.fullmatch(sentence, draw(tok, gbnf, seed=seed)), seed
+        assert re.fullmatch(sentence, draw(tok, lark, seed=seed)), seed
+    V = tok.vocab_size
+    masks = [mask_logits(torch.zeros(1, V), [compile_grammar(tok, c, V).start()])
+             for c in (gbnf, lark)]
+    assert torch.equal(masks[0].isfinite(), masks[1].isfinite())
 
 
 def test_a_vocabulary_that_cannot_write_the_text_is_told_at_once():

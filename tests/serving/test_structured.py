@@ -95,6 +95,8 @@ def test_vllms_structured_outputs_regex_choice_and_grammar(client):
     assert re.fullmatch(r"[a-f]{2}-[0-9]{3}", text(regex=r"[a-f]{2}-[0-9]{3}"))
     assert text(choice=["yes", "no", "maybe"]) in ("yes", "no", "maybe")
     assert text(grammar='start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]/') .startswith("(")
+    assert re.fullmatch(r"\[[0-9](;[0-9])*\]", text(grammar='root ::= "[" d (";" d)* "]"\n'
+                                                        'd ::= [0-9]'))
     assert isinstance(json.loads(text(json={"type": "array", "maxItems": 2,
                                             "items": {"type": "integer"}})), list)
 

@@ -63,7 +63,7 @@ def require_llguidance() -> Any:
 @dataclass(frozen=True)
 class Constraint:
     """One constraint as text the engine compiles: kind "json_schema" (a schema's JSON),
-    "regex" or "grammar" (Lark syntax, which may embed `%json{...}` schemas)."""
+    "regex" or "grammar" (Lark syntax, which may embed `%json{...}` schemas, or GBNF)."""
 
     kind: str
     source: str
@@ -105,7 +105,19 @@ class Constraint:
             return matcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return matcher.grammar_from_regex(self.source)
-        return matcher.grammar_from_lark(self.source)
+        return matcher.grammar_from_lark(lark_of(self.source))
+
+
+def lark_of(grammar: str) -> str:
+    """A grammar in llguidance's Lark: as given, or converted from GBNF, llama.cpp's form
+    (`root ::= ...`), which its server and vLLM's `grammar` take. ValueError naming the
+    fault where it is neither."""
+    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+    try:
+        return any_to_lark(grammar)
+    except GbnfToLarkError as e:
+        raise ValueError(f"the grammar is neither Lark nor GBNF: {e}") from None
 
 
 # --- a tokenizer's vocabulary as the engine reads it ------------------------------------

@@ -6,7 +6,8 @@ Two ways to ask, on completions and chat completions alike:
   JSON object), {"type": "json_schema", "json_schema": {"name", "schema", "strict",
   "description"}} (an instance of the schema);
 - vLLM's `structured_outputs`: exactly one of `json` (a schema, or its JSON), `regex`,
-  `choice` (one of the texts), `grammar` (Lark, as llguidance reads it) or
+  `choice` (one of the texts), `grammar` (Lark, as llguidance reads it, or GBNF, as
+  llama.cpp's server and vLLM's examples write it) or
   `json_object: true`.
 
 A constraint the engine cannot compile is a 400 naming why.
