@@ -110,3 +110,58 @@ def test_q4_1_blocks_are_kept_byte_for_byte(smollm2_run, smollm2_file, ours):
         fp32, kept = (torch.nn.functional.cross_entropy(m(ids)[0, :-1], ids[0, 1:]).item()
                       for m in (ours.model, held.model))
     assert abs(kept - fp32) < 0.05  # the blocks' products round the activations to 8 bits
+
+
+def test_the_openai_clients_parse_and_a_required_tool_call_on_the_real_model(smollm2_run):
+    """The real SmolLM2 served (in this process, its Q4_1 blocks), asked through the openai
+    client: `parse()` with a Pydantic model returns the object, and tool_choice "required"
+    calls the tool (once: no parallel calls) with arguments its schema allows, streamed or
+    not."""
+    openai = pytest.importorskip("openai")
+    pydantic = pytest.importorskip("pydantic")
+    from fastapi.testclient import TestClient
+
+    from tformer.data.chat import template_of
+    from tformer.loading import load_checkpoint
+    from tformer.serving.app import create_app
+    from tformer.serving.scheduler import LMEngine
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+
+    held = load_checkpoint(smollm2_run)
+    engine = LMEngine(held.model, eos_id=list(held.tokenizer.eos_ids), max_batch=2,
+                      max_waiting=4, batched=True)
+    app = create_app(engine, held.tokenizer, model_name="smollm2", kind="lm",
+                     chat_template=template_of(held.tokenizer))
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                  "maxLength": 20}},
+                       "required": ["city"], "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x",
+                               http_client=http, max_retries=0)
+        parsed = client.chat.completions.parse(
+            model="smollm2", temperature=0, max_tokens=60, response_format=City,
+            messages=[{"role": "user", "content": "Name the capital of France and its "
+                                                  "country, as JSON."}]).choices[0]
+        assert parsed.finish_reason == "stop" and isinstance(parsed.message.parsed, City)
+        assert "Paris" in parsed.message.parsed.name
+        done = client.chat.completions.create(model="smollm2", messages=ask, temperature=0,
+                                              tools=[weather], tool_choice="required",
+                                              parallel_tool_calls=False,
+                                              max_tokens=60).choices[0]
+        assert done.finish_reason == "tool_calls", done.message
+        (call,) = done.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"].strip() == "Paris"
+        pieces = [c.choices[0].delta for c in client.chat.completions.create(
+            model="smollm2", messages=ask, temperature=0, tools=[weather],
+            tool_choice="required", parallel_tool_calls=False, max_tokens=60, stream=True)
+            if c.choices]
+        streamed = "".join(d.tool_calls[0].function.arguments or "" for d in pieces
+                           if d.tool_calls)
+        assert streamed == call.function.arguments
