@@ -198,10 +198,11 @@ async def timed_stream(http: httpx.AsyncClient, prompt: list[int], tokens: int
     return first or float("nan"), time.perf_counter() - start
 
 
-def vm_hwm_mb(pid: int) -> float:
+def memory_mb(pid: int, field: str = "VmHWM") -> float:
+    """A process's resident memory in MB: at its peak (VmHWM) or now (VmRSS)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -233,7 +234,7 @@ def long_prompt_scenario(args: argparse.Namespace) -> None:
         try:
             times = asyncio.run(long_prompt_round(url, args.long_tokens, args.short_tokens,
                                                   args.shorts))
-            peak = vm_hwm_mb(server.pid)
+            peak = memory_mb(server.pid)
         finally:
             server.terminate()
             server.wait(120)
@@ -304,14 +305,6 @@ async def budget_round(url: str, clients: int, prompt_tokens: int
                                     return_exceptions=True)
 
 
-def vm_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def budget_scenario(args: argparse.Namespace) -> None:
     """Many long prompts at once into a KV pool far smaller than they need together: none
     may fail, and the server's memory stays within the pool, the model and 500 MB."""
@@ -323,11 +316,11 @@ def budget_scenario(args: argparse.Namespace) -> None:
         args.budget, str(ROOT / "src"), "--weights", args.weights, "--kv-memory",
         str(args.kv_memory), "--max-waiting", str(2 * args.budget_clients))
     try:
-        idle = vm_rss_mb(server.pid)
+        idle = memory_mb(server.pid, "VmRSS")
         start = time.perf_counter()
         results = asyncio.run(budget_round(url, args.budget_clients, args.budget_tokens))
         wall = time.perf_counter() - start
-        peak = vm_hwm_mb(server.pid)
+        peak = memory_mb(server.pid)
         print("  " + figures(url, "tformer_preemptions", "tformer_kv_blocks"), file=sys.stderr)
     finally:
         server.terminate()
