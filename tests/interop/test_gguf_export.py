@@ -121,3 +121,37 @@ def test_llama3_scaling_goes_out_as_the_same_rope_freqs(tiny_gguf, tmp_path):
     out = export_checkpoint(import_gguf(path, tmp_path / "run"), tmp_path / "m.gguf")
     assert np.array_equal(read_gguf(out).tensors["rope_freqs.weight"].data,
                           read_gguf(path).tensors["rope_freqs.weight"].data)
+
+
+def test_blocks_brought_in_go_out_as_the_same_bytes(tiny_gguf, tmp_path):
+    """A file's matrices kept as blocks on import are written back as those bytes when the
+    export asks for their type, not dequantized and rounded again. Its Q8_0 blocks here use
+    integers within +-60, which rounding again would stretch to +-127; another type rounds
+    them anew."""
+    path = tmp_path / "narrow.gguf"
+    original = tiny_gguf("llama", types=("Q8_0",) * 8)
+    data = bytearray(original.read_bytes())
+    rng = np.random.default_rng(0)
+    for tensor in gguf.GGUFReader(original).tensors:
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            blocks = np.frombuffer(data, np.uint8, tensor.n_bytes, tensor.data_offset)
+            narrow = rng.integers(-60, 61, (len(blocks) // 34, 32)).astype(np.int8)
+            patch = blocks.reshape(-1, 34).copy()
+            patch[:, 2:] = narrow.view(np.uint8)
+            data[tensor.data_offset:tensor.data_offset + tensor.n_bytes] = patch.tobytes()
+    path.write_bytes(bytes(data))
+    source = read_gguf(path)
+    run = import_gguf(path, tmp_path / "run")
+    out = read_gguf(export_checkpoint(run, tmp_path / "m.gguf", "gguf", type="q8_0"))
+    kept = [n for n, t in source.tensors.items()
+            if t.type == "Q8_0" and n != "token_embd.weight"]  # the embedding comes in fp32
+    assert len(kept) >= 7
+    for name in kept:
+        raw = np.asarray(source.tensors[name].data)
+        again = gguf.quants.quantize(source.tensors[name].dequantize().numpy(),
+                                     gguf.GGMLQuantizationType.Q8_0)
+        assert not np.array_equal(again, raw)  # what rounding again would have written
+        assert out.tensors[name].type == "Q8_0"
+        assert np.array_equal(out.tensors[name].data, raw), name
+    other = read_gguf(export_checkpoint(run, tmp_path / "o.gguf", "gguf", type="q4_1"))
+    assert {other.tensors[n].type for n in kept} == {"Q4_1"}

@@ -5,7 +5,9 @@ adapters merged; the tokenizer, special ids and chat template in the metadata.
 The tensors go the way tformer.interop.gguf brings them in, reversed: Hugging Face's names
 (the same mappings interop.llama and interop.gpt2 export with) to llama.cpp's, the query and
 key rows of `llama` into pairs order. Matrices are written in the chosen type (f32, f16, or
-llama.cpp's q8_0, q4_0, q4_1 blocks, made by gguf.quants); norms and biases stay f32.
+llama.cpp's q8_0, q4_0, q4_1 blocks, made by gguf.quants); norms and biases stay f32. A
+matrix the checkpoint already holds as blocks of the chosen type (a GGUF file's, brought in)
+goes out as those bytes, not rounded again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor
 
 from tformer.errors import TformerError
 from tformer.interop.gguf import hf_names, llama3_factors, require_gguf
+from tformer.kernels import blocks
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +104,9 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
     tensors = {}
     for name, value in hf.items():
         ours = back[name]
-        value = value.detach().float().cpu()
+        value = value.detach().cpu()
+        if value.dtype != torch.uint8:  # uint8: blocks, written as they are
+            value = value.float()
         if arch == "llama" and (".attn_q." in ours or ".attn_k." in ours):
             value = permute(value, cfg.n_head if ".attn_q." in ours else
                             cfg.n_kv_head or cfg.n_head)
@@ -125,6 +130,8 @@ def _stored(name: str, value: Tensor, kind: str) -> tuple[np.ndarray, Any]:
     rows are not whole 32-value blocks in f16), the rest f32."""
     gguf = require_gguf()
     array = value.numpy()
+    if value.dtype == torch.uint8:  # already blocks of `kind`
+        return array, gguf.GGMLQuantizationType[kind.upper()]
     if value.dim() != 2 or kind == "f32" or name == "rope_freqs.weight":
         return array.astype(np.float32), None
     if kind == "f16" or value.shape[1] % 32:
@@ -144,7 +151,8 @@ def export_gguf(checkpoint: Path, dest: Path, type: str = "f32") -> Path:
                            f"{', '.join(GGUF_TYPES)}")
     if dest.exists():
         raise TformerError(f"{dest} exists; choose another file name")
-    loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
+    loaded = load_checkpoint(checkpoint, family="gpt")  # blocks as the checkpoint holds them
+    blocks.dequantize_model(loaded.model, keep=type)
     cfg = loaded.model.cfg
     arch = _layout(cfg)
     vocab = gguf_vocab(loaded.tokenizer)

@@ -247,11 +247,12 @@ def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
                 BlockLinear(zeros, fmt, k, linear.bias))
 
 
-def dequantize_model(model: nn.Module) -> None:
-    """Make every BlockLinear of `model` an fp32 nn.Linear of the same weight, in place."""
+def dequantize_model(model: nn.Module, keep: str | None = None) -> None:
+    """Make every BlockLinear of `model` (but those in format `keep`) an fp32 nn.Linear of
+    the same weight, in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, BlockLinear):
+            if isinstance(child, BlockLinear) and child.fmt != keep:
                 linear = nn.Linear(child.in_features, child.out_features,
                                    bias=child.bias is not None, device="meta")
                 linear.weight = nn.Parameter(child.weight, requires_grad=False)
