@@ -49,6 +49,22 @@ def test_models_and_health(gpt_server):
         float(line.rsplit(" ", 1)[1])
 
 
+def test_every_kv_block_is_used_free_or_cached(gpt_server):
+    """The three gauges add up to the pool, before and after a text whose full blocks the
+    prefix cache keeps once it is done."""
+    def blocks():
+        lines = httpx.get(gpt_server.url + "/metrics").text.splitlines()
+        return {line.split(" ")[0].removeprefix("tformer_kv_blocks_"): int(line.split(" ")[1])
+                for line in lines if line.startswith("tformer_kv_blocks_")}
+
+    before = blocks()
+    complete(gpt_server.url, prompt="hello there", max_tokens=40, temperature=0.0)
+    after = blocks()
+    assert set(after) == {"used", "free", "cached"}
+    assert sum(after.values()) == sum(before.values())
+    assert after["used"] == 0 and after["cached"] >= before["cached"] + 2
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0},
                                       {"temperature": 0.9, "top_k": 12, "seed": 7}])
 def test_streamed_chunks_concatenate_to_the_whole_text(gpt_server, sampling):

@@ -121,6 +121,8 @@ def pool_figures(engine: Any) -> list[tuple[str, str, str, Any]]:
     return [
         ("kv_blocks_used", "gauge", "KV cache blocks holding sequences.", pool.used),
         ("kv_blocks_free", "gauge", "KV cache blocks free.", len(pool.free)),
+        ("kv_blocks_cached", "gauge", "KV cache blocks no sequence holds, kept for the prefix "
+         "cache until their room is needed.", len(pool.idle)),
         ("preemptions_total", "counter", "Sequences preempted for want of KV blocks.",
          engine.stats.preemptions),
         ("prefix_cache_hit_rate", "gauge", "Prompt positions found in the prefix cache.",
