@@ -135,3 +135,19 @@ def test_the_end_of_text_inside_an_accepted_run_ends_the_sequence_there():
     assert sinks[0].tokens == want and sinks[0].reason == "stop"
     assert sinks[1].tokens == alone(target, [7, 8], Sampling(3, 0.0), eos_id=eos)
     assert spec.stats.accepted == spec.stats.drafted > 0
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_a_sliding_window_model_speculates_over_the_blocks_it_keeps(drafter):
+    """A window of 7: the engine's pool gives back the blocks behind it as texts grow, and
+    speculation's rollbacks stay within what it keeps; greedy texts as without a drafter."""
+    target = decisive(GPT(GPTConfig(vocab_size=29, context=96, n_layer=2, n_head=2,
+                                    d_model=16, window=7)))
+    requests = mixed_requests(5, 8, 96)
+    spec = speculator(target, drafter, draft_tokens=4, capacity=4)
+    sinks = run_engine(target, requests, max_batch=4, speculator=spec)
+    for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
+        want = (alone(target, prompt, sampling) if speculates(sampling)
+                else plain_engine(target, prompt, sampling))
+        assert sink.tokens == want
+    assert spec.stats.rounds > 0 and 0 < spec.stats.accepted < spec.stats.drafted

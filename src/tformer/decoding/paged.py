@@ -16,6 +16,11 @@ blocks instead of reading them again (a chat's earlier turns, the n choices of o
 Only full blocks are shared, and a text writes only after its last position, so a shared
 block is never written; a rollback into one (speculation) first takes a private copy.
 
+A model with a sliding window (Mistral) never attends again to the blocks wholly behind it:
+they go back to the pool as the text moves on, and the block table holds block 0 in their
+place, whose zeros the window's mask hides. A text then holds about window / block_size
+blocks however long it grows.
+
 Shapes: n rows in the pass, T new tokens per row, W positions of the longest row, H_kv
 key/value heads, d key size, d_value value size, V vocabulary.
 """
@@ -56,6 +61,8 @@ class Row:
     """The names of its full blocks, in order."""
     looked_up: bool = False
     """Whether its text has been looked up in the prefix cache (counted once)."""
+    behind: int = 0
+    """Its first blocks, behind a sliding window, given back (block 0 in their place)."""
 
 
 def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
@@ -146,6 +153,7 @@ class PagedPool:
             raise ValueError(f"a paged pool needs at least 2 blocks, not {blocks}")
         self.model = model = runner(model)
         self.context = model.cfg.context
+        self.window: int | None = getattr(model.cfg, "window", None)
         self.block_size = block_size
         probe = model.make_cache(1, 1).self_attn
         self.k = [layer.k.new_empty(blocks, layer.k.shape[1], block_size, layer.k.shape[3])
@@ -287,7 +295,20 @@ class PagedPool:
             row.written = count
             row.tokens += tokens[i][real[i]].tolist()
             self._name_blocks(row)
+            if self.window is not None:
+                self._leave_behind(row)
         return logits
+
+    def _leave_behind(self, row: Row) -> None:
+        """Give back the row's blocks wholly behind the window of every token it may yet
+        read: from the length before the last pass on, since a rollback may cut back to
+        it. A query at position q sees keys after q - window."""
+        behind = min((row.length - row.written - self.window + 1) // self.block_size,
+                     len(row.blocks) - 1)
+        for i in range(row.behind, behind):
+            self._drop(row.blocks[i])
+            row.blocks[i] = 0
+        row.behind = max(row.behind, behind)
 
     def _gathers_whole(self, rows: int, width: int) -> bool:
         """Whether a one-token step gathers every layer's past at once (into buffers
@@ -329,9 +350,10 @@ class PagedPool:
 
     def release(self, row: Row) -> None:
         """Give a row's blocks back."""
-        for block in reversed(row.blocks):
+        for block in reversed(row.blocks[row.behind:]):
             self._drop(block)
         row.blocks, row.length, row.tokens, row.hashes = [], 0, [], []
+        row.behind = 0
 
     # The interface of decoding/pool.py's SlotPool (and its Rows), over the active rows.
 
