@@ -162,18 +162,26 @@ def test_a_stream_sends_the_text_before_a_call_then_the_call():
     assert out[-1]["reason"] == "stop"
 
 
-def test_a_stream_sends_each_call_as_it_is_written():
+STREAMED_CALLS = {
+    "hermes": ('Sure, <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": [2, "}"]}}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "neg", "arguments": {"x":  -3}}\n'
+               '</tool_call>'),
+    "llama3": ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": {"c": [2, "}"]}}}; '
+               '{"name": "neg", "parameters": {"x":  -3}}'),
+}
+
+
+@pytest.mark.parametrize("form", list(STREAMED_CALLS))
+def test_a_stream_sends_each_call_as_it_is_written(form):
     """Piece by piece (a character at a time here): a call's id and name go out once the
     name is whole, its arguments' text as it grows, before the reply ends; the pieces of
     each call join to the arguments the whole reply gives, which are the model's text."""
     from tformer.serving.tools import parse_calls
 
-    reply = ('Sure, <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": [2, "}"]}}}'
-             '\n</tool_call>\n<tool_call>\n{"name": "neg", "arguments": {"x":  -3}}\n'
-             '</tool_call>')
-    out = stream_of("hermes", list(reply))
+    reply = STREAMED_CALLS[form]
+    out = stream_of(form, list(reply))
     content = "".join(o["delta"].get("content", "") for o in out)
-    assert content == "Sure, "
+    assert content == ("Sure, " if form == "hermes" else "")
     deltas = [(n, d) for n, o in enumerate(out) for d in o["delta"].get("tool_calls", [])]
     # The first call's name, and most of its arguments, before the reply has ended.
     first_name = next(n for n, d in deltas if d["index"] == 0 and "id" in d)
@@ -188,7 +196,7 @@ def test_a_stream_sends_each_call_as_it_is_written():
             joined[d["index"]] = ""
         else:
             joined[d["index"]] += d["function"]["arguments"]
-    _, calls = parse_calls(reply, "hermes")
+    _, calls = parse_calls(reply, form)
     assert [joined[i] for i in range(2)] == [c.arguments for c in calls] == [
         '{"a": 1, "b": {"c": [2, "}"]}}', '{"x":  -3}']
     assert [d["function"]["name"] for _, d in deltas if "id" in d] == ["add", "neg"]

@@ -115,10 +115,9 @@ class ChatCompletion(Completion):
     def _tool_chunks(self, index: int, text: str, reason: str | None,
                      logprobs: dict[str, Any] | None) -> str:
         """A stream's pieces of a reply that may hold tool calls: its text up to where a
-        call may start is content, sent as it comes; each Hermes call is sent as it is
-        written, as tool_calls deltas (its id and name once whole, then its arguments' text
-        piece by piece); Llama 3's calls, and a reply whose calls turn out not to parse,
-        at the end."""
+        call may start is content, sent as it comes; each call is sent as it is written,
+        as tool_calls deltas (its id and name once whole, then its arguments' text piece by
+        piece); a reply whose calls turn out not to parse, at the end."""
         if not hasattr(self, "_replies"):
             self._replies = [""] * len(self.seqs)
             self._content_sent = [0] * len(self.seqs)
@@ -132,8 +131,7 @@ class ChatCompletion(Completion):
                 events = self._event(index, {"content": reply[sent:max(cut, sent)]}, None,
                                      logprobs)
                 self._content_sent[index] = max(cut, sent)
-            if self.form == "hermes":
-                events += self._call_deltas(index, calls_so_far(reply))
+            events += self._call_deltas(index, calls_so_far(reply, self.form or ""))
             return events
         content, calls = parse_calls(reply, self.form or "")
         if not calls:

@@ -42,6 +42,8 @@ TOOLS_SYSTEM_BLOCK = (
 """The system block that offers the tools to a template that has no place for them
 (`{tools}`: one JSON object a line, each {"type": "function", "function": {...}})."""
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+"""What Llama 3.1+ may write before its JSON calls."""
 
 
 # --- messages ---------------------------------------------------------------------------
@@ -174,7 +176,7 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any
 
 def call_format(template: ChatTemplate) -> str:
     """How the template's model writes its calls: 'llama3' or 'hermes'."""
-    if template.takes_tools and ("<|python_tag|>" in template.source
+    if template.takes_tools and (PYTHON_TAG in template.source
                                  or "ipython" in template.source) \
             and HERMES_OPEN not in template.source:
         return "llama3"
@@ -234,7 +236,7 @@ def parse_calls(text: str, form: str) -> tuple[str | None, list[ToolCall]]:
     """A reply -> its text before the calls (None when empty) and the calls; a reply
     whose calls do not parse is text with no calls."""
     if form == "llama3":
-        body = text.strip().removeprefix("<|python_tag|>").strip()
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
         if not body.startswith("{"):
             return text, []
         calls = []
@@ -280,11 +282,13 @@ _NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
 """The start of a call that names its function first, up to its arguments."""
 
 
-def calls_so_far(text: str) -> list[tuple[str, str]]:
-    """The Hermes calls of a reply still being written: for each call begun whose name is
-    whole (and written first), (the name, the text of its arguments so far), so that a
-    stream sends a call as it is written. Of a call not yet closed, the arguments' last
-    closing braces and spaces wait: they may close the call rather than them."""
+def calls_so_far(text: str, form: str = "hermes") -> list[tuple[str, str]]:
+    """The calls of a reply still being written: for each call begun whose name is whole
+    (and written first), (the name, the text of its arguments so far), so that a stream
+    sends a call as it is written. Of a call not yet closed, the arguments' last closing
+    braces and spaces wait: they may close the call rather than them."""
+    if form == "llama3":
+        return _llama3_calls_so_far(text)
     found = []
     for start in [m.end() for m in re.finditer(re.escape(HERMES_OPEN), text)]:
         head = _NAME_FIRST.match(text, start)
@@ -304,11 +308,34 @@ def calls_so_far(text: str) -> list[tuple[str, str]]:
     return found
 
 
+def _llama3_calls_so_far(text: str) -> list[tuple[str, str]]:
+    """calls_so_far for Llama 3's JSON calls, one object each, joined by ";"."""
+    found = []
+    body = text.lstrip()
+    at = len(text) - len(body) + (len(PYTHON_TAG) if body.startswith(PYTHON_TAG)
+                                  else 0)
+    while (head := _NAME_FIRST.match(text, at)) is not None:
+        name = json.loads(f'"{head.group(1)}"')
+        try:
+            _, end = json.JSONDecoder().raw_decode(text, text.index("{", at))
+        except json.JSONDecodeError:
+            found.append((name, text[head.end():].rstrip("} \n\t\r")))
+            break
+        call = _call(text[at:end], "parameters")
+        if call is None:
+            break
+        found.append((name, call.arguments))
+        at = end + len(text[end:]) - len(text[end:].lstrip().removeprefix(";").lstrip())
+    return found
+
+
 def held_back(text: str, form: str, tag: str = HERMES_OPEN) -> int:
     """Where a stream must stop sending a reply's text as content: at the start of a call
     (or of what may yet become one: `tag`'s start); len(text) when nothing needs holding."""
-    if form == "llama3":
-        return 0 if text.lstrip().startswith("{") or not text.strip() else len(text)
+    if form == "llama3":  # a reply that is calls starts with them
+        start = text.lstrip()
+        may_call = start.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(start)
+        return 0 if may_call else len(text)
     at = text.find(tag)
     if at >= 0:
         return at
