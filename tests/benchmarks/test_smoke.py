@@ -93,6 +93,8 @@ SMOKES = {
                          needs=("transformers", "gguf"), slow=True),
     "gpu": Smoke(("--device", "cpu", "--tiny", "--peak-tflops", "1", "--batch", "2",
                   "--steps", "1", "--new-tokens", "4", "--repeats", "1"), "training MFU"),
+    "decode_memory": Smoke(("--prompt", "8", "--new", "2"), "| process | peak RSS (MB) |",
+                           needs=("gguf",), slow=True),
     "greedy_llama_cpp": Smoke(("--tokens", "4", "--prompts", "1"), "| the same for |",
                               needs=("llama_cpp", "gguf"), slow=True),
     "int8_rows": Smoke(("--tiny", "--repeats", "1"), "tiny (40 -> 72)", kernel=True),
