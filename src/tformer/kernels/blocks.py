@@ -226,9 +226,9 @@ def formats_of(model: nn.Module) -> dict[str, str]:
 
 def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
     """Make the linear layers whose weights `formats` names ({parameter name: format}, a
-    checkpoint's FORMATS_KEY) BlockLinears of those formats, in place, their blocks zero
-    until the checkpoint's are loaded into them. A name that is not an nn.Linear's weight
-    of a fitting shape is a TformerError."""
+    checkpoint's FORMATS_KEY) BlockLinears of those formats, in place, their blocks
+    uninitialised (untouched memory) until the checkpoint's are loaded into them. A name
+    that is not an nn.Linear's weight of a fitting shape is a TformerError."""
     modules = dict(model.named_modules())
     for param, fmt in formats.items():
         _check_format(fmt)
@@ -241,10 +241,10 @@ def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
             raise TformerError(f"{param} is held as {fmt} blocks, but its {linear.in_features} "
                                f"inputs are not a multiple of {BLOCK}")
         n, k = linear.out_features, linear.in_features
-        zeros = torch.zeros(n, k // BLOCK * BLOCK_BYTES[fmt], dtype=torch.uint8)
+        empty = torch.empty(n, k // BLOCK * BLOCK_BYTES[fmt], dtype=torch.uint8)
         parent, _, attr = path.rpartition(".")
         setattr(modules[parent] if parent else model, attr,
-                BlockLinear(zeros, fmt, k, linear.bias))
+                BlockLinear(empty, fmt, k, linear.bias))
 
 
 def dequantize_model(model: nn.Module, keep: str | None = None) -> None:
