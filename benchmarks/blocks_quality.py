@@ -150,16 +150,16 @@ def perplexity(model, ids: torch.Tensor) -> float:
     return math.exp(F.cross_entropy(logits, ids[1:]).item())
 
 
-def llama_cpp_perplexity(ids: torch.Tensor) -> float | None:
-    """llama.cpp's perplexity on the GGUF file, the same ids as one window (None where
-    llama-cpp-python is not installed)."""
+def llama_cpp_perplexity(ids: torch.Tensor, file: Path | None = None) -> float | None:
+    """llama.cpp's perplexity on the GGUF file (or `file`, say a `tformer export --type q8_0`
+    of it), the same ids as one window (None where llama-cpp-python is not installed)."""
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
     import numpy as np
 
-    llm = Llama(model_path=str(gguf_path()), n_ctx=len(ids), n_batch=512, logits_all=True,
+    llm = Llama(model_path=str(file or gguf_path()), n_ctx=len(ids), n_batch=512, logits_all=True,
                 n_threads=torch.get_num_threads(), verbose=False)
     llm.eval(ids[:-1].tolist())
     logits = torch.from_numpy(np.asarray(llm.scores[: len(ids) - 1], dtype=np.float32))
@@ -170,6 +170,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--formats", nargs="+", default=None)
+    ap.add_argument("--llama-files", nargs="*", default=[], type=Path,
+                    help="more GGUF files for llama.cpp rows (exports of the same model)")
     ap.add_argument("--tiny", action="store_true",
                     help="a random tiny model and random ids: checks that the script runs")
     args = ap.parse_args()
@@ -202,6 +204,11 @@ def main() -> None:
         else:
             print(f"| llama.cpp, the file | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | "
                   f"{time.perf_counter() - start:.0f} |", flush=True)
+            for file in args.llama_files:
+                start = time.perf_counter()
+                ppl = llama_cpp_perplexity(ids, file)
+                print(f"| llama.cpp, {file.name} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | "
+                      f"{time.perf_counter() - start:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
