@@ -232,7 +232,9 @@ class Checkpoint:
     """The name and which checkpoint of the run (describe_checkpoint): what messages say."""
 
 
-def read_config(path: Path) -> RunConfig:
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's config.json as it is: the run's config, and beside it the tokenizer's
+    kind and size and the steps trained (`step`); missing or damaged, a TformerError."""
     file = Path(path) / CONFIG
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
@@ -242,14 +244,21 @@ def read_config(path: Path) -> RunConfig:
         raise TformerError(f"checkpoint file {file} is damaged: {e}") from None
     if not isinstance(raw, dict):
         raise TformerError(f"checkpoint file {file} is damaged: it is not a JSON object")
-    raw.pop("tokenizer", None)
-    raw.pop("step", None)  # the steps trained (training/checkpoint.py's trained_steps)
-    return config_from_dict(raw)
+    return raw
 
 
-def read_tokenizer_kind(path: Path) -> str | None:
-    """The kind of tokenizer a checkpoint holds, as its config.json names it."""
-    raw = json.loads((Path(path) / CONFIG).read_text(encoding="utf-8"))
+def read_config(path: Path) -> RunConfig:
+    return config_of(read_config_json(path))
+
+
+def config_of(raw: dict[str, Any]) -> RunConfig:
+    """The run's config of a config.json read by read_config_json."""
+    return config_from_dict({k: v for k, v in raw.items() if k not in ("tokenizer", "step")})
+
+
+def tokenizer_kind(raw: dict[str, Any]) -> str | None:
+    """The kind of tokenizer a checkpoint holds, as its config.json (read_config_json) names
+    it."""
     return (raw.get("tokenizer") or {}).get("kind")
 
 

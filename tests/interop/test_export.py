@@ -116,3 +116,19 @@ def test_info_on_an_imported_model_shows_its_tokenizer_and_the_fields_that_apply
     assert rows["vocabulary"] == f"{len(tokenizer)} tokens"
     assert (rows["bos"], rows["eos"]) == ("<s> (0)", "</s> (1)")
     assert re.search(r"^  chat template +chat_template.jinja$", out, re.M), out
+
+
+def test_a_damaged_config_is_one_line_when_choosing_the_format(tmp_path):
+    from tformer.config import RunConfig, TrainConfig
+    from tformer.data.lm import LMDataConfig
+    from tformer.data.tokenizers import CharTokenizer
+    from tformer.models.gpt import GPT, GPTConfig
+    from tformer.training.checkpoint import save_checkpoint
+
+    cfg = GPTConfig(vocab_size=11, n_layer=1, n_head=2, d_model=8, context=8)
+    run = save_checkpoint(tmp_path / "run", RunConfig("gpt", cfg, LMDataConfig(),
+                                                      TrainConfig()), GPT(cfg),
+                          CharTokenizer("abcdefghij"))
+    (run / "config.json").write_text('{"model": ')
+    with pytest.raises(TformerError, match="config.json is damaged"):
+        choose_format(run, tmp_path / "out")

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from tformer.arguments import Help
 from tformer.errors import TformerError
 from tformer.interop import read_hf_config
-from tformer.loading import read_config, read_tokenizer_kind, resolve_checkpoint
+from tformer.loading import config_of, read_config_json, resolve_checkpoint, tokenizer_kind
 
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
@@ -85,14 +85,14 @@ def _function(dotted: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def _family_written(exporter: Exporter, path: Path) -> str:
-    """The family `exporter` writes the checkpoint at `path` as; a TformerError naming what
-    it cannot write (its model or its tokenizer)."""
-    kind = read_tokenizer_kind(path)
+def _family_written(exporter: Exporter, raw: dict[str, Any]) -> str:
+    """The family `exporter` writes a checkpoint as, from its config.json (`raw`); a
+    TformerError naming what it cannot write (its model or its tokenizer)."""
+    kind = tokenizer_kind(raw)
     if exporter.tokenizers and kind not in exporter.tokenizers:
         raise TformerError(f"the tokenizer is {kind!r}; this format writes a byte-level BPE "
                            f"one ({' or '.join(exporter.tokenizers)})")
-    return _function(exporter.fits)(read_config(path)) if exporter.fits else "tformer"
+    return _function(exporter.fits)(config_of(raw)) if exporter.fits else "tformer"
 
 
 def choose_format(checkpoint: str | Path, dest: str | Path,
@@ -103,18 +103,18 @@ def choose_format(checkpoint: str | Path, dest: str | Path,
     if format is not None and format not in EXPORTERS:
         raise TformerError(f"--format {format!r} is not known; choose one of: "
                            f"{', '.join(EXPORTERS)}")
-    path = resolve_checkpoint(checkpoint)
+    raw = read_config_json(resolve_checkpoint(checkpoint))
     if format is None:
         format = next((name for name, e in EXPORTERS.items()
                        if e.suffix is not None and str(dest).endswith(e.suffix)), None)
     if format is not None:
-        return format, _family_written(EXPORTERS[format], path)
+        return format, _family_written(EXPORTERS[format], raw)
     reasons = []
     for name, exporter in EXPORTERS.items():
         if exporter.fits is None:
             continue
         try:
-            return name, _family_written(exporter, path)
+            return name, _family_written(exporter, raw)
         except TformerError as e:
             reasons.append(f"{name}: {e}")
     raise TformerError(f"no format other libraries load expresses {checkpoint} exactly ("

@@ -7,7 +7,6 @@ lower learning rate would.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def _model_config(path: Path) -> dict:
-    raw = json.loads((path / loading.CONFIG).read_text(encoding="utf-8"))
+    raw = loading.read_config_json(path)
     return {"model": raw["model"], "tokenizer": raw.get("tokenizer")}
 
 

@@ -46,6 +46,7 @@ from tformer.loading import (
     WEIGHTS,
     load_checkpoint,
     read_config,
+    read_config_json,
     resolve_checkpoint,
     sha256_of,
     step_checkpoints,
@@ -310,7 +311,7 @@ def trained_steps(path: Path) -> int | None:
     """The steps a checkpoint's weights were trained for: config.json's `step`, else its
     trainer state's (checkpoints written before the config held it); None for weights
     brought in from elsewhere."""
-    config = json.loads((Path(path) / CONFIG).read_text(encoding="utf-8"))
+    config = read_config_json(path)
     if "step" in config:
         return int(config["step"])
     if (Path(path) / TRAINER_STATE).is_file():
