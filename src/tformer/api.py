@@ -263,13 +263,9 @@ class Model:
     def prompt_ids(self, text: str) -> list[int]:
         """The prompt's tokens, after bos where the model reads texts so; an empty prompt
         starts from bos (or a newline)."""
-        from tformer.data.tokenizers import text_start
+        from tformer.data.tokenizers import prompt_start
 
-        ids = text_start(self.tokenizer, self.tokenizer.encode(text))
-        if not ids:
-            bos = self.tokenizer.bos_id
-            ids = [bos] if bos is not None else self.tokenizer.encode("\n")
-        return ids
+        return prompt_start(self.tokenizer, self.tokenizer.encode(text))
 
     # --- language models ----------------------------------------------------------------
 

@@ -459,6 +459,15 @@ def text_start(tokenizer: Any, ids: list[int]) -> list[int]:
     return ids
 
 
+def prompt_start(tokenizer: Any, ids: list[int]) -> list[int]:
+    """A prompt's ids as generation reads them: text_start's, and where the prompt is empty
+    (nothing to condition on) the start of a text, bos (or a newline where there is none)."""
+    ids = text_start(tokenizer, ids)
+    if ids:
+        return ids
+    return [tokenizer.bos_id] if tokenizer.bos_id is not None else tokenizer.encode("\n")
+
+
 def tokenizer_from_json(text: str) -> Tokenizer:
     data = json.loads(text)
     if data.get("kind") == "char":

@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tformer.data.chat import encode_text
-from tformer.data.tokenizers import text_start
+from tformer.data.tokenizers import prompt_start
 from tformer.decoding.translate import SearchOptions
 from tformer.errors import TformerError
 from tformer.serving.protocol import (
@@ -131,11 +131,7 @@ def encode_prompt(tokenizer: Any, text: str, *, rendered: bool = False) -> list[
         ids = encode_text(tokenizer, text) if rendered else tokenizer.encode(text)
     except TformerError as e:
         raise ApiError(400, f"prompt: {e}", param="prompt") from None
-    ids = text_start(tokenizer, ids)
-    if ids:
-        return ids
-    # Nothing to condition on: start from the start of text, as `tformer generate` does.
-    return [tokenizer.bos_id] if tokenizer.bos_id is not None else tokenizer.encode("\n")
+    return prompt_start(tokenizer, ids)  # as `tformer generate` starts it
 
 
 def read_prompts(tokenizer: Any, prompt: Prompt) -> list[tuple[str, list[int]]]:
