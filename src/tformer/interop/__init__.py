@@ -76,13 +76,14 @@ def read_chat_template(src: Path, tokenizer_config: dict[str, Any]) -> str | Non
     return template
 
 
-def adds_bos(tok: Any, bos: str | None) -> bool:
-    """Whether a tokenizer.json puts bos before each text it encodes: its post-processor's
-    template for one text begins with bos (Llama 2, Mistral, Llama 3). Transformers reads a
-    byte-level tokenizer.json so whatever tokenizer_config.json's `add_bos_token` says."""
+def adds_bos(tokenizer_json: dict[str, Any], bos: str | None) -> bool:
+    """Whether a tokenizer.json (parsed) puts bos before each text it encodes: its
+    post-processor's template for one text begins with bos (Llama 2, Mistral, Llama 3).
+    Transformers reads a byte-level tokenizer.json so whatever tokenizer_config.json's
+    `add_bos_token` says."""
     if bos is None:
         return False
-    post = json.loads(tok.to_str()).get("post_processor") or {}
+    post = tokenizer_json.get("post_processor") or {}
     for step in post.get("processors", [post]):
         if step.get("type") == "TemplateProcessing":
             first = (step.get("single") or [{}])[0]
@@ -98,7 +99,7 @@ def with_bos_template(tokenizer: Any) -> str:
 
     text = tokenizer.tok.to_str()
     bos = tokenizer.names["bos"]
-    if not tokenizer.add_bos or adds_bos(tokenizer.tok, bos):
+    if not tokenizer.add_bos or adds_bos(json.loads(text), bos):
         return text
     tok = Tokenizer.from_str(text)
     template = processors.TemplateProcessing(

@@ -170,7 +170,8 @@ def read_tokenizer(src: Path, hf: dict[str, Any]) -> PretrainedBPETokenizer:
 
     if not (src / "tokenizer.json").is_file():
         raise TformerError(f"{src} has no tokenizer.json")
-    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    text = (src / "tokenizer.json").read_text(encoding="utf-8")
+    tok = Tokenizer.from_str(text)
     config: dict[str, Any] = {}
     if (src / "tokenizer_config.json").is_file():
         config = read_json(src / "tokenizer_config.json")
@@ -187,7 +188,7 @@ def read_tokenizer(src: Path, hf: dict[str, Any]) -> PretrainedBPETokenizer:
     try:
         tokenizer = PretrainedBPETokenizer(tok, bos=special("bos"), eos=special("eos"),
                                            pad=special("pad"), more_eos=ids["eos"],
-                                           add_bos=adds_bos(tok, special("bos")))
+                                           add_bos=adds_bos(json.loads(text), special("bos")))
     except TformerError as e:
         raise TformerError(f"{src}: {e}") from None
     tokenizer.chat_template = read_chat_template(src, config)
