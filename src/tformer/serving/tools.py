@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,46 +288,42 @@ def calls_so_far(text: str, form: str = "hermes") -> list[tuple[str, str]]:
     (and written first), (the name, the text of its arguments so far), so that a stream
     sends a call as it is written. Of a call not yet closed, the arguments' last closing
     braces and spaces wait: they may close the call rather than them."""
-    if form == "llama3":
-        return _llama3_calls_so_far(text)
     found = []
-    for start in [m.end() for m in re.finditer(re.escape(HERMES_OPEN), text)]:
-        head = _NAME_FIRST.match(text, start)
-        if head is None:
-            break
-        name = json.loads(f'"{head.group(1)}"')
-        end = text.find(HERMES_CLOSE, head.end())
-        whole = _call(text[start:end], "arguments") if end >= 0 else None
+    for head, end in _calls_begun(text, form):
+        whole = _call(text[head.start():end], "arguments") if end is not None else None
         if whole is not None:
-            found.append((name, whole.arguments))
+            found.append((whole.name, whole.arguments))
             continue
-        body = text[head.end():]
-        body = body[:end - head.end()] if end >= 0 else \
-            body[:held_back(body, "hermes", HERMES_CLOSE)]
-        found.append((name, body.rstrip("} \n\t\r")))
+        body = text[head.end():end] if end is not None else text[head.end():]
+        if end is None and form == "hermes":
+            body = body[:held_back(body, form, HERMES_CLOSE)]
+        found.append((json.loads(f'"{head.group(1)}"'), body.rstrip("} \n\t\r")))
         break  # a call not yet whole is the last that can be sent
     return found
 
 
-def _llama3_calls_so_far(text: str) -> list[tuple[str, str]]:
-    """calls_so_far for Llama 3's JSON calls, one object each, joined by ";"."""
-    found = []
-    body = text.lstrip()
-    at = len(text) - len(body) + (len(PYTHON_TAG) if body.startswith(PYTHON_TAG)
-                                  else 0)
-    while (head := _NAME_FIRST.match(text, at)) is not None:
-        name = json.loads(f'"{head.group(1)}"')
-        try:
-            _, end = json.JSONDecoder().raw_decode(text, text.index("{", at))
-        except json.JSONDecodeError:
-            found.append((name, text[head.end():].rstrip("} \n\t\r")))
-            break
-        call = _call(text[at:end], "parameters")
-        if call is None:
-            break
-        found.append((name, call.arguments))
-        at = end + len(text[end:]) - len(text[end:].lstrip().removeprefix(";").lstrip())
-    return found
+def _calls_begun(text: str, form: str) -> Iterator[tuple[re.Match[str], int | None]]:
+    """Each call a reply has begun that names its function first: its start up to its
+    arguments (_NAME_FIRST's match), and where the call ends (None while it is being
+    written). Hermes calls sit in tags; Llama 3's are JSON objects joined by ";"."""
+    if form == "llama3":
+        body = text.lstrip()
+        at = len(text) - len(body) + (len(PYTHON_TAG) if body.startswith(PYTHON_TAG) else 0)
+        while (head := _NAME_FIRST.match(text, at)) is not None:
+            try:
+                _, end = json.JSONDecoder().raw_decode(text, text.index("{", at))
+            except json.JSONDecodeError:
+                yield head, None
+                return
+            yield head, end
+            at = len(text) - len(text[end:].lstrip().removeprefix(";").lstrip())
+        return
+    for opened in re.finditer(re.escape(HERMES_OPEN), text):
+        head = _NAME_FIRST.match(text, opened.end())
+        if head is None:
+            return
+        end = text.find(HERMES_CLOSE, head.end())
+        yield head, (end if end >= 0 else None)
 
 
 def held_back(text: str, form: str, tag: str = HERMES_OPEN) -> int:
