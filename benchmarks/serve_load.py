@@ -50,6 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -173,14 +175,21 @@ def figures(url: str, *names: str) -> str:
                     if line.startswith(names))
 
 
-def start_real_server(ckpt: str, src: str, *options: str) -> tuple[subprocess.Popen, str]:
+@contextmanager
+def real_server(ckpt: str, src: str, *options: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`tformer serve` of `src`'s tree on the real model, once /health answers; stopped
+    after the block."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": src}
     server = subprocess.Popen([sys.executable, "-m", "tformer", "serve", ckpt, "--port",
                                str(port), "--device", "cpu", "--max-batch", "16", *options],
                               env=env)
-    return server, ready(server, url)
+    try:
+        yield server, ready(server, url)
+    finally:
+        server.terminate()
+        server.wait(120)
 
 
 async def timed_stream(http: httpx.AsyncClient, prompt: list[int], tokens: int
@@ -230,14 +239,10 @@ def long_prompt_scenario(args: argparse.Namespace) -> None:
           "| peak RSS (GB) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, src in sides:
-        server, url = start_real_server(args.long_prompt, src, "--weights", args.weights)
-        try:
+        with real_server(args.long_prompt, src, "--weights", args.weights) as (server, url):
             times = asyncio.run(long_prompt_round(url, args.long_tokens, args.short_tokens,
                                                   args.shorts))
             peak = memory_mb(server.pid)
-        finally:
-            server.terminate()
-            server.wait(120)
         firsts = [t[0] for t in times[1:]]
         print(f"| {name} | {statistics.median(firsts):.2f} / {max(firsts):.2f} | "
               f"{max(t[1] for t in times[1:]):.2f} | {times[0][0]:.2f} | {peak / 1024:.2f} |",
@@ -280,14 +285,10 @@ def chat_scenario(args: argparse.Namespace) -> None:
     print("| --- |" + " ---: |" * args.turns)
     results = {}
     for name, options in [("prefix cache", ()), ("no prefix cache", ("--no-prefix-cache",))]:
-        server, url = start_real_server(args.chat, str(ROOT / "src"), "--weights",
-                                        args.weights, *options)
-        try:
+        with real_server(args.chat, str(ROOT / "src"), "--weights", args.weights,
+                         *options) as (_, url):
             firsts = asyncio.run(chat_turns(url, args.turns, words, args.reply_tokens))
             print("  " + figures(url, "tformer_prefix_cache_hit_rate"), file=sys.stderr)
-        finally:
-            server.terminate()
-            server.wait(120)
         results[name] = firsts
         print(f"| {name} | " + " | ".join(f"{t:.2f}" for t in firsts) + " |", flush=True)
     last = results["no prefix cache"][-1] / results["prefix cache"][-1]
@@ -312,19 +313,15 @@ def budget_scenario(args: argparse.Namespace) -> None:
     print(f"{args.budget_clients} clients x {args.budget_tokens}-token prompts at once ("
           f"{need:,} positions), 8 greedy tokens each, --kv-memory {args.kv_memory} GiB, "
           f"SmolLM2-135M {args.weights}; load {os.getloadavg()[0]:.1f}")
-    server, url = start_real_server(
-        args.budget, str(ROOT / "src"), "--weights", args.weights, "--kv-memory",
-        str(args.kv_memory), "--max-waiting", str(2 * args.budget_clients))
-    try:
+    with real_server(args.budget, str(ROOT / "src"), "--weights", args.weights, "--kv-memory",
+                     str(args.kv_memory), "--max-waiting",
+                     str(2 * args.budget_clients)) as (server, url):
         idle = memory_mb(server.pid, "VmRSS")
         start = time.perf_counter()
         results = asyncio.run(budget_round(url, args.budget_clients, args.budget_tokens))
         wall = time.perf_counter() - start
         peak = memory_mb(server.pid)
         print("  " + figures(url, "tformer_preemptions", "tformer_kv_blocks"), file=sys.stderr)
-    finally:
-        server.terminate()
-        server.wait(120)
     done = [r for r in results if not isinstance(r, BaseException)]
     for r in results:
         if isinstance(r, BaseException):
@@ -344,7 +341,7 @@ def main() -> None:
     parser.add_argument("--chat", metavar="CKPT", help="the multi-turn chat scenario instead")
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--weights", default="fp32",
-                        help="the real model's weight format in the server (--chat, "
+                        help="the real model's weight format in the server (--chat, --budget, "
                              "--long-prompt): fp32, or q4_1 as the GGUF file holds it")
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--long-prompt", metavar="CKPT",
