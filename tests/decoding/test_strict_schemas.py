@@ -135,6 +135,14 @@ def test_a_schemas_own_bounds_are_kept_where_tighter():
     assert not takes(schema, "1.3")
     wide = strict_schema({"type": "integer", "minimum": -10**30})
     assert wide["minimum"] == -INTEGER_LIMIT and wide["maximum"] == INTEGER_LIMIT
+    # Listed values, and ranges beyond ours, are left to the schema.
+    for schema in [{"type": "number", "enum": [1e20, 2]}, {"type": "integer", "const": 7},
+                   {"type": "number", "exclusiveMinimum": 1e20}]:
+        assert strict_schema(schema) == schema
+    assert takes(Constraint.json_schema({"type": "number", "enum": [1e20, 2]}), "2")
+    above = Constraint.json_schema({"type": "integer", "exclusiveMinimum": 5})
+    assert takes(above, "6") and not takes(above, "5")
+    assert after(above, str(INTEGER_LIMIT)) & DIGITS == set()
 
 
 def test_no_white_space_between_tokens():

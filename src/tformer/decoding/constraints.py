@@ -224,16 +224,25 @@ def _strict(node: Any, *, open_object: bool, used: list[bool]) -> Any:
 
 def _bounded_number(node: dict[str, Any]) -> dict[str, Any]:
     """A number or integer schema with its range (and a number's step) bounded, the
-    schema's own bounds kept where tighter; left as it is where they lie beyond ours."""
+    schema's own bounds kept where tighter. Left as it is where its values are listed
+    (enum, const: bounding them could refuse them all), where its bounds are not numbers
+    (the engine says why), or where they lie beyond ours (what it asks cannot be bounded)."""
+    if "enum" in node or "const" in node:
+        return node
     types = node["type"]
     integer_only = "number" not in ({types} if isinstance(types, str) else set(types))
     limit = INTEGER_LIMIT if integer_only else NUMBER_LIMIT
-    low, high = node.get("minimum"), node.get("maximum")
-    low = -limit if low is None else max(low, -limit)
-    high = limit if high is None else min(high, limit)
+    bounds = {key: node[key] for key in ("minimum", "exclusiveMinimum", "maximum",
+                                         "exclusiveMaximum") if key in node}
+    if not all(isinstance(v, int | float) and not isinstance(v, bool)
+               for v in bounds.values()):
+        return node
+    low = max([-limit] + [bounds[k] for k in ("minimum", "exclusiveMinimum") if k in bounds])
+    high = min([limit] + [bounds[k] for k in ("maximum", "exclusiveMaximum") if k in bounds])
     if low > high:
         return node
-    node = {**node, "minimum": low, "maximum": high}
+    node = {**node, "minimum": max(bounds.get("minimum", -limit), -limit),
+            "maximum": min(bounds.get("maximum", limit), limit)}
     if not integer_only and "multipleOf" not in node:
         node["multipleOf"] = NUMBER_STEP
     return node
