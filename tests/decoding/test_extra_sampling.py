@@ -10,6 +10,7 @@ import torch
 from tformer.decoding.sampling import (
     ExtraSampling,
     filter_min_p,
+    hold_back,
     next_token,
     penalize_repetition,
     sampling_probs,
@@ -53,6 +54,16 @@ def test_the_repetition_penalty_divides_positive_logits_and_multiplies_negative_
     # Below 1 it rewards repetition: 2 / 0.5 = 4, -1 * 0.5 = -0.5.
     assert penalize_repetition(logits, seen, 0.5).tolist() == [[4.0, -0.5, 0.5, 0.0, -3.0, 8.0]]
     assert penalize_repetition(logits, seen, 1.0) is logits
+
+
+def test_min_tokens_holds_the_ends_back_unless_only_an_end_may_come():
+    inf = float("-inf")
+    logits = torch.tensor([[1.0, 5.0, 2.0, 4.0],
+                           [inf, 3.0, inf, 0.5],    # a row that may only end
+                           [0.0, 1.0, 2.0, 3.0]])
+    held = hold_back(logits, [1, 3, 99])  # an id past the vocabulary is no token here
+    assert held.tolist() == [[1.0, inf, 2.0, inf], [inf, 3.0, inf, 0.5], [0.0, inf, 2.0, inf]]
+    assert hold_back(logits, []) is logits
 
 
 @pytest.mark.parametrize(("field", "value", "says"), [

@@ -181,12 +181,11 @@ def _strict(node: Any, *, open_object: bool, used: list[bool]) -> Any:
         return node
     node = dict(node)
 
-    def each(schemas: Any, **how: bool) -> Any:
+    def each(schemas: Any) -> Any:
         if isinstance(schemas, dict):
-            return {k: _strict(v, open_object=False, used=used, **how)
-                    for k, v in schemas.items()}
+            return {k: _strict(v, open_object=False, used=used) for k, v in schemas.items()}
         if isinstance(schemas, list):
-            return [_strict(v, open_object=False, used=used, **how) for v in schemas]
+            return [_strict(v, open_object=False, used=used) for v in schemas]
         return schemas
 
     for key in ("properties", "patternProperties", "$defs", "definitions"):

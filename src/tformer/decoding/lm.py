@@ -20,7 +20,13 @@ from torch import Tensor, nn
 
 from tformer.decoding.constraints import Matcher, mask_logits
 from tformer.decoding.runner import runner
-from tformer.decoding.sampling import NO_EXTRA, ExtraSampling, next_token, penalize_repetition
+from tformer.decoding.sampling import (
+    NO_EXTRA,
+    ExtraSampling,
+    hold_back,
+    next_token,
+    penalize_repetition,
+)
 
 EosIds = int | Sequence[int] | None
 """The ids that end a text: none, one, or several (Llama 3 ends one at <|end_of_text|>, at
@@ -95,7 +101,7 @@ def generate(
     padded = is_real is not None
     tokens = prompt
     real = is_real if padded else None
-    ends = list(stop_ids(eos_id))
+    ends = stop_ids(eos_id)
     finished = Finished(None if extra.ignore_eos else eos_id, B, prompt.device)
 
     cache = None
@@ -123,11 +129,8 @@ def generate(
             step = penalize_repetition(step.float(), seen > 0, extra.repetition_penalty)
         if constraint is not None:
             step = mask_logits(step.float().clone(), [constraint])
-        if step_index < extra.min_tokens and ends:
-            held = step.float().clone()
-            held[:, [e for e in ends if e < held.shape[-1]]] = float("-inf")
-            # A constrained text that can only end, ends.
-            step = torch.where((held > float("-inf")).any(-1, keepdim=True), held, step)
+        if step_index < extra.min_tokens:
+            step = hold_back(step, ends)
         token = next_token(
             step, temperature=temperature, top_k=top_k, top_p=top_p, min_p=extra.min_p,
             generator=generator,

@@ -9,6 +9,7 @@ Shapes: B batch, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,18 @@ def penalize_repetition(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
         return logits
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalized, logits)
+
+
+def hold_back(logits: Tensor, ends: Sequence[int]) -> Tensor:
+    """min_tokens' rule: (B, V) logits -> the same with the `ends` tokens (end of text, end
+    of turn) at -inf, in each row where another token may still be drawn (a row that may
+    only end, such as a complete constrained text, still ends)."""
+    ends = [e for e in ends if e < logits.shape[-1]]
+    if not ends:
+        return logits
+    held = logits.clone()
+    held[:, ends] = float("-inf")
+    return torch.where((held > float("-inf")).any(-1, keepdim=True), held, logits)
 
 
 def filter_min_p(logits: Tensor, min_p: float) -> Tensor:

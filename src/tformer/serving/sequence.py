@@ -18,7 +18,13 @@ import torch
 from torch import Tensor
 
 from tformer.decoding.constraints import mask_logits
-from tformer.decoding.sampling import NO_EXTRA, ExtraSampling, next_token, penalize_repetition
+from tformer.decoding.sampling import (
+    NO_EXTRA,
+    ExtraSampling,
+    hold_back,
+    next_token,
+    penalize_repetition,
+)
 
 if TYPE_CHECKING:
     from tformer.decoding.constraints import Grammar, Matcher
@@ -189,21 +195,9 @@ def adjust(logits: Tensor, seqs: list[Sequence], ends: tuple[int, ...] = ()) -> 
                     seqs[row].fail("constraining the logits", e)
     for row, seq in enumerate(seqs):
         if len(seq.tokens) < seq.sampling.extra.min_tokens and not seq.finished:
-            hold_ends(logits[row], ends + seq.sampling.stop_tokens)
+            logits[row : row + 1] = hold_back(logits[row : row + 1],
+                                              ends + seq.sampling.stop_tokens)
     return logits
-
-
-def hold_ends(logits: Tensor, ends: tuple[int, ...]) -> None:
-    """(V,) logits: the end tokens at -inf, in place, where another token may still be
-    drawn (a constrained text that is complete may only end: it ends)."""
-    V = logits.shape[-1]
-    ends = tuple(t for t in ends if t < V)
-    if not ends:
-        return
-    others = logits.clone()
-    others[list(ends)] = float("-inf")
-    if bool((others > float("-inf")).any()):
-        logits[list(ends)] = float("-inf")
 
 
 def advance(seqs: list[Sequence], tokens: list[int | None]) -> None:
