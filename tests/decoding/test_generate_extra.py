@@ -39,10 +39,14 @@ def plain(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ending(tmp_path_factory):
+def ending_path(tmp_path_factory):
     """A model whose likeliest token is always the end of text."""
-    return tformer.load(checkpoint(tmp_path_factory.mktemp("lm") / "ending", eos_bias=60.0),
-                        threads=1)
+    return checkpoint(tmp_path_factory.mktemp("lm") / "ending", eos_bias=60.0)
+
+
+@pytest.fixture(scope="module")
+def ending(ending_path):
+    return tformer.load(ending_path, threads=1)
 
 
 def test_the_repetition_penalty_draws_the_argmax_of_the_penalised_logits(plain):
@@ -81,6 +85,19 @@ def test_min_tokens_and_ignore_eos_set_the_length(ending):
     assert tokens_drawn(ending, min_tokens=4) == 5  # four held back, then the end
     assert tokens_drawn(ending, ignore_eos=True) == 6  # to max_new_tokens
     assert ending.generate("ab", max_new_tokens=6, temperature=0, min_tokens=4) != ""
+
+
+def test_the_command_line_takes_them(ending_path, capsys):
+    import json
+
+    def tokens(*flags: str) -> int:
+        assert main(["generate", str(ending_path), "--prompt", "ab", "--greedy", "--json",
+                     "--max-new-tokens", "6", "--threads", "1", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["tokens"]
+
+    assert tokens() == 1
+    assert tokens("--min-tokens", "3") == 4
+    assert tokens("--ignore-eos") == 6
 
 
 def test_bad_values_are_refused_naming_them(plain, capsys):
