@@ -135,3 +135,30 @@ def test_bad_values_are_a_400_naming_the_field(app_client, field, value, says):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert says in error["message"] and error["param"].startswith(field)
+
+
+def test_a_model_whose_memory_is_its_cache_refuses_them_naming_each(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from tformer.loading import load_checkpoint
+    from tformer.registry import get_family
+    from tformer.serving.app import create_app
+    from tformer.serving.scheduler import LMEngine
+
+    from .conftest import tiny_checkpoint
+
+    txl = load_checkpoint(tiny_checkpoint(tmp_path / "txl", {
+        "family": "transformer-xl", "n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32,
+        "context": 8, "mem_len": 8}))
+    engine = LMEngine(txl.model, eos_id=None, max_batch=2, max_waiting=4, batched=False,
+                      generate=get_family("transformer-xl").generate)
+    app = create_app(engine, txl.tokenizer, model_name="txl", kind="lm")
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}
+                           ).status_code == 200
+        for field, value in [("min_p", 0.1), ("repetition_penalty", 1.3), ("min_tokens", 1),
+                             ("ignore_eos", True)]:
+            r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2,
+                                                     field: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field
+            assert "decoded with a KV cache" in r.json()["error"]["message"]
