@@ -17,10 +17,12 @@ from tformer.loading import config_of, read_config_json, resolve_checkpoint, tok
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
     """model_type -> importer(src, dest). Imported lazily: each may need an extra."""
-    from tformer.interop import gpt2, llama, marian
+    from tformer.interop import gemma, gpt2, llama, marian, phi3
 
-    found = {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian}
-    return found | dict.fromkeys(llama.MODEL_TYPES, llama.import_llama)
+    found = {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian,
+             "phi3": phi3.import_phi3}
+    return (found | dict.fromkeys(llama.MODEL_TYPES, llama.import_llama)
+            | dict.fromkeys(gemma.MODEL_TYPES, gemma.import_gemma))
 
 
 def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
@@ -33,6 +35,9 @@ def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
         return import_gguf(src, dest)
     model_type = read_hf_config(src).get("model_type")
     found = importers()
+    if model_type == "gemma3":  # the text model of it would import; the vision tower not
+        raise TformerError(f"{src}: a Gemma 3 with a vision tower (model_type gemma3) cannot "
+                           f"be imported; tformer reads its text-only form (gemma3_text)")
     if model_type not in found:
         raise TformerError(
             f"{src}: model_type {model_type!r} cannot be imported; known: {', '.join(found)}"
@@ -68,6 +73,12 @@ EXPORTERS: dict[str, Exporter] = {
                       "Llama, Qwen2, Qwen3 or Mistral, whichever the config is exactly",
                       fits="tformer.interop.llama:exported_family",
                       tokenizers=BYTE_LEVEL_BPE),
+    "gemma": Exporter("tformer.interop.gemma:export_gemma",
+                      "Gemma2ForCausalLM or Gemma3ForCausalLM (text), whichever the config is",
+                      fits="tformer.interop.gemma:exported_family", tokenizers=BYTE_LEVEL_BPE),
+    "phi3": Exporter("tformer.interop.phi3:export_phi3",
+                     "Phi3ForCausalLM (Phi-3, Phi-4): fused q/k/v and gate/up projections",
+                     fits="tformer.interop.phi3:exported_family", tokenizers=BYTE_LEVEL_BPE),
     "tformer": Exporter("tformer.training.checkpoint:ship_checkpoint",
                         "this library's checkpoint as a model is shipped: config, weights, "
                         "tokenizer, without the trainer state only --resume needs"),
@@ -137,8 +148,9 @@ def export_checkpoint(checkpoint: str | Path, dest: str | Path,
 def import_command(
     source: Annotated[
         str, Help("directory with config.json and the weights (GPT-2, Marian, Llama, Qwen2, "
-                  "Qwen3, Mistral), a .gguf file (llama, qwen2, qwen3, gpt2), or a PEFT LoRA "
-                  "adapter directory (with --base)")
+                  "Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3/Phi-4), a .gguf file (llama, "
+                  "qwen2, qwen3, gpt2, gemma2, gemma3, phi3), or a PEFT LoRA adapter "
+                  "directory (with --base)")
     ],
     *,
     out: Annotated[str, Help("the new checkpoint's directory")],
