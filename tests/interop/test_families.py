@@ -79,3 +79,100 @@ def test_logits_match_hugging_face(saved):
         expected = hf(torch.tensor([row])).logits[0]
         delta = (got[i][is_real[i]] - expected).abs().max()
         assert delta <= 1e-5, (name, float(delta))
+
+
+@torch.no_grad()
+def test_greedy_tokens_match_hugging_face_generate(saved):
+    name, path, hf = saved
+    ours = build(path)
+    prompt = torch.tensor([ROWS[0][:4]])
+    expected = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[:, prompt.shape[1]:]
+    got = torch.stack(list(generate(ours, prompt, max_new_tokens=12, temperature=0.0)), 1)
+    assert torch.equal(got, expected), name
+
+
+@torch.no_grad()
+def test_cached_decoding_gives_the_full_pass_logits(saved):
+    """A prompt then one token at a time through the KV cache (past the window, where the
+    global layers read what the sliding ones no longer see), on the runner that decoding
+    uses: the logits of one full pass over the same tokens."""
+    from tformer.decoding.runner import runner
+
+    name, path, _ = saved
+    ours = build(path)
+    tokens = torch.tensor([ROWS[0]])
+    full = ours(tokens)
+    run = runner(ours)
+    cache = run.make_cache(1)
+    steps = [run(tokens[:, :3], cache=cache)]
+    steps += [run(tokens[:, i : i + 1], cache=cache) for i in range(3, tokens.shape[1])]
+    assert (torch.cat(steps, 1) - full).abs().max() <= 1e-5, name
+
+
+def test_the_config_maps_each_family_difference(saved):
+    name, path, _ = saved
+    cfg = build(path).cfg
+    gemma = name != "phi3"
+    assert (cfg.norm_kind, cfg.sandwich_norm, cfg.scale_embeddings) == (
+        ("rmsnorm_plus1", True, True) if gemma else ("rmsnorm", False, False))
+    assert cfg.activation == ("gelu_tanh" if gemma else "silu")
+    assert [cfg.slides(i) for i in range(cfg.n_layer)] == {
+        "gemma2": [True, False], "gemma3": [True] * 5 + [False], "phi3": [False] * 2}[name]
+    assert (cfg.attn_softcap, cfg.logit_softcap) == (
+        (1.5, 2.0) if name == "gemma2" else (None, None))
+    assert cfg.qk_norm == (name == "gemma3")
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling) == {
+        "gemma2": (10000.0, None, "none"), "gemma3": (100000.0, 10000.0, "linear"),
+        "phi3": (10000.0, None, "none")}[name]
+    assert cfg.rope_fraction == (0.75 if name == "phi3" else 1.0)
+
+
+def test_export_then_import_is_identical_and_transformers_reads_it(saved, tmp_path):
+    from tformer.interop.command import choose_format, export_checkpoint, import_checkpoint
+    from tformer.loading import load_checkpoint
+
+    name, path, hf = saved
+    run = import_checkpoint(path, tmp_path / "ours")
+    fmt = {"gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}[name]
+    out = export_checkpoint(run, tmp_path / "out", fmt)
+    assert read_hf_config(out)["model_type"] == read_hf_config(path)["model_type"]
+    theirs, back = read_hf_weights(path), read_hf_weights(out)
+    if name != "phi3":
+        theirs.pop("lm_head.weight", None)
+    assert theirs.keys() == back.keys()
+    for key, value in theirs.items():
+        assert torch.equal(value, back[key]), key
+    again = load_checkpoint(import_checkpoint(out, tmp_path / "again")).model
+    first = load_checkpoint(run).model
+    assert again.cfg == first.cfg
+    reread = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.tensor([ROWS[0]])
+    with torch.no_grad():
+        assert (reread(tokens).logits - hf(tokens).logits).abs().max() <= 1e-5
+    # A Gemma goes out as a Gemma by its config alone; Phi-3's layout is also Llama's.
+    assert choose_format(run, tmp_path / "x")[1] == {
+        "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}[name]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "gemma3"}, "vision tower"),
+    ({"hidden_activation": "gelu"}, "cannot express hidden_activation = gelu"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "are not every n-th layer"),
+])
+def test_what_gemma_import_cannot_express_is_named(change, message, tmp_path):
+    from tformer.interop.gemma import gemma_config
+
+    hf = {"model_type": "gemma2", **COMMON, "sliding_window": 4, **change}
+    with pytest.raises(TformerError, match=message):
+        gemma_config(hf, tmp_path)
+
+
+def test_longrope_is_refused_by_name(tmp_path):
+    from tformer.interop.phi3 import phi3_config
+
+    hf = {"model_type": "phi3", **COMMON, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+        "long_factor": [2.0] * 4}}
+    with pytest.raises(TformerError, match="rope type 'longrope' cannot be expressed"):
+        phi3_config(hf, tmp_path)

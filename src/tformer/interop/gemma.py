@@ -152,11 +152,13 @@ def model_type_of(cfg: GPTConfig) -> str:
     differs where neither is."""
     wanted = {"position": "none", "rotary": True, "norm": "pre", "norm_kind": "rmsnorm_plus1",
               "feedforward": "gated", "activation": "gelu_tanh", "bias": False,
-              "attn_bias": None, "qkv_bias": None, "final_norm": True, "output_bias": False,
+              "final_norm": True, "output_bias": False,
               "scale_embeddings": True, "embed_norm": False, "sandwich_norm": True,
               "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None}
     differ = [f"model.{key} = {getattr(cfg, key)!r} (Gemma: {value!r})"
               for key, value in wanted.items() if getattr(cfg, key) != value]
+    if cfg.attention_bias or cfg.qkv_bias:
+        differ.append(f"model.attn_bias / qkv_bias = true (Gemma: no biases)")
     model_type = "gemma3_text" if cfg.qk_norm else "gemma2"
     if model_type == "gemma2" and cfg.rope_local_theta is not None:
         differ.append("model.rope_local_theta (Gemma 2: one base for every layer)")

@@ -73,13 +73,14 @@ def import_phi3(src: Path, dest: Path) -> Path:
 def check_layout(cfg: GPTConfig) -> None:
     """A TformerError listing every field in which `cfg` is not Phi-3's layout."""
     wanted = {"position": "none", "rotary": True, "norm": "pre", "norm_kind": "rmsnorm",
-              "feedforward": "gated", "activation": "silu", "bias": False, "attn_bias": None,
-              "qkv_bias": None, "qk_norm": False, "final_norm": True, "output_bias": False,
+              "feedforward": "gated", "activation": "silu", "bias": False, "qk_norm": False, "final_norm": True, "output_bias": False,
               "scale_embeddings": False, "embed_norm": False, "rope_layout": "halves",
               "d_value": None, "sandwich_norm": False, "attn_scale": None,
               "attn_softcap": None, "logit_softcap": None, "global_every": 0}
     differ = [f"model.{key} = {getattr(cfg, key)!r} (Phi-3: {value!r})"
               for key, value in wanted.items() if getattr(cfg, key) != value]
+    if cfg.attention_bias or cfg.qkv_bias:
+        differ.append(f"model.attn_bias / qkv_bias = true (Phi-3: no biases)")
     if cfg.rope_scaling != "none":
         differ.append(f"model.rope_scaling = {cfg.rope_scaling!r} (Phi-3 here: none)")
     if differ:
