@@ -6,6 +6,7 @@ and to a GGUF file, and transformers reading those."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -176,3 +177,56 @@ def test_longrope_is_refused_by_name(tmp_path):
         "long_factor": [2.0] * 4}}
     with pytest.raises(TformerError, match="rope type 'longrope' cannot be expressed"):
         phi3_config(hf, tmp_path)
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+OVERRIDES = {  # what transformers' GGUF reader takes from its defaults, not the file
+    "gemma2": {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.5,
+               "final_logit_softcapping": 2.0},
+    "gemma3": {"query_pre_attn_scalar": 256, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.75}},
+}
+
+
+@pytest.fixture(scope="module")
+def through_gguf(saved, tmp_path_factory):
+    """The family imported, exported by tformer as a GGUF file (f32), and imported again."""
+    from tformer.interop.command import export_checkpoint, import_checkpoint
+
+    name, path, _ = saved
+    folder = tmp_path_factory.mktemp(f"{name}-gguf")
+    run = import_checkpoint(path, folder / "ours")
+    file = export_checkpoint(run, folder / f"{name}.gguf")
+    return run, file, import_checkpoint(file, folder / "again")
+
+
+@torch.no_grad()
+def test_a_gguf_written_here_imports_to_the_same_model(saved, through_gguf):
+    from tformer.interop.gguf import read_gguf
+    from tformer.loading import load_checkpoint
+
+    name, path, hf = saved
+    run, file, again = through_gguf
+    assert read_gguf(file).architecture == {"gemma3": "gemma3"}.get(name, name)
+    first, second = load_checkpoint(run).model, load_checkpoint(again).model
+    # GGUF's metadata holds float32: the epsilon comes back rounded to it
+    assert replace(second.cfg, norm_eps=first.cfg.norm_eps) == first.cfg
+    assert second.cfg.norm_eps == pytest.approx(first.cfg.norm_eps, rel=1e-6)
+    for key, value in first.state_dict().items():
+        assert torch.equal(value, second.state_dict()[key]), key
+    tokens = torch.tensor([ROWS[0]])
+    assert (second(tokens) - hf(tokens).logits).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_transformers_reads_the_gguf_written_here(saved, through_gguf):
+    name, path, hf = saved
+    _, file, _ = through_gguf
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32, **OVERRIDES[name]).eval()
+    tokens = torch.tensor([ROWS[0]])
+    assert (reference(tokens).logits - hf(tokens).logits).abs().max() <= 1e-5

@@ -158,7 +158,7 @@ def model_type_of(cfg: GPTConfig) -> str:
     differ = [f"model.{key} = {getattr(cfg, key)!r} (Gemma: {value!r})"
               for key, value in wanted.items() if getattr(cfg, key) != value]
     if cfg.attention_bias or cfg.qkv_bias:
-        differ.append(f"model.attn_bias / qkv_bias = true (Gemma: no biases)")
+        differ.append("model.attn_bias / qkv_bias = true (Gemma: no biases)")
     model_type = "gemma3_text" if cfg.qk_norm else "gemma2"
     if model_type == "gemma2" and cfg.rope_local_theta is not None:
         differ.append("model.rope_local_theta (Gemma 2: one base for every layer)")
@@ -203,7 +203,7 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings, "rope_parameters": rope,
         "attention_bias": False, "torch_dtype": "float32",
         # query_pre_attn_scalar is the number whose -1/2 power scales q . k
-        "query_pre_attn_scalar": head if cfg.attn_scale is None else _scalar(cfg.attn_scale),
+        "query_pre_attn_scalar": head if cfg.attn_scale is None else query_scalar(cfg.attn_scale),
         # No window anywhere: one as long as the context slides past nothing.
         "sliding_window": cfg.window or cfg.context, "layer_types": layer_types(cfg),
         "attn_logit_softcapping": cfg.attn_softcap,
@@ -211,9 +211,9 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     }
 
 
-def _scalar(scale: float) -> float | int:
+def query_scalar(scale: float) -> float | int:
     """The query_pre_attn_scalar whose -1/2 power is `scale`: a whole number where it is
-    one up to rounding, as the configs give it."""
+    one up to rounding (a float32 of GGUF's metadata), as the configs give it."""
     scalar = scale**-2
     return round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar
 

@@ -80,7 +80,7 @@ def check_layout(cfg: GPTConfig) -> None:
     differ = [f"model.{key} = {getattr(cfg, key)!r} (Phi-3: {value!r})"
               for key, value in wanted.items() if getattr(cfg, key) != value]
     if cfg.attention_bias or cfg.qkv_bias:
-        differ.append(f"model.attn_bias / qkv_bias = true (Phi-3: no biases)")
+        differ.append("model.attn_bias / qkv_bias = true (Phi-3: no biases)")
     if cfg.rope_scaling != "none":
         differ.append(f"model.rope_scaling = {cfg.rope_scaling!r} (Phi-3 here: none)")
     if differ:
