@@ -73,7 +73,8 @@ def import_phi3(src: Path, dest: Path) -> Path:
 def check_layout(cfg: GPTConfig) -> None:
     """A TformerError listing every field in which `cfg` is not Phi-3's layout."""
     wanted = {"position": "none", "rotary": True, "norm": "pre", "norm_kind": "rmsnorm",
-              "feedforward": "gated", "activation": "silu", "bias": False, "qk_norm": False, "final_norm": True, "output_bias": False,
+              "feedforward": "gated", "activation": "silu", "bias": False, "qk_norm": False,
+              "final_norm": True, "output_bias": False,
               "scale_embeddings": False, "embed_norm": False, "rope_layout": "halves",
               "d_value": None, "sandwich_norm": False, "attn_scale": None,
               "attn_softcap": None, "logit_softcap": None, "global_every": 0}
