@@ -230,3 +230,33 @@ def test_transformers_reads_the_gguf_written_here(saved, through_gguf):
         file.parent, gguf_file=file.name, dtype=torch.float32, **OVERRIDES[name]).eval()
     tokens = torch.tensor([ROWS[0]])
     assert (reference(tokens).logits - hf(tokens).logits).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_a_quantized_gguf_keeps_its_blocks_and_computes_as_transformers_reads_it(
+        saved, through_gguf, tmp_path):
+    """Exported with q8_0 matrices: imported, the projections hold the file's blocks (Phi-3's
+    fused gate/up is split, so read into fp32), and dequantized they give the logits
+    transformers computes from the same file."""
+    from tformer.interop.command import export_checkpoint
+    from tformer.interop.gguf import convert_gguf
+    from tformer.kernels.blocks import BlockLinear
+    from tformer.loading import load_checkpoint
+
+    name, _, _ = saved
+    run, _, _ = through_gguf
+    file = export_checkpoint(run, tmp_path / f"{name}-q8.gguf", "gguf", type="q8_0")
+    kept, _ = convert_gguf(file, tmp_path / "run")
+    assert set(kept) == {"Q8_0"}
+    held = load_checkpoint(tmp_path / "run").model
+    for block in held.blocks:  # (rows of 40 or 48 values go out as f16: not whole blocks)
+        assert type(block.attn.qkv_proj) is BlockLinear
+        assert (type(block.ff.gate) is BlockLinear) == (name != "phi3")
+    ours = load_checkpoint(tmp_path / "run", weights="fp32").model
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32, **OVERRIDES[name]).eval()
+    tokens = torch.tensor([ROWS[0]])
+    assert (ours(tokens) - reference(tokens).logits).abs().max() <= 1e-5
+    # The blocks as held compute with their activations rounded to 8 bits, as llama.cpp's
+    # q8_0 products do: near the dequantized weights' logits, not equal to them.
+    assert (held(tokens) - ours(tokens)).abs().max() <= 0.05
