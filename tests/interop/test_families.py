@@ -260,3 +260,45 @@ def test_a_quantized_gguf_keeps_its_blocks_and_computes_as_transformers_reads_it
     # The blocks as held compute with their activations rounded to 8 bits, as llama.cpp's
     # q8_0 products do: near the dequantized weights' logits, not equal to them.
     assert (held(tokens) - ours(tokens)).abs().max() <= 0.05
+
+
+def gguf_metadata(arch: str, **keys):
+    """A GGUF file's metadata alone (no tensor is read to map the config)."""
+    from pathlib import Path
+
+    from tformer.interop.gguf import GGUFFile
+
+    base = {"block_count": 2, "context_length": 64, "embedding_length": 256,
+            "feed_forward_length": 512, "attention.head_count": 4,
+            "attention.head_count_kv": 2, "vocab_size": 300}
+    metadata = {"general.architecture": arch,
+                **{f"{arch}.{k}": v for k, v in (base | keys).items()}}
+    return GGUFFile(Path(f"{arch}.gguf"), metadata, {})
+
+
+@pytest.mark.parametrize("arch,layers,expected", [
+    ("gemma2", 42, 128), ("gemma2", 46, 144), ("gemma3", 34, 128), ("gemma3", 62, 168)])
+def test_a_gemma_gguf_without_a_query_scale_takes_llama_cpps(arch, layers, expected):
+    """Gemma 2 and 3's 27B models scale queries by d_model / n_head, not their head size;
+    llama.cpp knows them by their layer count, and so does the import."""
+    from tformer.interop.gguf import hf_config
+
+    heads = 32
+    hf = hf_config(gguf_metadata(arch, block_count=layers, embedding_length=expected * heads,
+                                 **{"attention.head_count": heads,
+                                    "attention.key_length": 128}))
+    assert hf["query_pre_attn_scalar"] == expected
+    every = 6 if arch == "gemma3" else 2
+    assert hf["layer_types"][:every] == ["sliding_attention"] * (every - 1) + ["full_attention"]
+
+
+def test_a_phi3_gguf_reads_its_partial_rotary_and_refuses_longrope():
+    from tformer.interop.gguf import hf_config
+
+    # llama.cpp writes no key_length for phi3: the head is d_model / n_head, 64 here
+    hf = hf_config(gguf_metadata("phi3", **{"rope.dimension_count": 48}))
+    assert (hf["head_dim"], hf["partial_rotary_factor"]) == (64, 0.75)
+    file = gguf_metadata("phi3")
+    file.tensors["rope_factors_long.weight"] = None
+    with pytest.raises(TformerError, match="LongRoPE"):
+        hf_config(file)

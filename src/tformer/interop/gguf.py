@@ -254,14 +254,18 @@ def _gemma_config(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any]:
     """The keys of a Gemma 2 / Gemma 3 text config.json the file gives: its window, where
     the global layers are (llama.cpp's rule, every second for Gemma 2 and every sixth for
     Gemma 3, unless sliding_window_pattern says), soft caps, the sliding layers' rotary base
-    and the query scale (attention.scale, where the file has it, else 1 / sqrt(head_dim),
-    llama.cpp's rule for every Gemma but the 27B ones)."""
+    and the query scale: attention.scale where the file has it, else llama.cpp's rule,
+    1 / sqrt(d_model / n_head) for the 27B models (known by their layer count, 46 and 62:
+    their query_pre_attn_scalar is not their head size) and 1 / sqrt(head_dim) for the
+    others."""
     from tformer.interop import gemma
 
     gemma3 = file.architecture == "gemma3"
     every = int(file.get("attention.sliding_window_pattern") or (6 if gemma3 else 2))
     n_layer, head = hf["num_hidden_layers"], hf["head_dim"]
     scale = file.get("attention.scale")
+    if scale is None and n_layer == (62 if gemma3 else 46):
+        scale = (hf["hidden_size"] / hf["num_attention_heads"]) ** -0.5
     fields: dict[str, Any] = {
         "model_type": "gemma3_text" if gemma3 else "gemma2",
         "hidden_activation": "gelu_pytorch_tanh", "hidden_act": None,
