@@ -41,6 +41,7 @@ FAMILIES = {
 
 
 def build(path):
+    """The model of a Hugging Face directory, by its family's importer."""
     from tformer.interop import gemma, phi3
 
     hf = read_hf_config(path)
@@ -63,10 +64,20 @@ def saved(request, tmp_path_factory):
                     p.sub_(1.0)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    bpe_tokenizer().save_pretrained(path)
+    from tokenizers import decoders
+
+    tokenizer = bpe_tokenizer(("<start_of_turn>", "<end_of_turn>"))
+    tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()  # texts, not byte symbols
+    tokenizer.chat_template = CHAT
+    tokenizer.save_pretrained(path)
     return request.param, path, model
 
 
+CHAT = ("{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+        "{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+"""Gemma's chat template, in small."""
+MESSAGES = [{"role": "user", "content": " Kalo mi ré? "}]
 ROWS = [[5, 17, 3, 88, 41, 9, 62, 23, 7, 1, 54], [12, 6, 90], [33, 2, 71, 45, 8, 19, 60]]
 
 
@@ -302,3 +313,34 @@ def test_a_phi3_gguf_reads_its_partial_rotary_and_refuses_longrope():
     file.tensors["rope_factors_long.weight"] = None
     with pytest.raises(TformerError, match="LongRoPE"):
         hf_config(file)
+
+
+def test_greedy_text_and_the_chat_template_come_through_import_and_both_exports(
+        saved, through_gguf, tmp_path):
+    """tformer.load's greedy text is transformers' decoded greedy continuation; the chat
+    template renders as transformers' apply_chat_template of the source does, from the
+    imported checkpoint, from its GGUF file imported again, and from the exported folder."""
+    import tformer
+    from tformer.data.chat import load_chat_template
+    from tformer.interop.command import export_checkpoint
+
+    name, path, hf = saved
+    run, _, again = through_gguf
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    prompt = torch.tensor([tokenizer("Kalo mi")["input_ids"]])
+    with torch.no_grad():
+        ids = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                          eos_token_id=1)[0, prompt.shape[1]:]
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    for checkpoint in (run, again):
+        assert tformer.load(checkpoint, threads=1).generate(
+            "Kalo mi", max_new_tokens=12, temperature=0.0) == want, (name, checkpoint)
+
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False,
+                                             add_generation_prompt=True)
+    specials = {"bos_token": "<s>", "eos_token": "</s>"}
+    for checkpoint in (run, again):
+        assert load_chat_template(checkpoint, None, specials).render(MESSAGES) == rendered
+    out = export_checkpoint(run, tmp_path / "out", "phi3" if name == "phi3" else "gemma")
+    assert transformers.AutoTokenizer.from_pretrained(out).apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True) == rendered
