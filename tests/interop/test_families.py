@@ -49,8 +49,20 @@ def build(path):
     return make(hf, read_hf_weights(path), path)
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE trained here, Gemma's turn markers among its specials, with a chat
+    template (one for every family: training it is the slow part of a fixture)."""
+    from tokenizers import decoders
+
+    tokenizer = bpe_tokenizer(("<start_of_turn>", "<end_of_turn>"))
+    tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()  # texts, not byte symbols
+    tokenizer.chat_template = CHAT
+    return tokenizer
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def saved(request, tmp_path_factory):
+def saved(request, tokenizer, tmp_path_factory):
     config_class, model_class, fields = FAMILIES[request.param]
     config = getattr(transformers, config_class)(**{**COMMON, **fields})
     config._attn_implementation = "eager"
@@ -64,11 +76,6 @@ def saved(request, tmp_path_factory):
                     p.sub_(1.0)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    from tokenizers import decoders
-
-    tokenizer = bpe_tokenizer(("<start_of_turn>", "<end_of_turn>"))
-    tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()  # texts, not byte symbols
-    tokenizer.chat_template = CHAT
     tokenizer.save_pretrained(path)
     return request.param, path, model
 
