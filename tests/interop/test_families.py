@@ -351,3 +351,32 @@ def test_greedy_text_and_the_chat_template_come_through_import_and_both_exports(
     out = export_checkpoint(run, tmp_path / "out", "phi3" if name == "phi3" else "gemma")
     assert transformers.AutoTokenizer.from_pretrained(out).apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=True) == rendered
+
+
+def test_the_4x_config_form_reads_as_the_5x_one(saved):
+    """transformers 4.x wrote no layer_types (a pattern, or Gemma's default one), Gemma
+    3's rotary bases as rope_theta, rope_scaling and rope_local_base_freq, and Phi-3's
+    partial rotary factor beside rope_theta."""
+    from tformer.interop.gemma import gemma_config
+    from tformer.interop.phi3 import phi3_config
+
+    name, path, _ = saved
+    hf = read_hf_config(path)
+    if name == "phi3":
+        params = hf["rope_parameters"]
+        old = {key: value for key, value in hf.items() if key != "rope_parameters"}
+        old |= {"rope_theta": params["rope_theta"],
+                "partial_rotary_factor": params["partial_rotary_factor"]}
+        assert phi3_config(old, path) == phi3_config(hf, path)
+        return
+    old = {key: value for key, value in hf.items()
+           if key not in ("layer_types", "rope_parameters")}
+    params = hf["rope_parameters"]
+    if name == "gemma3":
+        full = dict(params["full_attention"])
+        old |= {"rope_theta": full.pop("rope_theta"),
+                "rope_local_base_freq": params["sliding_attention"]["rope_theta"],
+                "rope_scaling": full}
+    else:
+        old["rope_theta"] = params["rope_theta"]
+    assert gemma_config(old, path) == gemma_config(hf, path)

@@ -36,8 +36,14 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
     """The rotary fields: Gemma 3's rope_parameters hold one table per kind of layer (the
-    sliding layers' theta, the global layers' theta and scaling), Gemma 2's one for all."""
+    sliding layers' theta, the global layers' theta and scaling), Gemma 2's one for all;
+    transformers 4.x wrote Gemma 3's as rope_theta and rope_scaling (the global layers')
+    and rope_local_base_freq."""
     params = hf.get("rope_parameters") or {}
+    if hf["model_type"] == "gemma3_text" and "full_attention" not in params:
+        params = {"full_attention": params or {
+            **(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1e6)},
+            "sliding_attention": {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}}
     if "full_attention" not in params:
         return llama._rope(hf, source)
     fields = llama._rope({"rope_parameters": params["full_attention"]}, source)
@@ -51,11 +57,13 @@ def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
 
 def global_every(hf: dict[str, Any], source: Path) -> int:
     """The period of the global layers among sliding ones (0: none is global): layer_types,
-    else the older sliding_window_pattern; a pattern of no period is an error."""
+    else the older sliding_window_pattern (by default every second layer of Gemma 2, every
+    sixth of Gemma 3); a pattern of no period is an error."""
     n_layer = int(hf["num_hidden_layers"])
     types = hf.get("layer_types")
     if types is None:
-        every = int(hf.get("sliding_window_pattern") or 2)
+        default = 6 if hf["model_type"] == "gemma3_text" else 2
+        every = int(hf.get("sliding_window_pattern") or default)
         types = [LAYER_TYPES[(i + 1) % every == 0] for i in range(n_layer)]
     unknown = sorted(set(types) - set(LAYER_TYPES))
     if unknown or len(types) != n_layer:
