@@ -187,16 +187,6 @@ def test_what_gemma_import_cannot_express_is_named(change, message, tmp_path):
         gemma_config(hf, tmp_path)
 
 
-def test_longrope_is_refused_by_name(tmp_path):
-    from tformer.interop.phi3 import phi3_config
-
-    hf = {"model_type": "phi3", **COMMON, "rope_parameters": {
-        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
-        "long_factor": [2.0] * 4}}
-    with pytest.raises(TformerError, match="rope type 'longrope' cannot be expressed"):
-        phi3_config(hf, tmp_path)
-
-
 # --- GGUF -----------------------------------------------------------------------------------
 
 OVERRIDES = {  # what transformers' GGUF reader takes from its defaults, not the file
@@ -380,3 +370,32 @@ def test_the_4x_config_form_reads_as_the_5x_one(saved):
     else:
         old["rope_theta"] = params["rope_theta"]
     assert gemma_config(old, path) == gemma_config(hf, path)
+
+
+REFUSED = {  # family -> (config.json changes, words of the error), each a one-line error
+    "gemma2": [({"layer_types": ["full_attention", "sliding_attention"]},
+                "not every n-th layer"),
+               ({"hidden_activation": "relu"}, "hidden_activation = relu")],
+    "gemma3": [({"model_type": "gemma3", "vision_config": {}}, "vision tower")],
+    "phi3": [({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                   "short_factor": [1.0], "long_factor": [2.0]}},
+              "rope type 'longrope' cannot be expressed")],
+}
+
+
+def test_what_cannot_be_imported_is_a_one_line_cli_error(saved, tmp_path, capsys):
+    import json
+    import shutil
+
+    from tformer.cli import main
+
+    name, path, _ = saved
+    for i, (change, words) in enumerate(REFUSED[name]):
+        source = tmp_path / f"source{i}"
+        shutil.copytree(path, source)
+        (source / "config.json").write_text(json.dumps(read_hf_config(source) | change))
+        assert main(["import", str(source), "--out", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tformer: error: ") and err.count("\n") == 1, err
+        assert words in err, err
+        assert not (tmp_path / "run").exists()
