@@ -225,9 +225,8 @@ class GPT(Model):
         self.embed_norm = cfg.norm_module() if cfg.embed_norm else None
         self.dropout = Dropout(cfg.dropout)
         # One rotary table for every layer of a kind (its buffer is not saved).
-        rotary, local = cfg.rotary_module(), cfg.rotary_module(local=True)
-        if cfg.rope_local_theta is None:
-            local = rotary
+        rotary = cfg.rotary_module()
+        local = rotary if cfg.rope_local_theta is None else cfg.rotary_module(local=True)
         self.blocks = nn.ModuleList(
             GPTBlock(cfg, local if cfg.slides(i) else rotary, slides=cfg.slides(i))
             for i in range(cfg.n_layer))
