@@ -202,3 +202,32 @@ def test_the_pattern_fields_are_unused_without_a_window():
     assert {"global_every", "rope_local_theta"} <= unused
     assert "global_every" not in GPTConfig(vocab_size=VOCAB, rotary=True, window=4
                                            ).unused_fields()
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
+def test_soft_capped_attention_over_a_long_prompt_is_the_float64_formula(masked,
+                                                                        monkeypatch):
+    """Past QUERY_CHUNK queries the capped scores are formed a chunk of queries at a time;
+    the result is the formula's, with grouped heads and a scale of its own."""
+    from tformer.layers import scaled_dot_product as module
+    from tformer.layers.masks import causal_mask
+    from tformer.layers.scaled_dot_product import QUERY_CHUNK, scaled_dot_product
+
+    rows = []
+    original = module.written_out
+    monkeypatch.setattr(module, "written_out",
+                        lambda q, *a, **kw: rows.append(q.shape[2]) or original(q, *a, **kw))
+
+    T, g = QUERY_CHUNK + 37, torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, T, 8, generator=g)
+    k, v = torch.randn(1, 2, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g)
+    allowed = causal_mask(T, T)
+    if masked:  # some keys hidden from every query after the first
+        allowed = allowed & ((torch.arange(T) % 7 != 3) | (torch.arange(T)[:, None] == 0))
+    got = scaled_dot_product(q, k, v, allowed if masked else None, not masked, dropout_p=0.0,
+                             recorded=None, scale=0.4, softcap=2.0)
+    kd, vd = (t.double().repeat_interleave(2, dim=1) for t in (k, v))
+    scores = 2.0 * torch.tanh(q.double() @ kd.transpose(-1, -2) * 0.4 / 2.0)
+    want = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vd
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert rows == [QUERY_CHUNK, 37]

@@ -52,13 +52,18 @@ def scaled_dot_product(
     """
     written = recorded is not None or runs_natively(q, dropout_p) or softcap is not None
     T = q.shape[2]
-    if (not written and dropout_p == 0.0 and mask is not None and T > QUERY_CHUNK
+    # Capped scores are written out, (B, H, T, S) of them at once: a long prompt's are taken
+    # a chunk of queries at a time too, the causal mask built to be cut into rows.
+    capped = softcap is not None and recorded is None and dropout_p == 0.0
+    if capped and mask is None and is_causal and T > QUERY_CHUNK:
+        mask, is_causal = causal_mask(T, k.shape[2], q.device), False
+    if ((not written or capped) and dropout_p == 0.0 and mask is not None and T > QUERY_CHUNK
             and mask.shape[-2] == T):
         # Each query's row of the mask is its own: attend a chunk of queries at a time.
         return torch.cat([
             scaled_dot_product(q[:, :, i : i + QUERY_CHUNK], k, v,
                                mask[..., i : i + QUERY_CHUNK, :], False, dropout_p=0.0,
-                               recorded=None, scale=scale)
+                               recorded=None, scale=scale, softcap=softcap)
             for i in range(0, T, QUERY_CHUNK)
         ], dim=2)
     if k.shape[1] != q.shape[1]:
