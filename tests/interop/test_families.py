@@ -175,7 +175,7 @@ def test_export_then_import_is_identical_and_transformers_reads_it(saved, tmp_pa
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"model_type": "gemma3"}, "vision tower"),
+    ({"model_type": "gemma3"}, "multimodal Gemma 3 config.json without a text_config"),
     ({"hidden_activation": "gelu"}, "cannot express hidden_activation = gelu"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "are not every n-th layer"),
 ])
@@ -376,7 +376,10 @@ REFUSED = {  # family -> (config.json changes, words of the error), each a one-l
     "gemma2": [({"layer_types": ["full_attention", "sliding_attention"]},
                 "not every n-th layer"),
                ({"hidden_activation": "relu"}, "hidden_activation = relu")],
-    "gemma3": [({"model_type": "gemma3", "vision_config": {}}, "vision tower")],
+    "gemma3": [({"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+        "rope scaling on the sliding layers ('linear') cannot be expressed")],
     "phi3": [({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
                                    "short_factor": [1.0], "long_factor": [2.0]}},
               "rope type 'longrope' cannot be expressed")],
@@ -399,3 +402,40 @@ def test_what_cannot_be_imported_is_a_one_line_cli_error(saved, tmp_path, capsys
         assert err.startswith("tformer: error: ") and err.count("\n") == 1, err
         assert words in err, err
         assert not (tmp_path / "run").exists()
+
+
+@torch.no_grad()
+def test_a_multimodal_gemma3_comes_in_as_its_text_model(tokenizer, tmp_path, caplog):
+    """Gemma3ForConditionalGeneration (every Gemma 3 from 4B up): the text model imported,
+    the vision tower and projector left out with a warning; on text it gives the logits of
+    the whole model, whose config leaves most text fields to their defaults."""
+    import json
+
+    from tformer.interop.command import import_checkpoint
+    from tformer.loading import load_checkpoint
+
+    # The fields the published text_configs name; the rest (4 key/value heads, the query
+    # scalar, the rotary bases, the window pattern, eps, context) are the defaults
+    named = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 40,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
+             "sliding_window": 3}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    config = transformers.Gemma3Config(text_config=named, vision_config=vision,
+                                       mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    randomise(model)
+    source = tmp_path / "source"
+    model.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    hf = read_hf_config(source)
+    (source / "config.json").write_text(json.dumps(hf | {"text_config": named | {
+        "model_type": "gemma3_text"}}))
+    with caplog.at_level("WARNING"):
+        run = import_checkpoint(source, tmp_path / "ours")
+    assert "vision tower and projector" in caplog.text
+    ours = load_checkpoint(run).model
+    assert ours.cfg.qk_norm and ours.cfg.context == 131072  # a default of the text config
+    tokens = torch.tensor([ROWS[0]])
+    assert (ours(tokens) - model(tokens).logits).abs().max() <= 1e-5

@@ -35,9 +35,6 @@ def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
         return import_gguf(src, dest)
     model_type = read_hf_config(src).get("model_type")
     found = importers()
-    if model_type == "gemma3":  # the text model of it would import; the vision tower not
-        raise TformerError(f"{src}: a Gemma 3 with a vision tower (model_type gemma3) cannot "
-                           f"be imported; tformer reads its text-only form (gemma3_text)")
     if model_type not in found:
         raise TformerError(
             f"{src}: model_type {model_type!r} cannot be imported; known: {', '.join(found)}"
@@ -148,9 +145,9 @@ def export_checkpoint(checkpoint: str | Path, dest: str | Path,
 def import_command(
     source: Annotated[
         str, Help("directory with config.json and the weights (GPT-2, Marian, Llama, Qwen2, "
-                  "Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3/Phi-4), a .gguf file (llama, "
-                  "qwen2, qwen3, gpt2, gemma2, gemma3, phi3), or a PEFT LoRA adapter "
-                  "directory (with --base)")
+                  "Qwen3, Mistral, Gemma 2, Gemma 3 (its text model), Phi-3/Phi-4), a .gguf "
+                  "file (llama, qwen2, qwen3, gpt2, gemma2, gemma3, phi3), or a PEFT LoRA "
+                  "adapter directory (with --base)")
     ],
     *,
     out: Annotated[str, Help("the new checkpoint's directory")],

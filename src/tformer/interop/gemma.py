@@ -10,8 +10,10 @@ scores and logits (attn_softcap, logit_softcap); Gemma 3 instead normalises each
 key head (qk_norm) and rotates its sliding layers by a base of their own (rope_local_theta),
 with rope scaling on its global layers only.
 
-Gemma 3's multimodal checkpoints (`gemma3`, Gemma3ForConditionalGeneration) carry a vision
-tower that tformer has no place for: they are refused by name.
+Gemma 3's multimodal checkpoints (`gemma3`, Gemma3ForConditionalGeneration: every Gemma 3
+from 4B up) carry a vision tower that tformer has no place for: they come in as their text
+model, the vision tower and its projector left out (a warning says so), which reads text as
+the whole model does.
 """
 
 from __future__ import annotations
@@ -29,9 +31,52 @@ from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("gemma2", "gemma3_text")
+MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3")
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+"""Gemma3TextConfig's defaults, which the text_config of a multimodal Gemma 3 leaves out
+(its published configs name a few fields only); its rotary defaults are _rope's."""
+TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                 "language_model.lm_head.": "lm_head."}
+"""Where a multimodal checkpoint keeps its text model's tensors (as saved; as
+state_dict() names them) -> where a Gemma3ForCausalLM keeps them."""
+IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                  "model.multi_modal_projector.")
+
+
+def text_config(hf: dict[str, Any], source: Path) -> dict[str, Any]:
+    """A multimodal Gemma 3's text model's config.json: its text_config over
+    Gemma3TextConfig's defaults."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise TformerError(f"{source}: a multimodal Gemma 3 config.json without a text_config")
+    return {**TEXT_DEFAULTS, "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+            **text, "model_type": "gemma3_text"}
+
+
+def text_weights(weights: dict[str, Any], source: Path) -> dict[str, Any]:
+    """A multimodal Gemma 3's text model's tensors under Gemma3ForCausalLM's names, the
+    vision tower's and projector's left out (a warning counts them)."""
+    tensors: dict[str, Any] = {}
+    left_out = 0
+    for name, tensor in weights.items():
+        if name.startswith(IMAGE_PREFIXES):
+            left_out += 1
+            continue
+        prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+        tensors[name if prefix is None else TEXT_PREFIXES[prefix] + name[len(prefix):]] = tensor
+    log.warning("%s: a multimodal Gemma 3; its text model is imported, its vision tower and "
+                "projector (%d tensors) left out", source, left_out)
+    return tensors
 
 
 def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
@@ -79,11 +124,10 @@ def global_every(hf: dict[str, Any], source: Path) -> int:
 
 def gemma_config(hf: dict[str, Any], source: Path) -> GPTConfig:
     """A Gemma 2 / Gemma 3 text config.json -> GPTConfig; what tformer cannot express is an
-    error naming it."""
+    error naming it; a multimodal Gemma 3's, its text model's."""
+    if hf.get("model_type") == "gemma3":
+        hf = text_config(hf, source)
     model_type = hf.get("model_type")
-    if model_type == "gemma3":
-        raise TformerError(f"{source}: a Gemma 3 with a vision tower (model_type gemma3) "
-                           f"cannot be imported; its text model (gemma3_text) can")
     if model_type not in MODEL_TYPES:
         raise TformerError(f"{source}: model_type {model_type!r} is not one of "
                            f"{', '.join(MODEL_TYPES)}")
@@ -143,12 +187,14 @@ def gemma_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path |
     """A GPT with the weights of a Gemma 2 / Gemma 3 text model, from its config and its
     tensors (as saved, or its state_dict())."""
     source = Path(source)
+    if hf.get("model_type") == "gemma3":
+        weights = text_weights(weights, source)
     cfg = gemma_config(hf, source)
     return llama.build_gpt(cfg, _names(cfg), weights, source)
 
 
 def import_gemma(src: Path, dest: Path) -> Path:
-    """A local Gemma 2 / Gemma 3 text directory -> a tformer GPT checkpoint."""
+    """A local Gemma 2 / Gemma 3 directory -> a tformer GPT checkpoint (of the text model)."""
     return llama.import_hf_gpt(src, dest, gemma_from_hf)
 
 
