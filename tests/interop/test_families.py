@@ -34,9 +34,10 @@ FAMILIES = {
         "head_dim": 12, "num_hidden_layers": 6, "sliding_window": 3,
         "query_pre_attn_scalar": 256, "rope_theta": 100000.0,
         "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
-    # A quarter of each head unrotated, untied embeddings.
+    # A quarter of each head unrotated, untied embeddings, Phi-3-mini's sliding window.
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75,
-                                               "tie_word_embeddings": False}),
+                                               "tie_word_embeddings": False,
+                                               "sliding_window": 5}),
 }
 
 
@@ -137,7 +138,8 @@ def test_the_config_maps_each_family_difference(saved):
         ("rmsnorm_plus1", True, True) if gemma else ("rmsnorm", False, False))
     assert cfg.activation == ("gelu_tanh" if gemma else "silu")
     assert [cfg.slides(i) for i in range(cfg.n_layer)] == {
-        "gemma2": [True, False], "gemma3": [True] * 5 + [False], "phi3": [False] * 2}[name]
+        "gemma2": [True, False], "gemma3": [True] * 5 + [False], "phi3": [True] * 2}[name]
+    assert cfg.window == {"gemma2": 4, "gemma3": 3, "phi3": 5}[name]
     assert (cfg.attn_softcap, cfg.logit_softcap) == (
         (1.5, 2.0) if name == "gemma2" else (None, None))
     assert cfg.qk_norm == (name == "gemma3")
@@ -196,7 +198,7 @@ OVERRIDES = {  # what transformers' GGUF reader takes from its defaults, not the
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                 "partial_rotary_factor": 0.75}},
+                                 "partial_rotary_factor": 0.75}, "sliding_window": 5},
 }
 
 
