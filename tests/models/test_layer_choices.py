@@ -101,8 +101,9 @@ def test_the_paged_pool_keeps_what_global_layers_read_behind_the_window():
     model = make_model(GEMMA)
     assert model.cfg.cache_window is None
     assert make_model(MODERN | dict(window=4)).cfg.cache_window == 4
-    pool = PagedPool(model, 40, block_size=2)
+    pool = PagedPool(model, 60, block_size=2)
     g = torch.Generator().manual_seed(2)
+    texts, rows = [], []
     for length in (11, 4, 15):
         text = torch.randint(0, VOCAB, (length,), generator=g).tolist()
         row = Row()
@@ -110,7 +111,17 @@ def test_the_paged_pool_keeps_what_global_layers_read_behind_the_window():
                          for i in range(0, length, 3)])
         torch.testing.assert_close(got, model(torch.tensor([text]))[0], atol=1e-5, rtol=1e-5)
         pool.seat(row)
-        assert 0 not in row.blocks  # nothing given back: the global layers read it all
+        texts.append(text)
+        rows.append(row)
+    for _ in range(5):  # the rows decoding together, one token a step
+        last = [int(t) for t in torch.randint(0, VOCAB, (3,), generator=g)]
+        logits = pool.step(last)
+        for i, (text, token) in enumerate(zip(texts, last, strict=True)):
+            text.append(token)
+            want = model(torch.tensor([text]))[0, -1]
+            torch.testing.assert_close(logits[i], want, atol=1e-5, rtol=1e-5)
+    for row in rows:  # nothing given back: the global layers read it all
+        assert 0 not in row.blocks
 
 
 @torch.no_grad()
