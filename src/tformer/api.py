@@ -68,9 +68,9 @@ class FormatNames(Sequence[str]):
     loads only once it runs."""
 
     def _names(self) -> tuple[str, ...]:
-        from tformer.kernels.formats import FORMATS
+        from tformer.kernels.formats import FORMATS, MIXES
 
-        return tuple(FORMATS)
+        return (*FORMATS, *MIXES)
 
     @overload
     def __getitem__(self, index: int) -> str: ...

@@ -1,9 +1,10 @@
 /* Products with weights held as llama.cpp's blocks (blocks.py): y = x W^T + b, W (n x k) as
- * rows of q8_0, q4_0 or q4_1 blocks of 32 values, x (m x k) fp32, rounded once per call to
+ * rows of q8_0, q4_0, q4_1, q5_0 or q5_1 blocks of 32 values, x (m x k) fp32, rounded once per call to
  * blocks of 32 values with one fp32 scale each (struct xblocks): d = max|x| / 127,
  * q = roundf(x / d), as blocks.py's quantize_activations. A block's 32 products are summed
- * exactly in integers and scaled by d_w d_x (q4_1 adds m_w d_x sum(q_x)); the blocks' results
- * are summed in fp32.
+ * exactly in integers and scaled by d_w d_x (q4_1 and q5_1 add m_w d_x sum(q_x)); the blocks'
+ * results are summed in fp32. The 5-bit formats keep each value's fifth bit apart, in a
+ * 32-bit word qh (bit j: value j's); with it a value is a byte 0..31 like a nibble.
  *
  * One entry point serves a decoding step's few rows and a prompt's many: x's rows go four
  * at a time through a tile of W's rows, which stays in the cache while x's rows pass. With
@@ -27,6 +28,8 @@
 #define KIND_Q8_0 TFORMER_Q8_0
 #define KIND_Q4_0 TFORMER_Q4_0
 #define KIND_Q4_1 TFORMER_Q4_1
+#define KIND_Q5_0 TFORMER_Q5_0
+#define KIND_Q5_1 TFORMER_Q5_1
 #define BLK_PREFETCH_AHEAD 4
 #define WIDE_TILE 16  /* rows of W a tile holds when x has more than four rows */
 #define X_CHUNK 64    /* rows of x that pass through a tile at a time */
@@ -52,9 +55,42 @@ static inline void lane_sums(const int8_t *q, int32_t *lane8)
         lane8[l] = -8 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
 }
 
+/* kinds.c's table says the same; here it is a constant the compiler folds into each kind's
+ * own copy of the tile. */
 static inline long block_bytes(int kind)
 {
-    return kind == KIND_Q8_0 ? 34 : kind == KIND_Q4_0 ? 18 : 20;
+    switch (kind) {
+    case KIND_Q8_0: return 34;
+    case KIND_Q4_0: return 18;
+    case KIND_Q4_1: return 20;
+    case KIND_Q5_0: return 22;
+    default: return 24;
+    }
+}
+
+/* Whether the kind has a minimum m (x = d q + m) instead of an offset in q. */
+static inline int has_min(int kind)
+{
+    return kind == KIND_Q4_1 || kind == KIND_Q5_1;
+}
+
+/* The offset a kind's stored values carry (q = stored - offset): 8 for q4_0, 16 for q5_0. */
+static inline int offset_of(int kind)
+{
+    return kind == KIND_Q4_0 ? 8 : kind == KIND_Q5_0 ? 16 : 0;
+}
+
+/* Whether the kind keeps a fifth bit for each value (qh, the 4 bytes before qs). */
+static inline int five_bits(int kind)
+{
+    return kind == KIND_Q5_0 || kind == KIND_Q5_1;
+}
+
+static inline uint32_t load_u32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
 static inline uint16_t load_u16(const uint8_t *p)
@@ -160,11 +196,13 @@ static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, con
                         s += (int32_t)(int8_t)blk[2 + j] * xq[j];
                 } else {
                     const uint8_t *qs = blk + size - 16;
+                    /* the 5-bit kinds' fifth bits, 16 for value j where bit j is set */
+                    const uint32_t qh = five_bits(kind) ? load_u32(blk + size - 20) : 0;
                     for (int j = 0; j < 16; j++)
-                        s += (qs[j] & 15) * xq[j] + (qs[j] >> 4) * xq[j + 16];
-                    if (kind == KIND_Q4_0)
-                        s -= 8 * xb->isum[at];
-                    else
+                        s += ((qs[j] & 15) | ((qh >> j & 1) << 4)) * xq[j]
+                             + ((qs[j] >> 4) | ((qh >> (j + 16) & 1) << 4)) * xq[j + 16];
+                    s -= offset_of(kind) * xb->isum[at];
+                    if (has_min(kind))
                         off += half_to_float(load_u16(blk + 2)) * xb->sx[at];
                 }
                 acc += (float)s * (half_to_float(load_u16(blk)) * xb->dx[at]);
@@ -277,7 +315,7 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
     return ok ? 0 : -1;
 }
 
-/* kinds.c's product for q8_0, q4_0 and q4_1: l->data holds the blocks. */
+/* kinds.c's product for q8_0, q4_0, q4_1, q5_0 and q5_1: l->data holds the blocks. */
 int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                                int threads)
 {

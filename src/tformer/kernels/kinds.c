@@ -1,17 +1,23 @@
 /* The weight formats' table: one row per kind of tformer.h's enum tformer_kind, as
  * llama.cpp's type_traits_cpu holds one per type. step.c's layers run every linear layer
  * through tformer_linear, whatever its kind; a new format adds its row here and its
- * product in a file of its own. */
+ * product in a file of its own. A row also says the format's geometry (values and bytes a
+ * block, the activations' blocks), which blocks.py's table repeats and checks against. */
 #include <stddef.h>
 
 #include "tformer.h"
 
 static const struct tformer_kind_traits kinds[TFORMER_KINDS] = {
-    [TFORMER_FP32] = {"fp32", tformer_fp32_linear},
-    [TFORMER_INT8] = {"int8", tformer_int8_linear},
-    [TFORMER_Q8_0] = {"q8_0", tformer_blocks_kind_linear},
-    [TFORMER_Q4_0] = {"q4_0", tformer_blocks_kind_linear},
-    [TFORMER_Q4_1] = {"q4_1", tformer_blocks_kind_linear},
+    [TFORMER_FP32] = {"fp32", tformer_fp32_linear, 1, 4, TFORMER_X_FP32},
+    [TFORMER_INT8] = {"int8", tformer_int8_linear, 1, 1, TFORMER_X_FP32},
+    [TFORMER_Q8_0] = {"q8_0", tformer_blocks_kind_linear, 32, 34, TFORMER_X_Q8_0},
+    [TFORMER_Q4_0] = {"q4_0", tformer_blocks_kind_linear, 32, 18, TFORMER_X_Q8_0},
+    [TFORMER_Q4_1] = {"q4_1", tformer_blocks_kind_linear, 32, 20, TFORMER_X_Q8_0},
+    [TFORMER_Q5_0] = {"q5_0", tformer_blocks_kind_linear, 32, 22, TFORMER_X_Q8_0},
+    [TFORMER_Q5_1] = {"q5_1", tformer_blocks_kind_linear, 32, 24, TFORMER_X_Q8_0},
+    [TFORMER_Q4_K] = {"q4_k", tformer_kquants_linear, 256, 144, TFORMER_X_Q8_K},
+    [TFORMER_Q5_K] = {"q5_k", tformer_kquants_linear, 256, 176, TFORMER_X_Q8_K},
+    [TFORMER_Q6_K] = {"q6_k", tformer_kquants_linear, 256, 210, TFORMER_X_Q8_K},
 };
 
 /* y (m x n_out) = x (m x n_in) W^T + b through the product of l's kind. Returns the
@@ -30,4 +36,16 @@ const char *tformer_kind_name(int kind)
     if (kind < 0 || kind >= TFORMER_KINDS || !kinds[kind].name)
         return "";
     return kinds[kind].name;
+}
+
+/* The kind's geometry into geometry[3]: values a block, bytes a block, the activations'
+ * blocks (TFORMER_X_*). Returns 0, or -3 where the kind has no row. */
+int tformer_kind_geometry(int kind, int32_t *geometry)
+{
+    if (kind < 0 || kind >= TFORMER_KINDS || !kinds[kind].name)
+        return -3;
+    geometry[0] = kinds[kind].block_values;
+    geometry[1] = kinds[kind].block_bytes;
+    geometry[2] = kinds[kind].activation;
+    return 0;
 }
