@@ -124,7 +124,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if f.read(4) != b"GGUF":
             raise TformerError(f"{path} is not a GGUF file (it does not begin with 'GGUF')")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _naming_reader(gguf)(path)
+    except TformerError as e:
+        raise TformerError(f"{path}: {e}") from None
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError, ...
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "GGMLQuantizationType" in detail:
@@ -142,6 +144,36 @@ def read_gguf(path: str | Path) -> GGUFFile:
             raise TformerError(f"cannot read {path}: metadata {name}: {e}") from None
     tensors = {t.name: _tensor(path, t) for t in reader.tensors}
     return GGUFFile(path, metadata, tensors)
+
+
+def _naming_reader(gguf: Any) -> type:
+    """gguf.GGUFReader, checking each tensor's type, rows and data before the reader maps it:
+    where the reader would fail with a message naming neither (a type it does not know, rows
+    of part blocks, data past the end of a truncated file), a TformerError names the tensor
+    and its type."""
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            for field in fields:
+                _, name, _, dims, raw, offset = field.parts
+                name = bytes(name).decode("utf-8", "replace")
+                try:
+                    kind = gguf.GGMLQuantizationType(int(raw[0]))
+                except ValueError:
+                    raise TformerError(f"tensor {name} is of type {int(raw[0])}, a tensor type "
+                                       f"llama.cpp's reader does not know") from None
+                block, size = gguf.GGML_QUANT_SIZES[kind]
+                shape = [int(d) for d in dims]
+                if shape and shape[0] % block:
+                    raise TformerError(f"tensor {name} has rows of {shape[0]} values, not whole "
+                                       f"{kind.name} blocks of {block}")
+                end = int(start_offs + offset[0]) + math.prod(shape) // block * size
+                if end > len(self.data):
+                    raise TformerError(f"tensor {name} ({kind.name}) needs {end - len(self.data)} "
+                                       f"bytes more than the file holds: truncated?")
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
 
 
 def _tensor(path: Path, t: Any) -> GGUFTensor:

@@ -111,9 +111,9 @@ class Mix:
         return self.base
 
 
-FINER_ROLES = ("attn.qkv_proj", "attn.v_proj", "ff.down")
-"""The layers (by their module names) a Mix gives more bits in the layers more_bits picks:
-llama.cpp's attn_v and ffn_down."""
+FINER_ROLES = ("attn.qkv_proj", "attn.v_proj", "ff.down", "attn_v.", "ffn_down.")
+"""The layers a Mix gives more bits in the layers more_bits picks, llama.cpp's attn_v and
+ffn_down: by tformer's module names, and by a GGUF file's tensor names (export)."""
 
 
 def more_bits(i: int, n_layer: int) -> bool:
