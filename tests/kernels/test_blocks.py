@@ -72,11 +72,13 @@ def plain_product(x: torch.Tensor, raw: torch.Tensor, fmt: str, bias, absolute: 
     return torch.from_numpy(y if bias is None else y + bias.double().numpy())
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c", "torch"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantize_writes_gguf_s_bytes(fmt):
+def test_quantize_writes_gguf_s_bytes(fmt, native):
     w = awkward_weight(40, 256)
+    w[5, 64:96] = -3.0  # a constant block below zero
     want = gguf_quants.quantize(w.numpy(), GGML[fmt])
-    assert np.array_equal(blocks.quantize(w, fmt).numpy(), want)
+    assert np.array_equal(blocks.quantize(w, fmt, native=native).numpy(), want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

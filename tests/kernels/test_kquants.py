@@ -51,6 +51,16 @@ def test_decoding_equals_gguf_s_dequantizer(fmt):
                           gguf_quants.dequantize(noise.numpy(), qtype))
 
 
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_the_c_quantizer_writes_the_torch_one_s_bytes(fmt):
+    if library.load() is None:
+        pytest.skip("no C kernels here")
+    w = awkward_weight(24, 512, seed=3)
+    w[7, 256:] = 1e-20 * torch.randn(256)  # a super-block of tiny values
+    w[9, :] = w[9, :].abs() + 1  # all above zero: the minimums are 0
+    assert torch.equal(blocks.quantize(w, fmt), blocks.quantize(w, fmt, native=False))
+
+
 def test_the_quality_of_each_format_in_order():
     w = torch.randn(64, 1024)
     err = {fmt: ((blocks.dequantize(blocks.quantize(w, fmt), fmt) - w).norm() / w.norm()).item()

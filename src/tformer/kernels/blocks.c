@@ -322,3 +322,87 @@ int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, f
     return tformer_blocks_linear(l->kind, x, m, (const uint8_t *)l->data, l->n_out, l->n_in,
                                  l->bias, y, threads);
 }
+
+/* --- Quantizing: fp32 rows to blocks, as llama.cpp's reference quantizers (blocks.py's
+ * quantize says the rules; it computes the same bytes in torch where this is not built) --- */
+
+__attribute__((target("f16c"))) static void store_half(uint8_t *p, float v)
+{
+    const uint16_t h = (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+    memcpy(p, &h, sizeof h);
+}
+
+/* The value largest in size, with its sign (the first of equals), and the minimum and
+ * maximum of a block. */
+static void block_range(const float *x, float *big, float *lo, float *hi)
+{
+    float amax = 0.0f;
+    *big = 0.0f;
+    *lo = *hi = x[0];
+    for (int j = 0; j < BLOCK; j++) {
+        if (fabsf(x[j]) > amax) {
+            amax = fabsf(x[j]);
+            *big = x[j];
+        }
+        *lo = x[j] < *lo ? x[j] : *lo;
+        *hi = x[j] > *hi ? x[j] : *hi;
+    }
+}
+
+/* One block of 32 values of a 4- or 5-bit kind: q = min(levels - 1, trunc(x / d + add)),
+ * packed as nibbles (and qh). */
+static void pack_small(const float *x, int kind, float inv, float lo, float add, uint8_t *blk)
+{
+    const int levels = five_bits(kind) ? 32 : 16;
+    uint8_t q[BLOCK];
+    for (int j = 0; j < BLOCK; j++) {
+        const int v = (int)((x[j] - lo) * inv + add);
+        q[j] = (uint8_t)(v < levels - 1 ? v : levels - 1);
+    }
+    const long size = block_bytes(kind);
+    uint8_t *qs = blk + size - 16;
+    for (int j = 0; j < 16; j++)
+        qs[j] = (uint8_t)((q[j] & 15) | ((q[j + 16] & 15) << 4));
+    if (five_bits(kind)) {
+        uint32_t qh = 0;
+        for (int j = 0; j < BLOCK; j++)
+            qh |= (uint32_t)(q[j] >> 4) << j;
+        memcpy(blk + size - 20, &qh, sizeof qh);
+    }
+}
+
+static void quantize_block(const float *x, int kind, uint8_t *blk)
+{
+    float big, lo, hi;
+    block_range(x, &big, &lo, &hi);
+    if (kind == KIND_Q8_0) {
+        const float d = fabsf(big) / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        store_half(blk, d);
+        for (int j = 0; j < BLOCK; j++)
+            blk[2 + j] = (uint8_t)(int8_t)roundf(x[j] * inv);
+    } else if (has_min(kind)) { /* q4_1, q5_1: d = (max - min) / (levels - 1), m = min */
+        const float d = (hi - lo) / (five_bits(kind) ? 31.0f : 15.0f);
+        const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        store_half(blk, d);
+        store_half(blk + 2, lo);
+        pack_small(x, kind, inv, lo, 0.5f, blk);
+    } else { /* q4_0, q5_0: d = big / -(levels / 2), q = x / d + levels / 2 */
+        const float half = five_bits(kind) ? 16.0f : 8.0f;
+        const float d = big / -half, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        store_half(blk, d);
+        pack_small(x, kind, inv, 0.0f, half + 0.5f, blk);
+    }
+}
+
+/* n blocks of x (n * 32 fp32) to `kind`'s blocks (n * its bytes). Returns 0, or -3 for a
+ * kind that is not one of this file's. */
+int tformer_quantize_blocks(int kind, const float *x, long n, uint8_t *out, int threads)
+{
+    if (kind < KIND_Q8_0 || kind > KIND_Q5_1)
+        return -3;
+    const long size = block_bytes(kind);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 4096)
+    for (long b = 0; b < n; b++)
+        quantize_block(x + b * BLOCK, kind, out + b * size);
+    return 0;
+}

@@ -171,7 +171,8 @@ def _q5_1(x: Tensor) -> list[Tensor]:
 
 
 def _super_blocks(fmt: str):
-    """A K format's rounding over [..., 256] values, its searches CHUNK blocks at a time."""
+    """A K format's rounding over [..., 256] values, kquants.py's searches CHUNK blocks at
+    a time."""
     fn = kquants.QUANTIZE[fmt]
 
     def run(x: Tensor) -> list[Tensor]:
@@ -182,7 +183,9 @@ def _super_blocks(fmt: str):
 
 QUANTIZE = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1,
             **{name: _super_blocks(name) for name in kquants.QUANTIZE}}
-"""Each format's rounding: x [..., values] fp32 -> the parts of its blocks [..., bytes]."""
+"""Each format's rounding in torch: x [..., values] fp32 -> the parts of its blocks
+[..., bytes]. kinds.c's tformer_quantize computes the same bytes (the tests compare them),
+some ten to a hundred times faster: quantize() uses it where the kernels are built."""
 
 
 def _values_32(b: Tensor, size: int) -> Tensor:
@@ -221,16 +224,26 @@ DEQUANTIZE = {
 """Each format's decoding: blocks [..., bytes] uint8 -> x [..., values] fp32."""
 
 
-def quantize(weight: Tensor, fmt: str) -> Tensor:
+def quantize(weight: Tensor, fmt: str, native: bool = True) -> Tensor:
     """weight [N, K] (K a multiple of the format's block) -> uint8 blocks [N, K / values *
-    bytes], as llama.cpp's reference quantizer for the format writes them."""
+    bytes], as llama.cpp's reference quantizer for the format writes them: through kinds.c's
+    table where native and the kernels are built, else QUANTIZE's torch."""
     layout = _check_format(fmt)
     if weight.dim() != 2 or weight.shape[1] % layout.values:
         raise TformerError(f"{fmt} holds [N, K] weights with K a multiple of {layout.values}; "
                            f"got {tuple(weight.shape)}")
     n, k = weight.shape
-    x = weight.detach().to("cpu", torch.float32).reshape(n, k // layout.values, layout.values)
-    return torch.cat(QUANTIZE[fmt](x), dim=-1).reshape(n, -1)
+    x = weight.detach().to("cpu", torch.float32).contiguous()
+    # the library as built, not _lib(): its self-check quantizes with this function
+    lib = library.load() if native else None
+    if lib is None:
+        x = x.reshape(n, k // layout.values, layout.values)
+        return torch.cat(QUANTIZE[fmt](x), dim=-1).reshape(n, -1)
+    out = torch.empty(n, k // layout.values * layout.size, dtype=torch.uint8)
+    if n and lib.tformer_quantize(layout.kind, x.data_ptr(), n * k // layout.values,
+                                  out.data_ptr(), torch.get_num_threads()):
+        raise TformerError(f"this build's kernels have no quantizer for {fmt}")
+    return out
 
 
 def dequantize(blocks: Tensor, fmt: str) -> Tensor:

@@ -2,22 +2,31 @@
  * llama.cpp's type_traits_cpu holds one per type. step.c's layers run every linear layer
  * through tformer_linear, whatever its kind; a new format adds its row here and its
  * product in a file of its own. A row also says the format's geometry (values and bytes a
- * block, the activations' blocks), which blocks.py's table repeats and checks against. */
+ * block, the activations' blocks), which blocks.py's table repeats (and a test compares),
+ * and for block kinds their quantizer. */
 #include <stddef.h>
 
 #include "tformer.h"
 
 static const struct tformer_kind_traits kinds[TFORMER_KINDS] = {
-    [TFORMER_FP32] = {"fp32", tformer_fp32_linear, 1, 4, TFORMER_X_FP32},
-    [TFORMER_INT8] = {"int8", tformer_int8_linear, 1, 1, TFORMER_X_FP32},
-    [TFORMER_Q8_0] = {"q8_0", tformer_blocks_kind_linear, 32, 34, TFORMER_X_Q8_0},
-    [TFORMER_Q4_0] = {"q4_0", tformer_blocks_kind_linear, 32, 18, TFORMER_X_Q8_0},
-    [TFORMER_Q4_1] = {"q4_1", tformer_blocks_kind_linear, 32, 20, TFORMER_X_Q8_0},
-    [TFORMER_Q5_0] = {"q5_0", tformer_blocks_kind_linear, 32, 22, TFORMER_X_Q8_0},
-    [TFORMER_Q5_1] = {"q5_1", tformer_blocks_kind_linear, 32, 24, TFORMER_X_Q8_0},
-    [TFORMER_Q4_K] = {"q4_k", tformer_kquants_linear, 256, 144, TFORMER_X_Q8_K},
-    [TFORMER_Q5_K] = {"q5_k", tformer_kquants_linear, 256, 176, TFORMER_X_Q8_K},
-    [TFORMER_Q6_K] = {"q6_k", tformer_kquants_linear, 256, 210, TFORMER_X_Q8_K},
+    [TFORMER_FP32] = {"fp32", tformer_fp32_linear, 1, 4, TFORMER_X_FP32, NULL},
+    [TFORMER_INT8] = {"int8", tformer_int8_linear, 1, 1, TFORMER_X_FP32, NULL},
+    [TFORMER_Q8_0] = {"q8_0", tformer_blocks_kind_linear, 32, 34, TFORMER_X_Q8_0,
+                      tformer_quantize_blocks},
+    [TFORMER_Q4_0] = {"q4_0", tformer_blocks_kind_linear, 32, 18, TFORMER_X_Q8_0,
+                      tformer_quantize_blocks},
+    [TFORMER_Q4_1] = {"q4_1", tformer_blocks_kind_linear, 32, 20, TFORMER_X_Q8_0,
+                      tformer_quantize_blocks},
+    [TFORMER_Q5_0] = {"q5_0", tformer_blocks_kind_linear, 32, 22, TFORMER_X_Q8_0,
+                      tformer_quantize_blocks},
+    [TFORMER_Q5_1] = {"q5_1", tformer_blocks_kind_linear, 32, 24, TFORMER_X_Q8_0,
+                      tformer_quantize_blocks},
+    [TFORMER_Q4_K] = {"q4_k", tformer_kquants_linear, 256, 144, TFORMER_X_Q8_K,
+                      tformer_quantize_k},
+    [TFORMER_Q5_K] = {"q5_k", tformer_kquants_linear, 256, 176, TFORMER_X_Q8_K,
+                      tformer_quantize_k},
+    [TFORMER_Q6_K] = {"q6_k", tformer_kquants_linear, 256, 210, TFORMER_X_Q8_K,
+                      tformer_quantize_k},
 };
 
 /* y (m x n_out) = x (m x n_in) W^T + b through the product of l's kind. Returns the
@@ -48,4 +57,14 @@ int tformer_kind_geometry(int kind, int32_t *geometry)
     geometry[1] = kinds[kind].block_bytes;
     geometry[2] = kinds[kind].activation;
     return 0;
+}
+
+/* n blocks of x (n * the kind's values, fp32) to the kind's blocks (n * its bytes), as
+ * llama.cpp's reference quantizer for the type writes them. Returns 0, or -3 where the
+ * kind is not a block kind. */
+int tformer_quantize(int kind, const float *x, long n, uint8_t *out, int threads)
+{
+    if (kind < 0 || kind >= TFORMER_KINDS || !kinds[kind].quantize)
+        return -3;
+    return kinds[kind].quantize(kind, x, n, out, threads);
 }

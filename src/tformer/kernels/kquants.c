@@ -278,7 +278,7 @@ static void quantize_superblock(const float *x, int8_t *q, float *d, int32_t *bs
 {
     float amax = 0.0f;
     for (int j = 0; j < QK; j++)
-        amax = fmaxf(amax, fabsf(x[j]));
+        amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
     const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
     for (int g = 0; g < GROUPS; g++) {
         int32_t s = 0;
@@ -346,4 +346,254 @@ int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float
     free(xb.d);
     free(xb.bsums);
     return ok ? 0 : -1;
+}
+
+/* --- Quantizing: fp32 rows to K super-blocks (kquants.py's quantize_*, which this computes
+ * bit for bit, and says the method) ------------------------------------------------------ */
+
+__attribute__((target("f16c"))) static uint16_t to_half(float v)
+{
+    return (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+}
+
+__attribute__((target("f16c"))) static float from_half(uint16_t h)
+{
+    return _cvtsh_ss(h);
+}
+
+static void store_u16(uint8_t *p, uint16_t v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+/* v limited to [lo, hi], inline (fminf and fmaxf are calls where NaNs need their rules;
+ * no NaN comes here) */
+static inline float clampf(float v, float lo, float hi)
+{
+    return v < lo ? lo : v > hi ? hi : v;
+}
+
+/* The searches' inner step, in AVX2 (which the library needs anyway): q = clamp(rint(v *
+ * iscale), lo, hi) for 8n values v, and the sums in double of the fp32 products a q and
+ * a q q (b q for sums[2]), as kquants.py's _dsum forms them. The sums of fp32 products of
+ * such a block are exact or nearly in double, whatever their order. */
+static inline double sum_pd(__m256d v)
+{
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(h) + _mm_cvtsd_f64(_mm_unpackhi_pd(h, h));
+}
+
+static inline __m256d add_ps_as_pd(__m256d acc, __m256 v)
+{
+    acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    return _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+
+static void trial_sums(const float *v, float iscale, float lo, float hi, const float *a,
+                       const float *b, int n8, double *sums)
+{
+    const __m256 vs = _mm256_set1_ps(iscale), vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd(), s2 = _mm256_setzero_pd();
+    for (int c = 0; c < n8; c++) {
+        __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * c), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(q, vlo), vhi);
+        const __m256 aq = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), q);
+        s0 = add_ps_as_pd(s0, aq);
+        s1 = add_ps_as_pd(s1, _mm256_mul_ps(aq, q));
+        s2 = add_ps_as_pd(s2, _mm256_mul_ps(_mm256_loadu_ps(b + 8 * c), q));
+    }
+    sums[0] = sum_pd(s0);
+    sums[1] = sum_pd(s1);
+    sums[2] = sum_pd(s2);
+}
+
+/* The scale and minimum of 32 values (x ~ scale q - minimum, q in 0..nmax): kquants.py's
+ * _search_scale_min, step for step. Products in fp32, their sums in double. */
+static void search_scale_min(const float *x, int nmax, float rmin, int steps, float *scale,
+                             float *minimum)
+{
+    float w[32], wx[32], shifted[32];
+    double sq = 0.0;
+    float lo = x[0], hi = x[0];
+    for (int j = 0; j < 32; j++) {
+        sq += (double)(x[j] * x[j]);
+        lo = x[j] < lo ? x[j] : lo;
+        hi = x[j] > hi ? x[j] : hi;
+    }
+    const float rms = (float)sqrt(sq / 32.0);
+    lo = fminf(lo, 0.0f);
+    if (hi - lo == 0.0f) {
+        *scale = 0.0f;
+        *minimum = -lo;
+        return;
+    }
+    const float span = hi - lo;
+    double sw = 0.0, sx = 0.0, sxx = 0.0;
+    for (int j = 0; j < 32; j++) {
+        w[j] = fabsf(x[j]) + rms;
+        wx[j] = w[j] * x[j];
+        shifted[j] = x[j] - lo;
+        sw += (double)w[j];
+        sx += (double)wx[j];
+        sxx += (double)(wx[j] * x[j]);
+    }
+    double best = 0.0, best_scale = (double)(span / (float)nmax), best_min = (double)lo;
+    for (int step = -1; step <= steps; step++) {
+        /* step -1: the plain max-min rounding, its own scale and minimum */
+        const float num = step < 0 ? (float)nmax : (float)(rmin + 0.1 * step + nmax);
+        const float iscale = num / span;
+        double sums[3];
+        trial_sums(shifted, iscale, 0.0f, (float)nmax, w, wx, 4, sums);
+        const double sl = sums[0], sl2 = sums[1], sxl = sums[2];
+        double s = best_scale, o = best_min;
+        if (step >= 0) {
+            const double det = sw * sl2 - sl * sl;
+            if (!(det > 0.0))
+                continue;
+            s = (sw * sxl - sx * sl) / det;
+            o = (sl2 * sx - sl * sxl) / det;
+            if (o > 0.0) {
+                s = sxl / (sl2 > 0.0 ? sl2 : 1.0);
+                o = 0.0;
+            }
+        }
+        const double err = s * s * sl2 + 2 * s * o * sl - 2 * s * sxl + o * o * sw - 2 * o * sx + sxx;
+        if (step < 0 || err < best) {
+            best = err;
+            best_scale = s;
+            best_min = o;
+        }
+    }
+    *scale = (float)best_scale;
+    *minimum = -(float)best_min;
+}
+
+/* q4_k (nmax 15, with qh == NULL) or q5_k (31) of one super-block. */
+static void quantize_qk(const float *x, int nmax, float rmin, int steps, uint8_t *blk)
+{
+    float scale[8], minimum[8], top_s = 0.0f, top_m = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        search_scale_min(x + 32 * j, nmax, rmin, steps, scale + j, minimum + j);
+        top_s = fmaxf(top_s, scale[j]);
+        top_m = fmaxf(top_m, minimum[j]);
+    }
+    const float inv_s = top_s > 0.0f ? 63.0f / top_s : 0.0f;
+    const float inv_m = top_m > 0.0f ? 63.0f / top_m : 0.0f;
+    int ls[8], lm[8];
+    for (int j = 0; j < 8; j++) {
+        ls[j] = (int)fminf(rintf(inv_s * scale[j]), 63.0f);
+        lm[j] = (int)fminf(rintf(inv_m * minimum[j]), 63.0f);
+    }
+    const uint16_t d = to_half(top_s / 63.0f), dmin = to_half(top_m / 63.0f);
+    store_u16(blk, d);
+    store_u16(blk + 2, dmin);
+    uint8_t *s = blk + 4;
+    for (int j = 0; j < 4; j++) {
+        s[j] = (uint8_t)(ls[j] | ((ls[j + 4] >> 4) << 6));
+        s[j + 4] = (uint8_t)(lm[j] | ((lm[j + 4] >> 4) << 6));
+        s[j + 8] = (uint8_t)((ls[j + 4] & 15) | ((lm[j + 4] & 15) << 4));
+    }
+    uint8_t q[QK];
+    for (int j = 0; j < 8; j++) {
+        const float dj = from_half(d) * (float)ls[j], mj = from_half(dmin) * (float)lm[j];
+        for (int l = 0; l < 32; l++)
+            q[32 * j + l] = dj == 0.0f ? 0
+                : (uint8_t)clampf(rintf((x[32 * j + l] + mj) / dj), 0.0f, (float)nmax);
+    }
+    uint8_t *qs = blk + (nmax == 15 ? 16 : 48);
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++)
+            qs[32 * j + l] = (uint8_t)((q[64 * j + l] & 15) | ((q[64 * j + 32 + l] & 15) << 4));
+    if (nmax == 31) {
+        uint8_t *qh = blk + 16;
+        for (int l = 0; l < 32; l++) {
+            qh[l] = 0;
+            for (int i = 0; i < 8; i++)
+                qh[l] |= (uint8_t)((q[32 * i + l] >> 4) << i);
+        }
+    }
+}
+
+/* The scale of 16 values (x ~ scale q, q in -nmax..nmax-1): kquants.py's _search_scale. */
+static float search_scale(const float *x, int nmax)
+{
+    float big = x[0], w[16], wx[16];
+    for (int j = 1; j < 16; j++)
+        if (fabsf(x[j]) > fabsf(big))
+            big = x[j];
+    if (fabsf(big) < 1e-15f)
+        return 0.0f;
+    for (int j = 0; j < 16; j++) {
+        w[j] = x[j] * x[j];
+        wx[j] = w[j] * x[j];
+    }
+    double scale = 0.0, best = 0.0;
+    for (int s = -10; s <= 9; s++) {
+        /* s -10: the first trial, -nmax / big; then -(nmax + s/10) / big, s = -9..9 */
+        const float num = s < -9 ? (float)-nmax : (float)(-(nmax + 0.1 * s));
+        const float iscale = num / big;
+        double sums[3];
+        trial_sums(x, iscale, (float)-nmax, (float)(nmax - 1), w, wx, 2, sums);
+        const double sl2 = sums[1], sxl = sums[2];
+        if (s < -9) {
+            scale = sxl / (sl2 > 0.0 ? sl2 : 1.0);
+            best = scale * sxl;
+        } else if (sl2 > 0.0 && sxl * sxl > best * sl2) {
+            scale = sxl / sl2;
+            best = scale * sxl;
+        }
+    }
+    return (float)scale;
+}
+
+static void quantize_q6k(const float *x, uint8_t *blk)
+{
+    float scale[16], big = 0.0f;
+    for (int g = 0; g < 16; g++) {
+        scale[g] = search_scale(x + 16 * g, 32);
+        if (fabsf(scale[g]) > fabsf(big))
+            big = scale[g];
+    }
+    const float iscale = big != 0.0f ? -128.0f / big : 0.0f;
+    const uint16_t d = to_half(big != 0.0f ? 1.0f / iscale : 0.0f);
+    int8_t sc[16];
+    uint8_t q[QK];
+    for (int g = 0; g < 16; g++) {
+        sc[g] = (int8_t)fminf(rintf(iscale * scale[g]), 127.0f);
+        const float dj = from_half(d) * (float)sc[g];
+        for (int l = 0; l < 16; l++)
+            q[16 * g + l] = dj == 0.0f ? 32
+                : (uint8_t)(clampf(rintf(x[16 * g + l] / dj), -32.0f, 31.0f) + 32.0f);
+    }
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *v = q + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            blk[64 * h + l] = (uint8_t)((v[l] & 15) | ((v[l + 64] & 15) << 4));
+            blk[64 * h + 32 + l] = (uint8_t)((v[l + 32] & 15) | ((v[l + 96] & 15) << 4));
+            blk[128 + 32 * h + l] = (uint8_t)((v[l] >> 4) | ((v[l + 32] >> 4) << 2)
+                                              | ((v[l + 64] >> 4) << 4) | ((v[l + 96] >> 4) << 6));
+        }
+    }
+    memcpy(blk + 192, sc, 16);
+    store_u16(blk + 208, d);
+}
+
+/* n super-blocks of x (n * 256 fp32) to `kind`'s blocks (n * its bytes). Returns 0, or -3
+ * for a kind that is not a K kind. */
+int tformer_quantize_k(int kind, const float *x, long n, uint8_t *out, int threads)
+{
+    if (kind < TFORMER_Q4_K || kind > TFORMER_Q6_K)
+        return -3;
+    const long size = formats[kind - TFORMER_Q4_K].size;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 64)
+    for (long b = 0; b < n; b++) {
+        if (kind == TFORMER_Q4_K)
+            quantize_qk(x + b * QK, 15, -1.0f, 20, out + b * size);
+        else if (kind == TFORMER_Q5_K)
+            quantize_qk(x + b * QK, 31, -0.5f, 15, out + b * size);
+        else
+            quantize_q6k(x + b * QK, out + b * size);
+    }
+    return 0;
 }

@@ -27,7 +27,7 @@ from torch import Tensor
 
 QK = 256
 """Values in a super-block."""
-CHUNK = 16384
+CHUNK = 1024
 """Super-blocks quantized at a time (the searches hold 21 trials of each)."""
 
 
@@ -40,56 +40,66 @@ def _fp16_bytes(t: Tensor) -> Tensor:
     return t.to(torch.float16).contiguous().view(torch.uint8)
 
 
+def _over(numerator: float, t: Tensor) -> Tensor:
+    """numerator / t in fp32, correctly rounded as C's division (torch's `number / tensor`
+    multiplies by the reciprocal, which may round differently)."""
+    return torch.full_like(t, numerator) / t
+
+
+def _dsum(t: Tensor) -> Tensor:
+    """Sum over the last dimension in float64, kept: fp32 products sum exactly enough that
+    the order (kquants.c's differs) does not change the result's fp32 rounding."""
+    return t.double().sum(-1, keepdim=True)
+
+
 def _search_scale_min(x: Tensor, nmax: int, rmin: float, steps: int
                       ) -> tuple[Tensor, Tensor]:
     """x [..., 32] -> (scale, minimum) [..., 1] with x ~ scale * q - minimum, q in 0..nmax
     (ggml's make_qkx2_quants with rdelta 0.1): the minimum at least 0, the pair the best, by
-    sum w (scale q - minimum - x)^2 with w = |x| + the 32 values' rms, of the least-squares
-    fits for q rounded at trial scales (nmax + rmin + s/10) / (max - min), s = 0..steps,
-    and of the plain max-min one."""
-    w = x.abs() + x.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    sum w (scale q - minimum - x)^2 with w = |x| + the 32 values' rms, of the plain max-min
+    rounding and of the least-squares fits for q rounded at trial scales
+    (nmax + rmin + s/10) / (max - min), s = 0..steps.
+
+    A trial needs only q's sums against w, w x and w q; the fits and their errors are then
+    sums of those, in float64 (the products in fp32 first, as kquants.c computes them)."""
+    rms = _dsum(x * x).div(32).sqrt().float()
     lo = x.amin(dim=-1, keepdim=True).clamp(max=0.0)
-    hi = x.amax(dim=-1, keepdim=True)
-    span = hi - lo
+    span = x.amax(dim=-1, keepdim=True) - lo
     flat = span == 0
     span = torch.where(flat, 1.0, span)
+    w = x.abs() + rms
+    wx, shifted = w * x, x - lo
+    sw, sx, sxx = _dsum(w), _dsum(wx), _dsum(wx * x)
+    q = torch.empty_like(x)
 
-    def rounded(iscale: Tensor) -> Tensor:
-        return torch.round(iscale * (x - lo)).clamp(0, nmax)
+    def sums(iscale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        torch.mul(shifted, iscale, out=q).round_().clamp_(0, nmax)
+        wq = w * q
+        return _dsum(wq), _dsum(wq * q), _dsum(wx * q)
 
-    def error(q: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
-        return (w * (scale * q + offset - x).pow(2)).sum(dim=-1, keepdim=True)
+    def error(s: Tensor, o: Tensor, sl: Tensor, sl2: Tensor, sxl: Tensor) -> Tensor:
+        # sum w (s q + o - x)^2, expanded
+        return s * s * sl2 + 2 * s * o * sl - 2 * s * sxl + o * o * sw - 2 * o * sx + sxx
 
-    best_scale, best_min = span / nmax, lo
-    best = error(rounded(nmax / span), best_scale, best_min)
+    best_scale, best_min = (span / nmax).double(), lo.double()
+    best = error(best_scale, best_min, *sums(_over(float(nmax), span)))
     for step in range(steps + 1):
-        q = rounded((rmin + 0.1 * step + nmax) / span)
-        scale, offset = _weighted_fit(x, w, q)
-        err = error(q, scale, offset)
-        better = err < best  # False for a fit with no solution (NaN)
+        sl, sl2, sxl = sums(_over(rmin + 0.1 * step + nmax, span))
+        det = sw * sl2 - sl * sl
+        solvable = det > 0
+        det = torch.where(solvable, det, 1.0)
+        scale = (sw * sxl - sx * sl) / det
+        offset = (sl2 * sx - sl * sxl) / det
+        # the offset at most 0: refitted through zero where the free fit wants it above
+        above = offset > 0
+        scale = torch.where(above, sxl / torch.where(sl2 > 0, sl2, 1.0), scale)
+        offset = torch.where(above, 0.0, offset)
+        err = error(scale, offset, sl, sl2, sxl)
+        better = solvable & (err < best)
         best = torch.where(better, err, best)
         best_scale = torch.where(better, scale, best_scale)
         best_min = torch.where(better, offset, best_min)
-    return torch.where(flat, 0.0, best_scale), -best_min
-
-
-def _weighted_fit(x: Tensor, w: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
-    """The scale and offset minimising sum w (scale q + offset - x)^2, the offset at most 0
-    (refitted through zero where the free fit wants it above)."""
-    sw, sl, sl2 = w.sum(-1, keepdim=True), (w * q).sum(-1, keepdim=True), \
-        (w * q * q).sum(-1, keepdim=True)
-    sxl, sx = (w * x * q).sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True)
-    det = sw * sl2 - sl * sl
-    ok = det > 0
-    det = torch.where(ok, det, 1.0)
-    scale = (sw * sxl - sx * sl) / det
-    offset = (sl2 * sx - sl * sxl) / det
-    positive = offset > 0
-    through_zero = sxl / torch.where(sl2 > 0, sl2, 1.0)
-    scale = torch.where(positive, through_zero, scale)
-    offset = torch.where(positive, 0.0, offset)
-    # a fit that cannot be solved loses to any that can
-    return torch.where(ok, scale, float("nan")), torch.where(ok, offset, float("nan"))
+    return torch.where(flat, 0.0, best_scale.float()), torch.where(flat, -lo, -best_min.float())
 
 
 def _pack_scales(sc: Tensor, mn: Tensor) -> Tensor:
@@ -118,8 +128,8 @@ def _quantize_qk(x: Tensor, nmax: int, rmin: float, steps: int
     scale, minimum = scale.squeeze(-1), minimum.squeeze(-1)
     top_s = scale.amax(-1, keepdim=True).clamp(min=0)
     top_m = minimum.amax(-1, keepdim=True).clamp(min=0)
-    inv_s = torch.where(top_s > 0, 63 / torch.where(top_s > 0, top_s, 1.0), 0.0)
-    inv_m = torch.where(top_m > 0, 63 / torch.where(top_m > 0, top_m, 1.0), 0.0)
+    inv_s = torch.where(top_s > 0, _over(63.0, torch.where(top_s > 0, top_s, 1.0)), 0.0)
+    inv_m = torch.where(top_m > 0, _over(63.0, torch.where(top_m > 0, top_m, 1.0)), 0.0)
     ls = torch.round(inv_s * scale).clamp(max=63)
     lm = torch.round(inv_m * minimum).clamp(max=63)
     d, dmin = _fp16(top_s / 63), _fp16(top_m / 63)
@@ -152,28 +162,29 @@ def quantize_q5_k(x: Tensor) -> Tensor:
 
 def _search_scale(x: Tensor, nmax: int) -> Tensor:
     """x [..., 16] -> scale [..., 1] with x ~ scale * q, q in -nmax..nmax-1 (ggml's
-    make_qx_quants, its rmse_type 1): the best, by sum x^2 (x - scale q)^2, of the least
-    squares scales for q rounded at 19 trial scales -(nmax + s/10) / max, s = -9..9, max the
-    value largest in size."""
+    make_qx_quants, its rmse_type 1): the least-squares scale, by weights x^2, for q
+    rounded at -nmax / max (max the value largest in size), replaced by that of any of the
+    trials -(nmax + s/10) / max, s = -9..9, that fits better."""
     big = x.gather(-1, x.abs().argmax(-1, keepdim=True))
     tiny = big.abs() < 1e-15
     big = torch.where(tiny, 1.0, big)
     w = x * x
+    wx = w * x
 
     def trial(iscale: Tensor) -> tuple[Tensor, Tensor]:
         q = torch.round(iscale * x).clamp(-nmax, nmax - 1)
-        return (w * x * q).sum(-1, keepdim=True), (w * q * q).sum(-1, keepdim=True)
+        return _dsum(wx * q), _dsum(w * q * q)
 
-    sxl, sl2 = trial(-nmax / big)
+    sxl, sl2 = trial(_over(float(-nmax), big))
     scale = sxl / torch.where(sl2 > 0, sl2, 1.0)
     best = scale * sxl
     for s in range(-9, 10):
-        txl, tl2 = trial(-(nmax + 0.1 * s) / big)
+        txl, tl2 = trial(_over(-(nmax + 0.1 * s), big))
         better = (tl2 > 0) & (txl * txl > best * tl2)
         tscale = txl / torch.where(tl2 > 0, tl2, 1.0)
         scale = torch.where(better, tscale, scale)
         best = torch.where(better, tscale * txl, best)
-    return torch.where(tiny, 0.0, scale)
+    return torch.where(tiny, 0.0, scale.float())
 
 
 def quantize_q6_k(x: Tensor) -> Tensor:
@@ -181,8 +192,8 @@ def quantize_q6_k(x: Tensor) -> Tensor:
     scale = _search_scale(g, 32).squeeze(-1)
     big = scale.gather(-1, scale.abs().argmax(-1, keepdim=True))
     nonzero = big != 0
-    iscale = torch.where(nonzero, -128 / torch.where(nonzero, big, 1.0), 0.0)
-    d = _fp16(torch.where(nonzero, 1 / torch.where(nonzero, iscale, 1.0), 0.0))
+    iscale = torch.where(nonzero, _over(-128.0, torch.where(nonzero, big, 1.0)), 0.0)
+    d = _fp16(torch.where(nonzero, torch.reciprocal(torch.where(nonzero, iscale, 1.0)), 0.0))
     sc = torch.round(iscale * scale).clamp(max=127)
     dj = (d * sc).unsqueeze(-1)
     q = torch.round(g / torch.where(dj == 0, 1.0, dj)).clamp(-32, 31) + 32

@@ -237,6 +237,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     "tformer_kind_name": (ctypes.c_char_p, [_int]),
     "tformer_kind_geometry": (_int, [_int, _p]),
+    "tformer_quantize": (_int, [_int, _p, _long, _p, _int]),
     # fp32 (fp32.c)
     "tformer_matvec": (None, [_p] * 4 + [_long] * 3 + [_int]),
     "tformer_fp32_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
@@ -257,8 +258,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_blocks_isa": (_int, [_int]),
     "tformer_blocks_linear": (_int, [_int, _p, _long, _p, _long, _long, _p, _p, _int]),
     "tformer_blocks_kind_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
+    "tformer_quantize_blocks": (_int, [_int, _p, _long, _p, _int]),
     # llama.cpp's K super-blocks (kquants.c)
     "tformer_kquants_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
+    "tformer_quantize_k": (_int, [_int, _p, _long, _p, _int]),
     # decoding (attend.c, search.c, step.c)
     "tformer_attend_step": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2 + [_p] + [_long] * 2
                             + [_p, _long, _p] + [_long] * 8 + [_float, _int]),

@@ -47,16 +47,20 @@ typedef int (*tformer_linear_fn)(const struct tformer_linear *l, const float *x,
  * it takes (both 1 for formats of single values, fp32 and int8), and the blocks the
  * activations are rounded to (TFORMER_X_*), so that no kernel assumes a block size. */
 enum { TFORMER_X_FP32 = 0, TFORMER_X_Q8_0 = 1, TFORMER_X_Q8_K = 2 };
+/* A block kind's quantizer (llama.cpp's from_float): n blocks of x to their bytes. */
+typedef int (*tformer_quantize_fn)(int kind, const float *x, long n, uint8_t *out, int threads);
 struct tformer_kind_traits {
     const char *name;
     tformer_linear_fn linear;
     int32_t block_values, block_bytes, activation;
+    tformer_quantize_fn quantize; /* NULL: not a block kind */
 };
 
 int tformer_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                    int threads);
 const char *tformer_kind_name(int kind);
 int tformer_kind_geometry(int kind, int32_t *geometry);
+int tformer_quantize(int kind, const float *x, long n, uint8_t *out, int threads);
 
 /* --- fp32 (fp32.c) ----------------------------------------------------------------------- */
 void tformer_matvec(const float *x, const float *w, const float *b, float *y, long m, long n,
@@ -99,11 +103,13 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
                           const float *b, float *y, int threads);
 int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                                int threads);
+int tformer_quantize_blocks(int kind, const float *x, long n, uint8_t *out, int threads);
 
 /* --- llama.cpp's K super-blocks: q4_k, q5_k, q6_k (kquants.c, kquants_isa.h; the path is
  * tformer_blocks_isa's) --------------------------------------------------------------------- */
 int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                            int threads);
+int tformer_quantize_k(int kind, const float *x, long n, uint8_t *out, int threads);
 
 /* --- A decoding step's attention (attend.c) and beam search's candidates (search.c) ------ */
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
