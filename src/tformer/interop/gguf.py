@@ -391,7 +391,8 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
 
 def kept_types() -> dict[int, str]:
     """GGUF tensor type -> the weight format that holds its blocks as they are: every entry
-    of the weight-format registry with a ggml_type (Q8_0, Q4_0, Q4_1)."""
+    of the weight-format registry with a ggml_type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+    Q5_K, Q6_K)."""
     from tformer.kernels.formats import FORMATS
 
     return {fmt.ggml_type: name for name, fmt in FORMATS.items() if fmt.ggml_type is not None}
