@@ -140,3 +140,29 @@ def test_rows_not_whole_super_blocks_export_in_llama_cpp_s_fallback(tmp_path):
         array, raw = _stored("blk.0.ffn_up.weight", w, fmt)
         assert raw == gguf.GGMLQuantizationType[fallback]
         assert np.array_equal(array, gguf.quants.quantize(w.numpy(), raw))
+
+
+def test_a_layer_of_mixed_types_is_held_in_the_finer_where_it_says_the_values_exactly(
+        tiny_gguf, tmp_path):
+    # Q4_K_M's own mixtures: layer 0 as SmolLM2's file has it (its rows fall back to Q5_0,
+    # attn_v to Q8_0), layer 1 as a model of 256-wide rows (Q4_K, attn_v Q6_K)
+    types = ("F32", "Q5_0", "Q5_0", "Q8_0", "Q5_0", "Q5_0", "Q5_0", "Q6_K",
+             "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K")
+    path = tiny_gguf("llama", types=types)
+    run = import_gguf(path, tmp_path / "run")
+    file = read_gguf(path)
+    model = load_checkpoint(run, family="gpt").model
+
+    def want(i):
+        t = {p: decoded(file.tensors[f"blk.{i}.{p}.weight"]) for p in ("attn_q", "attn_k",
+                                                                       "attn_v")}
+        return torch.cat([unpermute(t["attn_q"], N_HEAD), unpermute(t["attn_k"], N_KV),
+                          t["attn_v"]])
+
+    qkv = model.blocks[0].attn.qkv_proj
+    assert isinstance(qkv, blocks.BlockLinear) and qkv.fmt == "q8_0"
+    assert torch.equal(qkv.weight, want(0))  # the Q5_0 rows re-encoded, their values exact
+    # Q4_K has no exact Q6_K form: that layer is the file's values in fp32
+    qkv = model.blocks[1].attn.qkv_proj
+    assert type(qkv) is torch.nn.Linear and torch.equal(qkv.weight, want(1))
+    assert model.blocks[1].ff.down.fmt == "q6_k"

@@ -408,25 +408,41 @@ def linear_sources(file: GGUFFile, cfg: Any) -> dict[str, tuple[str, ...]]:
     return sources
 
 
+def held_format(formats: list[str]) -> str | None:
+    """The one format a layer made of file tensors in `formats` is held in: theirs where they
+    agree; where they differ, one of them that says the others' values exactly
+    (blocks.EXACTLY_AS); else None (the layer is dequantized)."""
+    from tformer.kernels.blocks import EXACTLY_AS
+
+    for fmt in dict.fromkeys(formats):
+        if all(f == fmt or (f, fmt) in EXACTLY_AS for f in formats):
+            return fmt
+    return None
+
+
 def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
-    """Make the model's linear layers whose file tensors are all of one kept type hold the
-    file's blocks byte for byte (query and key rows put back in rotate-half order, as whole
-    rows); returns {parameter: format} of those."""
+    """Make the model's linear layers whose file tensors are all of kept types hold the
+    file's blocks (query and key rows put back in rotate-half order, as whole rows): byte
+    for byte where the tensors share a type, else in held_format's, their values exact;
+    returns {parameter: format} of those."""
     kept = kept_types()
     if not kept:
         return {}
-    from tformer.kernels.blocks import BlockLinear
+    from tformer.kernels.blocks import BlockLinear, reencode
 
     cfg, held = model.cfg, {}
     for param, names in linear_sources(file, cfg).items():
         tensors = [file.tensors.get(n) for n in names]
-        if any(t is None for t in tensors) or len({t.ggml_type for t in tensors}) != 1 or \
-                tensors[0].ggml_type not in kept:
+        if any(t is None or t.ggml_type not in kept for t in tensors):
             continue
-        fmt = kept[tensors[0].ggml_type]
+        fmt = held_format([kept[t.ggml_type] for t in tensors])
+        if fmt is None:
+            continue
         rows = []
         for name, tensor in zip(names, tensors, strict=True):
             data = torch.from_numpy(np.array(tensor.data, copy=True))
+            if kept[tensor.ggml_type] != fmt:
+                data = reencode(data, kept[tensor.ggml_type], fmt)
             if file.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
                 heads = cfg.n_head if ".attn_q." in name else cfg.n_kv_head or cfg.n_head
                 data = unpermute(data, heads)

@@ -81,6 +81,11 @@ FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 """The 32-value format a K format's layer takes where its rows are not whole super-blocks
 (SmolLM2's 576 inputs): llama.cpp's quantizer does the same (llama-quant.cpp, the
 "incompatible tensor" fallback: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)."""
+EXACTLY_AS = {("q4_0", "q8_0"): 8, ("q5_0", "q8_0"): 16}
+"""(a format, a finer one) whose blocks say every value of the first exactly, with the first's
+offset: a q4_0 or q5_0 block is d (q - offset), a q8_0 block the same d and q - offset as
+int8. A layer made of file tensors of both (Q4_K_M's fallbacks: attn_q and attn_k in Q5_0,
+attn_v in Q8_0, held as one qkv layer) is held in the finer one, its values unchanged."""
 BLOCK_BYTES = {name: layout.size for name, layout in LAYOUTS.items()}
 """Bytes a block takes in each format."""
 KINDS = {name: layout.kind for name, layout in LAYOUTS.items()}
@@ -244,6 +249,18 @@ def quantize(weight: Tensor, fmt: str, native: bool = True) -> Tensor:
                                   out.data_ptr(), torch.get_num_threads()):
         raise TformerError(f"this build's kernels have no quantizer for {fmt}")
     return out
+
+
+def reencode(blocks: Tensor, fmt: str, finer: str) -> Tensor:
+    """Blocks of `fmt` -> blocks of `finer` that decode to the same values, for EXACTLY_AS's
+    pairs: each block's fp16 d as it is, its values less the offset as int8."""
+    offset = EXACTLY_AS.get((fmt, finer))
+    if offset is None:
+        raise TformerError(f"{fmt} blocks have no exact {finer} form")
+    size = LAYOUTS[fmt].size
+    b = blocks.contiguous().reshape(blocks.shape[0], -1, size)
+    q = (_values_32(b, size) - offset).to(torch.int8).view(torch.uint8)
+    return torch.cat([b[..., :2], q], dim=-1).reshape(blocks.shape[0], -1)
 
 
 def dequantize(blocks: Tensor, fmt: str) -> Tensor:
