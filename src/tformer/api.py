@@ -140,7 +140,8 @@ def load(
     """Load a run (its best checkpoint, else its newest) or one checkpoint directory.
 
     weights: the linear layers' weight format (kernels/formats.py: "fp32", prepacked for
-        decoding's small products, "int8", "q8_0", "q4_0", "q4_1", CPU); None keeps the
+        decoding's small products, "int8", the block formats "q8_0" ... "q6_k", the
+        mixtures "q4_k_m", "q5_k_m", CPU); None keeps the
         checkpoint's own (the blocks it holds as they are, fp32 for the rest).
     threads: torch's CPU threads (default: one per core nothing else is using).
     needs: "generate" or "translate": a checkpoint of a family that cannot is a clear error.

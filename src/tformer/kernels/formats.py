@@ -10,8 +10,11 @@ asking which format it holds.
 A new format is, file by file:
 - here, one WeightFormat in FORMATS: its name, its kind, a line of help, the class that
   makes an nn.Linear into its layer, and that layer's check;
-- tformer.h: its kind in enum tformer_kind (q8_0, q4_0 and q4_1 have theirs) and the
-  prototype of its product, a tformer_linear_fn; kinds.c: its row, {name, product};
+- tformer.h: its kind in enum tformer_kind (the block formats have theirs) and the
+  prototype of its product, a tformer_linear_fn; kinds.c: its row, {name, product,
+  geometry (values and bytes a block, the activations' blocks), quantizer}; a block
+  format's geometry is blocks.LAYOUTS's row too, so that no other module assumes a block
+  size;
 - a C file of its kernels (the product reads struct tformer_linear's data, scales and
   bias), named in library.SOURCES, its exported functions in library.SIGNATURES;
 - a Python module of its layer: forward through the kernel (torch where there is none),
@@ -82,7 +85,8 @@ FORMATS: dict[str, WeightFormat] = {
                     "(CPU)", None))},
 }
 """Every weight format, by name. A K format's layer whose inputs are not whole super-blocks
-of 256 takes blocks.FALLBACK's 32-value format, as llama.cpp's quantizer does."""
+of 256 takes blocks.FALLBACK's 32-value format, as llama.cpp's quantizer does. MIXES (below)
+names the mixtures of them `--weights` also takes."""
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,10 @@ SOURCES = [Path(__file__).with_name(name)
                         "attend.c", "step.c", "dropout.c", "xent.c", "glu.c", "rmsnorm.c",
                         "blocks.c", "kquants.c")]
 """Built into one library: the weight formats' products (fp32.c, int8.c, int8_packed.c,
-quantize.c, and kinds.c's table of them), beam search's candidates (search.py), a decoding
-step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
-(dropout.py), the cross-entropy (xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
+quantize.c, blocks.c and kquants.c for llama.cpp's blocks, and kinds.c's table of them),
+beam search's candidates (search.py), a decoding step's attention (attend.py) and whole
+decoder layer (step.py), and for training, dropout (dropout.py), the cross-entropy
+(xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
 HEADERS = [Path(__file__).with_name(name)
            for name in ("tformer.h", "vecmath.h", "int8.h", "int8_bytes.h", "int8_bytes_rows.h",
                         "int8_bytes_packed.h", "blocks_isa.h")]
