@@ -178,9 +178,11 @@ __attribute__((target("avx2,fma"))) static void quantize_block_avx2(
     *sx = scale * (float)*isum;
 }
 
-/* The plain C product: the same integer sums, a block at a time. */
-static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, const uint8_t *w,
-                         const float *b, float *y, long n, long nb, long r0, long r1)
+/* The plain C product: the same integer sums, a block at a time; inlined into rows_generic
+ * once per kind, so that the kind's tests fold away out of the loops. */
+static inline __attribute__((always_inline)) void rows_generic_kind(
+    const int kind, const struct xblocks *xb, long i0, int M, const uint8_t *w, const float *b,
+    float *y, long n, long nb, long r0, long r1)
 {
     const long size = block_bytes(kind), row = nb * size;
     for (long r = r0; r < r1; r++)
@@ -210,6 +212,18 @@ static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, con
             const float v = acc + off;
             y[(i0 + i) * n + r] = b ? v + b[r] : v;
         }
+}
+
+static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, const uint8_t *w,
+                         const float *b, float *y, long n, long nb, long r0, long r1)
+{
+    switch (kind) {
+    case KIND_Q8_0: rows_generic_kind(KIND_Q8_0, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    case KIND_Q4_0: rows_generic_kind(KIND_Q4_0, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    case KIND_Q4_1: rows_generic_kind(KIND_Q4_1, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    case KIND_Q5_0: rows_generic_kind(KIND_Q5_0, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    default: rows_generic_kind(KIND_Q5_1, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    }
 }
 
 #define BLK_NAME(name) name##_avx2
@@ -403,6 +417,6 @@ int tformer_quantize_blocks(int kind, const float *x, long n, uint8_t *out, int 
     const long size = block_bytes(kind);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 4096)
     for (long b = 0; b < n; b++)
-        quantize_block(x + b * BLOCK, kind, out + b * size);
+        quantize_block(x + b * BLOCK, kind, out + b * size);  /* its branches: once a block */
     return 0;
 }

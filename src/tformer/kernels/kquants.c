@@ -469,7 +469,7 @@ static void search_scale_min(const float *x, int nmax, float rmin, int steps, fl
     *minimum = -(float)best_min;
 }
 
-/* q4_k (nmax 15, with qh == NULL) or q5_k (31) of one super-block. */
+/* q4_k (nmax 15) or q5_k (31, with qh) of one super-block. */
 static void quantize_qk(const float *x, int nmax, float rmin, int steps, uint8_t *blk)
 {
     float scale[8], minimum[8], top_s = 0.0f, top_m = 0.0f;
@@ -579,21 +579,28 @@ static void quantize_q6k(const float *x, uint8_t *blk)
     store_u16(blk + 208, d);
 }
 
+static void quantize_q4k(const float *x, uint8_t *blk)
+{
+    quantize_qk(x, 15, -1.0f, 20, blk);
+}
+
+static void quantize_q5k(const float *x, uint8_t *blk)
+{
+    quantize_qk(x, 31, -0.5f, 15, blk);
+}
+
 /* n super-blocks of x (n * 256 fp32) to `kind`'s blocks (n * its bytes). Returns 0, or -3
  * for a kind that is not a K kind. */
 int tformer_quantize_k(int kind, const float *x, long n, uint8_t *out, int threads)
 {
+    static void (*const quantizers[])(const float *, uint8_t *) = {quantize_q4k, quantize_q5k,
+                                                                   quantize_q6k};
     if (kind < TFORMER_Q4_K || kind > TFORMER_Q6_K)
         return -3;
     const long size = formats[kind - TFORMER_Q4_K].size;
+    void (*const quantize)(const float *, uint8_t *) = quantizers[kind - TFORMER_Q4_K];
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 64)
-    for (long b = 0; b < n; b++) {
-        if (kind == TFORMER_Q4_K)
-            quantize_qk(x + b * QK, 15, -1.0f, 20, out + b * size);
-        else if (kind == TFORMER_Q5_K)
-            quantize_qk(x + b * QK, 31, -0.5f, 15, out + b * size);
-        else
-            quantize_q6k(x + b * QK, out + b * size);
-    }
+    for (long b = 0; b < n; b++)
+        quantize(x + b * QK, out + b * size);
     return 0;
 }
