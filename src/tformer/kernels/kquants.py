@@ -8,16 +8,17 @@ their own, the scales themselves quantized against one fp16 factor.
           values), fp16 d                                    x = d sc (q - 32)
 
 The order of values within qs, qh and ql is kquants.c's text (and gguf.quants' dequantizers,
-which the tests compare with). quantize() follows llama.cpp's reference quantizers
-(quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref in ggml-quants.c), written here in torch: for
-q4_k and q5_k each 32 values get the scale and minimum of a weighted least-squares search
-over 21 (q5_k: 16) trial scales (ggml's make_qkx2_quants), weights |x| + their rms; for
-q6_k each 16 values the scale of a search over 19 trial scales weighted by x^2
-(make_qx_quants); the scales are then rounded to 6 (8) bits against the block's largest
-and the values rounded again with the rounded scales. Float sums run in another order than
-ggml's, so a value on a rounding boundary may round the other way: the bytes are llama.cpp's
-layout and method, not promised equal to its output (gguf.quants has no K quantizer to
-compare with).
+which the tests compare with). The quantize_* functions follow llama.cpp's reference
+quantizers (quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref in ggml-quants.c): for q4_k and
+q5_k each 32 values get the scale and minimum of a weighted least-squares search over 21
+(q5_k: 16) trial scales besides the plain max-min one (ggml's make_qkx2_quants), weights
+|x| + their rms; for q6_k each 16 values the scale of a search over 20 trial scales weighted
+by x^2 (make_qx_quants); the scales are then rounded to 6 (8) bits against the block's
+largest and the values rounded again with the rounded scales. The sums run in float64
+(ggml's in fp32), so a value on a rounding boundary may round otherwise than llama.cpp
+rounds it: the bytes are llama.cpp's layout and method, not promised equal to its output
+(gguf.quants has no K quantizer to compare with). kquants.c's tformer_quantize_k computes
+these same bytes, step for step, much faster; blocks.quantize uses it where it is built.
 """
 
 from __future__ import annotations
