@@ -150,7 +150,7 @@ def load(
     """
     import torch
 
-    from tformer.kernels.blocks import formats_of
+    from tformer.kernels.blocks import format_names, formats_of
     from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.registry import families_with, get_family
@@ -178,7 +178,8 @@ def load(
     # Counted before a weight format turns the weights into buffers.
     parameters = sum(p.numel() for p in loaded.model.parameters())
     loaded.model = quantize_model(loaded.model, weights)
-    held = sorted(set(formats_of(loaded.model).values()))
+    held = sorted({name for fmt in formats_of(loaded.model).values()
+                   for name in format_names(fmt)})
     weights = weights or ("+".join(held) if held else "fp32")
     return Model(loaded, family, weights=weights, threads=threads, parameters=parameters)
 

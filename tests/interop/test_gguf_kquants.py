@@ -14,7 +14,7 @@ gguf = pytest.importorskip("gguf")
 
 from tformer.cli import main  # noqa: E402
 from tformer.interop.gguf import import_gguf, read_gguf, unpermute  # noqa: E402
-from tformer.kernels import blocks  # noqa: E402
+from tformer.kernels import blocks, library  # noqa: E402
 from tformer.loading import load_checkpoint  # noqa: E402
 
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
@@ -142,7 +142,7 @@ def test_rows_not_whole_super_blocks_export_in_llama_cpp_s_fallback(tmp_path):
         assert np.array_equal(array, gguf.quants.quantize(w.numpy(), raw))
 
 
-def test_a_layer_of_mixed_types_is_held_in_the_finer_where_it_says_the_values_exactly(
+def test_a_layer_of_mixed_types_is_held_in_the_finer_or_as_a_stack(
         tiny_gguf, tmp_path):
     # Q4_K_M's own mixtures: layer 0 as SmolLM2's file has it (its rows fall back to Q5_0,
     # attn_v to Q8_0), layer 1 as a model of 256-wide rows (Q4_K, attn_v Q6_K)
@@ -162,7 +162,32 @@ def test_a_layer_of_mixed_types_is_held_in_the_finer_where_it_says_the_values_ex
     qkv = model.blocks[0].attn.qkv_proj
     assert isinstance(qkv, blocks.BlockLinear) and qkv.fmt == "q8_0"
     assert torch.equal(qkv.weight, want(0))  # the Q5_0 rows re-encoded, their values exact
-    # Q4_K has no exact Q6_K form: that layer is the file's values in fp32
+    # Q4_K has no exact Q6_K form: that layer holds both, side by side, byte for byte
     qkv = model.blocks[1].attn.qkv_proj
-    assert type(qkv) is torch.nn.Linear and torch.equal(qkv.weight, want(1))
+    assert isinstance(qkv, blocks.StackedLinear) and qkv.fmt == "q4_k:384+q6_k:128"
+    raw = {p: file.tensors[f"blk.1.{p}.weight"].data for p in ("attn_q", "attn_k", "attn_v")}
+    assert np.array_equal(qkv.parts[1].blocks.numpy(), raw["attn_v"])
+    assert torch.equal(qkv.weight, want(1))
     assert model.blocks[1].ff.down.fmt == "q6_k"
+    # its product: each part's, side by side, through kinds.c's table or torch
+    x = torch.randn(5, 256)
+    with torch.no_grad():
+        got = qkv(x)
+        parts = torch.cat([p(x) for p in qkv.parts], dim=-1)
+    assert torch.equal(got, parts)
+    dense = load_checkpoint(run, family="gpt", weights="fp32").model  # the stack dequantized
+    assert type(dense.blocks[1].attn.qkv_proj) is torch.nn.Linear
+    assert torch.equal(dense.blocks[1].attn.qkv_proj.weight, want(1))
+    tokens = torch.randint(0, 322, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = model(tokens), dense(tokens)
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    # a decoding step runs the stack in C (step.c, through its kind's row) as the full
+    # sequence does
+    from tformer.decoding.lm import generate
+    from tformer.kernels.step import _linear
+
+    assert _linear(qkv).struct.kind == library.KIND_STACK
+    run = lambda cache: torch.stack(list(generate(  # noqa: E731
+        model, tokens[:, :4], max_new_tokens=8, temperature=0.0, use_cache=cache)))
+    assert torch.equal(run(True), run(False))

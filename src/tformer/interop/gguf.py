@@ -411,7 +411,7 @@ def linear_sources(file: GGUFFile, cfg: Any) -> dict[str, tuple[str, ...]]:
 def held_format(formats: list[str]) -> str | None:
     """The one format a layer made of file tensors in `formats` is held in: theirs where they
     agree; where they differ, one of them that says the others' values exactly
-    (blocks.EXACTLY_AS); else None (the layer is dequantized)."""
+    (blocks.EXACTLY_AS); else None (keep_blocks holds the tensors' own, side by side)."""
     from tformer.kernels.blocks import EXACTLY_AS
 
     for fmt in dict.fromkeys(formats):
@@ -423,36 +423,43 @@ def held_format(formats: list[str]) -> str | None:
 def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
     """Make the model's linear layers whose file tensors are all of kept types hold the
     file's blocks (query and key rows put back in rotate-half order, as whole rows): byte
-    for byte where the tensors share a type, else in held_format's, their values exact;
-    returns {parameter: format} of those."""
+    for byte where the tensors share a type; in held_format's where one type says the
+    others' values exactly; else as a StackedLinear of the tensors' own blocks, byte for
+    byte (Q4_K_M's q4_k attn_q and attn_k beside a q6_k attn_v). Returns {parameter:
+    format} of those."""
     kept = kept_types()
     if not kept:
         return {}
-    from tformer.kernels.blocks import BlockLinear, reencode
+    from tformer.kernels.blocks import BlockLinear, StackedLinear, reencode
 
     cfg, held = model.cfg, {}
     for param, names in linear_sources(file, cfg).items():
         tensors = [file.tensors.get(n) for n in names]
         if any(t is None or t.ggml_type not in kept for t in tensors):
             continue
-        fmt = held_format([kept[t.ggml_type] for t in tensors])
-        if fmt is None:
-            continue
-        rows = []
-        for name, tensor in zip(names, tensors, strict=True):
+        formats = [kept[t.ggml_type] for t in tensors]
+        fmt = held_format(formats)
+        parts: list[tuple[str, Tensor]] = []  # (format, rows), neighbours of a format joined
+        for name, tensor, own in zip(names, tensors, formats, strict=True):
             data = torch.from_numpy(np.array(tensor.data, copy=True))
-            if kept[tensor.ggml_type] != fmt:
-                data = reencode(data, kept[tensor.ggml_type], fmt)
+            if fmt is not None and own != fmt:
+                data = reencode(data, own, fmt)
             if file.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
                 heads = cfg.n_head if ".attn_q." in name else cfg.n_kv_head or cfg.n_head
                 data = unpermute(data, heads)
-            rows.append(data)
+            own = fmt or own
+            if parts and parts[-1][0] == own:
+                parts[-1] = (own, torch.cat([parts[-1][1], data]))
+            else:
+                parts.append((own, data))
         path = param.removesuffix(".weight")
         parent, _, attr = path.rpartition(".")
         owner = model.get_submodule(parent)
         linear = getattr(owner, attr)
-        setattr(owner, attr, BlockLinear(torch.cat(rows), fmt, linear.in_features, linear.bias))
-        held[param] = fmt
+        layer = BlockLinear(parts[0][1], parts[0][0], linear.in_features, linear.bias) \
+            if len(parts) == 1 else StackedLinear(parts, linear.in_features, linear.bias)
+        setattr(owner, attr, layer)
+        held[param] = layer.fmt
     return held
 
 

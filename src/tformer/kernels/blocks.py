@@ -368,9 +368,34 @@ blocks: a JSON object {parameter name: format}."""
 
 
 def formats_of(model: nn.Module) -> dict[str, str]:
-    """{parameter name: format} of the model's weights held as blocks (FORMATS_KEY's)."""
+    """{parameter name: format} of the model's weights held as blocks (FORMATS_KEY's; a
+    StackedLinear's format is its parts', stack_format's string)."""
     return {f"{name}.weight": m.fmt for name, m in model.named_modules()
-            if isinstance(m, BlockLinear)}
+            if isinstance(m, (BlockLinear, StackedLinear))}
+
+
+def stack_format(parts: list[tuple[str, int]]) -> str:
+    """[(format, rows)] of a StackedLinear's parts -> its format in a checkpoint, e.g.
+    "q4_k:2048+q4_k:512+q6_k:512"."""
+    return "+".join(f"{fmt}:{rows}" for fmt, rows in parts)
+
+
+def format_names(fmt: str) -> list[str]:
+    """The block formats a layer's format (formats_of's) holds: itself, or a stack's
+    parts'."""
+    return [name for name, _ in stack_parts(fmt)] if "+" in fmt else [fmt]
+
+
+def stack_parts(fmt: str) -> list[tuple[str, int]]:
+    """stack_format's string -> [(format, rows)]; a TformerError where it is not one."""
+    parts = []
+    for part in fmt.split("+"):
+        name, _, rows = part.partition(":")
+        _check_format(name)
+        if not rows.isdigit() or int(rows) == 0:
+            raise TformerError(f"block format {fmt!r}: {part!r} is not FORMAT:ROWS")
+        parts.append((name, int(rows)))
+    return parts
 
 
 def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
@@ -380,28 +405,36 @@ def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
     that is not an nn.Linear's weight of a fitting shape is a TformerError."""
     modules = dict(model.named_modules())
     for param, fmt in formats.items():
-        layout = _check_format(fmt)
         path = param.removesuffix(".weight")
         linear = modules.get(path)
         if not param.endswith(".weight") or not isinstance(linear, nn.Linear):
             raise TformerError(f"{param} is held as {fmt} blocks, but the model has no linear "
                                f"layer of that name")
+        parent, _, attr = path.rpartition(".")
+        if "+" in fmt:
+            stacked = StackedLinear.empty(stack_parts(fmt), linear.in_features, linear.bias)
+            if stacked.out_features != linear.out_features:
+                raise TformerError(f"{param} is held as {fmt}, but the layer has "
+                                   f"{linear.out_features} outputs")
+            setattr(modules[parent] if parent else model, attr, stacked)
+            continue
+        layout = _check_format(fmt)
         if linear.in_features % layout.values:
             raise TformerError(f"{param} is held as {fmt} blocks, but its {linear.in_features} "
                                f"inputs are not a multiple of {layout.values}")
         n, k = linear.out_features, linear.in_features
         empty = torch.empty(n, k // layout.values * layout.size, dtype=torch.uint8)
-        parent, _, attr = path.rpartition(".")
         setattr(modules[parent] if parent else model, attr,
                 BlockLinear(empty, fmt, k, linear.bias))
 
 
 def dequantize_model(model: nn.Module, keep: str | None = None) -> None:
-    """Make every BlockLinear of `model` (but those in format `keep`) an fp32 nn.Linear of
-    the same weight, in place."""
+    """Make every BlockLinear and StackedLinear of `model` (but BlockLinears in format
+    `keep`) an fp32 nn.Linear of the same weight, in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, BlockLinear) and child.fmt != keep:
+            if isinstance(child, StackedLinear) or (isinstance(child, BlockLinear)
+                                                    and child.fmt != keep):
                 linear = nn.Linear(child.in_features, child.out_features,
                                    bias=child.bias is not None, device="meta")
                 linear.weight = nn.Parameter(child.weight, requires_grad=False)
@@ -514,6 +547,111 @@ class BlockLinear(nn.Module):
         y = call(lib, self.fmt, rows, self.blocks, self.out_features, self.in_features,
                  None if self.bias is None else self.bias.detach())
         return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+
+
+class StackedLinear(nn.Module):
+    """y = x W^T + b with W's rows held in parts of different block formats, one after the
+    other: a fused projection whose file tensors differ in type (Q4_K_M's attn_q and attn_k
+    in q4_k beside attn_v in q6_k, held as one qkv layer). Each part is a BlockLinear over
+    its rows' bytes, all views of one flat uint8 buffer, which a checkpoint holds under the
+    layer's `weight` with stack_format's string as its format.
+
+    x: (..., in_features) -> (..., out_features), the parts' outputs side by side.
+    """
+
+    def __init__(self, parts: list[tuple[str, Tensor]], in_features: int,
+                 bias: Tensor | nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.layout = [(fmt, blocks.shape[0]) for fmt, blocks in parts]
+        self.fmt = stack_format(self.layout)
+        self.in_features = in_features
+        self.out_features = sum(rows for _, rows in self.layout)
+        self.register_buffer("blocks", torch.cat([b.contiguous().reshape(-1) for _, b in parts]))
+        self.bias = bias
+        self._split()
+
+    @classmethod
+    def empty(cls, layout: list[tuple[str, int]], in_features: int,
+              bias: Tensor | nn.Parameter | None = None) -> StackedLinear:
+        """A layer of `layout`'s parts [(format, rows)], its bytes untouched memory until a
+        checkpoint's are loaded into them."""
+        parts = []
+        for fmt, rows in layout:
+            size = LAYOUTS[fmt]
+            if in_features % size.values:
+                raise TformerError(f"{fmt} blocks hold rows of a multiple of {size.values} "
+                                   f"values, not {in_features}")
+            parts.append((fmt, torch.empty(rows, in_features // size.values * size.size,
+                                           dtype=torch.uint8)))
+        return cls(parts, in_features, bias)
+
+    def _split(self) -> None:
+        # the parts, kept out of the module tree (their bytes are this layer's buffer)
+        parts, at = [], 0
+        for fmt, rows in self.layout:
+            size = LAYOUTS[fmt]
+            n = rows * (self.in_features // size.values * size.size)
+            view = self.blocks[at:at + n].view(rows, -1)
+            parts.append(BlockLinear(view, fmt, self.in_features))
+            at += n
+        self.__dict__["parts"] = parts
+        self.__dict__["bound"] = None  # tformer_linear's, made at the first product
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's)
+        super()._apply(fn, recurse)
+        self._split()
+        return self
+
+    @property
+    def weight(self) -> Tensor:
+        return torch.cat([part.weight for part in self.parts])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001, ANN202
+        destination[prefix + "weight"] = self.blocks if keep_vars else self.blocks.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # noqa: ANN001, ANN202
+        if prefix + "weight" in state_dict:
+            state_dict[prefix + "blocks"] = state_dict.pop(prefix + "weight")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def tformer_linear(self) -> library.BoundLinear | None:
+        """The layer as step.c reads it: tformer.h's TFORMER_STACK, its parts' structures
+        in a buffer of their own; None where a part's cannot be read."""
+        bound = [part.tformer_linear() for part in self.parts]
+        b = self.bias
+        if any(p is None for p in bound) or not (
+                b is None or (b.dtype == torch.float32 and b.device.type == "cpu")):
+            return None
+        table = (library.Linear * len(bound))(*(p.struct for p in bound))
+        held = torch.frombuffer(bytearray(bytes(table)), dtype=torch.uint8)
+        bias = None if b is None else b.detach().contiguous()
+        struct = library.Linear(library.KIND_STACK, self.out_features, self.in_features,
+                                held.data_ptr(), None, None if bias is None else bias.data_ptr(),
+                                None, None, len(bound), 1 << 30)
+        tensors = (held, *(t for p in bound for t in p.tensors),
+                   *([] if bias is None else [bias]))
+        return library.BoundLinear(struct, 1 << 30, tensors)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lib = _lib()
+        if lib is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            if self.bound is None:
+                self.__dict__["bound"] = self.tformer_linear()
+            bound = self.bound
+            if bound is not None:
+                rows = x.reshape(-1, self.in_features).contiguous()
+                y = rows.new_empty(rows.shape[0], self.out_features)
+                if lib.tformer_linear(ctypes.byref(bound.struct), rows.data_ptr(),
+                                      y.data_ptr(), rows.shape[0], torch.get_num_threads()):
+                    raise MemoryError(f"no memory for {rows.shape[0]} rows of {self.fmt}")
+                return y.view(*x.shape[:-1], self.out_features)
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"

@@ -5,6 +5,8 @@
  * block, the activations' blocks), which blocks.py's table repeats (and a test compares),
  * and for block kinds their quantizer. */
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "tformer.h"
 
@@ -27,6 +29,7 @@ static const struct tformer_kind_traits kinds[TFORMER_KINDS] = {
                       tformer_quantize_k},
     [TFORMER_Q6_K] = {"q6_k", tformer_kquants_linear, 256, 210, TFORMER_X_Q8_K,
                       tformer_quantize_k},
+    [TFORMER_STACK] = {"stack", tformer_stack_linear, 1, 1, TFORMER_X_FP32, NULL},
 };
 
 /* y (m x n_out) = x (m x n_in) W^T + b through the product of l's kind. Returns the
@@ -67,4 +70,39 @@ int tformer_quantize(int kind, const float *x, long n, uint8_t *out, int threads
     if (kind < 0 || kind >= TFORMER_KINDS || !kinds[kind].quantize)
         return -3;
     return kinds[kind].quantize(kind, x, n, out, threads);
+}
+
+/* A stack's product: l->data holds l->layout parts (no bias of their own), whose outputs
+ * are y's columns in order (n_out the sum of theirs), each run through its own kind's
+ * product into a scratch of m rows, then copied into place; l->bias added after. Returns
+ * the first part's failure, or -1 where it could not allocate. */
+int tformer_stack_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                         int threads)
+{
+    const struct tformer_linear *parts = l->data;
+    long widest = 0, col = 0;
+    for (int p = 0; p < l->layout; p++)
+        widest = parts[p].n_out > widest ? parts[p].n_out : widest;
+    if (m <= 0 || widest == 0)
+        return 0;
+    float *part = malloc((size_t)(m * widest) * sizeof(float));
+    if (!part)
+        return -1;
+    for (int p = 0; p < l->layout; p++) {
+        const int status = tformer_linear(&parts[p], x, part, m, threads);
+        if (status) {
+            free(part);
+            return status;
+        }
+        for (long i = 0; i < m; i++)
+            memcpy(y + i * l->n_out + col, part + i * parts[p].n_out,
+                   (size_t)parts[p].n_out * sizeof(float));
+        col += parts[p].n_out;
+    }
+    free(part);
+    if (l->bias)
+        for (long i = 0; i < m; i++)
+            for (long r = 0; r < l->n_out; r++)
+                y[i * l->n_out + r] += l->bias[r];
+    return 0;
 }

@@ -170,7 +170,7 @@ def library_name(compiler: str) -> str:
 # --- The structures of tformer.h, field for field ------------------------------------------
 
 (KIND_FP32, KIND_INT8, KIND_Q8_0, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q4_K,
- KIND_Q5_K, KIND_Q6_K) = range(10)
+ KIND_Q5_K, KIND_Q6_K, KIND_STACK) = range(11)
 """tformer.h's enum tformer_kind: a weight format's tag (formats.py's `kind`)."""
 
 _p, _long, _i32, _int, _float = (ctypes.c_void_p, ctypes.c_long, ctypes.c_int32, ctypes.c_int,
@@ -239,6 +239,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_kind_name": (ctypes.c_char_p, [_int]),
     "tformer_kind_geometry": (_int, [_int, _p]),
     "tformer_quantize": (_int, [_int, _p, _long, _p, _int]),
+    "tformer_stack_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     # fp32 (fp32.c)
     "tformer_matvec": (None, [_p] * 4 + [_long] * 3 + [_int]),
     "tformer_fp32_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),

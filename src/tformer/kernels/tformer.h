@@ -20,6 +20,7 @@ enum tformer_kind {
     TFORMER_Q4_K = 7, /* data: n_out rows of n_in / 256 super-blocks (llama.cpp's K layouts) */
     TFORMER_Q5_K = 8,
     TFORMER_Q6_K = 9,
+    TFORMER_STACK = 10, /* data: `layout` struct tformer_linear parts, their outputs side by side */
     TFORMER_KINDS
 };
 
@@ -110,6 +111,11 @@ int tformer_quantize_blocks(int kind, const float *x, long n, uint8_t *out, int 
 int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                            int threads);
 int tformer_quantize_k(int kind, const float *x, long n, uint8_t *out, int threads);
+
+/* --- A layer of parts in different kinds (kinds.c): a fused projection whose rows come in
+ * several block formats ------------------------------------------------------------------ */
+int tformer_stack_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                         int threads);
 
 /* --- A decoding step's attention (attend.c) and beam search's candidates (search.c) ------ */
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
