@@ -153,27 +153,40 @@ def _naming_reader(gguf: Any) -> type:
     and its type."""
 
     class Reader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-            for field in fields:
-                _, name, _, dims, raw, offset = field.parts
-                name = bytes(name).decode("utf-8", "replace")
-                try:
-                    kind = gguf.GGMLQuantizationType(int(raw[0]))
-                except ValueError:
-                    raise TformerError(f"tensor {name} is of type {int(raw[0])}, a tensor type "
-                                       f"llama.cpp's reader does not know") from None
-                block, size = gguf.GGML_QUANT_SIZES[kind]
-                shape = [int(d) for d in dims]
-                if shape and shape[0] % block:
-                    raise TformerError(f"tensor {name} has rows of {shape[0]} values, not whole "
-                                       f"{kind.name} blocks of {block}")
-                end = int(start_offs + offset[0]) + math.prod(shape) // block * size
-                if end > len(self.data):
-                    raise TformerError(f"tensor {name} ({kind.name}) needs {end - len(self.data)} "
-                                       f"bytes more than the file holds: truncated?")
-            super()._build_tensors(start_offs, fields)
+        def _build_tensors(self, start_offs: int, fields: list[Any], *args: Any,
+                           **kwargs: Any) -> None:
+            try:
+                for field in fields:
+                    _check_tensor_info(gguf, field.parts, int(start_offs), len(self.data))
+            except TformerError:
+                raise
+            except Exception:  # noqa: BLE001, S110 (a reader laid out otherwise: its errors)
+                pass
+            super()._build_tensors(start_offs, fields, *args, **kwargs)
 
     return Reader
+
+
+def _check_tensor_info(gguf: Any, parts: Any, start: int, file_size: int) -> None:
+    """A TformerError naming the tensor and its type where its info (gguf's reader's field
+    parts: name length, name, dimensions' count, dimensions, type, offset) gives a type
+    gguf does not know, rows of part blocks, or data past the end of the file."""
+    _, name, _, dims, raw, offset = parts
+    name = bytes(name).decode("utf-8", "replace")
+    try:
+        kind = gguf.GGMLQuantizationType(int(raw[0]))
+    except ValueError:
+        raise TformerError(f"tensor {name} is of type {int(raw[0])}, a tensor type llama.cpp's "
+                           f"reader does not know") from None
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    shape = [int(d) for d in dims]
+    if shape and shape[0] % block:
+        raise TformerError(f"tensor {name} has rows of {shape[0]} values, not whole "
+                           f"{kind.name} blocks of {block}")
+    end = start + int(offset[0]) + math.prod(shape) // block * size
+    if end > file_size:
+        raise TformerError(f"tensor {name} ({kind.name}) needs {end - file_size} bytes more "
+                           f"than the file holds: truncated?")
 
 
 def _tensor(path: Path, t: Any) -> GGUFTensor:
