@@ -14,13 +14,15 @@
  *     dx (d sum_g sc_g sum_{j in g} u_j q_j  -  dmin sum_g mn_g bsum_g)
  *
  * two integer sums, exact (at most 16 groups of 16 * 63 * 127 times a scale of 128, some
- * 2.6e8, within int32), then
- * scaled: the minimums come out of x's sums, as ggml's vec_dot_q4_K_q8_K takes them. Each
+ * 2.6e8, within int32), then scaled: the minimums come out of x's sums, as ggml's
+ * vec_dot_q4_K_q8_K takes them. Each
  * format has an unpacking of a super-block to (u, sc, mn, d, dmin), plain C or AVX2, in the
  * table below; the integer sum of u q weighted by sc is one function per path (plain C,
  * AVX2's byte multiply-adds, AVX-VNNI's and AVX-512 VNNI's vpdpbusd), chosen by
  * tformer_blocks_isa. Threads (OpenMP) take rows of W; x's rows pass in chunks of 64, each
  * super-block of W unpacked once per chunk.
+ *
+ * The file ends with the quantizers (tformer_quantize_k, kinds.c's row for each K kind).
  */
 #include <immintrin.h>
 #include <math.h>
