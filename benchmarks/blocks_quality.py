@@ -32,7 +32,8 @@ from tformer.kernels.prepack import swap_linears
 WIKITEXT = Path("/work/shared/data/wikitext-2/wiki.valid.tokens")
 FORMATS = ("fp32", "file", "q8_0", "q4_1", "q4_0", "int8")
 """Rows: "file" is the GGUF's own blocks as they are (Q4_1, its output layer Q8_0). Also
-known to --formats: "q4_1/q8_0" and "q4_0/q8_0" (the output layer in q8_0, as llama.cpp's
+known to --formats: any other --weights name (q5_0, q5_1, q4_k, q5_k, q6_k, the mixtures
+q4_k_m and q5_k_m), "q4_1/q8_0" and "q4_0/q8_0" (the output layer in q8_0, as llama.cpp's
 quantizer keeps it finer), and "FMT:torch" (FMT's weights through torch's fp32 products:
 the activations unrounded, to tell the weights' cost from the activations')."""
 GGUF_NAMES = {"attn.out_proj": "attn_output", "ff.gate": "ffn_gate", "ff.up": "ffn_up",

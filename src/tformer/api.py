@@ -69,9 +69,9 @@ class FormatNames(Sequence[str]):
     loads only once it runs."""
 
     def _names(self) -> tuple[str, ...]:
-        from tformer.kernels.formats import FORMATS
+        from tformer.kernels.formats import FORMATS, MIXES
 
-        return tuple(FORMATS)
+        return (*FORMATS, *MIXES)
 
     @overload
     def __getitem__(self, index: int) -> str: ...
@@ -141,7 +141,8 @@ def load(
     """Load a run (its best checkpoint, else its newest) or one checkpoint directory.
 
     weights: the linear layers' weight format (kernels/formats.py: "fp32", prepacked for
-        decoding's small products, "int8", "q8_0", "q4_0", "q4_1", CPU); None keeps the
+        decoding's small products, "int8", the block formats "q8_0" ... "q6_k", the
+        mixtures "q4_k_m", "q5_k_m", CPU); None keeps the
         checkpoint's own (the blocks it holds as they are, fp32 for the rest).
     threads: torch's CPU threads (default: one per core nothing else is using).
     needs: "generate" or "translate": a checkpoint of a family that cannot is a clear error.
@@ -150,7 +151,7 @@ def load(
     """
     import torch
 
-    from tformer.kernels.blocks import formats_of
+    from tformer.kernels.blocks import format_names, formats_of
     from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.registry import families_with, get_family
@@ -178,7 +179,8 @@ def load(
     # Counted before a weight format turns the weights into buffers.
     parameters = sum(p.numel() for p in loaded.model.parameters())
     loaded.model = quantize_model(loaded.model, weights)
-    held = sorted(set(formats_of(loaded.model).values()))
+    held = sorted({name for fmt in formats_of(loaded.model).values()
+                   for name in format_names(fmt)})
     weights = weights or ("+".join(held) if held else "fp32")
     return Model(loaded, family, weights=weights, threads=threads, parameters=parameters)
 

@@ -93,7 +93,7 @@ def test_an_unknown_weight_format_is_one_line_naming_the_known_ones(capsys):
     assert main(["generate", "ckpt", "--weights", "int3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    from tformer.kernels.formats import FORMATS
+    from tformer.kernels.formats import FORMATS, MIXES
 
-    known = ", ".join(repr(name) for name in FORMATS)
+    known = ", ".join(repr(name) for name in (*FORMATS, *MIXES))
     assert f"--weights: invalid choice: 'int3' (choose from {known})" in err[0]

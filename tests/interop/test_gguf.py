@@ -56,9 +56,10 @@ def test_import_writes_a_checkpoint_that_generates(tiny_gguf, tmp_path, capsys):
     path = tiny_gguf("llama")
     assert main(["import", str(path), "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out.splitlines()
-    # matrices whose tensors are all Q8_0, Q4_0 or Q4_1 stay blocks; the rest is fp32
+    # matrices whose tensors are all of one block type stay blocks; the rest is fp32
     assert out[-2].startswith("kept as blocks: Q4_0 (") and "Q4_1" in out[-2]
-    assert out[-1].startswith("dequantized to fp32: ") and "Q4_K" in out[-1]
+    assert "Q4_K" in out[-2] and "Q6_K" in out[-2]
+    assert out[-1].startswith("dequantized to fp32: ") and "BF16" in out[-1]
     import tformer
 
     model = tformer.load(tmp_path / "run")
@@ -219,6 +220,13 @@ BAD = {
     "type tformer does not read": (set_type("output_norm.weight", 10), "Q2_K"),
     "rows of part blocks": (set_first_dim("token_embd.weight", 250), "250"),
     "data past the end": (set_first_dim("output.weight", 1 << 20), "truncated"),
+    # the K types (the tiny file's blk.0.ffn_gate is Q4_K, blk.0.ffn_down Q6_K)
+    "K rows of part super-blocks": (set_first_dim("blk.0.ffn_gate.weight", 128),
+                                    ("blk.0.ffn_gate.weight", "Q4_K", "256")),
+    "K data past the end": (set_first_dim("blk.0.ffn_down.weight", 1 << 20),
+                            ("blk.0.ffn_down.weight", "Q6_K", "truncated")),
+    "IQ2_XXS": (set_type("output_norm.weight", 16), ("output_norm.weight", "IQ2_XXS")),
+    "TQ1_0": (set_type("output_norm.weight", 34), ("output_norm.weight", "TQ1_0")),
 }
 
 
@@ -229,7 +237,8 @@ def test_a_bad_file_is_a_one_line_error(case, tiny_gguf, tmp_path, capsys):
     assert main(["import", bad, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tformer: error: ") and err.count("\n") == 1, err
-    assert words in err, err
+    for word in (words,) if isinstance(words, str) else words:
+        assert word in err, err
     assert not (tmp_path / "run").exists()
 
 

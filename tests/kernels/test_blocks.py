@@ -16,9 +16,9 @@ from tformer.kernels import blocks, library
 gguf = pytest.importorskip("gguf")
 from gguf import quants as gguf_quants  # noqa: E402
 
-GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-        "q4_1": gguf.GGMLQuantizationType.Q4_1}
-FORMATS = list(blocks.BLOCK_BYTES)
+GGML = {name: gguf.GGMLQuantizationType(t) for name, t in blocks.GGML_TYPES.items()}
+FORMATS = [name for name, layout in blocks.LAYOUTS.items() if layout.values == 32]
+"""The 32-value formats (the K ones: test_kquants.py)."""
 PATHS = {"generic": blocks.ISA_GENERIC, "avx2": blocks.ISA_AVX2,
          "avxvnni": blocks.ISA_AVX_VNNI, "avx512": blocks.ISA_AVX512_VNNI}
 
@@ -44,8 +44,11 @@ def plain_dequantize(raw: bytes, fmt: str, k: int) -> list[float]:
             continue
         qs = blk[size - 16:]
         q = [b & 15 for b in qs] + [b >> 4 for b in qs]
-        if fmt == "q4_0":
-            out += [d * (v - 8) for v in q]
+        if fmt in ("q5_0", "q5_1"):  # qh: the 4 bytes before qs, bit j value j's fifth
+            qh = struct.unpack("<I", blk[size - 20:size - 16])[0]
+            q = [v + 16 * (qh >> j & 1) for j, v in enumerate(q)]
+        if fmt in ("q4_0", "q5_0"):
+            out += [d * (v - (8 if fmt == "q4_0" else 16)) for v in q]
         else:
             m = struct.unpack("<e", blk[2:4])[0]
             out += [d * v + m for v in q]
@@ -70,11 +73,13 @@ def plain_product(x: torch.Tensor, raw: torch.Tensor, fmt: str, bias, absolute: 
     return torch.from_numpy(y if bias is None else y + bias.double().numpy())
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c", "torch"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantize_writes_gguf_s_bytes(fmt):
+def test_quantize_writes_gguf_s_bytes(fmt, native):
     w = awkward_weight(40, 256)
+    w[5, 64:96] = -3.0  # a constant block below zero
     want = gguf_quants.quantize(w.numpy(), GGML[fmt])
-    assert np.array_equal(blocks.quantize(w, fmt).numpy(), want)
+    assert np.array_equal(blocks.quantize(w, fmt, native=native).numpy(), want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -180,7 +185,7 @@ def test_the_quality_of_each_format_in_order():
     w = torch.randn(64, 512)
     err = {fmt: ((blocks.dequantize(blocks.quantize(w, fmt), fmt) - w).norm() / w.norm()).item()
            for fmt in FORMATS}
-    assert err["q8_0"] < 0.01 < err["q4_1"] < err["q4_0"] < 0.15
+    assert err["q8_0"] < 0.01 < err["q5_1"] < err["q5_0"] < err["q4_1"] < err["q4_0"] < 0.15
 
 
 def test_bad_shapes_are_one_line_errors():
@@ -225,7 +230,7 @@ def test_the_4_bit_formats_keep_the_output_layer_in_q8_0():
     gpt = GPT(GPTConfig(vocab_size=61, context=8, n_layer=1, n_head=2, d_model=64))
     s2s = Seq2Seq(Seq2SeqConfig(vocab_size=23, max_len=8, n_layer=1, n_head=2, d_model=64,
                                 d_ff=64))
-    for fmt, output in (("q4_0", "q8_0"), ("q4_1", "q8_0"), ("q8_0", "q8_0")):
+    for fmt, output in (("q4_0", "q8_0"), ("q4_1", "q8_0"), ("q8_0", "q8_0"), ("q5_0", "q8_0")):
         held = blocks.formats_of(through_format(gpt, fmt))
         assert held.pop("lm_head.weight") == output and set(held.values()) == {fmt}
         held = blocks.formats_of(through_format(s2s, fmt))
@@ -244,7 +249,7 @@ def test_a_language_model_decodes_with_block_weights(fmt):
     with torch.no_grad():
         full, got = model(tokens), quantized(tokens)
     # 4 bits a weight cost more than 8 (random weights: no outliers for blocks to absorb)
-    bound = {"q8_0": 0.05, "q4_0": 0.5, "q4_1": 0.5}[fmt]
+    bound = {"q8_0": 0.05, "q4_0": 0.5, "q4_1": 0.5, "q5_0": 0.3, "q5_1": 0.3}[fmt]
     assert (full - got).abs().max() < bound * full.std()
     prompt = torch.randint(0, 61, (2, 5))
     run = lambda cache: torch.stack(  # noqa: E731

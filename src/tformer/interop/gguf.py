@@ -139,7 +139,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if f.read(4) != b"GGUF":
             raise TformerError(f"{path} is not a GGUF file (it does not begin with 'GGUF')")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _naming_reader(gguf)(path)
+    except TformerError as e:
+        raise TformerError(f"{path}: {e}") from None
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError, ...
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "GGMLQuantizationType" in detail:
@@ -157,6 +159,49 @@ def read_gguf(path: str | Path) -> GGUFFile:
             raise TformerError(f"cannot read {path}: metadata {name}: {e}") from None
     tensors = {t.name: _tensor(path, t) for t in reader.tensors}
     return GGUFFile(path, metadata, tensors)
+
+
+def _naming_reader(gguf: Any) -> type:
+    """gguf.GGUFReader, checking each tensor's type, rows and data before the reader maps it:
+    where the reader would fail with a message naming neither (a type it does not know, rows
+    of part blocks, data past the end of a truncated file), a TformerError names the tensor
+    and its type."""
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any], *args: Any,
+                           **kwargs: Any) -> None:
+            try:
+                for field in fields:
+                    _check_tensor_info(gguf, field.parts, int(start_offs), len(self.data))
+            except TformerError:
+                raise
+            except Exception:  # noqa: BLE001, S110 (a reader laid out otherwise: its errors)
+                pass
+            super()._build_tensors(start_offs, fields, *args, **kwargs)
+
+    return Reader
+
+
+def _check_tensor_info(gguf: Any, parts: Any, start: int, file_size: int) -> None:
+    """A TformerError naming the tensor and its type where its info (gguf's reader's field
+    parts: name length, name, dimensions' count, dimensions, type, offset) gives a type
+    gguf does not know, rows of part blocks, or data past the end of the file."""
+    _, name, _, dims, raw, offset = parts
+    name = bytes(name).decode("utf-8", "replace")
+    try:
+        kind = gguf.GGMLQuantizationType(int(raw[0]))
+    except ValueError:
+        raise TformerError(f"tensor {name} is of type {int(raw[0])}, a tensor type llama.cpp's "
+                           f"reader does not know") from None
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    shape = [int(d) for d in dims]
+    if shape and shape[0] % block:
+        raise TformerError(f"tensor {name} has rows of {shape[0]} values, not whole "
+                           f"{kind.name} blocks of {block}")
+    end = start + int(offset[0]) + math.prod(shape) // block * size
+    if end > file_size:
+        raise TformerError(f"tensor {name} ({kind.name}) needs {end - file_size} bytes more "
+                           f"than the file holds: truncated?")
 
 
 def _tensor(path: Path, t: Any) -> GGUFTensor:
@@ -421,7 +466,8 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
 
 def kept_types() -> dict[int, str]:
     """GGUF tensor type -> the weight format that holds its blocks as they are: every entry
-    of the weight-format registry with a ggml_type (Q8_0, Q4_0, Q4_1)."""
+    of the weight-format registry with a ggml_type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+    Q5_K, Q6_K)."""
     from tformer.kernels.formats import FORMATS
 
     return {fmt.ggml_type: name for name, fmt in FORMATS.items() if fmt.ggml_type is not None}
@@ -437,35 +483,58 @@ def linear_sources(file: GGUFFile, cfg: Any) -> dict[str, tuple[str, ...]]:
     return sources
 
 
+def held_format(formats: list[str]) -> str | None:
+    """The one format a layer made of file tensors in `formats` is held in: theirs where they
+    agree; where they differ, one of them that says the others' values exactly
+    (blocks.EXACTLY_AS); else None (keep_blocks holds the tensors' own, side by side)."""
+    from tformer.kernels.blocks import EXACTLY_AS
+
+    for fmt in dict.fromkeys(formats):
+        if all(f == fmt or (f, fmt) in EXACTLY_AS for f in formats):
+            return fmt
+    return None
+
+
 def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
-    """Make the model's linear layers whose file tensors are all of one kept type hold the
-    file's blocks byte for byte (query and key rows put back in rotate-half order, as whole
-    rows); returns {parameter: format} of those."""
+    """Make the model's linear layers whose file tensors are all of kept types hold the
+    file's blocks (query and key rows put back in rotate-half order, as whole rows): byte
+    for byte where the tensors share a type; in held_format's where one type says the
+    others' values exactly; else as a StackedLinear of the tensors' own blocks, byte for
+    byte (Q4_K_M's q4_k attn_q and attn_k beside a q6_k attn_v). Returns {parameter:
+    format} of those."""
     kept = kept_types()
     if not kept:
         return {}
-    from tformer.kernels.blocks import BlockLinear
+    from tformer.kernels.blocks import BlockLinear, StackedLinear, reencode
 
     cfg, held = model.cfg, {}
     for param, names in linear_sources(file, cfg).items():
         tensors = [file.tensors.get(n) for n in names]
-        if any(t is None for t in tensors) or len({t.ggml_type for t in tensors}) != 1 or \
-                tensors[0].ggml_type not in kept:
+        if any(t is None or t.ggml_type not in kept for t in tensors):
             continue
-        fmt = kept[tensors[0].ggml_type]
-        rows = []
-        for name, tensor in zip(names, tensors, strict=True):
+        formats = [kept[t.ggml_type] for t in tensors]
+        fmt = held_format(formats)
+        parts: list[tuple[str, Tensor]] = []  # (format, rows), neighbours of a format joined
+        for name, tensor, own in zip(names, tensors, formats, strict=True):
             data = torch.from_numpy(np.array(tensor.data, copy=True))
+            if fmt is not None and own != fmt:
+                data = reencode(data, own, fmt)
             if file.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
                 heads = cfg.n_head if ".attn_q." in name else cfg.n_kv_head or cfg.n_head
                 data = unpermute(data, heads)
-            rows.append(data)
+            own = fmt or own
+            if parts and parts[-1][0] == own:
+                parts[-1] = (own, torch.cat([parts[-1][1], data]))
+            else:
+                parts.append((own, data))
         path = param.removesuffix(".weight")
         parent, _, attr = path.rpartition(".")
         owner = model.get_submodule(parent)
         linear = getattr(owner, attr)
-        setattr(owner, attr, BlockLinear(torch.cat(rows), fmt, linear.in_features, linear.bias))
-        held[param] = fmt
+        layer = BlockLinear(parts[0][1], parts[0][0], linear.in_features, linear.bias) \
+            if len(parts) == 1 else StackedLinear(parts, linear.in_features, linear.bias)
+        setattr(owner, attr, layer)
+        held[param] = layer.fmt
     return held
 
 

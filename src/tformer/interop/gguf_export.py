@@ -7,9 +7,13 @@ adapters merged; the tokenizer, special ids and chat template in the metadata.
 The tensors go the way tformer.interop.gguf brings them in, reversed: Hugging Face's names
 (the same mappings interop.llama and interop.gpt2 export with) to llama.cpp's, the query and
 key rows of `llama` into pairs order. Matrices are written in the chosen type (f32, f16, or
-llama.cpp's q8_0, q4_0, q4_1 blocks, made by gguf.quants); norms and biases stay f32. A
-matrix the checkpoint already holds as blocks of the chosen type (a GGUF file's, brought in)
-goes out as those bytes, not rounded again.
+llama.cpp's q8_0, q4_0, q4_1, q5_0, q5_1, q6_k blocks, or the q4_k_m and q5_k_m mixtures,
+each tensor's type by llama.cpp's rule, kernels.formats.Mix), made by kernels.blocks'
+quantizers (byte for byte gguf.quants' where it has one); norms and biases stay f32. A
+K type's matrix whose rows are not whole super-blocks takes blocks.FALLBACK's type, as
+llama.cpp's quantizer does. A matrix the checkpoint already holds as blocks of the chosen
+type (a GGUF file's, brought in) goes out as those bytes, not rounded again; a mixture's
+matrices are rounded from the weights they hold.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from tformer.kernels import blocks
 
 log = logging.getLogger(__name__)
 
-GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
-FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "q4_k_m",
+              "q5_k_m")
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9,
+              "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
 """general.file_type: llama.cpp's enum llama_ftype for a file mostly of that type."""
 
 
@@ -171,19 +177,33 @@ def hf_names_for(arch: str, n_layer: int) -> dict[str, str]:
     return hf_names(_Named(), n_layer)  # type: ignore[arg-type]
 
 
+def tensor_type(kind: str, name: str, n_layer: int, tied: bool) -> str:
+    """The block format a matrix called `name` (llama.cpp's name) takes in a file of `kind`:
+    a mixture's by its rule (the output layer, or the embedding where it is also the output,
+    finer), any other kind itself."""
+    from tformer.kernels.formats import MIXES
+
+    mix = MIXES.get(kind)
+    if mix is None:
+        return kind
+    output = name == "output.weight" or (tied and name == "token_embd.weight")
+    return mix.format_of("lm_head" if output else name, n_layer)
+
+
 def _stored(name: str, value: Tensor, kind: str) -> tuple[np.ndarray, Any]:
-    """(array, raw type or None) for GGUFWriter.add_tensor: matrices in `kind` (those whose
-    rows are not whole 32-value blocks in f16), the rest f32."""
+    """(array, raw type or None) for GGUFWriter.add_tensor: matrices in `kind` (a block
+    format, or blocks.FALLBACK's where their rows are not whole blocks of it, else f16), the
+    rest f32."""
     gguf = require_gguf()
     array = value.numpy()
     if value.dtype == torch.uint8:  # already blocks of `kind`
         return array, gguf.GGMLQuantizationType[kind.upper()]
     if value.dim() != 2 or kind == "f32" or name == "rope_freqs.weight":
         return array.astype(np.float32), None
-    if kind == "f16" or value.shape[1] % 32:
+    fmt = None if kind == "f16" else blocks.fitting(kind, value.shape[1])
+    if fmt is None:
         return array.astype(np.float16), None
-    qtype = gguf.GGMLQuantizationType[kind.upper()]
-    return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
+    return blocks.quantize(value, fmt).numpy(), gguf.GGMLQuantizationType[fmt.upper()]
 
 
 def export_gguf(checkpoint: Path, dest: Path, type: str = "f32") -> Path:
@@ -219,8 +239,10 @@ def export_gguf(checkpoint: Path, dest: Path, type: str = "f32") -> Path:
         _add(writer, f"{arch}.{key}", value)
     for key, value in vocab.items():
         _add(writer, key, value)
-    for name, value in gguf_tensors(loaded.model, arch).items():
-        array, raw = _stored(name, value, type)
+    tensors = gguf_tensors(loaded.model, arch)
+    tied = "output.weight" not in tensors
+    for name, value in tensors.items():
+        array, raw = _stored(name, value, tensor_type(type, name, cfg.n_layer, tied))
         writer.add_tensor(name, array, raw_dtype=raw)
     try:
         writer.write_header_to_file()

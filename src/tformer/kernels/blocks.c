@@ -1,9 +1,10 @@
 /* Products with weights held as llama.cpp's blocks (blocks.py): y = x W^T + b, W (n x k) as
- * rows of q8_0, q4_0 or q4_1 blocks of 32 values, x (m x k) fp32, rounded once per call to
+ * rows of q8_0, q4_0, q4_1, q5_0 or q5_1 blocks of 32 values, x (m x k) fp32, rounded once per call to
  * blocks of 32 values with one fp32 scale each (struct xblocks): d = max|x| / 127,
  * q = roundf(x / d), as blocks.py's quantize_activations. A block's 32 products are summed
- * exactly in integers and scaled by d_w d_x (q4_1 adds m_w d_x sum(q_x)); the blocks' results
- * are summed in fp32.
+ * exactly in integers and scaled by d_w d_x (q4_1 and q5_1 add m_w d_x sum(q_x)); the blocks'
+ * results are summed in fp32. The 5-bit formats keep each value's fifth bit apart, in a
+ * 32-bit word qh (bit j: value j's); with it a value is a byte 0..31 like a nibble.
  *
  * One entry point serves a decoding step's few rows and a prompt's many: x's rows go four
  * at a time through a tile of W's rows, which stays in the cache while x's rows pass. With
@@ -27,6 +28,8 @@
 #define KIND_Q8_0 TFORMER_Q8_0
 #define KIND_Q4_0 TFORMER_Q4_0
 #define KIND_Q4_1 TFORMER_Q4_1
+#define KIND_Q5_0 TFORMER_Q5_0
+#define KIND_Q5_1 TFORMER_Q5_1
 #define BLK_PREFETCH_AHEAD 4
 #define WIDE_TILE 16  /* rows of W a tile holds when x has more than four rows */
 #define X_CHUNK 64    /* rows of x that pass through a tile at a time */
@@ -52,9 +55,42 @@ static inline void lane_sums(const int8_t *q, int32_t *lane8)
         lane8[l] = -8 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
 }
 
+/* kinds.c's table says the same; here it is a constant the compiler folds into each kind's
+ * own copy of the tile. */
 static inline long block_bytes(int kind)
 {
-    return kind == KIND_Q8_0 ? 34 : kind == KIND_Q4_0 ? 18 : 20;
+    switch (kind) {
+    case KIND_Q8_0: return 34;
+    case KIND_Q4_0: return 18;
+    case KIND_Q4_1: return 20;
+    case KIND_Q5_0: return 22;
+    default: return 24;
+    }
+}
+
+/* Whether the kind has a minimum m (x = d q + m) instead of an offset in q. */
+static inline int has_min(int kind)
+{
+    return kind == KIND_Q4_1 || kind == KIND_Q5_1;
+}
+
+/* The offset a kind's stored values carry (q = stored - offset): 8 for q4_0, 16 for q5_0. */
+static inline int offset_of(int kind)
+{
+    return kind == KIND_Q4_0 ? 8 : kind == KIND_Q5_0 ? 16 : 0;
+}
+
+/* Whether the kind keeps a fifth bit for each value (qh, the 4 bytes before qs). */
+static inline int five_bits(int kind)
+{
+    return kind == KIND_Q5_0 || kind == KIND_Q5_1;
+}
+
+static inline uint32_t load_u32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
 static inline uint16_t load_u16(const uint8_t *p)
@@ -142,9 +178,11 @@ __attribute__((target("avx2,fma"))) static void quantize_block_avx2(
     *sx = scale * (float)*isum;
 }
 
-/* The plain C product: the same integer sums, a block at a time. */
-static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, const uint8_t *w,
-                         const float *b, float *y, long n, long nb, long r0, long r1)
+/* The plain C product: the same integer sums, a block at a time; inlined into rows_generic
+ * once per kind, so that the kind's tests fold away out of the loops. */
+static inline __attribute__((always_inline)) void rows_generic_kind(
+    const int kind, const struct xblocks *xb, long i0, int M, const uint8_t *w, const float *b,
+    float *y, long n, long nb, long r0, long r1)
 {
     const long size = block_bytes(kind), row = nb * size;
     for (long r = r0; r < r1; r++)
@@ -160,11 +198,13 @@ static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, con
                         s += (int32_t)(int8_t)blk[2 + j] * xq[j];
                 } else {
                     const uint8_t *qs = blk + size - 16;
+                    /* the 5-bit kinds' fifth bits, 16 for value j where bit j is set */
+                    const uint32_t qh = five_bits(kind) ? load_u32(blk + size - 20) : 0;
                     for (int j = 0; j < 16; j++)
-                        s += (qs[j] & 15) * xq[j] + (qs[j] >> 4) * xq[j + 16];
-                    if (kind == KIND_Q4_0)
-                        s -= 8 * xb->isum[at];
-                    else
+                        s += ((qs[j] & 15) | ((qh >> j & 1) << 4)) * xq[j]
+                             + ((qs[j] >> 4) | ((qh >> (j + 16) & 1) << 4)) * xq[j + 16];
+                    s -= offset_of(kind) * xb->isum[at];
+                    if (has_min(kind))
                         off += half_to_float(load_u16(blk + 2)) * xb->sx[at];
                 }
                 acc += (float)s * (half_to_float(load_u16(blk)) * xb->dx[at]);
@@ -172,6 +212,18 @@ static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, con
             const float v = acc + off;
             y[(i0 + i) * n + r] = b ? v + b[r] : v;
         }
+}
+
+static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, const uint8_t *w,
+                         const float *b, float *y, long n, long nb, long r0, long r1)
+{
+    switch (kind) {
+    case KIND_Q8_0: rows_generic_kind(KIND_Q8_0, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    case KIND_Q4_0: rows_generic_kind(KIND_Q4_0, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    case KIND_Q4_1: rows_generic_kind(KIND_Q4_1, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    case KIND_Q5_0: rows_generic_kind(KIND_Q5_0, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    default: rows_generic_kind(KIND_Q5_1, xb, i0, M, w, b, y, n, nb, r0, r1); return;
+    }
 }
 
 #define BLK_NAME(name) name##_avx2
@@ -277,10 +329,94 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
     return ok ? 0 : -1;
 }
 
-/* kinds.c's product for q8_0, q4_0 and q4_1: l->data holds the blocks. */
+/* kinds.c's product for q8_0, q4_0, q4_1, q5_0 and q5_1: l->data holds the blocks. */
 int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                                int threads)
 {
     return tformer_blocks_linear(l->kind, x, m, (const uint8_t *)l->data, l->n_out, l->n_in,
                                  l->bias, y, threads);
+}
+
+/* --- Quantizing: fp32 rows to blocks, as llama.cpp's reference quantizers (blocks.py's
+ * quantize says the rules; it computes the same bytes in torch where this is not built) --- */
+
+__attribute__((target("f16c"))) static void store_half(uint8_t *p, float v)
+{
+    const uint16_t h = (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+    memcpy(p, &h, sizeof h);
+}
+
+/* The value largest in size, with its sign (the first of equals), and the minimum and
+ * maximum of a block. */
+static void block_range(const float *x, float *big, float *lo, float *hi)
+{
+    float amax = 0.0f;
+    *big = 0.0f;
+    *lo = *hi = x[0];
+    for (int j = 0; j < BLOCK; j++) {
+        if (fabsf(x[j]) > amax) {
+            amax = fabsf(x[j]);
+            *big = x[j];
+        }
+        *lo = x[j] < *lo ? x[j] : *lo;
+        *hi = x[j] > *hi ? x[j] : *hi;
+    }
+}
+
+/* One block of 32 values of a 4- or 5-bit kind: q = min(levels - 1, trunc(x / d + add)),
+ * packed as nibbles (and qh). */
+static void pack_small(const float *x, int kind, float inv, float lo, float add, uint8_t *blk)
+{
+    const int levels = five_bits(kind) ? 32 : 16;
+    uint8_t q[BLOCK];
+    for (int j = 0; j < BLOCK; j++) {
+        const int v = (int)((x[j] - lo) * inv + add);
+        q[j] = (uint8_t)(v < levels - 1 ? v : levels - 1);
+    }
+    const long size = block_bytes(kind);
+    uint8_t *qs = blk + size - 16;
+    for (int j = 0; j < 16; j++)
+        qs[j] = (uint8_t)((q[j] & 15) | ((q[j + 16] & 15) << 4));
+    if (five_bits(kind)) {
+        uint32_t qh = 0;
+        for (int j = 0; j < BLOCK; j++)
+            qh |= (uint32_t)(q[j] >> 4) << j;
+        memcpy(blk + size - 20, &qh, sizeof qh);
+    }
+}
+
+static void quantize_block(const float *x, int kind, uint8_t *blk)
+{
+    float big, lo, hi;
+    block_range(x, &big, &lo, &hi);
+    if (kind == KIND_Q8_0) {
+        const float d = fabsf(big) / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        store_half(blk, d);
+        for (int j = 0; j < BLOCK; j++)
+            blk[2 + j] = (uint8_t)(int8_t)roundf(x[j] * inv);
+    } else if (has_min(kind)) { /* q4_1, q5_1: d = (max - min) / (levels - 1), m = min */
+        const float d = (hi - lo) / (five_bits(kind) ? 31.0f : 15.0f);
+        const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        store_half(blk, d);
+        store_half(blk + 2, lo);
+        pack_small(x, kind, inv, lo, 0.5f, blk);
+    } else { /* q4_0, q5_0: d = big / -(levels / 2), q = x / d + levels / 2 */
+        const float half = five_bits(kind) ? 16.0f : 8.0f;
+        const float d = big / -half, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        store_half(blk, d);
+        pack_small(x, kind, inv, 0.0f, half + 0.5f, blk);
+    }
+}
+
+/* n blocks of x (n * 32 fp32) to `kind`'s blocks (n * its bytes). Returns 0, or -3 for a
+ * kind that is not one of this file's. */
+int tformer_quantize_blocks(int kind, const float *x, long n, uint8_t *out, int threads)
+{
+    if (kind < KIND_Q8_0 || kind > KIND_Q5_1)
+        return -3;
+    const long size = block_bytes(kind);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 4096)
+    for (long b = 0; b < n; b++)
+        quantize_block(x + b * BLOCK, kind, out + b * size);  /* its branches: once a block */
+    return 0;
 }

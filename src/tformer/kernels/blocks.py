@@ -1,26 +1,34 @@
-"""Block-quantized weights: llama.cpp's Q8_0, Q4_0 and Q4_1 layouts, byte for byte.
+"""Block-quantized weights: llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 layouts and its K
+super-blocks (Q4_K, Q5_K, Q6_K, kquants.py), byte for byte.
 
-A weight [N out, K in] is cut along K into blocks of 32 values, each stored with its own
-fp16 scale d (and for q4_1 an fp16 offset m), so an outlier costs the precision of 32
-weights, not of a whole row:
+A weight [N out, K in] is cut along K into blocks (LAYOUTS gives each format's values and
+bytes a block), each stored with its own fp16 scale d (and an fp16 offset m for q4_1 and
+q5_1), so an outlier costs the precision of a block, not of a whole row:
 
     q8_0  fp16 d; int8 qs[32]                                   x = d * q        34 bytes
     q4_0  fp16 d; uint8 qs[16]: q_j = (qs[j] & 15) - 8,
                                q_{j+16} = (qs[j] >> 4) - 8      x = d * q        18 bytes
     q4_1  fp16 d; fp16 m; uint8 qs[16]: q_j = qs[j] & 15,
                                q_{j+16} = qs[j] >> 4            x = d * q + m    20 bytes
+    q5_0  fp16 d; uint32 qh; qs[16]: q4_0's nibbles, bit j of qh value j's fifth bit,
+                               q = that 5-bit value - 16        x = d * q        22 bytes
+    q5_1  fp16 d; fp16 m; uint32 qh; qs[16]: q = the 5-bit value x = d * q + m   24 bytes
+    q4_k, q5_k, q6_k: 256 values a block, 144, 176 and 210 bytes (kquants.py)
 
-held as a uint8 tensor [N, K/32 * block_bytes], rows contiguous: the order a GGUF file
+held as a uint8 tensor [N, K / values * bytes], rows contiguous: the order a GGUF file
 stores a 2-D tensor's data in, so a file's blocks are used as they are. quantize() rounds
 as llama.cpp's reference quantizers do (q8_0: d = max|x| / 127, q = round(x / d), halves
-away from zero; q4_0: d = (the value largest in size, with its sign) / -8, q = min(15,
-trunc(x / d + 8.5)); q4_1: d = (max - min) / 15, m = min, q = min(15, trunc((x - m) / d +
-0.5))), in fp32 as they do, with the same bits.
+away from zero; q4_0 (q5_0): d = (the value largest in size, with its sign) / -8 (-16),
+q = min(15 (31), trunc(x / d + 8.5 (16.5))); q4_1 (q5_1): d = (max - min) / 15 (31),
+m = min, q = min(15 (31), trunc((x - m) / d + 0.5))), in fp32 as they do, with the same
+bits; the K formats as kquants.py says.
 
-BlockLinear computes y = x W^T + b with the activations rounded to the same kind of
-32-value blocks (one fp32 scale each, q = round(x / d), d = max|x| / 127) and the products
-of a block summed exactly in integers, then scaled: blocks.c, on x86-64 with AVX2 (and
-AVX-VNNI or AVX-512 VNNI where the CPU has them). Elsewhere (library.py's
+BlockLinear computes y = x W^T + b with the activations rounded to blocks (one fp32 scale
+each, q = round(x / d), d = max|x| / 127) of the format's activation kind: 32 values (q8_0)
+for the 32-value formats, 256 (llama.cpp's Q8_K, with the sums of each 16) for the K ones;
+the products of a block summed exactly in integers, then scaled: blocks.c and kquants.c,
+through kinds.c's table, on x86-64 with AVX2 (and AVX-VNNI or AVX-512 VNNI where the CPU
+has them). Elsewhere (library.py's
 TFORMER_ISA=torch, no compiler) it multiplies fp32 rows by the weight dequantized once and
 kept: the same weights, the activations unrounded.
 """
@@ -29,23 +37,60 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.errors import TformerError
-from tformer.kernels import library
+from tformer.kernels import kquants, library
 
 log = logging.getLogger(__name__)
 
-BLOCK = 32
-"""Values per block, along the input dimension."""
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+ACTIVATION_VALUES = {"q8_0": 32, "q8_k": 256}
+"""The blocks activations are rounded to, by kind: values per block (one scale each)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A block format's geometry: values a block holds along a row, bytes it takes, the
+    kind of blocks the activations are rounded to (ACTIVATION_VALUES), its C tag
+    (tformer.h's enum tformer_kind, whose row in kinds.c says the same geometry) and the
+    GGUF tensor type whose blocks it holds as they are."""
+
+    values: int
+    size: int
+    activation: str
+    kind: int
+    ggml_type: int
+
+
+LAYOUTS = {
+    "q8_0": Layout(32, 34, "q8_0", library.KIND_Q8_0, 8),
+    "q4_0": Layout(32, 18, "q8_0", library.KIND_Q4_0, 2),
+    "q4_1": Layout(32, 20, "q8_0", library.KIND_Q4_1, 3),
+    "q5_0": Layout(32, 22, "q8_0", library.KIND_Q5_0, 6),
+    "q5_1": Layout(32, 24, "q8_0", library.KIND_Q5_1, 7),
+    "q4_k": Layout(256, 144, "q8_k", library.KIND_Q4_K, 12),
+    "q5_k": Layout(256, 176, "q8_k", library.KIND_Q5_K, 13),
+    "q6_k": Layout(256, 210, "q8_k", library.KIND_Q6_K, 14),
+}
+"""Every block format, by name."""
+FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+"""The 32-value format a K format's layer takes where its rows are not whole super-blocks
+(SmolLM2's 576 inputs): llama.cpp's quantizer does the same (llama-quant.cpp, the
+"incompatible tensor" fallback: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)."""
+EXACTLY_AS = {("q4_0", "q8_0"): 8, ("q5_0", "q8_0"): 16}
+"""(a format, a finer one) whose blocks say every value of the first exactly, with the first's
+offset: a q4_0 or q5_0 block is d (q - offset), a q8_0 block the same d and q - offset as
+int8. A layer made of file tensors of both (Q4_K_M's fallbacks: attn_q and attn_k in Q5_0,
+attn_v in Q8_0, held as one qkv layer) is held in the finer one, its values unchanged."""
+BLOCK_BYTES = {name: layout.size for name, layout in LAYOUTS.items()}
 """Bytes a block takes in each format."""
-KINDS = {"q8_0": library.KIND_Q8_0, "q4_0": library.KIND_Q4_0, "q4_1": library.KIND_Q4_1}
+KINDS = {name: layout.kind for name, layout in LAYOUTS.items()}
 """The C tag of each format (tformer.h's enum tformer_kind)."""
-GGML_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3}
+GGML_TYPES = {name: layout.ggml_type for name, layout in LAYOUTS.items()}
 """The GGUF tensor type whose raw blocks each format holds as is."""
 ISA_GENERIC, ISA_AVX2, ISA_AVX_VNNI, ISA_AVX512_VNNI = 0, 1, 2, 3
 """blocks.c's paths (tformer.h's TFORMER_BLOCKS_*): plain C, AVX2 (byte multiply-adds),
@@ -54,9 +99,10 @@ ISA_FOR = {"avx512": ISA_AVX512_VNNI, "avxvnni": ISA_AVX_VNNI, "avx2": ISA_AVX2}
 """library.ISAS's kernel instruction sets: the path blocks.c takes for each."""
 
 
-def _check_format(fmt: str) -> None:
-    if fmt not in BLOCK_BYTES:
-        raise TformerError(f"unknown block format {fmt!r}: use one of {', '.join(BLOCK_BYTES)}")
+def _check_format(fmt: str) -> Layout:
+    if fmt not in LAYOUTS:
+        raise TformerError(f"unknown block format {fmt!r}: use one of {', '.join(LAYOUTS)}")
+    return LAYOUTS[fmt]
 
 
 def roundf(v: Tensor) -> Tensor:
@@ -79,54 +125,153 @@ def _pack_nibbles(q: Tensor) -> Tensor:
     return q[..., :16] | (q[..., 16:] << 4)
 
 
-def quantize(weight: Tensor, fmt: str) -> Tensor:
-    """weight [N, K] (K a multiple of 32) -> uint8 blocks [N, K/32 * BLOCK_BYTES[fmt]], as
-    llama.cpp's reference quantizer for the format writes them."""
-    _check_format(fmt)
-    if weight.dim() != 2 or weight.shape[1] % BLOCK:
-        raise TformerError(f"{fmt} holds [N, K] weights with K a multiple of {BLOCK}; "
+def _q8_0(x: Tensor) -> list[Tensor]:
+    d = x.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    return [_fp16_bytes(d), roundf(x * inv).to(torch.int8).view(torch.uint8)]
+
+
+def _symmetric(x: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+    """q4_0's and q5_0's rounding: d = (the value largest in size) / -(levels / 2), q =
+    min(levels - 1, trunc(x / d + levels / 2 + 0.5))."""
+    big = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))
+    d = big / -(levels // 2)
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    return d, (x * inv + (levels // 2 + 0.5)).trunc().clamp(0, levels - 1)
+
+
+def _offset(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q4_1's and q5_1's: d = (max - min) / (levels - 1), m = min,
+    q = min(levels - 1, trunc((x - m) / d + 0.5))."""
+    lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+    d = (hi - lo) / (levels - 1)
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    return d, lo, ((x - lo) * inv + 0.5).trunc().clamp(0, levels - 1)
+
+
+def _fifth_bits(q: Tensor) -> Tensor:
+    """[..., 32] 5-bit values -> qh [..., 4]: bit j (little-endian) value j's fifth bit."""
+    bits = (q.to(torch.int64) >> 4).reshape(*q.shape[:-1], 4, 8)
+    return (bits << torch.arange(8)).sum(-1).to(torch.uint8)
+
+
+def _q4_0(x: Tensor) -> list[Tensor]:
+    d, q = _symmetric(x, 16)
+    return [_fp16_bytes(d), _pack_nibbles(q)]
+
+
+def _q4_1(x: Tensor) -> list[Tensor]:
+    d, m, q = _offset(x, 16)
+    return [_fp16_bytes(d), _fp16_bytes(m), _pack_nibbles(q)]
+
+
+def _q5_0(x: Tensor) -> list[Tensor]:
+    d, q = _symmetric(x, 32)
+    return [_fp16_bytes(d), _fifth_bits(q), _pack_nibbles(q % 16)]
+
+
+def _q5_1(x: Tensor) -> list[Tensor]:
+    d, m, q = _offset(x, 32)
+    return [_fp16_bytes(d), _fp16_bytes(m), _fifth_bits(q), _pack_nibbles(q % 16)]
+
+
+def _super_blocks(fmt: str):
+    """A K format's rounding over [..., 256] values, kquants.py's searches CHUNK blocks at
+    a time."""
+    fn = kquants.QUANTIZE[fmt]
+
+    def run(x: Tensor) -> list[Tensor]:
+        return [kquants.chunked(fn, x.reshape(-1, kquants.QK)).reshape(*x.shape[:-1], -1)]
+
+    return run
+
+
+QUANTIZE = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1,
+            **{name: _super_blocks(name) for name in kquants.QUANTIZE}}
+"""Each format's rounding in torch: x [..., values] fp32 -> the parts of its blocks
+[..., bytes]. kinds.c's tformer_quantize computes the same bytes (the tests compare them),
+some ten to a hundred times faster: quantize() uses it where the kernels are built."""
+
+
+def _values_32(b: Tensor, size: int) -> Tensor:
+    """The 32 stored values of q4's and q5's blocks [..., size], 0..15 or 0..31."""
+    qs = b[..., size - 16:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).long()
+    if size in (22, 24):  # q5_0, q5_1: the fifth bits, the 4 bytes before qs
+        qh = b[..., size - 20:size - 16].long()
+        bits = (qh[..., :, None] >> torch.arange(8)) & 1
+        q = q | (bits.reshape(*q.shape) << 4)
+    return q.float()
+
+
+def _super_blocks_decoded(fmt: str):
+    """A K format's decoding over [..., bytes] blocks."""
+    fn = kquants.DEQUANTIZE[fmt]
+
+    def run(b: Tensor) -> Tensor:
+        return fn(b.reshape(-1, b.shape[-1])).reshape(*b.shape[:-1], -1)
+
+    return run
+
+
+def _half(b: Tensor, at: int) -> Tensor:
+    return b[..., at:at + 2].contiguous().view(torch.float16).float()
+
+
+DEQUANTIZE = {
+    "q8_0": lambda b: _half(b, 0) * b[..., 2:].contiguous().view(torch.int8).float(),
+    "q4_0": lambda b: _half(b, 0) * (_values_32(b, 18) - 8),
+    "q4_1": lambda b: _half(b, 0) * _values_32(b, 20) + _half(b, 2),
+    "q5_0": lambda b: _half(b, 0) * (_values_32(b, 22) - 16),
+    "q5_1": lambda b: _half(b, 0) * _values_32(b, 24) + _half(b, 2),
+    **{name: _super_blocks_decoded(name) for name in kquants.DEQUANTIZE},
+}
+"""Each format's decoding: blocks [..., bytes] uint8 -> x [..., values] fp32."""
+
+
+def quantize(weight: Tensor, fmt: str, native: bool = True) -> Tensor:
+    """weight [N, K] (K a multiple of the format's block) -> uint8 blocks [N, K / values *
+    bytes], as llama.cpp's reference quantizer for the format writes them: through kinds.c's
+    table where native and the kernels are built, else QUANTIZE's torch."""
+    layout = _check_format(fmt)
+    if weight.dim() != 2 or weight.shape[1] % layout.values:
+        raise TformerError(f"{fmt} holds [N, K] weights with K a multiple of {layout.values}; "
                            f"got {tuple(weight.shape)}")
     n, k = weight.shape
-    x = weight.detach().to("cpu", torch.float32).reshape(n, k // BLOCK, BLOCK)
-    if fmt == "q8_0":
-        d = x.abs().amax(dim=-1, keepdim=True) / 127
-        inv = torch.where(d == 0, 0.0, 1 / d)
-        q = roundf(x * inv).to(torch.int8).view(torch.uint8)
-        parts = [_fp16_bytes(d), q]
-    elif fmt == "q4_0":
-        big = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))
-        d = big / -8
-        inv = torch.where(d == 0, 0.0, 1 / d)
-        q = (x * inv + 8.5).trunc().clamp(0, 15)
-        parts = [_fp16_bytes(d), _pack_nibbles(q)]
-    else:
-        lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-        d = (hi - lo) / 15
-        inv = torch.where(d == 0, 0.0, 1 / d)
-        q = ((x - lo) * inv + 0.5).trunc().clamp(0, 15)
-        parts = [_fp16_bytes(d), _fp16_bytes(lo), _pack_nibbles(q)]
-    return torch.cat(parts, dim=-1).reshape(n, -1)
+    x = weight.detach().to("cpu", torch.float32).contiguous()
+    # the library as built, not _lib(): its self-check quantizes with this function
+    lib = library.load() if native else None
+    if lib is None:
+        x = x.reshape(n, k // layout.values, layout.values)
+        return torch.cat(QUANTIZE[fmt](x), dim=-1).reshape(n, -1)
+    out = torch.empty(n, k // layout.values * layout.size, dtype=torch.uint8)
+    if n and lib.tformer_quantize(layout.kind, x.data_ptr(), n * k // layout.values,
+                                  out.data_ptr(), torch.get_num_threads()):
+        raise TformerError(f"this build's kernels have no quantizer for {fmt}")
+    return out
+
+
+def reencode(blocks: Tensor, fmt: str, finer: str) -> Tensor:
+    """Blocks of `fmt` -> blocks of `finer` that decode to the same values, for EXACTLY_AS's
+    pairs: each block's fp16 d as it is, its values less the offset as int8."""
+    offset = EXACTLY_AS.get((fmt, finer))
+    if offset is None:
+        raise TformerError(f"{fmt} blocks have no exact {finer} form")
+    size = LAYOUTS[fmt].size
+    b = blocks.contiguous().reshape(blocks.shape[0], -1, size)
+    q = (_values_32(b, size) - offset).to(torch.int8).view(torch.uint8)
+    return torch.cat([b[..., :2], q], dim=-1).reshape(blocks.shape[0], -1)
 
 
 def dequantize(blocks: Tensor, fmt: str) -> Tensor:
-    """uint8 blocks [N, B * BLOCK_BYTES[fmt]] -> the fp32 weight [N, B * 32]."""
-    _check_format(fmt)
-    size = BLOCK_BYTES[fmt]
+    """uint8 blocks [N, B * bytes] -> the fp32 weight [N, B * values]."""
+    layout = _check_format(fmt)
+    size = layout.size
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
         raise TformerError(f"{fmt} blocks are uint8 [N, B * {size}]; got {blocks.dtype} "
                            f"{tuple(blocks.shape)}")
     n = blocks.shape[0]
-    b = blocks.contiguous().reshape(n, -1, size)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()
-    if fmt == "q8_0":
-        q = b[..., 2:].contiguous().view(torch.int8).float()
-        return (d * q).reshape(n, -1)
-    qs = b[..., size - 16:]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
-    if fmt == "q4_0":
-        return (d * (q - 8)).reshape(n, -1)
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
-    return (d * q + m).reshape(n, -1)
+    return DEQUANTIZE[fmt](blocks.contiguous().reshape(n, -1, size)).reshape(n, -1)
 
 
 # The C kernels (blocks.c, built into library.py's library).
@@ -167,22 +312,25 @@ def available() -> bool:
 
 def call(lib: ctypes.CDLL, fmt: str, x: Tensor, blocks: Tensor, n: int, k: int,
          bias: Tensor | None) -> Tensor:
-    """y = x W^T + b through blocks.c, W as blocks; x (M, K) fp32 contiguous, all checked."""
+    """y = x W^T + b through kinds.c's table (blocks.c's or kquants.c's product), W as
+    blocks; x (M, K) fp32 contiguous, all checked."""
     m = x.shape[0]
     y = x.new_empty(m, n)
-    if lib.tformer_blocks_linear(KINDS[fmt], x.data_ptr(), m, blocks.data_ptr(), n, k,
-                                 None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                 torch.get_num_threads()):
+    struct = library.Linear(KINDS[fmt], n, k, blocks.data_ptr(), None,
+                            None if bias is None else bias.data_ptr(), None, None, 0, 1 << 30)
+    if lib.tformer_linear(ctypes.byref(struct), x.data_ptr(), y.data_ptr(), m,
+                          torch.get_num_threads()):
         raise MemoryError(f"no memory for {m} x {k} activation blocks")
     return y
 
 
-def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x (M, K) fp32 -> (q int8 [M, K/32, 32], d fp32 [M, K/32, 1]): blocks.c's rounding of
-    the activations, d = max|x| / 127 per block, q = roundf(x / d) (roundf(x * (1/d)) in fp32,
-    as the kernels compute it; q = 0 where d = 0)."""
+def quantize_activations(x: Tensor, values: int = 32) -> tuple[Tensor, Tensor]:
+    """x (M, K) fp32 -> (q int8 [M, K/values, values], d fp32 [M, K/values, 1]): the
+    kernels' rounding of the activations to blocks of `values` (a layout's
+    ACTIVATION_VALUES), d = max|x| / 127 per block, q = roundf(x / d) (roundf(x * (1/d)) in
+    fp32, as the kernels compute it; q = 0 where d = 0)."""
     m, k = x.shape
-    v = x.float().reshape(m, k // BLOCK, BLOCK)
+    v = x.float().reshape(m, k // values, values)
     d = v.abs().amax(dim=-1, keepdim=True) / 127
     inv = torch.where(d == 0, 0.0, 1 / d)
     return roundf(v * inv).to(torch.int8), d
@@ -192,18 +340,19 @@ def computes_right(lib: ctypes.CDLL) -> bool:
     """A check that the block products compute what they should on the path chosen: every
     format, 1 to 9 rows (so the few-row and many-row products), weight rows not a multiple
     of the kernels' step, against the block arithmetic in float64 (the activations rounded
-    by quantize_activations, one rounded to zero), within fp32 rounding."""
+    by quantize_activations, one block rounded to zero), within fp32 rounding."""
     g = torch.Generator().manual_seed(0)
-    n, k = 13, 96
+    n, k = 13, 512
     w = torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g)
-    for fmt in BLOCK_BYTES:
+    for fmt, layout in LAYOUTS.items():
         blocks = quantize(w, fmt)
+        values = ACTIVATION_VALUES[layout.activation]
         for m in (1, 2, 3, 4, 5, 9):
             x = torch.randn(m, k, generator=g)
-            x[0, :BLOCK] = 0.0
+            x[0, :values] = 0.0
             got = call(lib, fmt, x, blocks, n, k, bias if m % 2 else None)
-            q, d = quantize_activations(x)
+            q, d = quantize_activations(x, values)
             want = (dequantize(blocks, fmt).double() @ (q.double() * d.double()).reshape(m, k).t()
                     ).t()
             if m % 2:
@@ -219,9 +368,34 @@ blocks: a JSON object {parameter name: format}."""
 
 
 def formats_of(model: nn.Module) -> dict[str, str]:
-    """{parameter name: format} of the model's weights held as blocks (FORMATS_KEY's)."""
+    """{parameter name: format} of the model's weights held as blocks (FORMATS_KEY's; a
+    StackedLinear's format is its parts', stack_format's string)."""
     return {f"{name}.weight": m.fmt for name, m in model.named_modules()
-            if isinstance(m, BlockLinear)}
+            if isinstance(m, (BlockLinear, StackedLinear))}
+
+
+def stack_format(parts: list[tuple[str, int]]) -> str:
+    """[(format, rows)] of a StackedLinear's parts -> its format in a checkpoint, e.g.
+    "q4_k:2048+q4_k:512+q6_k:512"."""
+    return "+".join(f"{fmt}:{rows}" for fmt, rows in parts)
+
+
+def format_names(fmt: str) -> list[str]:
+    """The block formats a layer's format (formats_of's) holds: itself, or a stack's
+    parts'."""
+    return [name for name, _ in stack_parts(fmt)] if "+" in fmt else [fmt]
+
+
+def stack_parts(fmt: str) -> list[tuple[str, int]]:
+    """stack_format's string -> [(format, rows)]; a TformerError where it is not one."""
+    parts = []
+    for part in fmt.split("+"):
+        name, _, rows = part.partition(":")
+        _check_format(name)
+        if not rows.isdigit() or int(rows) == 0:
+            raise TformerError(f"block format {fmt!r}: {part!r} is not FORMAT:ROWS")
+        parts.append((name, int(rows)))
+    return parts
 
 
 def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
@@ -231,28 +405,36 @@ def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
     that is not an nn.Linear's weight of a fitting shape is a TformerError."""
     modules = dict(model.named_modules())
     for param, fmt in formats.items():
-        _check_format(fmt)
         path = param.removesuffix(".weight")
         linear = modules.get(path)
         if not param.endswith(".weight") or not isinstance(linear, nn.Linear):
             raise TformerError(f"{param} is held as {fmt} blocks, but the model has no linear "
                                f"layer of that name")
-        if linear.in_features % BLOCK:
-            raise TformerError(f"{param} is held as {fmt} blocks, but its {linear.in_features} "
-                               f"inputs are not a multiple of {BLOCK}")
-        n, k = linear.out_features, linear.in_features
-        empty = torch.empty(n, k // BLOCK * BLOCK_BYTES[fmt], dtype=torch.uint8)
         parent, _, attr = path.rpartition(".")
+        if "+" in fmt:
+            stacked = StackedLinear.empty(stack_parts(fmt), linear.in_features, linear.bias)
+            if stacked.out_features != linear.out_features:
+                raise TformerError(f"{param} is held as {fmt}, but the layer has "
+                                   f"{linear.out_features} outputs")
+            setattr(modules[parent] if parent else model, attr, stacked)
+            continue
+        layout = _check_format(fmt)
+        if linear.in_features % layout.values:
+            raise TformerError(f"{param} is held as {fmt} blocks, but its {linear.in_features} "
+                               f"inputs are not a multiple of {layout.values}")
+        n, k = linear.out_features, linear.in_features
+        empty = torch.empty(n, k // layout.values * layout.size, dtype=torch.uint8)
         setattr(modules[parent] if parent else model, attr,
                 BlockLinear(empty, fmt, k, linear.bias))
 
 
 def dequantize_model(model: nn.Module, keep: str | None = None) -> None:
-    """Make every BlockLinear of `model` (but those in format `keep`) an fp32 nn.Linear of
-    the same weight, in place."""
+    """Make every BlockLinear and StackedLinear of `model` (but BlockLinears in format
+    `keep`) an fp32 nn.Linear of the same weight, in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, BlockLinear) and child.fmt != keep:
+            if isinstance(child, StackedLinear) or (isinstance(child, BlockLinear)
+                                                    and child.fmt != keep):
                 linear = nn.Linear(child.in_features, child.out_features,
                                    bias=child.bias is not None, device="meta")
                 linear.weight = nn.Parameter(child.weight, requires_grad=False)
@@ -261,20 +443,29 @@ def dequantize_model(model: nn.Module, keep: str | None = None) -> None:
 
 
 def quantizer(fmt: str):
-    """How the weight-format registry makes an nn.Linear into `fmt`: a BlockLinear, or the
-    layer as it is where its input size is not a multiple of 32 (no such blocks exist)."""
+    """How the weight-format registry makes an nn.Linear into `fmt`: a BlockLinear, in
+    FALLBACK's format where its input size is not a multiple of the format's block, or the
+    layer as it is where no such blocks exist."""
     _check_format(fmt)
 
     def make(linear: nn.Linear) -> nn.Module:
-        if linear.in_features % BLOCK:
+        fits = fitting(fmt, linear.in_features)
+        if fits is None:
             return linear
-        return BlockLinear.from_linear(linear, fmt)
+        return BlockLinear.from_linear(linear, fits)
 
     return make
 
 
+def fitting(fmt: str, width: int) -> str | None:
+    """`fmt`, or its FALLBACK, whichever holds rows of `width` values; None if neither."""
+    while fmt is not None and width % LAYOUTS[fmt].values:
+        fmt = FALLBACK.get(fmt)
+    return fmt
+
+
 class BlockLinear(nn.Module):
-    """y = x W^T + b with W held as blocks of one of BLOCK_BYTES's formats (see the
+    """y = x W^T + b with W held as blocks of one of LAYOUTS's formats (see the
     module's text), for inference.
 
     x: (..., in_features) -> (..., out_features). Made from an nn.Linear (from_linear,
@@ -284,11 +475,11 @@ class BlockLinear(nn.Module):
     def __init__(self, blocks: Tensor, fmt: str, in_features: int,
                  bias: Tensor | nn.Parameter | None = None) -> None:
         super().__init__()
-        _check_format(fmt)
+        layout = _check_format(fmt)
         out_features = blocks.shape[0] if blocks.dim() == 2 else -1
-        want = (out_features, in_features // BLOCK * BLOCK_BYTES[fmt])
+        want = (out_features, in_features // layout.values * layout.size)
         if (blocks.dtype != torch.uint8 or tuple(blocks.shape) != want
-                or in_features % BLOCK):
+                or in_features % layout.values):
             raise TformerError(f"{fmt} blocks of a [N, {in_features}] weight are uint8 "
                                f"{want}; got {blocks.dtype} {tuple(blocks.shape)}")
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
@@ -331,7 +522,7 @@ class BlockLinear(nn.Module):
                                    and b.is_contiguous())))
 
     def tformer_linear(self) -> library.BoundLinear | None:
-        """The layer as step.c reads it (tformer.h's TFORMER_Q8_0, _Q4_0 or _Q4_1), or None
+        """The layer as step.c reads it (tformer.h's TFORMER_Q8_0, ... _Q6_K), or None
         where blocks.c cannot read its tensors; any number of rows."""
         if _lib() is None or not self._fits(torch.empty(0)):
             return None
@@ -356,6 +547,111 @@ class BlockLinear(nn.Module):
         y = call(lib, self.fmt, rows, self.blocks, self.out_features, self.in_features,
                  None if self.bias is None else self.bias.detach())
         return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+
+
+class StackedLinear(nn.Module):
+    """y = x W^T + b with W's rows held in parts of different block formats, one after the
+    other: a fused projection whose file tensors differ in type (Q4_K_M's attn_q and attn_k
+    in q4_k beside attn_v in q6_k, held as one qkv layer). Each part is a BlockLinear over
+    its rows' bytes, all views of one flat uint8 buffer, which a checkpoint holds under the
+    layer's `weight` with stack_format's string as its format.
+
+    x: (..., in_features) -> (..., out_features), the parts' outputs side by side.
+    """
+
+    def __init__(self, parts: list[tuple[str, Tensor]], in_features: int,
+                 bias: Tensor | nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.layout = [(fmt, blocks.shape[0]) for fmt, blocks in parts]
+        self.fmt = stack_format(self.layout)
+        self.in_features = in_features
+        self.out_features = sum(rows for _, rows in self.layout)
+        self.register_buffer("blocks", torch.cat([b.contiguous().reshape(-1) for _, b in parts]))
+        self.bias = bias
+        self._split()
+
+    @classmethod
+    def empty(cls, layout: list[tuple[str, int]], in_features: int,
+              bias: Tensor | nn.Parameter | None = None) -> StackedLinear:
+        """A layer of `layout`'s parts [(format, rows)], its bytes untouched memory until a
+        checkpoint's are loaded into them."""
+        parts = []
+        for fmt, rows in layout:
+            size = LAYOUTS[fmt]
+            if in_features % size.values:
+                raise TformerError(f"{fmt} blocks hold rows of a multiple of {size.values} "
+                                   f"values, not {in_features}")
+            parts.append((fmt, torch.empty(rows, in_features // size.values * size.size,
+                                           dtype=torch.uint8)))
+        return cls(parts, in_features, bias)
+
+    def _split(self) -> None:
+        # the parts, kept out of the module tree (their bytes are this layer's buffer)
+        parts, at = [], 0
+        for fmt, rows in self.layout:
+            size = LAYOUTS[fmt]
+            n = rows * (self.in_features // size.values * size.size)
+            view = self.blocks[at:at + n].view(rows, -1)
+            parts.append(BlockLinear(view, fmt, self.in_features))
+            at += n
+        self.__dict__["parts"] = parts
+        self.__dict__["bound"] = None  # tformer_linear's, made at the first product
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's)
+        super()._apply(fn, recurse)
+        self._split()
+        return self
+
+    @property
+    def weight(self) -> Tensor:
+        return torch.cat([part.weight for part in self.parts])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001, ANN202
+        destination[prefix + "weight"] = self.blocks if keep_vars else self.blocks.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # noqa: ANN001, ANN202
+        if prefix + "weight" in state_dict:
+            state_dict[prefix + "blocks"] = state_dict.pop(prefix + "weight")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def tformer_linear(self) -> library.BoundLinear | None:
+        """The layer as step.c reads it: tformer.h's TFORMER_STACK, its parts' structures
+        in a buffer of their own; None where a part's cannot be read."""
+        bound = [part.tformer_linear() for part in self.parts]
+        b = self.bias
+        if any(p is None for p in bound) or not (
+                b is None or (b.dtype == torch.float32 and b.device.type == "cpu")):
+            return None
+        table = (library.Linear * len(bound))(*(p.struct for p in bound))
+        held = torch.frombuffer(bytearray(bytes(table)), dtype=torch.uint8)
+        bias = None if b is None else b.detach().contiguous()
+        struct = library.Linear(library.KIND_STACK, self.out_features, self.in_features,
+                                held.data_ptr(), None, None if bias is None else bias.data_ptr(),
+                                None, None, len(bound), 1 << 30)
+        tensors = (held, *(t for p in bound for t in p.tensors),
+                   *([] if bias is None else [bias]))
+        return library.BoundLinear(struct, 1 << 30, tensors)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lib = _lib()
+        if lib is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            if self.bound is None:
+                self.__dict__["bound"] = self.tformer_linear()
+            bound = self.bound
+            if bound is not None:
+                rows = x.reshape(-1, self.in_features).contiguous()
+                y = rows.new_empty(rows.shape[0], self.out_features)
+                if lib.tformer_linear(ctypes.byref(bound.struct), rows.data_ptr(),
+                                      y.data_ptr(), rows.shape[0], torch.get_num_threads()):
+                    raise MemoryError(f"no memory for {rows.shape[0]} rows of {self.fmt}")
+                return y.view(*x.shape[:-1], self.out_features)
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"

@@ -14,8 +14,9 @@
  *   128 where a file holds -128; x's bytes are at most 127 in size), so none does.
  *   _mm256_madd_epi16 against ones adds those pairs into eight 32-bit sums.
  * - VNNI: one vpdpbusd adds four products into each 32-bit sum.
- * q4_0's nibbles are q + 8: each lane starts from -8 times the sum of its four x's (lane8),
- * so it holds its four products' sum(q x) exactly, no larger than they are (an offset
+ * q4_0's nibbles are q + 8 (q5_0's 5-bit values q + 16): each lane starts from -8 (-16)
+ * times the sum of its four x's (lane8, doubled for q5_0), so it holds its four products'
+ * sum(q x) exactly, no larger than they are (an offset
  * spread over the lanes unevenly would grow the fp32 sums' rounding). The lanes go to fp32 (exact: at most
  * 4 * 128 * 127 in size) and into the row's fp32 sums with the block's scale d_w d_x, each
  * lane in the same order whatever the number of rows, so a row's result does not depend on
@@ -36,9 +37,15 @@ BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(tile)(
 {
     const long size = block_bytes(kind), row = nb * size;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
-    (void)ones;
+    /* The 5-bit kinds' qh to bytes: byte j takes qh's byte j / 8 (shuffle), and is 16 where
+     * its bit j % 8 is set (the mask's byte j has that bit alone). */
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                              0x0303030303030303);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    (void)ones, (void)spread, (void)bit, (void)sixteen;
     __m256 acc[4][4];
-    float off[4][4]; /* q4_1: sum over blocks of m_w * d_x * sum(x) */
+    float off[4][4]; /* q4_1, q5_1: sum over blocks of m_w * d_x * sum(x) */
 #pragma GCC unroll 4
     for (int i = 0; i < M; i++)
 #pragma GCC unroll 4
@@ -64,7 +71,13 @@ BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(tile)(
                 const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + size - 16));
                 u[r] = _mm256_and_si256(
                     _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
-                mw[r] = kind == KIND_Q4_1 ? _cvtsh_ss(load_u16(blk + 2)) : 0.0f;
+                if (five_bits(kind)) {
+                    const __m256i h = _mm256_shuffle_epi8(
+                        _mm256_set1_epi32((int)load_u32(blk + size - 20)), spread);
+                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+                    u[r] = _mm256_or_si256(u[r], _mm256_and_si256(set, sixteen));
+                }
+                mw[r] = has_min(kind) ? _cvtsh_ss(load_u16(blk + 2)) : 0.0f;
             }
         }
 #pragma GCC unroll 4
@@ -72,16 +85,17 @@ BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(tile)(
             const long at = (i0 + i) * nb + q;
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xb->qx + at * BLOCK));
             const float dx = xb->dx[at];
-            const __m256i start =
-                kind == KIND_Q4_0 ? _mm256_loadu_si256((const __m256i *)(xb->lane8 + 8 * at))
-                                  : _mm256_setzero_si256();
+            const __m256i lane8 = offset_of(kind)
+                ? _mm256_loadu_si256((const __m256i *)(xb->lane8 + 8 * at))
+                : _mm256_setzero_si256();
+            const __m256i start = kind == KIND_Q5_0 ? _mm256_slli_epi32(lane8, 1) : lane8;
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const __m256i s = kind == KIND_Q8_0 ? _mm256_sign_epi8(xv, sgn[r]) : xv;
                 const __m256i sum = BLK_SUM(start, u[r], s);
                 acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw[r] * dx),
                                             acc[i][r]);
-                if (kind == KIND_Q4_1)
+                if (has_min(kind))
                     off[i][r] += mw[r] * xb->sx[at];
             }
         }
@@ -119,7 +133,9 @@ BLK_TARGET static void BLK_NAME(rows)(int kind, const struct xblocks *xb, long i
     switch (kind) {
     case KIND_Q8_0: BLK_ROWS(KIND_Q8_0)
     case KIND_Q4_0: BLK_ROWS(KIND_Q4_0)
-    default: BLK_ROWS(KIND_Q4_1)
+    case KIND_Q4_1: BLK_ROWS(KIND_Q4_1)
+    case KIND_Q5_0: BLK_ROWS(KIND_Q5_0)
+    default: BLK_ROWS(KIND_Q5_1)
     }
 #undef BLK_ROWS
 #undef BLK_STEP

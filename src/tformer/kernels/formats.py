@@ -10,8 +10,11 @@ asking which format it holds.
 A new format is, file by file:
 - here, one WeightFormat in FORMATS: its name, its kind, a line of help, the class that
   makes an nn.Linear into its layer, and that layer's check;
-- tformer.h: its kind in enum tformer_kind (q8_0, q4_0 and q4_1 have theirs) and the
-  prototype of its product, a tformer_linear_fn; kinds.c: its row, {name, product};
+- tformer.h: its kind in enum tformer_kind (the block formats have theirs) and the
+  prototype of its product, a tformer_linear_fn; kinds.c: its row, {name, product,
+  geometry (values and bytes a block, the activations' blocks), quantizer}; a block
+  format's geometry is blocks.LAYOUTS's row too, so that no other module assumes a block
+  size;
 - a C file of its kernels (the product reads struct tformer_linear's data, scales and
   bias), named in library.SOURCES, its exported functions in library.SIGNATURES;
 - a Python module of its layer: forward through the kernel (torch where there is none),
@@ -24,6 +27,7 @@ A new format is, file by file:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,9 +72,72 @@ FORMATS: dict[str, WeightFormat] = {
            ("q4_0", "llama.cpp's Q4_0 blocks: 4 bits and a scale per 32 weights, the output "
                     "layer q8_0 (CPU)", "q8_0"),
            ("q4_1", "llama.cpp's Q4_1 blocks: 4 bits, a scale and a minimum per 32 weights, "
-                    "the output layer q8_0 (CPU)", "q8_0"))},
+                    "the output layer q8_0 (CPU)", "q8_0"),
+           ("q5_0", "llama.cpp's Q5_0 blocks: 5 bits and a scale per 32 weights, the output "
+                    "layer q8_0 (CPU)", "q8_0"),
+           ("q5_1", "llama.cpp's Q5_1 blocks: 5 bits, a scale and a minimum per 32 weights, "
+                    "the output layer q8_0 (CPU)", "q8_0"),
+           ("q4_k", "llama.cpp's Q4_K super-blocks: 4 bits per weight, 6-bit scales and "
+                    "minimums per 32, the output layer q6_k (CPU)", "q6_k"),
+           ("q5_k", "llama.cpp's Q5_K super-blocks: 5 bits per weight, 6-bit scales and "
+                    "minimums per 32, the output layer q6_k (CPU)", "q6_k"),
+           ("q6_k", "llama.cpp's Q6_K super-blocks: 6 bits per weight, 8-bit scales per 16 "
+                    "(CPU)", None))},
 }
-"""Every weight format, by name."""
+"""Every weight format, by name. A K format's layer whose inputs are not whole super-blocks
+of 256 takes blocks.FALLBACK's 32-value format, as llama.cpp's quantizer does. MIXES (below)
+names the mixtures of them `--weights` also takes."""
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A mixture of formats by a layer's place, as llama.cpp's quantizer makes its _M files
+    (llama-quant.cpp, llama_tensor_get_type, for LLAMA_FTYPE_MOSTLY_Q4_K_M and _Q5_K_M):
+    the output layer and, in the layers `more_bits` picks, the value projection and the
+    feed-forward's down projection take `finer`; every other layer `base`. tformer holds
+    the query, key and value projections as one layer (attn.qkv_proj), so where llama.cpp
+    gives attn_v alone Q6_K, the whole qkv_proj takes it."""
+
+    name: str
+    summary: str
+    base: str
+    finer: str
+
+    def format_of(self, name: str, n_layer: int) -> str:
+        """The format of the linear layer called `name` (its model's module path) in a
+        model of n_layer layers."""
+        if name in OUTPUT_LAYERS:
+            return self.finer
+        index = _layer_index(name)
+        if index is not None and any(role in name for role in FINER_ROLES) \
+                and more_bits(index, n_layer):
+            return self.finer
+        return self.base
+
+
+FINER_ROLES = ("attn.qkv_proj", "attn.v_proj", "ff.down", "attn_v.", "ffn_down.")
+"""The layers a Mix gives more bits in the layers more_bits picks, llama.cpp's attn_v and
+ffn_down: by tformer's module names, and by a GGUF file's tensor names (export)."""
+
+
+def more_bits(i: int, n_layer: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers, and every third
+    between them."""
+    return i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+
+
+def _layer_index(name: str) -> int | None:
+    match = re.search(r"(?:^|\.)(\d+)\.", name)
+    return None if match is None else int(match.group(1))
+
+
+MIXES: dict[str, Mix] = {
+    "q4_k_m": Mix("q4_k_m", "llama.cpp's Q4_K_M: q4_k, with q6_k for the output layer and "
+                  "half the value and down projections (CPU)", "q4_k", "q6_k"),
+    "q5_k_m": Mix("q5_k_m", "llama.cpp's Q5_K_M: q5_k, with q6_k for the output layer and "
+                  "half the value and down projections (CPU)", "q5_k", "q6_k"),
+}
+"""The mixtures `--weights` also takes, by name."""
 
 
 def register(fmt: WeightFormat) -> None:
@@ -88,7 +155,7 @@ def weight_format(name: str) -> WeightFormat:
         return FORMATS[name]
     except KeyError:
         raise TformerError(f"unknown weight format {name!r}: use one of "
-                           f"{', '.join(FORMATS)}") from None
+                           f"{', '.join([*FORMATS, *MIXES])}") from None
 
 
 OUTPUT_LAYERS = ("lm_head", "out_proj")
@@ -103,6 +170,8 @@ def quantize_model(model: nn.Module, weights: str | None) -> nn.Module:
     model names in `int8_skip` (its output projection, say), which stay fp32 (prepacked
     where oneDNN is available). The original model is left as it is. None: the weights as
     the model holds them (fp32's treatment for its nn.Linears, blocks kept as they are)."""
+    if weights in MIXES:
+        return _mixed(model, MIXES[weights])
     fmt = weight_format(weights or "fp32")
     if fmt.quantize is None:
         return prepack(model)
@@ -118,3 +187,24 @@ def quantize_model(model: nn.Module, weights: str | None) -> nn.Module:
             if type(layer) is nn.Linear and attr not in skip:
                 setattr(copy, attr, weight_format(fmt.output).quantize(layer))
     return copy
+
+
+def _mixed(model: nn.Module, mix: Mix) -> nn.Module:
+    """quantize_model for a Mix: each linear layer in the format mix.format_of gives it
+    (its place known by its weight, which the copy shares), those in `int8_skip` kept."""
+    if next(model.parameters()).device.type != "cpu":
+        raise TformerError(f"--weights {mix.name} runs on the CPU; pass --device cpu")
+    skip = set(getattr(model, "int8_skip", ()))
+    paths = {id(m.weight): name for name, m in model.named_modules()
+             if type(m) is nn.Linear and name not in skip}
+    indices = [_layer_index(name) for name in paths.values()]
+    n_layer = max((i for i in indices if i is not None), default=-1) + 1
+    keep = PackedLinear if prepack_available() else (lambda linear: linear)
+
+    def swap(_: str, linear: nn.Linear) -> nn.Module:
+        path = paths.get(id(linear.weight))
+        if path is None:
+            return keep(linear)
+        return weight_format(mix.format_of(path, n_layer)).quantize(linear)
+
+    return swap_linears(model, swap)

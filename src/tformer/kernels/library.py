@@ -69,11 +69,12 @@ ISA_NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2", "t
 SOURCES = [Path(__file__).with_name(name)
            for name in ("fp32.c", "int8.c", "int8_packed.c", "quantize.c", "kinds.c", "search.c",
                         "attend.c", "step.c", "dropout.c", "xent.c", "glu.c", "rmsnorm.c",
-                        "blocks.c")]
+                        "blocks.c", "kquants.c")]
 """Built into one library: the weight formats' products (fp32.c, int8.c, int8_packed.c,
-quantize.c, and kinds.c's table of them), beam search's candidates (search.py), a decoding
-step's attention (attend.py) and whole decoder layer (step.py), and for training, dropout
-(dropout.py), the cross-entropy (xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
+quantize.c, blocks.c and kquants.c for llama.cpp's blocks, and kinds.c's table of them),
+beam search's candidates (search.py), a decoding step's attention (attend.py) and whole
+decoder layer (step.py), and for training, dropout (dropout.py), the cross-entropy
+(xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
 HEADERS = [Path(__file__).with_name(name)
            for name in ("tformer.h", "vecmath.h", "int8.h", "int8_bytes.h", "int8_bytes_rows.h",
                         "int8_bytes_packed.h", "blocks_isa.h")]
@@ -168,7 +169,8 @@ def library_name(compiler: str) -> str:
 
 # --- The structures of tformer.h, field for field ------------------------------------------
 
-KIND_FP32, KIND_INT8, KIND_Q8_0, KIND_Q4_0, KIND_Q4_1 = range(5)
+(KIND_FP32, KIND_INT8, KIND_Q8_0, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q4_K,
+ KIND_Q5_K, KIND_Q6_K, KIND_STACK) = range(11)
 """tformer.h's enum tformer_kind: a weight format's tag (formats.py's `kind`)."""
 
 _p, _long, _i32, _int, _float = (ctypes.c_void_p, ctypes.c_long, ctypes.c_int32, ctypes.c_int,
@@ -235,6 +237,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # the formats' table (kinds.c)
     "tformer_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     "tformer_kind_name": (ctypes.c_char_p, [_int]),
+    "tformer_kind_geometry": (_int, [_int, _p]),
+    "tformer_quantize": (_int, [_int, _p, _long, _p, _int]),
+    "tformer_stack_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     # fp32 (fp32.c)
     "tformer_matvec": (None, [_p] * 4 + [_long] * 3 + [_int]),
     "tformer_fp32_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
@@ -255,6 +260,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_blocks_isa": (_int, [_int]),
     "tformer_blocks_linear": (_int, [_int, _p, _long, _p, _long, _long, _p, _p, _int]),
     "tformer_blocks_kind_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
+    "tformer_quantize_blocks": (_int, [_int, _p, _long, _p, _int]),
+    # llama.cpp's K super-blocks (kquants.c)
+    "tformer_kquants_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
+    "tformer_quantize_k": (_int, [_int, _p, _long, _p, _int]),
     # decoding (attend.c, search.c, step.c)
     "tformer_attend_step": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2 + [_p] + [_long] * 2
                             + [_p, _long, _p] + [_long] * 8 + [_float, _int]),

@@ -15,6 +15,12 @@ enum tformer_kind {
     TFORMER_Q8_0 = 2, /* data: n_out rows of n_in / 32 blocks (llama.cpp's block layouts) */
     TFORMER_Q4_0 = 3,
     TFORMER_Q4_1 = 4,
+    TFORMER_Q5_0 = 5,
+    TFORMER_Q5_1 = 6,
+    TFORMER_Q4_K = 7, /* data: n_out rows of n_in / 256 super-blocks (llama.cpp's K layouts) */
+    TFORMER_Q5_K = 8,
+    TFORMER_Q6_K = 9,
+    TFORMER_STACK = 10, /* data: `layout` struct tformer_linear parts, their outputs side by side */
     TFORMER_KINDS
 };
 
@@ -38,15 +44,24 @@ typedef int (*tformer_linear_fn)(const struct tformer_linear *l, const float *x,
                                  long m, int threads);
 
 /* A row of kinds.c's table (llama.cpp's type_traits_cpu): the name formats.py gives the
- * kind, and its product. */
+ * kind, its product, and its geometry: the values a block holds along a row and the bytes
+ * it takes (both 1 for formats of single values, fp32 and int8), and the blocks the
+ * activations are rounded to (TFORMER_X_*), so that no kernel assumes a block size. */
+enum { TFORMER_X_FP32 = 0, TFORMER_X_Q8_0 = 1, TFORMER_X_Q8_K = 2 };
+/* A block kind's quantizer (llama.cpp's from_float): n blocks of x to their bytes. */
+typedef int (*tformer_quantize_fn)(int kind, const float *x, long n, uint8_t *out, int threads);
 struct tformer_kind_traits {
     const char *name;
     tformer_linear_fn linear;
+    int32_t block_values, block_bytes, activation;
+    tformer_quantize_fn quantize; /* NULL: not a block kind */
 };
 
 int tformer_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                    int threads);
 const char *tformer_kind_name(int kind);
+int tformer_kind_geometry(int kind, int32_t *geometry);
+int tformer_quantize(int kind, const float *x, long n, uint8_t *out, int threads);
 
 /* --- fp32 (fp32.c) ----------------------------------------------------------------------- */
 void tformer_matvec(const float *x, const float *w, const float *b, float *y, long m, long n,
@@ -81,7 +96,7 @@ void tformer_quantize_rows(const float *x, int8_t *xq, float *scale, long m, lon
 void tformer_scale_int8(int32_t *acc, const float *xscale, const float *wscale, const float *b,
                         long m, long n, int threads);
 
-/* --- llama.cpp's blocks: q8_0, q4_0, q4_1 (blocks.c, blocks_isa.h) ----------------------- */
+/* --- llama.cpp's blocks: q8_0, q4_0, q4_1, q5_0, q5_1 (blocks.c, blocks_isa.h) ------------ */
 enum { TFORMER_BLOCKS_GENERIC = 0, TFORMER_BLOCKS_AVX2 = 1, TFORMER_BLOCKS_AVX_VNNI = 2,
        TFORMER_BLOCKS_AVX512_VNNI = 3 };
 int tformer_blocks_isa(int want);
@@ -89,6 +104,18 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
                           const float *b, float *y, int threads);
 int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                                int threads);
+int tformer_quantize_blocks(int kind, const float *x, long n, uint8_t *out, int threads);
+
+/* --- llama.cpp's K super-blocks: q4_k, q5_k, q6_k (kquants.c, kquants_isa.h; the path is
+ * tformer_blocks_isa's) --------------------------------------------------------------------- */
+int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                           int threads);
+int tformer_quantize_k(int kind, const float *x, long n, uint8_t *out, int threads);
+
+/* --- A layer of parts in different kinds (kinds.c): a fused projection whose rows come in
+ * several block formats ------------------------------------------------------------------ */
+int tformer_stack_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                         int threads);
 
 /* --- A decoding step's attention (attend.c) and beam search's candidates (search.c) ------ */
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,

@@ -1,0 +1,153 @@
+"""A GGUF file of a Llama-3.2-1B-shaped model with random weights, in llama.cpp's Q4_K_M (or
+another type tformer exports), for speed runs of the K formats: `tformer import` then
+`tformer generate --weights ...` beside llama.cpp on the same file. No download: the
+weights are random draws, the vocabulary a made-up byte-level one of the model's size.
+
+Shapes by default: Llama 3.2 1B's (16 layers, d 2048, feed-forward 8192, 32 query and 8
+key/value heads of 64, 128,256 tokens, tied embeddings, rope theta 500,000; its llama3 rope
+scaling left out). Each matrix takes the type tformer's export gives it
+(interop/gguf_export.tensor_type: for q4_k_m, q6_k for the embedding, which is also the
+output, and for attn_v and ffn_down in the layers llama.cpp's use_more_bits picks; q4_k
+elsewhere; rows not whole super-blocks in blocks.FALLBACK's type), quantized by
+kernels/blocks.py's C quantizers on every thread torch has.
+
+    python benchmarks/kquant_model.py /tmp/llama-1b-q4_k_m.gguf [--type q4_k_m]
+        [--layers 16 --d-model 2048 --ff 8192 --heads 32 --kv-heads 8 --vocab 128256]
+
+Writing the default shape quantizes 1.2 billion weights and holds the file's ~0.8 GB in
+memory until it is written; --layers 2 --d-model 256 --ff 512 --vocab 1024 makes a small
+one in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+import time
+from pathlib import Path
+
+import torch
+
+from tformer.interop.gguf_export import FILE_TYPES, GGUF_TYPES, _stored, tensor_type
+
+
+def byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte, in byte order (a byte-level vocabulary's
+    first 256 tokens)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): the 256 bytes, every pair of lowercase letters merged,
+    Llama 3's two text markers, and unused tokens up to `size`."""
+    tokens, merges = byte_chars(), []
+    for a in string.ascii_lowercase:
+        for b in string.ascii_lowercase:
+            merges.append(f"{a} {b}")
+            tokens.append(a + b)
+    tokens += ["<|begin_of_text|>", "<|end_of_text|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    if size < len(tokens):
+        raise SystemExit(f"--vocab must be at least {len(tokens)}")
+    tokens += [f"<|unused_{i}|>" for i in range(size - len(tokens))]
+    types += [5] * (size - len(types))
+    return tokens, types, merges
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--type", default="q4_k_m", choices=GGUF_TYPES)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--ff", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import gguf
+
+    if args.out.exists():
+        raise SystemExit(f"{args.out} exists")
+    d, head = args.d_model, args.d_model // args.heads
+    tokens, types, merges = vocabulary(args.vocab)
+    writer = gguf.GGUFWriter(args.out, "llama")
+    writer.add_name("random Llama-3.2-1B-shaped model")
+    writer.add_file_type(FILE_TYPES[args.type])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_block_count(args.layers)
+    writer.add_context_length(args.context)
+    writer.add_embedding_length(d)
+    writer.add_feed_forward_length(args.ff)
+    writer.add_head_count(args.heads)
+    writer.add_head_count_kv(args.kv_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head)
+    writer.add_key_length(head)
+    writer.add_value_length(head)
+    writer.add_vocab_size(args.vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+    writer.add_eos_token_id(tokens.index("<|end_of_text|>"))
+
+    g = torch.Generator().manual_seed(args.seed)
+    started, weights = time.perf_counter(), 0
+
+    def add(name: str, *shape: int) -> None:
+        nonlocal weights
+        if len(shape) == 1:  # a norm's weights: near one, f32
+            value = 1 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            value = torch.randn(shape, generator=g) * 0.02
+        # the embedding is also the output layer here (tied), as Llama 3.2 1B's is
+        kind = tensor_type(args.type, name, args.layers, tied=True)
+        array, raw = _stored(name, value, kind)
+        writer.add_tensor(name, array, raw_dtype=raw)
+        weights += value.numel()
+
+    add("token_embd.weight", args.vocab, d)
+    for i in range(args.layers):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", d)
+        add(b + "attn_q.weight", args.heads * head, d)
+        add(b + "attn_k.weight", args.kv_heads * head, d)
+        add(b + "attn_v.weight", args.kv_heads * head, d)
+        add(b + "attn_output.weight", d, args.heads * head)
+        add(b + "ffn_norm.weight", d)
+        add(b + "ffn_gate.weight", args.ff, d)
+        add(b + "ffn_up.weight", args.ff, d)
+        add(b + "ffn_down.weight", d, args.ff)
+    add("output_norm.weight", d)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(args.out)
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    size = args.out.stat().st_size
+    print(f"{args.out}: {weights / 1e9:.3f} billion weights, {size / 2**20:.1f} MiB, "
+          f"{time.perf_counter() - started:.1f} s; tensors: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    print(f"bits per weight: {8 * size / weights:.2f}")
+
+
+if __name__ == "__main__":
+    main()

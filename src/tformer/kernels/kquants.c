@@ -1,0 +1,608 @@
+/* Products with weights held as llama.cpp's K super-blocks (kquants.py): y = x W^T + b, W
+ * (n x k) as rows of q4_k, q5_k or q6_k super-blocks of 256 values, x (m x k) fp32.
+ *
+ * x is rounded once per call to Q8_K: one fp32 scale per 256 values (d = max|x| / 127,
+ * q = roundf(x / d), as blocks.c rounds its 32-value blocks) and the integer sum of each 16
+ * of its q (bsums). Every K format's weight is, per group of 16 values g,
+ *
+ *     w_j = d sc_g u_j - dmin mn_g          (u_j unsigned, 0..63; sc_g, mn_g integers)
+ *
+ * q4_k and q5_k with the 6-bit scale and minimum of the 32 values g is in; q6_k, whose
+ * values are u - 32 with a signed 8-bit scale, with dmin = d and mn_g = 32 sc_g. So a
+ * super-block's product with x's is
+ *
+ *     dx (d sum_g sc_g sum_{j in g} u_j q_j  -  dmin sum_g mn_g bsum_g)
+ *
+ * two integer sums, exact (at most 16 groups of 16 * 63 * 127 times a scale of 128, some
+ * 2.6e8, within int32), then scaled: the minimums come out of x's sums, as ggml's
+ * vec_dot_q4_K_q8_K takes them. Each
+ * format has an unpacking of a super-block to (u, sc, mn, d, dmin), plain C or AVX2, in the
+ * table below; the integer sum of u q weighted by sc is one function per path (plain C,
+ * AVX2's byte multiply-adds, AVX-VNNI's and AVX-512 VNNI's vpdpbusd), chosen by
+ * tformer_blocks_isa. Threads (OpenMP) take rows of W; x's rows pass in chunks of 64, each
+ * super-block of W unpacked once per chunk.
+ *
+ * The file ends with the quantizers (tformer_quantize_k, kinds.c's row for each K kind).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tformer.h"
+
+#define QK 256       /* values in a super-block */
+#define GROUPS 16    /* groups of 16 values in a super-block, each with its scale */
+#define X_CHUNK 64   /* rows of x that pass through W's rows at a time */
+
+/* x as Q8_K: q (m x k int8), per super-block (m x nb) its scale d, and per group of 16 the
+ * integer sum of its q (m x nb x 16). */
+struct kx {
+    int8_t *q;
+    float *d;
+    int32_t *bsums;
+};
+
+/* A super-block of W unpacked (see the file's text). */
+struct unpacked {
+    uint8_t u[QK];
+    int32_t sc[GROUPS], mn[GROUPS];
+    float d, dmin;
+};
+
+static inline uint16_t load_u16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* IEEE half to float in plain C, so the plain C path needs no F16C. */
+static float half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 31)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (exp)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man) {
+        const float v = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &v, sizeof bits);
+        bits |= sign;
+    } else
+        bits = sign;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* --- The formats: scales and values out of a super-block --------------------------------- */
+
+/* q4_k and q5_k: d, dmin (fp16), then 12 bytes holding eight 6-bit scales and eight 6-bit
+ * minimums, one each per 32 values: bytes 0-3 hold scales 0-3 in their low six bits, bytes
+ * 4-7 minimums 0-3; scales and minimums 4-7 have their low four bits in bytes 8-11 (the
+ * scale's in the low half, the minimum's in the high) and their top two bits in the top two
+ * bits of bytes 0-3 (scales) and 4-7 (minimums). */
+static void k_scales(const uint8_t *blk, struct unpacked *p)
+{
+    const uint8_t *s = blk + 4;
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        if (j < 4) {
+            sc = s[j] & 63;
+            mn = s[j + 4] & 63;
+        } else {
+            sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+            mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+        p->sc[2 * j] = p->sc[2 * j + 1] = sc;
+        p->mn[2 * j] = p->mn[2 * j + 1] = mn;
+    }
+    p->d = half_to_float(load_u16(blk));
+    p->dmin = half_to_float(load_u16(blk + 2));
+}
+
+/* q6_k: ql (128 bytes), qh (64), 16 int8 scales, d (fp16) at byte 208. */
+static void q6k_scales(const uint8_t *blk, struct unpacked *p)
+{
+    for (int g = 0; g < GROUPS; g++) {
+        p->sc[g] = (int8_t)blk[192 + g];
+        p->mn[g] = 32 * p->sc[g];
+    }
+    p->d = p->dmin = half_to_float(load_u16(blk + 208));
+}
+
+/* q4_k's 128 bytes qs from byte 16: each 64 values j are 32 bytes, values 64j .. 64j + 31
+ * in their low halves, 64j + 32 .. 64j + 63 in their high halves. */
+static void q4k_unpack_c(const uint8_t *blk, struct unpacked *p)
+{
+    k_scales(blk, p);
+    const uint8_t *qs = blk + 16;
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            p->u[64 * j + l] = qs[32 * j + l] & 15;
+            p->u[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+        }
+}
+
+/* q5_k: q4_k's layout with 32 bytes qh (from byte 16, qs from 48): value 32i + l takes its
+ * fifth bit from bit i of qh[l]. */
+static void q5k_unpack_c(const uint8_t *blk, struct unpacked *p)
+{
+    k_scales(blk, p);
+    const uint8_t *qh = blk + 16, *qs = blk + 48;
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            p->u[64 * j + l] = (qs[32 * j + l] & 15) | ((qh[l] >> (2 * j) & 1) << 4);
+            p->u[64 * j + 32 + l] = (qs[32 * j + l] >> 4) | ((qh[l] >> (2 * j + 1) & 1) << 4);
+        }
+}
+
+/* q6_k: each half h of 128 values has 64 bytes ql and 32 bytes qh; value 128h + 32s + l has
+ * its low four bits from ql[64h + l + 32 (s & 1)] (the low half for s < 2, else the high)
+ * and its top two from bits 2s, 2s + 1 of qh[32h + l]. */
+static void q6k_unpack_c(const uint8_t *blk, struct unpacked *p)
+{
+    q6k_scales(blk, p);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t low = ql[l + 32 * (s & 1)];
+                p->u[128 * h + 32 * s + l] =
+                    (uint8_t)(((s < 2 ? low : low >> 4) & 15) | ((qh[l] >> (2 * s) & 3) << 4));
+            }
+    }
+}
+
+#define KQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+KQ_AVX2 static void q4k_unpack_avx2(const uint8_t *blk, struct unpacked *p)
+{
+    k_scales(blk, p);
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
+        _mm256_storeu_si256((__m256i *)(p->u + 64 * j), _mm256_and_si256(v, low));
+        _mm256_storeu_si256((__m256i *)(p->u + 64 * j + 32),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    }
+}
+
+KQ_AVX2 static void q5k_unpack_avx2(const uint8_t *blk, struct unpacked *p)
+{
+    k_scales(blk, p);
+    const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * j));
+        const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * j)));
+        const __m256i b1 = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
+        /* 16 in the bytes whose qh has the bit: compare the masked byte with the bit */
+        const __m256i h0 = _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen);
+        const __m256i h1 = _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen);
+        _mm256_storeu_si256((__m256i *)(p->u + 64 * j),
+                            _mm256_or_si256(_mm256_and_si256(v, low), h0));
+        _mm256_storeu_si256((__m256i *)(p->u + 64 * j + 32),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), h1));
+    }
+}
+
+KQ_AVX2 static void q6k_unpack_avx2(const uint8_t *blk, struct unpacked *p)
+{
+    q6k_scales(blk, p);
+    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        /* Bits 2s, 2s + 1 of each qh byte moved to bits 4, 5: 16-bit shifts move bits across
+         * a pair of bytes, but the mask keeps only those that stayed in their own byte. */
+        const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(qh, 4), top);
+        const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(qh, 2), top);
+        const __m256i h2 = _mm256_and_si256(qh, top);
+        const __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(qh, 2), top);
+        uint8_t *u = p->u + 128 * h;
+        _mm256_storeu_si256((__m256i *)u, _mm256_or_si256(_mm256_and_si256(a, low), h0));
+        _mm256_storeu_si256((__m256i *)(u + 32), _mm256_or_si256(_mm256_and_si256(b, low), h1));
+        _mm256_storeu_si256((__m256i *)(u + 64),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), h2));
+        _mm256_storeu_si256((__m256i *)(u + 96),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), h3));
+    }
+}
+
+typedef void (*unpack_fn)(const uint8_t *blk, struct unpacked *p);
+
+/* Each K kind's super-block size and unpackings (plain C, AVX2), from TFORMER_Q4_K on. */
+static const struct {
+    long size;
+    unpack_fn unpack_c, unpack_avx2;
+} formats[] = {
+    {144, q4k_unpack_c, q4k_unpack_avx2},
+    {176, q5k_unpack_c, q5k_unpack_avx2},
+    {210, q6k_unpack_c, q6k_unpack_avx2},
+};
+
+/* --- The integer sum: sum_g sc_g sum_{j in g} u_j q_j, one per path ------------------------ */
+
+static int32_t dot_c(const uint8_t *u, const int8_t *q, const int32_t *sc)
+{
+    int32_t total = 0;
+    for (int g = 0; g < GROUPS; g++) {
+        int32_t s = 0;
+        for (int j = 16 * g; j < 16 * g + 16; j++)
+            s += u[j] * q[j];
+        total += sc[g] * s;
+    }
+    return total;
+}
+
+/* 32 values at a time: eight 32-bit lanes of four products each (lanes 0-3 the first 16,
+ * group 2c, lanes 4-7 group 2c + 1), times their group's scale, summed. AVX2's byte
+ * multiply-add keeps pairs in 16 bits: at most 2 * 63 * 127, no saturation. */
+#define KQ_DOT(NAME, TARGET, PRODUCTS)                                                     \
+    TARGET static int32_t NAME(const uint8_t *u, const int8_t *q, const int32_t *sc)      \
+    {                                                                                      \
+        const __m256i ones = _mm256_set1_epi16(1);                                         \
+        (void)ones;                                                                        \
+        __m256i acc = _mm256_setzero_si256();                                              \
+        for (int c = 0; c < QK / 32; c++) {                                                \
+            const __m256i uv = _mm256_loadu_si256((const __m256i *)(u + 32 * c));          \
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * c));          \
+            const __m256i p = PRODUCTS;                                                    \
+            const __m256i s = _mm256_set_m128i(_mm_set1_epi32(sc[2 * c + 1]),              \
+                                               _mm_set1_epi32(sc[2 * c]));                 \
+            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, s));                         \
+        }                                                                                  \
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc),                            \
+                                  _mm256_extracti128_si256(acc, 1));                       \
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));               \
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));               \
+        return _mm_cvtsi128_si32(h);                                                       \
+    }
+
+KQ_DOT(dot_avx2, KQ_AVX2, _mm256_madd_epi16(_mm256_maddubs_epi16(uv, qv), ones))
+KQ_DOT(dot_avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))),
+       _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), uv, qv))
+KQ_DOT(dot_vnni512, __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl"))),
+       _mm256_dpbusd_epi32(_mm256_setzero_si256(), uv, qv))
+
+typedef int32_t (*dot_fn)(const uint8_t *u, const int8_t *q, const int32_t *sc);
+
+/* --- x to Q8_K, and the product ------------------------------------------------------------ */
+
+static void quantize_superblock(const float *x, int8_t *q, float *d, int32_t *bsums)
+{
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++)
+        amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    for (int g = 0; g < GROUPS; g++) {
+        int32_t s = 0;
+        for (int j = 16 * g; j < 16 * g + 16; j++) {
+            q[j] = (int8_t)roundf(x[j] * inv);
+            s += q[j];
+        }
+        bsums[g] = s;
+    }
+    *d = scale;
+}
+
+/* kinds.c's product for q4_k, q5_k and q6_k: l->data holds n_out rows of n_in / 256
+ * super-blocks. Returns 0, or -1 where it could not allocate x's blocks. */
+int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                           int threads)
+{
+    const long n = l->n_out, k = l->n_in, nb = k / QK;
+    if (m <= 0 || n <= 0)
+        return 0;
+    const int isa = tformer_blocks_isa(-1);
+    const long size = formats[l->kind - TFORMER_Q4_K].size, row = nb * size;
+    const unpack_fn unpack = isa == TFORMER_BLOCKS_GENERIC
+        ? formats[l->kind - TFORMER_Q4_K].unpack_c : formats[l->kind - TFORMER_Q4_K].unpack_avx2;
+    const dot_fn dot = isa == TFORMER_BLOCKS_GENERIC      ? dot_c
+                       : isa == TFORMER_BLOCKS_AVX_VNNI    ? dot_avxvnni
+                       : isa == TFORMER_BLOCKS_AVX512_VNNI ? dot_vnni512
+                                                           : dot_avx2;
+    struct kx xb;
+    xb.q = malloc((size_t)(m * k));
+    xb.d = malloc((size_t)(m * nb) * sizeof(float));
+    xb.bsums = malloc((size_t)(m * nb) * GROUPS * sizeof(int32_t));
+    const int ok = xb.q && xb.d && xb.bsums;
+    if (ok) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * nb > 512)
+        for (long t = 0; t < m * nb; t++)
+            quantize_superblock(x + t * QK, xb.q + t * QK, xb.d + t, xb.bsums + t * GROUPS);
+        const uint8_t *w = l->data;
+        for (long c = 0; c < m; c += X_CHUNK) {
+            const long rows = m - c < X_CHUNK ? m - c : X_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+            for (long r = 0; r < n; r++) {
+                float acc[X_CHUNK];
+                struct unpacked p;
+                for (long i = 0; i < rows; i++)
+                    acc[i] = 0.0f;
+                for (long b = 0; b < nb; b++) {
+                    unpack(w + r * row + b * size, &p);
+                    for (long i = 0; i < rows; i++) {
+                        const long at = (c + i) * nb + b;
+                        const int32_t *bs = xb.bsums + at * GROUPS;
+                        int32_t mins = 0;
+                        for (int g = 0; g < GROUPS; g++)
+                            mins += p.mn[g] * bs[g];
+                        const int32_t s = dot(p.u, xb.q + at * QK, p.sc);
+                        acc[i] += (float)s * (p.d * xb.d[at]) - (float)mins * (p.dmin * xb.d[at]);
+                    }
+                }
+                for (long i = 0; i < rows; i++)
+                    y[(c + i) * n + r] = l->bias ? acc[i] + l->bias[r] : acc[i];
+            }
+        }
+    }
+    free(xb.q);
+    free(xb.d);
+    free(xb.bsums);
+    return ok ? 0 : -1;
+}
+
+/* --- Quantizing: fp32 rows to K super-blocks (kquants.py's quantize_*, which this computes
+ * bit for bit, and says the method) ------------------------------------------------------ */
+
+__attribute__((target("f16c"))) static uint16_t to_half(float v)
+{
+    return (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+}
+
+__attribute__((target("f16c"))) static float from_half(uint16_t h)
+{
+    return _cvtsh_ss(h);
+}
+
+static void store_u16(uint8_t *p, uint16_t v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+/* v limited to [lo, hi], inline (fminf and fmaxf are calls where NaNs need their rules;
+ * no NaN comes here) */
+static inline float clampf(float v, float lo, float hi)
+{
+    return v < lo ? lo : v > hi ? hi : v;
+}
+
+/* The searches' inner step, in AVX2 (which the library needs anyway): q = clamp(rint(v *
+ * iscale), lo, hi) for 8n values v, and the sums in double of the fp32 products a q and
+ * a q q (b q for sums[2]), as kquants.py's _dsum forms them. The sums of fp32 products of
+ * such a block are exact or nearly in double, whatever their order. */
+static inline double sum_pd(__m256d v)
+{
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(h) + _mm_cvtsd_f64(_mm_unpackhi_pd(h, h));
+}
+
+static inline __m256d add_ps_as_pd(__m256d acc, __m256 v)
+{
+    acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    return _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+
+static void trial_sums(const float *v, float iscale, float lo, float hi, const float *a,
+                       const float *b, int n8, double *sums)
+{
+    const __m256 vs = _mm256_set1_ps(iscale), vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd(), s2 = _mm256_setzero_pd();
+    for (int c = 0; c < n8; c++) {
+        __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * c), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(q, vlo), vhi);
+        const __m256 aq = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), q);
+        s0 = add_ps_as_pd(s0, aq);
+        s1 = add_ps_as_pd(s1, _mm256_mul_ps(aq, q));
+        s2 = add_ps_as_pd(s2, _mm256_mul_ps(_mm256_loadu_ps(b + 8 * c), q));
+    }
+    sums[0] = sum_pd(s0);
+    sums[1] = sum_pd(s1);
+    sums[2] = sum_pd(s2);
+}
+
+/* The scale and minimum of 32 values (x ~ scale q - minimum, q in 0..nmax): kquants.py's
+ * _search_scale_min, step for step. Products in fp32, their sums in double. */
+static void search_scale_min(const float *x, int nmax, float rmin, int steps, float *scale,
+                             float *minimum)
+{
+    float w[32], wx[32], shifted[32];
+    double sq = 0.0;
+    float lo = x[0], hi = x[0];
+    for (int j = 0; j < 32; j++) {
+        sq += (double)(x[j] * x[j]);
+        lo = x[j] < lo ? x[j] : lo;
+        hi = x[j] > hi ? x[j] : hi;
+    }
+    const float rms = (float)sqrt(sq / 32.0);
+    lo = fminf(lo, 0.0f);
+    if (hi - lo == 0.0f) {
+        *scale = 0.0f;
+        *minimum = -lo;
+        return;
+    }
+    const float span = hi - lo;
+    double sw = 0.0, sx = 0.0, sxx = 0.0;
+    for (int j = 0; j < 32; j++) {
+        w[j] = fabsf(x[j]) + rms;
+        wx[j] = w[j] * x[j];
+        shifted[j] = x[j] - lo;
+        sw += (double)w[j];
+        sx += (double)wx[j];
+        sxx += (double)(wx[j] * x[j]);
+    }
+    double best = 0.0, best_scale = (double)(span / (float)nmax), best_min = (double)lo;
+    for (int step = -1; step <= steps; step++) {
+        /* step -1: the plain max-min rounding, its own scale and minimum */
+        const float num = step < 0 ? (float)nmax : (float)(rmin + 0.1 * step + nmax);
+        const float iscale = num / span;
+        double sums[3];
+        trial_sums(shifted, iscale, 0.0f, (float)nmax, w, wx, 4, sums);
+        const double sl = sums[0], sl2 = sums[1], sxl = sums[2];
+        double s = best_scale, o = best_min;
+        if (step >= 0) {
+            const double det = sw * sl2 - sl * sl;
+            if (!(det > 0.0))
+                continue;
+            s = (sw * sxl - sx * sl) / det;
+            o = (sl2 * sx - sl * sxl) / det;
+            if (o > 0.0) {
+                s = sxl / (sl2 > 0.0 ? sl2 : 1.0);
+                o = 0.0;
+            }
+        }
+        const double err = s * s * sl2 + 2 * s * o * sl - 2 * s * sxl + o * o * sw - 2 * o * sx + sxx;
+        if (step < 0 || err < best) {
+            best = err;
+            best_scale = s;
+            best_min = o;
+        }
+    }
+    *scale = (float)best_scale;
+    *minimum = -(float)best_min;
+}
+
+/* q4_k (nmax 15) or q5_k (31, with qh) of one super-block. */
+static void quantize_qk(const float *x, int nmax, float rmin, int steps, uint8_t *blk)
+{
+    float scale[8], minimum[8], top_s = 0.0f, top_m = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        search_scale_min(x + 32 * j, nmax, rmin, steps, scale + j, minimum + j);
+        top_s = fmaxf(top_s, scale[j]);
+        top_m = fmaxf(top_m, minimum[j]);
+    }
+    const float inv_s = top_s > 0.0f ? 63.0f / top_s : 0.0f;
+    const float inv_m = top_m > 0.0f ? 63.0f / top_m : 0.0f;
+    int ls[8], lm[8];
+    for (int j = 0; j < 8; j++) {
+        ls[j] = (int)fminf(rintf(inv_s * scale[j]), 63.0f);
+        lm[j] = (int)fminf(rintf(inv_m * minimum[j]), 63.0f);
+    }
+    const uint16_t d = to_half(top_s / 63.0f), dmin = to_half(top_m / 63.0f);
+    store_u16(blk, d);
+    store_u16(blk + 2, dmin);
+    uint8_t *s = blk + 4;
+    for (int j = 0; j < 4; j++) {
+        s[j] = (uint8_t)(ls[j] | ((ls[j + 4] >> 4) << 6));
+        s[j + 4] = (uint8_t)(lm[j] | ((lm[j + 4] >> 4) << 6));
+        s[j + 8] = (uint8_t)((ls[j + 4] & 15) | ((lm[j + 4] & 15) << 4));
+    }
+    uint8_t q[QK];
+    for (int j = 0; j < 8; j++) {
+        const float dj = from_half(d) * (float)ls[j], mj = from_half(dmin) * (float)lm[j];
+        for (int l = 0; l < 32; l++)
+            q[32 * j + l] = dj == 0.0f ? 0
+                : (uint8_t)clampf(rintf((x[32 * j + l] + mj) / dj), 0.0f, (float)nmax);
+    }
+    uint8_t *qs = blk + (nmax == 15 ? 16 : 48);
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++)
+            qs[32 * j + l] = (uint8_t)((q[64 * j + l] & 15) | ((q[64 * j + 32 + l] & 15) << 4));
+    if (nmax == 31) {
+        uint8_t *qh = blk + 16;
+        for (int l = 0; l < 32; l++) {
+            qh[l] = 0;
+            for (int i = 0; i < 8; i++)
+                qh[l] |= (uint8_t)((q[32 * i + l] >> 4) << i);
+        }
+    }
+}
+
+/* The scale of 16 values (x ~ scale q, q in -nmax..nmax-1): kquants.py's _search_scale. */
+static float search_scale(const float *x, int nmax)
+{
+    float big = x[0], w[16], wx[16];
+    for (int j = 1; j < 16; j++)
+        if (fabsf(x[j]) > fabsf(big))
+            big = x[j];
+    if (fabsf(big) < 1e-15f)
+        return 0.0f;
+    for (int j = 0; j < 16; j++) {
+        w[j] = x[j] * x[j];
+        wx[j] = w[j] * x[j];
+    }
+    double scale = 0.0, best = 0.0;
+    for (int s = -10; s <= 9; s++) {
+        /* s -10: the first trial, -nmax / big; then -(nmax + s/10) / big, s = -9..9 */
+        const float num = s < -9 ? (float)-nmax : (float)(-(nmax + 0.1 * s));
+        const float iscale = num / big;
+        double sums[3];
+        trial_sums(x, iscale, (float)-nmax, (float)(nmax - 1), w, wx, 2, sums);
+        const double sl2 = sums[1], sxl = sums[2];
+        if (s < -9) {
+            scale = sxl / (sl2 > 0.0 ? sl2 : 1.0);
+            best = scale * sxl;
+        } else if (sl2 > 0.0 && sxl * sxl > best * sl2) {
+            scale = sxl / sl2;
+            best = scale * sxl;
+        }
+    }
+    return (float)scale;
+}
+
+static void quantize_q6k(const float *x, uint8_t *blk)
+{
+    float scale[16], big = 0.0f;
+    for (int g = 0; g < 16; g++) {
+        scale[g] = search_scale(x + 16 * g, 32);
+        if (fabsf(scale[g]) > fabsf(big))
+            big = scale[g];
+    }
+    const float iscale = big != 0.0f ? -128.0f / big : 0.0f;
+    const uint16_t d = to_half(big != 0.0f ? 1.0f / iscale : 0.0f);
+    int8_t sc[16];
+    uint8_t q[QK];
+    for (int g = 0; g < 16; g++) {
+        sc[g] = (int8_t)fminf(rintf(iscale * scale[g]), 127.0f);
+        const float dj = from_half(d) * (float)sc[g];
+        for (int l = 0; l < 16; l++)
+            q[16 * g + l] = dj == 0.0f ? 32
+                : (uint8_t)(clampf(rintf(x[16 * g + l] / dj), -32.0f, 31.0f) + 32.0f);
+    }
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *v = q + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            blk[64 * h + l] = (uint8_t)((v[l] & 15) | ((v[l + 64] & 15) << 4));
+            blk[64 * h + 32 + l] = (uint8_t)((v[l + 32] & 15) | ((v[l + 96] & 15) << 4));
+            blk[128 + 32 * h + l] = (uint8_t)((v[l] >> 4) | ((v[l + 32] >> 4) << 2)
+                                              | ((v[l + 64] >> 4) << 4) | ((v[l + 96] >> 4) << 6));
+        }
+    }
+    memcpy(blk + 192, sc, 16);
+    store_u16(blk + 208, d);
+}
+
+static void quantize_q4k(const float *x, uint8_t *blk)
+{
+    quantize_qk(x, 15, -1.0f, 20, blk);
+}
+
+static void quantize_q5k(const float *x, uint8_t *blk)
+{
+    quantize_qk(x, 31, -0.5f, 15, blk);
+}
+
+/* n super-blocks of x (n * 256 fp32) to `kind`'s blocks (n * its bytes). Returns 0, or -3
+ * for a kind that is not a K kind. */
+int tformer_quantize_k(int kind, const float *x, long n, uint8_t *out, int threads)
+{
+    static void (*const quantizers[])(const float *, uint8_t *) = {quantize_q4k, quantize_q5k,
+                                                                   quantize_q6k};
+    if (kind < TFORMER_Q4_K || kind > TFORMER_Q6_K)
+        return -3;
+    const long size = formats[kind - TFORMER_Q4_K].size;
+    void (*const quantize)(const float *, uint8_t *) = quantizers[kind - TFORMER_Q4_K];
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 64)
+    for (long b = 0; b < n; b++)
+        quantize(x + b * QK, out + b * size);
+    return 0;
+}
