@@ -130,7 +130,8 @@ SMOKES = {
     "txl_speed": Smoke(("--rounds", "1", "--train-steps", "1", "--new-tokens", "2"),
                        "relative attention", slow=True),
 }
-OWN_TESTS = {"draft_data", "kernel_ab", "multi30k", "translation_speed", "txl_memory"}
+OWN_TESTS = {"draft_data", "kernel_ab", "kquant_model", "multi30k", "translation_speed",
+             "txl_memory"}
 
 
 def run_script(name: str, *args: str) -> str:
@@ -231,6 +232,20 @@ def test_txl_memory(tiny_corpus, tmp_path):
     out = run_script("txl_memory", "--steps", "2", "--out", str(tmp_path / "runs"), "--data",
                      str(tiny_corpus))
     assert "same model, evaluated with mem_len 256" in out
+
+
+def test_kquant_model_writes_llama_cpp_s_mix(tmp_path):
+    """A one-layer file: each tensor's type by llama.cpp's Q4_K_M rule (the tied embedding
+    stands for the output layer, so Q6_K; attn_v and ffn_down of the first layers Q6_K), and
+    tformer reads it back as blocks."""
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "tiny.gguf"
+    run_script("kquant_model", "--layers", "1", "--d-model", "256", "--ff", "512", "--heads", "2",
+               "--kv-heads", "1", "--vocab", "934", "--context", "32", str(out))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert {name for name, kind in types.items() if kind == "Q6_K"} == {
+        "token_embd.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight"}
+    assert {kind for name, kind in types.items() if "norm" not in name} == {"Q4_K", "Q6_K"}
 
 
 def test_draft_data(tiny_corpus, tmp_path):
