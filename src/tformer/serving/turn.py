@@ -1,0 +1,333 @@
+"""One neutral chat turn, and the reply to it as a stream of neutral events: what every chat
+endpoint (serving/api/: OpenAI's Responses, Anthropic's Messages, Ollama's /api/chat and
+/api/generate) maps its request to and its answer from, as llama.cpp's server does.
+
+A `ChatTurn` holds what a model needs to reply: the messages (in the neutral form
+serving/tools.py renders: OpenAI's chat messages, text only), the tools offered, the call
+the reply must be (if any), what its text must follow, the sampling settings as one
+object, the stop strings, how many replies and how long. `start_turn` renders it with the
+model's chat template and submits it to the engine; `Reply.events()` then yields what the
+model writes, with the tool calls read out of it in the template's form:
+
+    TextDelta      a piece of final text
+    CallBegun      a tool call whose name is whole (its id and name)
+    ArgumentsDelta a piece of a call's arguments (JSON text)
+    Finished       a reply has ended: its reason, and the whole reply read once more
+    Usage          tokens read and written, once every reply has ended
+    Failed         decoding failed; nothing follows
+
+An adapter turns these into its own frames (server-sent events or NDJSON), or gathers them
+(`Reply.collect`) into one answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tformer.data.chat import ChatTemplate, ChatTemplateError
+from tformer.serving.completions import Completion, Mailbox, encode_prompt
+from tformer.serving.protocol import ApiError, Limits, SamplingFields
+from tformer.serving.scheduler import LMEngine
+from tformer.serving.structured import compile_for
+from tformer.serving.tools import (
+    ToolCall,
+    call_format,
+    calls_so_far,
+    check_tools,
+    held_back,
+    parse_calls,
+    template_messages,
+    tool_constraint,
+)
+
+if TYPE_CHECKING:
+    from tformer.decoding.constraints import Constraint, Grammar
+
+log = logging.getLogger(__name__)
+
+
+# --- the turn ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """What a chat endpoint asks of the model, in no API's words."""
+
+    messages: list[dict[str, Any]]
+    """OpenAI chat messages: role, content (text), tool_calls, tool_call_id, name."""
+    sampling: SamplingFields
+    """How to draw and how many replies (temperature, top_p, top_k, seed, penalties, n):
+    one object, so that a sampling field added to the protocol reaches every endpoint."""
+    max_tokens: int | None = None
+    """None: as many as the model's window leaves (up to the server's limit)."""
+    stops: list[str] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI's shape: {"type": "function", "function": {"name", "description",
+    "parameters"}}."""
+    tool_choice: str | dict[str, Any] | None = None
+    """OpenAI's: "auto", "none", "required" or {"type": "function", "function": {"name"}}."""
+    parallel_tool_calls: bool = True
+    """False: a reply holds at most one call."""
+    constraint: Constraint | None = None
+    """What the reply's text follows (a JSON schema, ...)."""
+    constraint_param: str = "response_format"
+    """The request field that asked for `constraint`, to name in errors."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """What a route needs of the server to answer a turn."""
+
+    engine: LMEngine
+    tokenizer: Any
+    model_name: str
+    limits: Limits
+    template: ChatTemplate | None
+    chat_stops: tuple[list[str], tuple[int, ...]]
+    """The template's end of turn: as stop strings, or as stop tokens."""
+    created: int = 0
+    """The model's Unix time (when its checkpoint was written)."""
+    pooling: str = "mean"
+    """How embeddings pool a text's states (tformer.decoding.embeddings)."""
+
+    def need_template(self, param: str = "messages") -> ChatTemplate:
+        if self.template is None:
+            raise ApiError(400, "this model has no chat template: put one in its checkpoint "
+                           "directory as chat_template.jinja, or start the server with "
+                           "--chat-template FILE", param=param, code="no_chat_template")
+        return self.template
+
+
+def render_turn(turn: ChatTurn, server: Server) -> tuple[str, list[int]]:
+    """The turn's prompt: the template's text and its token ids."""
+    template = server.need_template()
+    tools, _ = check_tools(turn.tools, turn.tool_choice)
+    messages = template_messages(turn.messages, template, tools)
+    try:
+        text = template.render(messages, add_generation_prompt=True,
+                               tools=tools if tools and template.takes_tools else None)
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+    return text, encode_prompt(server.tokenizer, text, rendered=True)
+
+
+async def start_turn(turn: ChatTurn, server: Server, mailbox: Mailbox) -> Reply:
+    """Render the turn, compile what it must follow, and submit its replies to the engine."""
+    template = server.need_template()
+    tools, required = check_tools(turn.tools, turn.tool_choice)
+    text, ids = render_turn(turn, server)
+    form = call_format(template)
+    constraint, param = turn.constraint, turn.constraint_param
+    if required is not None:
+        if constraint is not None:
+            raise ApiError(400, f"a required tool call cannot also follow {param}",
+                           param="tool_choice")
+        # A named function is one call; "required" is one, or several where allowed.
+        parallel = required == "" and turn.parallel_tool_calls
+        constraint, param = tool_constraint(tools, required, form, parallel), "tools"
+    # Off the event loop: a model's first constraint reads its vocabulary (about a second).
+    grammar = await asyncio.to_thread(compile_for, constraint, server.tokenizer,
+                                      server.engine.model.cfg.vocab_size,
+                                      batched=server.engine.batched, param=param)
+    stop_texts, stop_tokens = server.chat_stops
+    reads_calls = bool(tools) and turn.tool_choice != "none"
+    return start_prompt(text, ids, turn.sampling, server, mailbox, max_tokens=turn.max_tokens,
+                        stops=turn.stops, end_of_turn=(stop_texts, stop_tokens),
+                        grammar=grammar, form=form if reads_calls else None,
+                        parallel=turn.parallel_tool_calls)
+
+
+def start_prompt(text: str, ids: list[int], sampling: SamplingFields, server: Server,
+                 mailbox: Mailbox, *, max_tokens: int | None, stops: list[str],
+                 end_of_turn: tuple[list[str], tuple[int, ...]] = ([], ()),
+                 grammar: Grammar | None = None, form: str | None = None,
+                 parallel: bool = True) -> Reply:
+    """Submit the replies to a prompt already rendered (a turn's, or a raw text's)."""
+    stop_texts, stop_tokens = end_of_turn
+    sampling = sampling.model_copy(update={"stream": True, "stop": None})
+    run = Completion(sampling, server.engine, server.tokenizer, server.model_name,
+                     server.limits, mailbox, prompts=[(text, ids)], max_tokens=max_tokens,
+                     echo=False, logprobs=None, stops=stops + stop_texts,
+                     stop_tokens=stop_tokens, constraint=grammar)
+    return Reply(run, form, parallel, user_stops=stops)
+
+
+# --- the reply's events -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    choice: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallBegun:
+    choice: int
+    index: int
+    """The call's place among the reply's calls."""
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    choice: int
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    choice: int
+    reason: str
+    """"stop" (the end of the turn or of the text), "stop_sequence" (one of the turn's stop
+    strings), "length" (max_tokens) or "tool_calls"."""
+    content: str | None
+    """The reply's text besides its calls (None: none)."""
+    calls: list[ToolCall]
+    """The whole calls; a call cut off by max_tokens is in neither these nor `content`."""
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = TextDelta | CallBegun | ArgumentsDelta | Finished | Usage | Failed
+
+
+class Reply:
+    """The replies to one turn (n of them, `choice` 0 to n - 1), read as they are decoded.
+
+    Text is sent as it becomes final; where the reply may hold tool calls, the text from
+    where a call may start is held back, and each call is sent as it is written (its name
+    once whole, then its arguments piece by piece). A reply whose calls turn out not to
+    parse sends the rest as text at its end."""
+
+    def __init__(self, run: Completion, form: str | None, parallel: bool, *,
+                 user_stops: list[str]) -> None:
+        self.run, self.form, self.parallel = run, form, parallel
+        self.user_stops = user_stops
+        n = len(run.seqs)
+        self.id = run.id
+        self.prompt_tokens = run.usage["prompt_tokens"] // max(1, n)
+        self._replies = [""] * n
+        self._sent = [0] * n
+        self._calls: list[list[ToolCall]] = [[] for _ in range(n)]
+
+    def cancel(self) -> None:
+        self.run.cancel()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every reply's events, then Usage; cancels what still decodes when the reader
+        stops reading (a client that left)."""
+        run = self.run
+        try:
+            while not run.finished():
+                index, token = await run.take()
+                choice = run.choices[index]
+                if run.errors[index] is not None or run.reasons[index] == "error":
+                    yield Failed(run.errors[index] or "decoding failed")
+                    return
+                if token is not None and not choice.stopped:
+                    for event in self._feed(index, choice.ready(final=False), None):
+                        yield event
+                elif token is None:
+                    reason = run.reasons[index] or "stop"
+                    for event in self._feed(index, choice.ready(final=True), reason):
+                        yield event
+            yield Usage(run.usage["prompt_tokens"], run.usage["completion_tokens"])
+        finally:
+            run.cancel()
+
+    async def collect(self) -> tuple[list[Finished], Usage]:
+        """Every reply whole, and the usage; decoding that fails is a 500."""
+        finished: list[Finished] = []
+        usage = Usage(0, 0)
+        async for event in self.events():
+            if isinstance(event, Failed):
+                raise ApiError(500, event.message, type="server_error")
+            if isinstance(event, Finished):
+                finished.append(event)
+            elif isinstance(event, Usage):
+                usage = event
+        return sorted(finished, key=lambda f: f.choice), usage
+
+    def _feed(self, index: int, piece: str, reason: str | None) -> list[Event]:
+        """The events that bring the client up to reply `index` plus `piece`; with
+        `reason`, the reply has ended."""
+        self._replies[index] += piece
+        reply, sent = self._replies[index], self._sent[index]
+        events: list[Event] = []
+        if self.form is None:
+            if piece:
+                events.append(TextDelta(index, piece))
+            if reason is not None:
+                events.append(self._finished(index, reply or None, [], reason))
+            return events
+        if reason is None:
+            cut = max(held_back(reply, self.form), sent)
+            if cut > sent:
+                events.append(TextDelta(index, reply[sent:cut]))
+                self._sent[index] = cut
+            return events + self._call_deltas(index, calls_so_far(reply, self.form))
+        content, calls = parse_calls(reply, self.form)
+        if not self.parallel:
+            calls = calls[:1]
+        if reason == "length" and len(calls_so_far(reply, self.form)) > len(calls) or (
+                reason == "length" and not calls and held_back(reply, self.form) < len(reply)):
+            # Cut off inside a call: the part of it written is neither text nor a call.
+            cut = held_back(reply, self.form)
+            content = reply[:cut].strip() or None
+            if cut > sent:
+                events.append(TextDelta(index, reply[sent:cut]))
+            return events + [self._finished(index, content, calls, "length")]
+        if not calls:
+            if len(reply) > sent:
+                events.append(TextDelta(index, reply[sent:]))
+            return events + [self._finished(index, reply or None, [], reason)]
+        before = (content or "")[sent:]
+        if before:
+            events.append(TextDelta(index, before))
+        events += self._call_deltas(index, [(c.name, c.arguments) for c in calls])
+        # The calls keep the ids the stream gave them.
+        ids = [c.id for c in self._calls[index]]
+        calls = [ToolCall(c.name, c.arguments, ids[i] if i < len(ids) else "")
+                 for i, c in enumerate(calls)]
+        return events + [self._finished(index, content, calls, "tool_calls")]
+
+    def _finished(self, index: int, content: str | None, calls: list[ToolCall],
+                  reason: str) -> Finished:
+        stop = self.run.choices[index].stop_found
+        if reason == "stop" and stop in self.user_stops:
+            return Finished(index, "stop_sequence", content, calls, stop)
+        return Finished(index, reason, content, calls)
+
+    def _call_deltas(self, index: int, calls: list[tuple[str, str]]) -> list[Event]:
+        """CallBegun and ArgumentsDelta events that bring the calls sent up to `calls`
+        (name, arguments so far); a call's arguments only grow (tools.calls_so_far)."""
+        events: list[Event] = []
+        sent = self._calls[index]
+        for i, (name, arguments) in enumerate(calls):
+            if i >= 1 and not self.parallel:
+                break
+            if i == len(sent):
+                sent.append(ToolCall(name, ""))
+                events.append(CallBegun(index, i, sent[i].id, name))
+            have = sent[i].arguments
+            if len(arguments) > len(have) and arguments.startswith(have):
+                events.append(ArgumentsDelta(index, i, arguments[len(have):]))
+                sent[i].arguments = arguments
+        return events
