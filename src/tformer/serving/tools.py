@@ -326,6 +326,18 @@ def _calls_begun(text: str, form: str) -> Iterator[tuple[re.Match[str], int | No
         yield head, (end if end >= 0 else None)
 
 
+def ends_in_a_call(text: str, form: str) -> bool:
+    """Whether a reply stops inside a call it has begun (cut off by its token budget): a
+    Hermes tag opened and not closed, or begun; Llama 3 JSON that starts as calls do but
+    does not parse."""
+    if form == "llama3":
+        return held_back(text, form) == 0 and bool(text.strip()) and not parse_calls(
+            text, form)[1]
+    rest = text[text.rfind(HERMES_CLOSE) + len(HERMES_CLOSE):] if HERMES_CLOSE in text \
+        else text
+    return held_back(rest, form) < len(rest)
+
+
 def held_back(text: str, form: str, tag: str = HERMES_OPEN) -> int:
     """Where a stream must stop sending a reply's text as content: at the start of a call
     (or of what may yet become one: `tag`'s start); len(text) when nothing needs holding."""

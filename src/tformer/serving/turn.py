@@ -38,6 +38,7 @@ from tformer.serving.tools import (
     call_format,
     calls_so_far,
     check_tools,
+    ends_in_a_call,
     held_back,
     parse_calls,
     template_messages,
@@ -284,10 +285,11 @@ class Reply:
                 self._sent[index] = cut
             return events + self._call_deltas(index, calls_so_far(reply, self.form))
         content, calls = parse_calls(reply, self.form)
-        if not self.parallel:
-            calls = calls[:1]
-        if reason == "length" and len(calls_so_far(reply, self.form)) > len(calls) or (
-                reason == "length" and not calls and held_back(reply, self.form) < len(reply)):
+        # The calls keep the ids the stream gave them.
+        ids = [c.id for c in self._calls[index]]
+        calls = [ToolCall(c.name, c.arguments, ids[i] if i < len(ids) else "")
+                 for i, c in enumerate(calls[:None if self.parallel else 1])]
+        if reason == "length" and ends_in_a_call(reply, self.form):
             # Cut off inside a call: the part of it written is neither text nor a call.
             cut = held_back(reply, self.form)
             content = reply[:cut].strip() or None
@@ -302,10 +304,8 @@ class Reply:
         if before:
             events.append(TextDelta(index, before))
         events += self._call_deltas(index, [(c.name, c.arguments) for c in calls])
-        # The calls keep the ids the stream gave them.
-        ids = [c.id for c in self._calls[index]]
-        calls = [ToolCall(c.name, c.arguments, ids[i] if i < len(ids) else "")
-                 for i, c in enumerate(calls)]
+        calls = [ToolCall(c.name, c.arguments, sent.id)
+                 for c, sent in zip(calls, self._calls[index], strict=False)]
         return events + [self._finished(index, content, calls, "tool_calls")]
 
     def _finished(self, index: int, content: str | None, calls: list[ToolCall],

@@ -34,10 +34,26 @@ class Route:
     handler: Handler
 
 
+def field_path(loc: tuple[Any, ...]) -> list[str]:
+    """pydantic's location of an error -> the field's path: without FastAPI's "body", and
+    without the union member tried ("input.str" is the field input)."""
+    path = []
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, str) and ("[" in part or part in UNION_MEMBERS):
+            break
+        path.append(str(part))
+    return path
+
+
+UNION_MEMBERS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
 def invalid_body(errors: list[Any]) -> ApiError:
     """A body's first validation error (pydantic's list) as a 400 naming the field."""
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = field_path(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return ApiError(400, "the body is not valid JSON")
     if first.get("type") == "extra_forbidden":

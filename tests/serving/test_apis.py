@@ -1,0 +1,390 @@
+"""The APIs of serving/api/ on a tiny model in this process: each one's answers against
+OpenAI's chat and completions routes (an independent path to the same greedy text), its
+streams against its whole answers, its error bodies; the neutral reply's tool-call events
+on scripted text; and embeddings against a float64 pass of the model written out here."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from tformer.data.chat import ChatTemplate, encode_text
+from tformer.data.tokenizers import prompt_start, text_start
+from tformer.decoding.embeddings import embed_ids
+from tformer.serving.api.ollama import ollama_calls
+from tformer.serving.turn import ArgumentsDelta, CallBegun, Finished, Reply, TextDelta
+
+from .conftest import CHAT_TEMPLATE, tiny_checkpoint
+
+USER = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """A tiny model whose characters are printable ASCII: enough for JSON and the tools'
+    block."""
+    from tformer.loading import load_checkpoint
+
+    text = "".join(chr(c) for c in range(32, 127)) + "\n"
+    return load_checkpoint(tiny_checkpoint(tmp_path_factory.mktemp("apis") / "tiny", {
+        "family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "context": 1024},
+        specials=True, text=text))
+
+
+@pytest.fixture(scope="module")
+def client(loaded):
+    from tformer.serving.app import create_app
+    from tformer.serving.scheduler import LMEngine
+
+    engine = LMEngine(loaded.model, eos_id=loaded.tokenizer.eos_id, max_batch=8,
+                      max_waiting=32, batched=True)
+    app = create_app(engine, loaded.tokenizer, model_name="tiny", kind="lm",
+                     chat_template=ChatTemplate(CHAT_TEMPLATE))
+    with TestClient(app) as http:
+        yield http
+
+
+def chat_text(client, messages, max_tokens: int) -> str:
+    """The greedy reply through OpenAI's chat completions: the path the others translate
+    onto, answered by its own code."""
+    r = client.post("/v1/chat/completions", json={"messages": messages, "temperature": 0,
+                                                  "max_tokens": max_tokens})
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def prompt_tokens(loaded, messages) -> int:
+    """The rendered conversation's length, counted here from the template itself."""
+    text = ChatTemplate(CHAT_TEMPLATE).render(messages, add_generation_prompt=True)
+    return len(prompt_start(loaded.tokenizer, encode_text(loaded.tokenizer, text)))
+
+
+def sse(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+# --- the neutral reply ------------------------------------------------------------------
+
+
+class Scripted:
+    """A run whose one reply is the given pieces of text, then `reason`: what Reply reads
+    of a Completion, without a model."""
+
+    def __init__(self, pieces: list[str], reason: str, stop: str | None = None) -> None:
+        self.pieces, self.reason, self.piece = list(pieces), reason, ""
+        self.id, self.seqs, self.errors, self.reasons = "x", [None], [None], [None]
+        self.usage = {"prompt_tokens": 3, "completion_tokens": len(pieces)}
+        self.choices = [SimpleNamespace(stopped=False, stop_found=stop,
+                                        ready=lambda final: self.piece)]
+
+    async def take(self):
+        if self.pieces:
+            self.piece = self.pieces.pop(0)
+            return 0, 1
+        self.piece, self.reasons[0] = "", self.reason
+        return 0, None
+
+    def finished(self) -> bool:
+        return self.reasons[0] is not None
+
+    def cancel(self) -> None:
+        pass
+
+
+def events_of(pieces, reason="stop", *, parallel=True, stop=None, stops=()):
+    import asyncio
+
+    reply = Reply(Scripted(pieces, reason, stop), "hermes", parallel, user_stops=list(stops))
+
+    async def read():
+        return [e async for e in reply.events()]
+    return asyncio.run(read())
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_a_reply_sends_text_then_each_call_as_it_is_written():
+    text = "Let me look." + CALL
+    events = events_of([text[i:i + 5] for i in range(0, len(text), 5)])
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Let me look."
+    (begun,) = [e for e in events if isinstance(e, CallBegun)]
+    arguments = "".join(e.text for e in events if isinstance(e, ArgumentsDelta))
+    assert begun.name == "get_weather" and json.loads(arguments) == {"city": "Paris"}
+    (end,) = [e for e in events if isinstance(e, Finished)]
+    assert end.reason == "tool_calls" and end.content == "Let me look."
+    assert [(c.id, c.name, c.arguments) for c in end.calls] == [(begun.id, "get_weather",
+                                                                 arguments)]
+    assert ollama_calls(end) == [{"function": {"name": "get_weather",
+                                               "arguments": {"city": "Paris"}}}]
+
+
+def test_without_parallel_calls_a_reply_holds_one():
+    events = events_of([CALL, "\n", CALL.replace("Paris", "Rome")], parallel=False)
+    assert len([e for e in events if isinstance(e, CallBegun)]) == 1
+    (end,) = [e for e in events if isinstance(e, Finished)]
+    assert [json.loads(c.arguments)["city"] for c in end.calls] == ["Paris"]
+
+
+def test_a_call_cut_off_by_the_budget_is_neither_text_nor_a_call():
+    events = events_of(["Sure. ", CALL[:40]], reason="length")
+    (end,) = [e for e in events if isinstance(e, Finished)]
+    assert (end.reason, end.content, end.calls) == ("length", "Sure.", [])
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Sure. "
+    # A whole call before the cut one stays.
+    end = [e for e in events_of([CALL, "\n", CALL[:30]], reason="length")
+           if isinstance(e, Finished)][0]
+    assert end.reason == "length" and [c.name for c in end.calls] == ["get_weather"]
+
+
+def test_a_stop_string_of_the_request_is_named():
+    (end,) = [e for e in events_of(["abc"], stop="xy", stops=["xy"])
+              if isinstance(e, Finished)]
+    assert (end.reason, end.stop_sequence) == ("stop_sequence", "xy")
+    (end,) = [e for e in events_of(["abc"], stop=" end!") if isinstance(e, Finished)]
+    assert (end.reason, end.stop_sequence) == ("stop", None)  # the template's end of turn
+
+
+# --- Responses --------------------------------------------------------------------------
+
+
+def test_responses_answer_as_chat_does_streamed_or_not(client, loaded):
+    want = chat_text(client, USER, 6)
+    body = {"input": "hello there", "temperature": 0, "max_output_tokens": 6}
+    whole = client.post("/v1/responses", json=body).json()
+    (item,) = whole["output"]
+    assert item["content"][0]["text"] == want
+    assert whole["usage"]["input_tokens"] == prompt_tokens(loaded, USER)
+    assert whole["status"] in ("completed", "incomplete")
+    events = sse(client.post("/v1/responses", json={**body, "stream": True}).text)
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"]
+    assert kinds[-1] == f"response.{whole['status']}"
+    assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
+    assert "".join(e["delta"] for e in events
+                   if e["type"] == "response.output_text.delta") == want
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == want
+
+
+def test_previous_response_id_continues_the_conversation(client, loaded):
+    first = client.post("/v1/responses", json={
+        "input": "hello there", "instructions": "be brief", "temperature": 0,
+        "max_output_tokens": 4}).json()
+    said = first["output"][0]["content"][0]["text"]
+    second = client.post("/v1/responses", json={
+        "input": "and you?", "previous_response_id": first["id"], "temperature": 0,
+        "max_output_tokens": 4}).json()
+    # Instructions are not carried over; the reply is.
+    conversation = USER + [{"role": "assistant", "content": said},
+                           {"role": "user", "content": "and you?"}]
+    assert second["usage"]["input_tokens"] == prompt_tokens(loaded, conversation)
+    assert second["output"][0]["content"][0]["text"] == chat_text(client, conversation, 4)
+    unstored = client.post("/v1/responses", json={"input": "hi", "store": False,
+                                                  "max_output_tokens": 1}).json()
+    r = client.post("/v1/responses", json={"input": "x",
+                                           "previous_response_id": unstored["id"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"input": 5}, "input", "valid"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input[0].type", "'image'"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", "schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "b",
+                                        "schema": {"type": "bogus"}}}},
+     "text.format", "Invalid type"),
+    ({"input": "x", "max_output_tokens": "many"}, "max_output_tokens", "integer"),
+    ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "nope"),
+])
+def test_responses_bad_input_is_a_400_naming_the_field(client, body, param, words):
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+# --- Anthropic Messages -----------------------------------------------------------------
+
+
+def test_messages_answer_as_chat_does_and_stop_at_a_stop_sequence(client, loaded):
+    want = chat_text(client, USER, 8)
+    body = {"model": "tiny", "max_tokens": 8, "messages": USER, "temperature": 0}
+    whole = client.post("/v1/messages", json=body).json()
+    assert whole["content"] == [{"type": "text", "text": want}]
+    assert whole["usage"]["input_tokens"] == prompt_tokens(loaded, USER)
+    assert whole["stop_reason"] in ("end_turn", "max_tokens")
+    count = client.post("/v1/messages/count_tokens", json={"model": "tiny",
+                                                           "messages": USER}).json()
+    assert count == {"input_tokens": prompt_tokens(loaded, USER)}
+    events = sse(client.post("/v1/messages", json={**body, "stream": True}).text)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert "".join(e["delta"]["text"] for e in events
+                   if e["type"] == "content_block_delta") == want
+    assert events[-2]["delta"]["stop_reason"] == whole["stop_reason"]
+
+    stop = want[3:5]
+    cut = client.post("/v1/messages", json={**body, "stop_sequences": [stop]}).json()
+    assert cut["stop_reason"] == "stop_sequence" and cut["stop_sequence"] == stop
+    assert "".join(b["text"] for b in cut["content"]) == want[:want.index(stop)]
+
+
+def test_messages_render_tool_use_and_tool_result_as_chat_does(client, loaded):
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    body = {"model": "tiny", "max_tokens": 3, "temperature": 0, "tools": [tool], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                           "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "ok"}]}]}
+    openai_body = {"max_tokens": 3, "temperature": 0, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": None, "tool_calls": [{
+                         "id": "t1", "type": "function",
+                         "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+                     {"role": "tool", "tool_call_id": "t1", "content": "ok"}]}
+    ours = client.post("/v1/messages", json=body).json()
+    theirs = client.post("/v1/chat/completions", json=openai_body).json()
+    assert ours["usage"]["input_tokens"] == theirs["usage"]["prompt_tokens"]
+    assert ours["content"][0]["text"] == theirs["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"model": "tiny", "messages": USER}, "max_tokens"),
+    ({"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
+    ({"model": "tiny", "max_tokens": 2, "messages": USER, "tools": [{"name": "f"}]},
+     "input_schema"),
+    ({"model": "tiny", "max_tokens": 2, "messages": USER, "tool_choice": {"type": "all"}},
+     "tool_choice"),
+    ({"model": "tiny", "max_tokens": "2", "messages": USER, "temperature": 3}, "temperature"),
+])
+def test_messages_bad_input_is_a_400_in_anthropics_shape(client, body, words):
+    r = client.post("/v1/messages", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error"
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and words in error["message"], error
+    r = client.post("/v1/messages", json={**body, "model": "other", "max_tokens": 2,
+                                          "temperature": 0, "messages": USER})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+# --- Ollama -----------------------------------------------------------------------------
+
+
+def test_ollama_chat_and_generate_answer_as_the_openai_routes_do(client):
+    want = chat_text(client, USER, 6)
+    body = {"model": "tiny", "messages": USER, "options": {"temperature": 0,
+                                                           "num_predict": 6}}
+    whole = client.post("/api/chat", json={**body, "stream": False}).json()
+    assert whole["message"] == {"role": "assistant", "content": want} and whole["done"]
+    lines = [json.loads(line) for line in client.post("/api/chat", json=body).text.splitlines()]
+    assert "".join(line["message"]["content"] for line in lines) == want
+    assert [line["done"] for line in lines] == [False] * (len(lines) - 1) + [True]
+    assert lines[-1]["done_reason"] == whole["done_reason"]
+
+    made = client.post("/api/generate", json={"model": "tiny:latest", "prompt": "hello there",
+                                              "stream": False, "options": body["options"]})
+    assert made.json()["response"] == want
+    raw = client.post("/api/generate", json={"model": "tiny", "prompt": "hello", "raw": True,
+                                             "stream": False, "options": body["options"]})
+    completion = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6,
+                                                      "temperature": 0}).json()
+    assert raw.json()["response"] == completion["choices"][0]["text"]
+
+
+def test_ollama_format_json_gives_json(client):
+    r = client.post("/api/chat", json={"model": "tiny", "messages": USER, "stream": False,
+                                       "format": {"type": "object", "properties": {
+                                           "a": {"type": "boolean"}}, "required": ["a"],
+                                           "additionalProperties": False},
+                                       "options": {"num_predict": 30, "seed": 1}})
+    assert isinstance(json.loads(r.json()["message"]["content"])["a"], bool)
+
+
+def test_ollama_cards(client):
+    tags = client.get("/api/tags").json()["models"]
+    assert [m["name"] for m in tags] == ["tiny"]
+    assert client.get("/api/version").json()["version"]
+    assert client.get("/api/ps").json()["models"][0]["name"] == "tiny"
+    show = client.post("/api/show", json={"model": "tiny"}).json()
+    assert show["template"] == CHAT_TEMPLATE and "tools" in show["capabilities"]
+
+
+@pytest.mark.parametrize("route,body,status,words", [
+    ("/api/chat", {"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ("/api/chat", {"model": "other", "messages": USER}, 404, "'other'"),
+    ("/api/chat", {"model": "tiny", "messages": USER, "format": "yaml"}, 400, "format"),
+    ("/api/chat", {"model": "tiny", "messages": USER, "format": {"type": "bogus"}}, 400,
+     "Invalid type"),
+    ("/api/chat", {"model": "tiny", "messages": USER, "options": {"num_predict": 0}}, 400,
+     "num_predict"),
+    ("/api/generate", {"model": "tiny", "prompt": "x", "images": ["AAAA"]}, 400, "images"),
+    ("/api/embed", {"model": "tiny", "input": [""]}, 400, "input[0]"),
+])
+def test_ollama_bad_input_is_an_error_in_ollamas_shape(client, route, body, status, words):
+    r = client.post(route, json=body)
+    assert r.status_code == status, r.text
+    assert list(r.json()) == ["error"] and words in r.json()["error"], r.json()
+
+
+# --- embeddings -------------------------------------------------------------------------
+
+
+def reference_embedding(model, ids: list[int], pooling: str) -> np.ndarray:
+    """The model's full forward pass in float64, the last block's normed states caught on
+    their way to the vocabulary projection, pooled and scaled to unit length."""
+    model = copy.deepcopy(model).double()
+    caught = []
+    model.lm_head.register_forward_hook(lambda m, inputs, out: caught.append(inputs[0]))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    states = caught[0][0].numpy()
+    vector = states.mean(0) if pooling == "mean" else states[-1]
+    return vector / np.linalg.norm(vector)
+
+
+def test_embeddings_are_the_pooled_states_on_every_route(client, loaded):
+    texts = ["hello there", "the quick brown fox"]
+    ids = [text_start(loaded.tokenizer, loaded.tokenizer.encode(t)) for t in texts]
+    want = np.stack([reference_embedding(loaded.model, i, "mean") for i in ids])
+    r = client.post("/v1/embeddings", json={"input": texts, "model": "tiny"}).json()
+    floats = np.array([d["embedding"] for d in r["data"]])
+    assert np.allclose(floats, want, atol=1e-5)
+    assert r["usage"]["prompt_tokens"] == sum(map(len, ids))
+    packed = client.post("/v1/embeddings", json={"input": texts,
+                                                 "encoding_format": "base64"}).json()
+    unpacked = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in packed["data"]]
+    assert np.array_equal(np.stack(unpacked), floats.astype(np.float32))
+    by_ids = client.post("/v1/embeddings", json={"input": ids}).json()
+    assert np.allclose([d["embedding"] for d in by_ids["data"]], floats, atol=1e-6)
+    ollama = client.post("/api/embed", json={"model": "tiny", "input": texts}).json()
+    assert np.allclose(ollama["embeddings"], floats, atol=1e-6)
+    short = client.post("/v1/embeddings", json={"input": texts[0], "dimensions": 8}).json()
+    cut = want[0][:8] / np.linalg.norm(want[0][:8])
+    assert np.allclose(short["data"][0]["embedding"], cut, atol=1e-5)
+    last = embed_ids(loaded.model, ids, pooling="last").numpy()
+    assert np.allclose(last, [reference_embedding(loaded.model, i, "last") for i in ids],
+                       atol=1e-5)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "dimensions": 10_000}, "dimensions"),
+    ({"input": [[1, 10**6]]}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": {"text": "hi"}}, "input"),
+])
+def test_embeddings_bad_input_is_a_400_naming_the_field(client, body, param):
+    r = client.post("/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
