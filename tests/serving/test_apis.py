@@ -388,3 +388,27 @@ def test_embeddings_bad_input_is_a_400_naming_the_field(client, body, param):
     r = client.post("/v1/embeddings", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_client_that_leaves_cancels_its_reply():
+    import asyncio
+
+    from tformer.serving.turn import ClientLeft
+
+    class Endless(Scripted):
+        cancelled = False
+
+        async def take(self):
+            await asyncio.sleep(3600)
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    run = Endless([], "stop")
+    with pytest.raises(ClientLeft):
+        asyncio.run(Reply(run, None, True, user_stops=[]).collect(Gone()))
+    assert run.cancelled

@@ -40,7 +40,7 @@ from tformer.serving.protocol import (
 from tformer.serving.scheduler import LMEngine
 from tformer.serving.tokens import TokenTexts
 from tformer.serving.translation import TranslationBatcher
-from tformer.serving.turn import Server
+from tformer.serving.turn import ClientLeft, Server
 
 if TYPE_CHECKING:
     from tformer.decoding.speculative import SpeculationStats
@@ -186,6 +186,10 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return shaped(request.url.path, exc)
+
+    @app.exception_handler(ClientLeft)
+    async def _left(request: Request, exc: ClientLeft) -> JSONResponse:
+        return JSONResponse({}, status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fastapi import Request
+
 from tformer.data.chat import ChatTemplate, ChatTemplateError
 from tformer.serving.completions import Completion, Mailbox, encode_prompt
 from tformer.serving.protocol import ApiError, Limits, SamplingFields
@@ -209,6 +211,10 @@ class Failed:
 Event = TextDelta | CallBegun | ArgumentsDelta | Finished | Usage | Failed
 
 
+class ClientLeft(Exception):
+    """The client left before its answer was whole (the server answers 499, to no one)."""
+
+
 class Reply:
     """The replies to one turn (n of them, `choice` 0 to n - 1), read as they are decoded.
 
@@ -253,17 +259,35 @@ class Reply:
         finally:
             run.cancel()
 
-    async def collect(self) -> tuple[list[Finished], Usage]:
-        """Every reply whole, and the usage; decoding that fails is a 500."""
+    async def collect(self, request: Request) -> tuple[list[Finished], Usage]:
+        """Every reply whole, and the usage; decoding that fails is a 500, and a client
+        that leaves before the end cancels the decoding (ClientLeft)."""
         finished: list[Finished] = []
         usage = Usage(0, 0)
-        async for event in self.events():
-            if isinstance(event, Failed):
-                raise ApiError(500, event.message, type="server_error")
-            if isinstance(event, Finished):
-                finished.append(event)
-            elif isinstance(event, Usage):
-                usage = event
+        events = self.events()
+        pending: asyncio.Task | None = None
+        try:
+            while True:
+                pending = pending or asyncio.ensure_future(anext(events, None))
+                done, _ = await asyncio.wait({pending}, timeout=0.5)
+                if not done:
+                    if await request.is_disconnected():
+                        log.info("client left; cancelling %s", self.id)
+                        raise ClientLeft
+                    continue
+                event, pending = pending.result(), None
+                if event is None:
+                    break
+                if isinstance(event, Failed):
+                    raise ApiError(500, event.message, type="server_error")
+                if isinstance(event, Finished):
+                    finished.append(event)
+                elif isinstance(event, Usage):
+                    usage = event
+        finally:
+            if pending is not None:
+                pending.cancel()
+            self.cancel()
         return sorted(finished, key=lambda f: f.choice), usage
 
     def _feed(self, index: int, piece: str, reason: str | None) -> list[Event]:

@@ -200,7 +200,7 @@ async def create(request: Request, server: Server) -> Response:
     if body.stream:
         return StreamingResponse(stream(reply, head), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    (finished,), usage = await reply.collect()
+    (finished,), usage = await reply.collect(request)
     content: list[dict[str, Any]] = []
     if finished.content:
         content.append({"type": "text", "text": finished.content})

@@ -230,7 +230,7 @@ async def chat(request: Request, server: Server) -> Response:
         return out
 
     if not body.stream:
-        (finished,), usage = await reply.collect()
+        (finished,), usage = await reply.collect(request)
         return JSONResponse({**head, "created_at": now(),
                              "message": message(finished.content or "", finished),
                              "done": True, "done_reason": done_reason(finished),
@@ -292,7 +292,7 @@ async def generate(request: Request, server: Server) -> Response:
                         constraint_param="format")
         reply = await start_turn(turn, server, mailbox)
     if not body.stream:
-        (finished,), usage = await reply.collect()
+        (finished,), usage = await reply.collect(request)
         return JSONResponse({**head, "created_at": now(), "response": finished.content or "",
                              "done": True, "done_reason": done_reason(finished),
                              **counts(usage, started)})

@@ -294,7 +294,7 @@ async def create(request: Request, server: Server) -> Response:
         return StreamingResponse(stream(reply, answer, store, own),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    (finished,), usage = await reply.collect()
+    (finished,), usage = await reply.collect(request)
     if finished.content:
         answer.output.append(message_item(f"msg_{secrets.token_hex(12)}", finished.content))
     for call in finished.calls:
