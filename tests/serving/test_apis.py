@@ -412,3 +412,16 @@ def test_a_client_that_leaves_cancels_its_reply():
     with pytest.raises(ClientLeft):
         asyncio.run(Reply(run, None, True, user_stops=[]).collect(Gone()))
     assert run.cancelled
+
+
+def test_serves_pooling_choices_are_the_poolings():
+    import inspect
+    import typing
+
+    from tformer.decoding.embeddings import POOLINGS
+    from tformer.serving.command import serve_command
+
+    hint = typing.get_type_hints(serve_command, include_extras=True)["pooling"]
+    (option,) = hint.__metadata__
+    assert tuple(option.choices) == tuple(POOLINGS)
+    assert inspect.signature(serve_command).parameters["pooling"].default == "mean"
