@@ -150,8 +150,10 @@ def stream_of(form: str, pieces: list[str], reason: str = "stop") -> list[dict]:
     """The deltas and finish reasons a chat stream sends for a reply arriving in pieces."""
     from tformer.serving.chat import ChatCompletion
 
+    from tformer.serving.turn import CallReader
+
     run = ChatCompletion.__new__(ChatCompletion)  # the streaming part alone
-    run.seqs, run.form = [None], form
+    run.seqs, run.form, run.reader = [None], form, CallReader(1, form, parallel=True)
     run.id, run.created, run.model_name = "chatcmpl-x", 0, "m"
     events = "".join(run._chunk(0, piece, None) for piece in pieces)
     events += run._chunk(0, "", reason)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -118,8 +118,21 @@ def render_turn(turn: ChatTurn, server: Server) -> tuple[str, list[int]]:
     return text, encode_prompt(server.tokenizer, text, rendered=True)
 
 
-async def start_turn(turn: ChatTurn, server: Server, mailbox: Mailbox) -> Reply:
-    """Render the turn, compile what it must follow, and submit its replies to the engine."""
+@dataclass(frozen=True)
+class Prepared:
+    """A turn made ready for the engine."""
+
+    text: str
+    ids: list[int]
+    grammar: Grammar | None
+    form: str | None
+    """The form the reply's tool calls are read in; None: the reply is not read for calls
+    (no tools, or tool_choice "none")."""
+
+
+async def prepare_turn(turn: ChatTurn, server: Server) -> Prepared:
+    """Render the turn and compile what its reply must follow: its constraint, or the
+    grammar of the tool call it requires."""
     template = server.need_template()
     tools, required = check_tools(turn.tools, turn.tool_choice)
     text, ids = render_turn(turn, server)
@@ -127,8 +140,8 @@ async def start_turn(turn: ChatTurn, server: Server, mailbox: Mailbox) -> Reply:
     constraint, param = turn.constraint, turn.constraint_param
     if required is not None:
         if constraint is not None:
-            raise ApiError(400, f"a required tool call cannot also follow {param}",
-                           param="tool_choice")
+            raise ApiError(400, f"tool_choice {turn.tool_choice!r} makes the reply a tool "
+                           f"call; it cannot also follow {param}", param="tool_choice")
         # A named function is one call; "required" is one, or several where allowed.
         parallel = required == "" and turn.parallel_tool_calls
         constraint, param = tool_constraint(tools, required, form, parallel), "tools"
@@ -136,12 +149,19 @@ async def start_turn(turn: ChatTurn, server: Server, mailbox: Mailbox) -> Reply:
     grammar = await asyncio.to_thread(compile_for, constraint, server.tokenizer,
                                       server.engine.model.cfg.vocab_size,
                                       batched=server.engine.batched, param=param)
-    stop_texts, stop_tokens = server.chat_stops
+    # With tool_choice "none" the model still reads the tools (as with OpenAI's and vLLM's),
+    # and what it writes is its answer, never read as calls.
     reads_calls = bool(tools) and turn.tool_choice != "none"
-    return start_prompt(text, ids, turn.sampling, server, mailbox, max_tokens=turn.max_tokens,
-                        stops=turn.stops, end_of_turn=(stop_texts, stop_tokens),
-                        grammar=grammar, form=form if reads_calls else None,
-                        parallel=turn.parallel_tool_calls)
+    return Prepared(text, ids, grammar, form if reads_calls else None)
+
+
+async def start_turn(turn: ChatTurn, server: Server, mailbox: Mailbox) -> Reply:
+    """Prepare the turn and submit its replies to the engine."""
+    ready = await prepare_turn(turn, server)
+    return start_prompt(ready.text, ready.ids, turn.sampling, server, mailbox,
+                        max_tokens=turn.max_tokens, stops=turn.stops,
+                        end_of_turn=server.chat_stops, grammar=ready.grammar,
+                        form=ready.form, parallel=turn.parallel_tool_calls)
 
 
 def start_prompt(text: str, ids: list[int], sampling: SamplingFields, server: Server,
@@ -225,14 +245,11 @@ class Reply:
 
     def __init__(self, run: Completion, form: str | None, parallel: bool, *,
                  user_stops: list[str]) -> None:
-        self.run, self.form, self.parallel = run, form, parallel
-        self.user_stops = user_stops
-        n = len(run.seqs)
+        self.run = run
         self.id = run.id
-        self.prompt_tokens = run.usage["prompt_tokens"] // max(1, n)
-        self._replies = [""] * n
-        self._sent = [0] * n
-        self._calls: list[list[ToolCall]] = [[] for _ in range(n)]
+        self.prompt_tokens = run.usage["prompt_tokens"] // max(1, len(run.seqs))
+        self.reader = CallReader(len(run.seqs), form, parallel, user_stops=user_stops,
+                                 stop_found=lambda index: run.choices[index].stop_found)
 
     def cancel(self) -> None:
         self.run.cancel()
@@ -249,11 +266,11 @@ class Reply:
                     yield Failed(run.errors[index] or "decoding failed")
                     return
                 if token is not None and not choice.stopped:
-                    for event in self._feed(index, choice.ready(final=False), None):
+                    for event in self.reader.feed(index, choice.ready(final=False), None):
                         yield event
                 elif token is None:
                     reason = run.reasons[index] or "stop"
-                    for event in self._feed(index, choice.ready(final=True), reason):
+                    for event in self.reader.feed(index, choice.ready(final=True), reason):
                         yield event
             yield Usage(run.usage["prompt_tokens"], run.usage["completion_tokens"])
         finally:
@@ -290,7 +307,38 @@ class Reply:
             self.cancel()
         return sorted(finished, key=lambda f: f.choice), usage
 
-    def _feed(self, index: int, piece: str, reason: str | None) -> list[Event]:
+
+def read_reply(reply: str, form: str, parallel: bool, reason: str, index: int = 0
+               ) -> Finished:
+    """A whole reply read for tool calls in `form`: its text besides the calls and the
+    calls (the first only, without `parallel`). A reply cut off by its budget inside a
+    call ends with "length", the part of the call written in neither."""
+    content, calls = parse_calls(reply, form)
+    calls = calls[:None if parallel else 1]
+    if reason == "length" and ends_in_a_call(reply, form):
+        return Finished(index, "length", reply[:held_back(reply, form)].strip() or None, calls)
+    if not calls:
+        return Finished(index, reason, reply or None, [])
+    return Finished(index, "tool_calls", content, calls)
+
+
+class CallReader:
+    """Reads n replies as their text arrives, into neutral events: the text as it becomes
+    final, held back where a tool call may start (in `form`; None: the reply is text), and
+    each call as it is written; at the end, the whole reply read once more (Finished)."""
+
+    def __init__(self, n: int, form: str | None, parallel: bool, *,
+                 user_stops: Sequence[str] = (),
+                 stop_found: Callable[[int], str | None] = lambda index: None) -> None:
+        """parallel: False keeps a reply's first call only; user_stops: the request's stop
+        strings, and stop_found which one ended reply `index` (if one did)."""
+        self.form, self.parallel = form, parallel
+        self.user_stops, self.stop_found = list(user_stops), stop_found
+        self._replies = [""] * n
+        self._sent = [0] * n
+        self._calls: list[list[ToolCall]] = [[] for _ in range(n)]
+
+    def feed(self, index: int, piece: str, reason: str | None) -> list[Event]:
         """The events that bring the client up to reply `index` plus `piece`; with
         `reason`, the reply has ended."""
         self._replies[index] += piece
@@ -308,33 +356,25 @@ class Reply:
                 events.append(TextDelta(index, reply[sent:cut]))
                 self._sent[index] = cut
             return events + self._call_deltas(index, calls_so_far(reply, self.form))
-        content, calls = parse_calls(reply, self.form)
-        # The calls keep the ids the stream gave them.
-        ids = [c.id for c in self._calls[index]]
-        calls = [ToolCall(c.name, c.arguments, ids[i] if i < len(ids) else "")
-                 for i, c in enumerate(calls[:None if self.parallel else 1])]
-        if reason == "length" and ends_in_a_call(reply, self.form):
-            # Cut off inside a call: the part of it written is neither text nor a call.
-            cut = held_back(reply, self.form)
-            content = reply[:cut].strip() or None
-            if cut > sent:
-                events.append(TextDelta(index, reply[sent:cut]))
-            return events + [self._finished(index, content, calls, "length")]
-        if not calls:
-            if len(reply) > sent:
-                events.append(TextDelta(index, reply[sent:]))
-            return events + [self._finished(index, reply or None, [], reason)]
-        before = (content or "")[sent:]
+        whole = read_reply(reply, self.form, self.parallel, reason, index)
+        if not whole.calls:
+            # Text (or text and a call cut off, which is held back for good).
+            end = len(reply) if whole.reason != "length" else held_back(reply, self.form)
+            if end > sent:
+                events.append(TextDelta(index, reply[sent:end]))
+            return events + [self._finished(index, whole.content, [], whole.reason)]
+        before = (whole.content or "")[sent:]
         if before:
             events.append(TextDelta(index, before))
-        events += self._call_deltas(index, [(c.name, c.arguments) for c in calls])
-        calls = [ToolCall(c.name, c.arguments, sent.id)
-                 for c, sent in zip(calls, self._calls[index], strict=False)]
-        return events + [self._finished(index, content, calls, "tool_calls")]
+        events += self._call_deltas(index, [(c.name, c.arguments) for c in whole.calls])
+        # The calls keep the ids the stream gave them.
+        calls = [ToolCall(c.name, c.arguments, sent_call.id)
+                 for c, sent_call in zip(whole.calls, self._calls[index], strict=False)]
+        return events + [self._finished(index, whole.content, calls, whole.reason)]
 
     def _finished(self, index: int, content: str | None, calls: list[ToolCall],
                   reason: str) -> Finished:
-        stop = self.run.choices[index].stop_found
+        stop = self.stop_found(index)
         if reason == "stop" and stop in self.user_stops:
             return Finished(index, "stop_sequence", content, calls, stop)
         return Finished(index, reason, content, calls)
