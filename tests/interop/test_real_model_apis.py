@@ -215,11 +215,12 @@ def test_an_openai_agent_with_a_function_tool_runs_to_its_end(url):
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     agent = agents.Agent(
-        name="weather", instructions="Answer with the tools you have.", tools=[get_weather],
+        name="weather", tools=[get_weather],
+        instructions="Use the tools you have, then answer in one short sentence.",
         model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
         # The tool is required on the first turn; the SDK then sets it back to auto.
         model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                            max_tokens=40))
-    result = agents.Runner.run_sync(agent, ASK, max_turns=3)
-    assert asked == ["Paris"]
+                                            max_tokens=60))
+    result = agents.Runner.run_sync(agent, ASK, max_turns=4)
+    assert asked and set(asked) == {"Paris"}  # the small model may ask twice
     assert isinstance(result.final_output, str) and result.final_output

@@ -149,7 +149,6 @@ def test_the_required_call_grammar_gives_calls_that_parse(form):
 def stream_of(form: str, pieces: list[str], reason: str = "stop") -> list[dict]:
     """The deltas and finish reasons a chat stream sends for a reply arriving in pieces."""
     from tformer.serving.chat import ChatCompletion
-
     from tformer.serving.turn import CallReader
 
     run = ChatCompletion.__new__(ChatCompletion)  # the streaming part alone
