@@ -266,6 +266,8 @@ def test_messages_render_tool_use_and_tool_result_as_chat_does(client, loaded):
     ({"model": "tiny", "max_tokens": 2, "messages": USER, "tool_choice": {"type": "all"}},
      "tool_choice"),
     ({"model": "tiny", "max_tokens": "2", "messages": USER, "temperature": 3}, "temperature"),
+    ({"model": "tiny", "max_tokens": 2, "messages": USER, "tool_choice": {"type": "any"},
+      "tools": [{"name": "f", "input_schema": {"type": "bogus"}}]}, "Invalid type"),
 ])
 def test_messages_bad_input_is_a_400_in_anthropics_shape(client, body, words):
     r = client.post("/v1/messages", json=body)
@@ -328,6 +330,11 @@ def test_ollama_cards(client):
      "Invalid type"),
     ("/api/chat", {"model": "tiny", "messages": USER, "options": {"num_predict": 0}}, 400,
      "num_predict"),
+    ("/api/chat", {"model": "tiny", "messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "none"}}]}, 400,
+     "parameters"),
+    ("/api/chat", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "role"),
     ("/api/generate", {"model": "tiny", "prompt": "x", "images": ["AAAA"]}, 400, "images"),
     ("/api/embed", {"model": "tiny", "input": [""]}, 400, "input[0]"),
 ])
@@ -425,3 +432,67 @@ def test_serves_pooling_choices_are_the_poolings():
     (option,) = hint.__metadata__
     assert tuple(option.choices) == tuple(POOLINGS)
     assert inspect.signature(serve_command).parameters["pooling"].default == "mean"
+
+
+# Every new route, with every field (at any depth) of a good body made a number or an empty
+# text in turn: each answer is 200 or a 4xx, never a 5xx.
+GOOD = {
+    "/v1/responses": {
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                  {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "c", "output": "x"}],
+        "max_output_tokens": 2, "tool_choice": "auto", "text": {"format": {"type": "text"}},
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
+    "/v1/messages": {
+        "model": "tiny", "max_tokens": 2, "system": [{"type": "text", "text": "s"}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                     {"role": "assistant", "content": [{"type": "tool_use", "id": "t",
+                                                        "name": "f", "input": {}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                   "content": [{"type": "text",
+                                                                "text": "r"}]}]}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "auto"}, "stop_sequences": ["x"]},
+    "/api/chat": {
+        "model": "tiny", "stream": False, "format": "json", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "", "tool_calls": [
+                         {"function": {"name": "f", "arguments": {}}}]},
+                     {"role": "tool", "content": "r", "tool_name": "f"}],
+        "options": {"num_predict": 2, "stop": ["x"]}},
+    "/api/generate": {"model": "tiny", "stream": False, "prompt": "hi", "system": "s",
+                      "options": {"num_predict": 2}},
+    "/api/embed": {"model": "tiny", "input": ["hi"], "dimensions": 4},
+    "/v1/embeddings": {"input": ["hi"], "dimensions": 4, "encoding_format": "float"},
+}
+
+
+def field_paths(value, path=()):
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return
+    for key, inner in items:
+        yield path + (key,)
+        yield from field_paths(inner, path + (key,))
+
+
+def with_value(body, path, value):
+    body = copy.deepcopy(body)
+    inner = body
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return body
+
+
+@pytest.mark.parametrize("route", list(GOOD))
+def test_no_field_of_the_wrong_type_is_a_5xx(client, route):
+    assert client.post(route, json=GOOD[route]).status_code == 200
+    for path in field_paths(GOOD[route]):
+        for value in (5, ""):
+            r = client.post(route, json=with_value(GOOD[route], path, value))
+            assert r.status_code < 500, (path, value, r.text)

@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tformer.serving.api import Route, read_body
 from tformer.serving.api.embeddings import token_lists, vectors
@@ -62,6 +62,13 @@ class Options(Strict):
     num_thread: int | None = None
     use_mmap: bool | None = None
     numa: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not s for s in value):
+            raise ValueError("stop strings are non-empty")
+        return value
 
     def sampling(self) -> SamplingFields:
         return SamplingFields(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -171,6 +178,9 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                            param=f"{where}.images")
         item: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
+            if not isinstance(message["tool_calls"], list):
+                raise ApiError(400, f"{where}.tool_calls: a list of calls",
+                               param=f"{where}.tool_calls")
             item["tool_calls"] = []
             for j, call in enumerate(message["tool_calls"]):
                 function = call.get("function") if isinstance(call, dict) else None
