@@ -489,6 +489,26 @@ def with_value(body, path, value):
     return body
 
 
+def test_the_api_key_as_anthropic_and_openai_send_it(loaded):
+    from tformer.serving.app import create_app
+    from tformer.serving.scheduler import LMEngine
+
+    engine = LMEngine(loaded.model, eos_id=loaded.tokenizer.eos_id, max_batch=2,
+                      max_waiting=4, batched=True)
+    app = create_app(engine, loaded.tokenizer, model_name="tiny", kind="lm", api_key="k",
+                     chat_template=ChatTemplate(CHAT_TEMPLATE))
+    body = {"model": "tiny", "max_tokens": 1, "messages": USER}
+    with TestClient(app) as http:
+        assert http.post("/v1/messages", json=body, headers={"x-api-key": "k"}).is_success
+        assert http.post("/v1/messages", json=body,
+                         headers={"authorization": "Bearer k"}).is_success
+        refused = http.post("/v1/messages", json=body, headers={"x-api-key": "no"})
+        assert refused.status_code == 401
+        assert refused.json()["error"]["type"] == "authentication_error"
+        assert http.post("/api/chat", json={**body, "messages": USER}).json() == {
+            "error": "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)"}
+
+
 @pytest.mark.parametrize("route", list(GOOD))
 def test_no_field_of_the_wrong_type_is_a_5xx(client, route):
     assert client.post(route, json=GOOD[route]).status_code == 200

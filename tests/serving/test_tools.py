@@ -217,3 +217,13 @@ def test_a_stream_sends_each_call_as_it_is_written(form):
         '{"a": 1, "b": {"c": [2, "}"]}}', '{"x":  -3}']
     assert [d["function"]["name"] for _, d in deltas if "id" in d] == ["add", "neg"]
     assert out[-1] == {"delta": {}, "reason": "tool_calls"}
+
+
+def test_a_stream_cut_inside_a_call_sends_neither_the_call_text_nor_a_call_end():
+    """A reply stopped by max_tokens while writing a call: the text before it is content,
+    the call's name went out once whole, and the reply ends with "length", the partial
+    call never sent as content."""
+    out = stream_of("hermes", ["Sure. ", '<tool_call>\n{"name": "add", "arguments": {"a'],
+                    reason="length")
+    assert "".join(o["delta"].get("content", "") for o in out) == "Sure. "
+    assert out[-1] == {"delta": {}, "reason": "length"}

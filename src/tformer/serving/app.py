@@ -369,8 +369,8 @@ class Guard:
             other = headers.get("x-api-key", "").encode()
             if not (secrets.compare_digest(given, f"Bearer {self.api_key}".encode())
                     or secrets.compare_digest(other, self.api_key.encode())):
-                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                               code="invalid_api_key")
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY, or "
+                               "x-api-key: KEY)", code="invalid_api_key")
         too_large = ApiError(413, f"the body is over {self.max_body_bytes} bytes",
                              code="body_too_large")
         length = headers.get("content-length")
