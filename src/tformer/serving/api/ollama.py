@@ -13,12 +13,13 @@ Errors are Ollama's body, {"error": message}.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,11 +41,16 @@ from tformer.serving.turn import (
     start_turn,
 )
 
+if TYPE_CHECKING:
+    from tformer.decoding.constraints import Constraint
+
 VERSION = "0.12.0"
 """The Ollama release whose API this follows (clients check for a least version)."""
 
 
 class Options(Strict):
+    """The options that change a reply, with Ollama's defaults."""
+
     temperature: float = Field(0.8, ge=0.0, le=2.0)
     top_p: float = Field(0.9, gt=0.0, le=1.0)
     top_k: int = Field(40, ge=0)
@@ -141,7 +147,7 @@ def now() -> str:
     return iso(datetime.now(UTC))
 
 
-def format_constraint(value: str | dict[str, Any] | None):
+def format_constraint(value: str | dict[str, Any] | None) -> Constraint | None:
     if value in (None, ""):
         return None
     if value == "json":
@@ -285,8 +291,6 @@ async def generate(request: Request, server: Server) -> Response:
     options = body.options
     mailbox = request.app.state.mailbox
     if body.raw:
-        import asyncio
-
         grammar = await asyncio.to_thread(compile_for, constraint, server.tokenizer,
                                           server.engine.model.cfg.vocab_size,
                                           batched=server.engine.batched, param="format")
@@ -376,7 +380,9 @@ async def show(request: Request, server: Server) -> Response:
     body = await read_body(request, ShowRequest)
     check_model(body.model or body.name, server)
     cfg, arch = server.engine.model.cfg, architecture(server)
-    capabilities = ["completion", "embedding"] + (["tools"] if server.template else [])
+    # As Ollama lists a chat model's (one listed as "embedding" is taken by clients for an
+    # embedding-only model); /api/embed answers all the same.
+    capabilities = ["completion"] + (["tools"] if server.template else [])
     return JSONResponse({
         "license": "", "modelfile": "", "parameters": "",
         "template": server.template.source if server.template else "",

@@ -18,7 +18,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,6 +39,9 @@ from tformer.serving.turn import (
     Usage,
     start_turn,
 )
+
+if TYPE_CHECKING:
+    from tformer.decoding.constraints import Constraint
 
 
 class TextOptions(Strict):
@@ -186,7 +189,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     return choice
 
 
-def text_constraint(text: TextOptions | None):
+def text_constraint(text: TextOptions | None) -> Constraint | None:
     """`text.format` as chat's response_format reads it."""
     fmt = text.format if text is not None else None
     if fmt is None:
