@@ -86,7 +86,7 @@ def test_responses_with_a_function_tool_streamed_and_not_and_continued(oai):
     # spelled out in full: its prompt is as many tokens.
     answer = {"type": "function_call_output", "call_id": call.call_id,
               "output": "18 degrees and sunny"}
-    more = dict(model=MODEL, tools=[tool], temperature=0, max_output_tokens=8)
+    more = dict(model=MODEL, tools=[tool], temperature=0, max_output_tokens=4)
     follow = oai.responses.create(previous_response_id=done.id, input=[answer], **more)
     whole = oai.responses.create(input=[
         {"role": "user", "content": ASK},
@@ -126,7 +126,7 @@ def test_anthropic_messages_tool_use_round_trip_created_and_streamed(url):
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use" and streamed.content[0].input == use.input
 
-    reply = client.messages.create(model=MODEL, max_tokens=12, extra_body=greedy, tools=[tool],
+    reply = client.messages.create(model=MODEL, max_tokens=6, extra_body=greedy, tools=[tool],
                                    messages=ask + [
                                        {"role": "assistant", "content": message.content},
                                        {"role": "user", "content": [{
@@ -145,7 +145,7 @@ def test_ollama_chat_format_tools_embed_and_list(url):
     client = ollama.Client(host=url)
     assert [m.model for m in client.list().models] == [MODEL]
     ask = [{"role": "user", "content": "Say hello to Tom."}]
-    options = {"temperature": 0, "num_predict": 12}
+    options = {"temperature": 0, "num_predict": 6}
     whole = client.chat(model=MODEL, messages=ask, options=options)
     pieces = list(client.chat(model=MODEL, messages=ask, options=options, stream=True))
     assert "".join(p.message.content for p in pieces) == whole.message.content
