@@ -193,6 +193,25 @@ def test_previous_response_id_continues_the_conversation(client, loaded):
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_a_response_cut_inside_its_call_is_incomplete_without_it(client):
+    tool = {"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"], "additionalProperties": False}}
+    body = {"input": "hi", "tools": [tool], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_output_tokens": 40}
+    whole = client.post("/v1/responses", json=body).json()
+    assert (whole["status"], whole["output"]) == ("incomplete", [])
+    assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    events = sse(client.post("/v1/responses", json={**body, "stream": True}).text)
+    assert "response.output_item.added" in [e["type"] for e in events]  # the call begun
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["output"] == []
+    # With room, the same call is whole.
+    done = client.post("/v1/responses", json={**body, "max_output_tokens": 200}).json()
+    (call,) = done["output"]
+    assert done["status"] == "completed" and isinstance(json.loads(call["arguments"])["a"], int)
+
+
 @pytest.mark.parametrize("body,param,words", [
     ({"input": 5}, "input", "valid"),
     ({"input": [{"type": "image", "url": "x"}]}, "input[0].type", "'image'"),
