@@ -1,6 +1,7 @@
 """One neutral chat turn, and the reply to it as a stream of neutral events: what every chat
-endpoint (serving/api/: OpenAI's Responses, Anthropic's Messages, Ollama's /api/chat and
-/api/generate) maps its request to and its answer from, as llama.cpp's server does.
+endpoint (OpenAI's chat completions in serving/chat.py; serving/api/: OpenAI's Responses,
+Anthropic's Messages, Ollama's /api/chat and /api/generate) maps its request to and its
+answer from, as llama.cpp's server does.
 
 A `ChatTurn` holds what a model needs to reply: the messages (in the neutral form
 serving/tools.py renders: OpenAI's chat messages, text only), the tools offered, the call
@@ -17,7 +18,9 @@ model writes, with the tool calls read out of it in the template's form:
     Failed         decoding failed; nothing follows
 
 An adapter turns these into its own frames (server-sent events or NDJSON), or gathers them
-(`Reply.collect`) into one answer.
+(`Reply.collect`) into one answer. The reading of the text into events is `CallReader`'s
+alone, and chat completions' stream (which also sends log-probabilities) reads through it
+too.
 """
 
 from __future__ import annotations
