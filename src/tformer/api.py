@@ -435,8 +435,10 @@ class Model:
         text's tokens (the default) or its "last" token's (tformer.decoding.embeddings).
         The same vectors as `tformer serve`'s /v1/embeddings and /api/embed."""
         from tformer.data.tokenizers import text_start
-        from tformer.decoding.embeddings import embed_ids
+        from tformer.decoding.embeddings import check_embedder, check_pooling, embed_ids
 
+        check_embedder(self.module)
+        check_pooling(pooling)
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts or any(not t for t in texts):
             raise TformerError("embed needs one or more non-empty texts")

@@ -41,6 +41,13 @@ def check_pooling(pooling: str) -> None:
         raise TformerError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
 
 
+def check_embedder(model: torch.nn.Module) -> None:
+    """Embeddings are read from a decoder-only stack of the GPT family."""
+    if not isinstance(model, GPT):
+        raise TformerError(f"embeddings are read from GPT-family models; this one is "
+                           f"{type(model).__name__}")
+
+
 @torch.no_grad()
 def embed_ids(model: torch.nn.Module, texts: list[list[int]], *,
               pooling: str = DEFAULT_POOLING) -> Tensor:
@@ -48,9 +55,7 @@ def embed_ids(model: torch.nn.Module, texts: list[list[int]], *,
     text is read on its own (no padding can change its states); every text must fit the
     model's window."""
     check_pooling(pooling)
-    if not isinstance(model, GPT):
-        raise TformerError(f"embeddings are read from GPT-family models; this one is "
-                           f"{type(model).__name__}")
+    check_embedder(model)
     window = model.cfg.context
     vectors = []
     for i, ids in enumerate(texts):
