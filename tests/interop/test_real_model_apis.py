@@ -29,19 +29,25 @@ ASK = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def url(smollm2_run):
+def loaded(smollm2_run):
+    """The model as the Python API loads it (its Q4_1 blocks kept), served below too."""
+    import tformer
+
+    return tformer.load(smollm2_run, device="cpu", threads=1)
+
+
+@pytest.fixture(scope="module")
+def url(loaded):
     import uvicorn
 
     from tformer.data.chat import template_of
-    from tformer.loading import load_checkpoint
     from tformer.serving.app import create_app
     from tformer.serving.scheduler import LMEngine
 
-    held = load_checkpoint(smollm2_run)
-    engine = LMEngine(held.model, eos_id=list(held.tokenizer.eos_ids), max_batch=4,
+    engine = LMEngine(loaded.module, eos_id=list(loaded.tokenizer.eos_ids), max_batch=4,
                       max_waiting=8, batched=True)
-    app = create_app(engine, held.tokenizer, model_name=MODEL, kind="lm",
-                     chat_template=template_of(held.tokenizer))
+    app = create_app(engine, loaded.tokenizer, model_name=MODEL, kind="lm",
+                     chat_template=template_of(loaded.tokenizer))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -145,7 +151,7 @@ def test_ollama_chat_format_tools_embed_and_list(url):
     client = ollama.Client(host=url)
     assert [m.model for m in client.list().models] == [MODEL]
     ask = [{"role": "user", "content": "Say hello to Tom."}]
-    options = {"temperature": 0, "num_predict": 6}
+    options = {"temperature": 0, "num_predict": 4}
     whole = client.chat(model=MODEL, messages=ask, options=options)
     pieces = list(client.chat(model=MODEL, messages=ask, options=options, stream=True))
     assert "".join(p.message.content for p in pieces) == whole.message.content
@@ -186,15 +192,13 @@ def test_ollama_chat_format_tools_embed_and_list(url):
 
 
 def test_the_same_embedding_on_every_route_and_it_ranks_a_paraphrase_first(url, oai,
-                                                                           smollm2_run):
-    import tformer
-
+                                                                           loaded):
     texts = ["The cat sat on the mat.", "A cat was sitting on the rug.",
              "Stock markets fell sharply today."]
     by_openai = np.array([d.embedding for d in oai.embeddings.create(model=MODEL,
                                                                      input=texts).data])
     by_ollama = np.array(ollama.Client(host=url).embed(model=MODEL, input=texts).embeddings)
-    by_python = tformer.load(smollm2_run, device="cpu").embed(texts).numpy()
+    by_python = loaded.embed(texts).numpy()
     assert np.allclose(by_openai, by_ollama, atol=1e-6)
     assert np.allclose(by_openai, by_python, atol=1e-5)
     similar = by_openai @ by_openai.T
