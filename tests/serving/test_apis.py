@@ -535,3 +535,26 @@ def test_no_field_of_the_wrong_type_is_a_5xx(client, route):
         for value in (5, ""):
             r = client.post(route, json=with_value(GOOD[route], path, value))
             assert r.status_code < 500, (path, value, r.text)
+
+
+def test_messages_tool_choice_names_a_tool_or_none(client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    body = {"model": "tiny", "max_tokens": 80, "messages": USER, "tools": [
+        {"name": "f", "input_schema": schema}, {"name": "g", "input_schema": schema}]}
+    named = client.post("/v1/messages", json={**body, "tool_choice": {
+        "type": "tool", "name": "g"}}).json()
+    assert named["stop_reason"] == "tool_use"
+    assert [(b["type"], b["name"]) for b in named["content"]] == [("tool_use", "g")]
+    assert 0 <= named["content"][0]["input"]["a"] <= 9
+    # "none": the tools are in the prompt, and the reply is text however it reads.
+    none = client.post("/v1/messages", json={**body, "max_tokens": 4,
+                                             "tool_choice": {"type": "none"}}).json()
+    assert [b["type"] for b in none["content"]] == ["text"]
+    assert none["usage"]["input_tokens"] == named["usage"]["input_tokens"]
+    responses = client.post("/v1/responses", json={
+        "input": "hello there", "max_output_tokens": 80,
+        "tool_choice": {"type": "function", "name": "f"},
+        "tools": [{"type": "function", "name": n, "parameters": schema} for n in "fg"]}).json()
+    assert [(o["type"], o["name"]) for o in responses["output"]] == [("function_call", "f")]
