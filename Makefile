@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-gpu bench lint clean
+.PHONY: demo test test-isa test-slow test-gpu bench lint clean
 
 $(STAMP): pyproject.toml
 	@echo "setting up $(VENV) (PyTorch and this package; a few minutes the first time)"
@@ -33,6 +33,11 @@ lint: $(STAMP)
 # time of one worker with two threads).
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope
+
+# The kernel tests once under every instruction-set path this CPU has (tformer's
+# TFORMER_ISA x torch's ATEN_CPU_CAPABILITY): what another x86 host would run by default.
+test-isa: $(STAMP)
+	$(PY) tests/isa_matrix.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

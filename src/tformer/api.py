@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from tformer.decoding.constraints import Matcher
+    from tformer.decoding.sampling import ExtraSampling
     from tformer.decoding.speculative import SpeculationStats
     from tformer.loading import Checkpoint
     from tformer.registry import Family
@@ -285,6 +286,10 @@ class Model:
         stats: SpeculationStats | None = None,
         json_schema: dict[str, Any] | str | None = None,
         regex: str | None = None,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
     ) -> Iterator[str]:
         """The continuation of `prompt` (text, or token ids), as pieces of text as they are
         decoded; it stops at the model's end-of-text token (any of them, where its tokenizer
@@ -297,7 +302,11 @@ class Model:
         draft (a model of the same tokenizer) or prompt_lookup (an n-gram size): speculative
         decoding, draft_tokens at a time (tformer.decoding.speculative): the same
         distribution, the same greedy text, fewer passes of this model; `stats` counts
-        what the drafts bought."""
+        what the drafts bought.
+
+        min_p, repetition_penalty, min_tokens, ignore_eos: as vLLM's
+        (tformer.decoding.sampling.ExtraSampling), for models decoded with a KV cache,
+        without speculation."""
         if self.family.generate is None:
             raise TformerError(f"{self.label} is a {self.family.name} model; it does not "
                                f"generate text")
@@ -307,11 +316,15 @@ class Model:
         if constraint is not None and (draft is not None or prompt_lookup):
             raise TformerError("a JSON schema or regex decodes without speculation: drop "
                                "the draft or the prompt lookup")
+        from tformer.decoding.sampling import ExtraSampling
+
+        extra = self._extra(ExtraSampling(min_p, repetition_penalty, min_tokens, ignore_eos),
+                            speculative=draft is not None or bool(prompt_lookup))
         new: list[int] = []
         shown = ""
         for tokens in self._tokens(ids, max_new_tokens, temperature, top_k, top_p, generator,
                                    use_cache, draft, prompt_lookup, draft_tokens, stats,
-                                   constraint):
+                                   constraint, extra):
             new += tokens
             text = self.tokenizer.decode(new)
             # A byte-level token may end inside a character: wait for the rest of it.
@@ -327,12 +340,15 @@ class Model:
         top_p: float, generator: torch.Generator | None, use_cache: bool,
         draft: Model | None, prompt_lookup: int, draft_tokens: int,
         stats: SpeculationStats | None, constraint: Matcher | None = None,
+        extra: ExtraSampling | None = None,
     ) -> Iterator[list[int]]:
         """The new tokens, a step (or a speculative round) at a time."""
         import torch
 
         if draft is None and not prompt_lookup:
-            more = {} if constraint is None else {"constraint": constraint}
+            more: dict[str, Any] = {} if constraint is None else {"constraint": constraint}
+            if extra is not None:
+                more["extra"] = extra
             for token in self.family.generate(
                 self.module, torch.tensor([ids], device=self.device),
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -373,6 +389,23 @@ class Model:
         V = self.module.cfg.vocab_size
         return constraints.compile_grammar(self.tokenizer, spec, V).start()
 
+    def _extra(self, extra: ExtraSampling, *, speculative: bool) -> ExtraSampling | None:
+        """The settings beyond temperature, top-k and top-p, where this model's decoding
+        takes them (None: none asked)."""
+        from tformer.decoding import lm
+        from tformer.decoding.sampling import NO_EXTRA
+
+        if extra == NO_EXTRA:
+            return None
+        if self.family.generate is not lm.generate:
+            raise TformerError(f"{self.label} is a {self.family.name} model; min_p, "
+                               f"repetition_penalty, min_tokens and ignore_eos are for models "
+                               f"decoded with a KV cache")
+        if speculative:
+            raise TformerError("min_p, repetition_penalty, min_tokens and ignore_eos decode "
+                               "without speculation: drop the draft or the prompt lookup")
+        return extra
+
     def check_draft(self, draft: Model) -> None:
         """A draft model proposes this model's tokens: the same tokenizer, a language model."""
         check_draft(self.checkpoint, draft.checkpoint)
@@ -392,16 +425,22 @@ class Model:
         draft_tokens: int = DRAFT_TOKENS,
         json_schema: dict[str, Any] | str | None = None,
         regex: str | None = None,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
     ) -> str:
         """The continuation of `prompt` (the prompt itself not included). temperature 0 is
         greedy; the same seed gives the same text as `tformer generate --seed`. draft,
         prompt_lookup, draft_tokens: speculative decoding; json_schema, regex: the text
-        follows them; as in `stream`."""
+        follows them; min_p, repetition_penalty, min_tokens, ignore_eos: vLLM's; as in
+        `stream`."""
         return "".join(self.stream(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, generator=self.generator(seed), use_cache=use_cache, draft=draft,
             prompt_lookup=prompt_lookup, draft_tokens=draft_tokens, json_schema=json_schema,
-            regex=regex,
+            regex=regex, min_p=min_p, repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens, ignore_eos=ignore_eos,
         ))
 
     def score(self, text: str) -> list[tuple[str, float]]:

@@ -18,13 +18,15 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from tformer.interop.gguf import (  # noqa: E402
-    ARCHITECTURES,
     import_gguf,
     llama3_factors,
     model_from_gguf,
     read_gguf,
 )
 from tformer.interop.gguf_vocab import tokenizer_from_gguf  # noqa: E402
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
+"""Those conftest.write_tiny_gguf writes (Gemma's and Phi-3's: test_families.py)."""
 
 
 def reference(path):

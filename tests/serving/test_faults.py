@@ -38,13 +38,12 @@ def poisoned_sampling(monkeypatch):
     real = sequence.next_token
     draws: weakref.WeakKeyDictionary[torch.Generator, int] = weakref.WeakKeyDictionary()
 
-    def next_token(logits, *, temperature, top_k, top_p, generator):
+    def next_token(logits, *, generator, **options):
         if generator is not None and generator.initial_seed() == POISON_SEED:
             draws[generator] = draws.get(generator, 0) + 1  # each sequence has its own
             if draws[generator] == 3:
                 raise RuntimeError("injected fault")
-        return real(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                    generator=generator)
+        return real(logits, generator=generator, **options)
 
     monkeypatch.setattr(sequence, "next_token", next_token)
 

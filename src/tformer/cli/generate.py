@@ -26,6 +26,17 @@ def generate(
     top_p: Annotated[
         float, Help("sample from the likeliest tokens of this total probability; 1 is off")
     ] = SAMPLING.top_p,
+    min_p: Annotated[
+        float, Help("sample from the tokens at least this share as likely as the likeliest; "
+                    "0 is off")
+    ] = 0.0,
+    repetition_penalty: Annotated[
+        float, Help("divide the logits of the tokens already in the text (prompt included) "
+                    "by this, multiply where negative; 1 is off")
+    ] = 1.0,
+    min_tokens: Annotated[int, Help("no end of text before this many tokens")] = 0,
+    ignore_eos: Annotated[bool, Help("go on past the end-of-text token, to "
+                                     "--max-new-tokens")] = False,
     seed: Annotated[int, Help("random seed of the sampling")] = SAMPLING.seed,
     num_samples: Annotated[int, Help("samples from the same prompt")] = 1,
     no_cache: Annotated[bool, Help("recompute every step (slow)")] = False,
@@ -46,12 +57,15 @@ def generate(
 ) -> int:
     from tformer.api import check_generation_args, check_speculation_args, load
     from tformer.data.corpus import check_utf8
+    from tformer.decoding.sampling import ExtraSampling
     from tformer.decoding.speculative import SpeculationStats
 
     temperature = 0.0 if greedy else temperature
     check_generation_args(max_new_tokens, temperature, top_k, top_p, num_samples)
     check_utf8(prompt, "--prompt")
     check_speculation_args(draft, draft_tokens, prompt_lookup)
+    # Checked before the model loads (a bad value is a one-line error naming it).
+    ExtraSampling(min_p, repetition_penalty, min_tokens, ignore_eos)
     schema = read_schema(json_schema) if json_schema is not None else None
     model = load(checkpoint, weights=weights, device=device, threads=threads, needs="generate")
     drafter = None
@@ -83,7 +97,8 @@ def generate(
             ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, generator=generator, use_cache=not no_cache, draft=drafter,
             prompt_lookup=prompt_lookup, draft_tokens=draft_tokens, stats=stats,
-            json_schema=schema, regex=regex,
+            json_schema=schema, regex=regex, min_p=min_p,
+            repetition_penalty=repetition_penalty, min_tokens=min_tokens, ignore_eos=ignore_eos,
         ):
             pieces.append(piece)
             if not as_json:

@@ -10,6 +10,9 @@ vocabularies alike) and embeds JSON schemas in grammars, which tool calls need.
   per tokenizer. A character tokenizer's token is its character's UTF-8 bytes; special
   tokens are special. A vocabulary without an end-of-text token gets one past the model's
   (never drawn: a masked id), since the engine needs one.
+- `strict_schema`: a JSON schema made to end (no keys beyond its properties, numbers of
+  bounded digits), as every schema here is compiled; white space is none
+  (`JSON_OPTIONS`).
 - `Grammar`: one constraint compiled for one vocabulary, cached by its text
   (`compile_grammar`); `start()` gives a fresh `Matcher` for one sequence.
 - `Matcher`: where a sequence stands in its grammar; `allowed(...)` fills its row of a
@@ -77,7 +80,8 @@ class Constraint:
                 raise ConstraintError(f"the JSON schema is not JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise ConstraintError("a JSON schema is an object (or true/false)")
-        return cls("json_schema", json.dumps(schema))  # its order is the output's order
+        # Its order is the output's order.
+        return cls("json_schema", json.dumps(strict_schema(schema)))
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -106,6 +110,141 @@ class Constraint:
         if self.kind == "regex":
             return matcher.grammar_from_regex(self.source)
         return matcher.grammar_from_lark(lark_of(self.source))
+
+
+# --- JSON schemas made to end -------------------------------------------------------------
+#
+# Plain JSON Schema lets an object take any key beyond its properties and a number any
+# count of digits: a model that keeps writing digits or keys is never stopped by the mask,
+# and only max_tokens ends it. llguidance has no option that bounds either (its options
+# are separators and white space), but it compiles `additionalProperties`, `minimum`,
+# `maximum` and `multipleOf` exactly, into finite patterns: so the schema is rewritten
+# into these keywords before it is compiled (what OpenAI's strict mode and xgrammar's
+# default do in their own ways).
+
+INTEGER_LIMIT = 10**18 - 1
+"""An integer is within +-INTEGER_LIMIT: at most 18 digits, which an int64 holds."""
+NUMBER_LIMIT = 10**15
+"""A number is within +-NUMBER_LIMIT: at most 16 digits before the point."""
+NUMBER_STEP = 1e-10
+"""...and a multiple of NUMBER_STEP: at most 10 digits after it (no exponent, since a
+range is written in plain decimals). llguidance reads multipleOf as a float64, and 1e-11
+has too many digits there."""
+ANY_VALUE = "tformer_any_value"
+"""The $defs entry of a JSON value whose numbers are bounded as above."""
+_ANY_REF = {"$ref": f"#/$defs/{ANY_VALUE}"}
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$schema", "$id"}
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
+
+
+def any_value() -> dict[str, Any]:
+    """Any JSON value, its numbers bounded as `strict_schema` bounds them."""
+    return {"anyOf": [
+        {"type": "null"}, {"type": "boolean"}, _bounded_number({"type": "number"}),
+        {"type": "string"}, {"type": "array", "items": dict(_ANY_REF)},
+        {"type": "object", "additionalProperties": dict(_ANY_REF)}]}
+
+
+def strict_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
+    """The schema rewritten so that text following it ends (a new schema; the given one is
+    left as it is). Where it differs from plain JSON Schema:
+
+    - an object that lists `properties` takes no other key unless it says
+      `additionalProperties: true` or gives it a schema; required keys are required,
+      optional ones may be left out, and each comes at most once, in the listed order.
+      An object that lists no properties (`{"type": "object"}`, JSON mode) takes any key;
+    - an integer has at most 18 digits (INTEGER_LIMIT); a number at most 16 before the
+      point and 10 after it, with no exponent (NUMBER_LIMIT, NUMBER_STEP), unless the
+      schema sets its own minimum, maximum or multipleOf, which are kept where tighter;
+    - a value of any type (`{}`, `true`, an array without `items`, an open object's
+      values) has its numbers bounded so too.
+
+    Objects combined with allOf, or with sibling properties beside anyOf/oneOf, stay open:
+    closing each part would refuse the keys the other parts give.
+    """
+    used: list[bool] = []
+    out = _strict(schema, open_object=False, used=used)
+    if used:
+        out = dict(out) if isinstance(out, dict) else {}
+        out["$defs"] = {**out.get("$defs", {}), ANY_VALUE: any_value()}
+    return out
+
+
+def _strict(node: Any, *, open_object: bool, used: list[bool]) -> Any:
+    """One schema node rewritten; `open_object`: a part of a combination, whose keys the
+    other parts may give. `used` gets an entry when the any-value definition is needed."""
+    if node is True or (isinstance(node, dict) and set(node) <= _ANNOTATIONS):
+        used.append(True)
+        return dict(_ANY_REF)
+    if not isinstance(node, dict):
+        return node
+    node = dict(node)
+
+    def each(schemas: Any) -> Any:
+        if isinstance(schemas, dict):
+            return {k: _strict(v, open_object=False, used=used) for k, v in schemas.items()}
+        if isinstance(schemas, list):
+            return [_strict(v, open_object=False, used=used) for v in schemas]
+        return schemas
+
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(node.get(key), dict):
+            node[key] = each(node[key])
+    for key in ("items", "prefixItems", "additionalProperties"):
+        if key in node and node[key] is not False:
+            value = node[key]
+            node[key] = each(value) if isinstance(value, list) else _strict(
+                value, open_object=False, used=used)
+    combined = any(key in node for key in _COMBINATORS)
+    has_properties = "properties" in node or "patternProperties" in node
+    for key in _COMBINATORS:
+        if isinstance(node.get(key), list):
+            # allOf's parts each give some of the keys; anyOf's and oneOf's parts do where
+            # this node lists properties of its own.
+            keep_open = (key == "allOf" and len(node[key]) > 1) or has_properties
+            node[key] = [_strict(v, open_object=keep_open, used=used) for v in node[key]]
+
+    types = node.get("type")
+    types = {types} if isinstance(types, str) else set(types or ())
+    if ("object" in types or has_properties) and "additionalProperties" not in node:
+        if not has_properties:
+            used.append(True)
+            node["additionalProperties"] = dict(_ANY_REF)
+        elif not (open_object or combined):
+            node["additionalProperties"] = False
+    if "array" in types and "items" not in node and "prefixItems" not in node:
+        used.append(True)
+        node["items"] = dict(_ANY_REF)
+    if types & {"number", "integer"}:
+        node = _bounded_number(node)
+    return node
+
+
+def _bounded_number(node: dict[str, Any]) -> dict[str, Any]:
+    """A number or integer schema with its range (and a number's step) bounded, the
+    schema's own bounds kept where tighter. Left as it is where its values are listed
+    (enum, const: bounding them could refuse them all), where its bounds are not numbers
+    (the engine says why), or where they lie beyond ours (what it asks cannot be bounded)."""
+    if "enum" in node or "const" in node:
+        return node
+    types = node["type"]
+    integer_only = "number" not in ({types} if isinstance(types, str) else set(types))
+    limit = INTEGER_LIMIT if integer_only else NUMBER_LIMIT
+    bounds = {key: node[key] for key in ("minimum", "exclusiveMinimum", "maximum",
+                                         "exclusiveMaximum") if key in node}
+    if not all(isinstance(v, int | float) and not isinstance(v, bool)
+               for v in bounds.values()):
+        return node
+    low = max([-limit] + [bounds[k] for k in ("minimum", "exclusiveMinimum") if k in bounds])
+    high = min([limit] + [bounds[k] for k in ("maximum", "exclusiveMaximum") if k in bounds])
+    if low > high:
+        return node
+    node = {**node, "minimum": max(bounds.get("minimum", -limit), -limit),
+            "maximum": min(bounds.get("maximum", limit), limit)}
+    if not integer_only and "multipleOf" not in node:
+        node["multipleOf"] = NUMBER_STEP
+    return node
 
 
 def lark_of(grammar: str) -> str:

@@ -20,7 +20,13 @@ from torch import Tensor, nn
 
 from tformer.decoding.constraints import Matcher, mask_logits
 from tformer.decoding.runner import runner
-from tformer.decoding.sampling import next_token
+from tformer.decoding.sampling import (
+    NO_EXTRA,
+    ExtraSampling,
+    hold_back,
+    next_token,
+    penalize_repetition,
+)
 
 EosIds = int | Sequence[int] | None
 """The ids that end a text: none, one, or several (Llama 3 ends one at <|end_of_text|>, at
@@ -73,6 +79,7 @@ def generate(
     use_cache: bool = True,
     eos_id: EosIds = None,
     constraint: Matcher | None = None,
+    extra: ExtraSampling = NO_EXTRA,
 ) -> Iterator[Tensor]:
     """Yield (B,) new tokens, one step at a time, after a (B, T) prompt.
 
@@ -83,6 +90,8 @@ def generate(
     or several), stops once every row has produced one of them (finished rows repeat the
     first). constraint (one row): the tokens it disallows are masked before each draw, and
     the text ends where the constrained text is complete (tformer.decoding.constraints).
+    extra: min-p, the repetition penalty over each row's prompt and text (its padding
+    left out), min_tokens (the eos ids held back) and ignore_eos (no row ends at them).
     """
     if constraint is not None and prompt.shape[0] != 1:
         raise ValueError("a constraint decodes one row")
@@ -92,11 +101,12 @@ def generate(
     padded = is_real is not None
     tokens = prompt
     real = is_real if padded else None
-    finished = Finished(eos_id, B, prompt.device)
+    ends = stop_ids(eos_id)
+    finished = Finished(None if extra.ignore_eos else eos_id, B, prompt.device)
 
     cache = None
     fresh = True  # the next forward pass reads the whole window
-    for _ in range(max_new_tokens):
+    for step_index in range(max_new_tokens):
         if use_cache and cache is not None and cache.length + 1 > cache.max_len:
             fresh = True
         if fresh or not use_cache:
@@ -112,10 +122,18 @@ def generate(
             logits = model(tokens[:, -1:], real[:, -1:] if padded else None, cache=cache,
                            last_only=True)
         step = logits[:, -1]
+        if extra.repetition_penalty != 1.0:
+            # Each row's tokens so far, counted where real: a padding id is not text.
+            weight = real.float() if padded else torch.ones_like(tokens, dtype=torch.float)
+            seen = torch.zeros(step.shape, device=step.device).scatter_add_(1, tokens, weight)
+            step = penalize_repetition(step.float(), seen > 0, extra.repetition_penalty)
         if constraint is not None:
             step = mask_logits(step.float().clone(), [constraint])
+        if step_index < extra.min_tokens:
+            step = hold_back(step, ends)
         token = next_token(
-            step, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+            step, temperature=temperature, top_k=top_k, top_p=top_p, min_p=extra.min_p,
+            generator=generator,
         )
         token = finished.update(token)
         if constraint is not None:

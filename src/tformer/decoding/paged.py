@@ -16,7 +16,8 @@ blocks instead of reading them again (a chat's earlier turns, the n choices of o
 Only full blocks are shared, and a text writes only after its last position, so a shared
 block is never written; a rollback into one (speculation) first takes a private copy.
 
-A model with a sliding window (Mistral) never attends again to the blocks wholly behind it:
+A model whose every layer slides a window (Mistral; not Gemma's, whose global layers read
+everything) never attends again to the blocks wholly behind it:
 they go back to the pool as the text moves on, and the block table holds block 0 in their
 place, whose zeros the window's mask hides. A text then holds about window / block_size
 blocks however long it grows.
@@ -153,7 +154,7 @@ class PagedPool:
             raise ValueError(f"a paged pool needs at least 2 blocks, not {blocks}")
         self.model = model = runner(model)
         self.context = model.cfg.context
-        self.window: int | None = getattr(model.cfg, "window", None)
+        self.window: int | None = getattr(model.cfg, "cache_window", None)
         self.block_size = block_size
         probe = model.make_cache(1, 1).self_attn
         self.k = [layer.k.new_empty(blocks, layer.k.shape[1], block_size, layer.k.shape[3])

@@ -17,10 +17,12 @@ from tformer.loading import config_of, read_config_json, resolve_checkpoint, tok
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
     """model_type -> importer(src, dest). Imported lazily: each may need an extra."""
-    from tformer.interop import gpt2, llama, marian
+    from tformer.interop import gemma, gpt2, llama, marian, phi3
 
-    found = {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian}
-    return found | dict.fromkeys(llama.MODEL_TYPES, llama.import_llama)
+    found = {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian,
+             "phi3": phi3.import_phi3}
+    return (found | dict.fromkeys(llama.MODEL_TYPES, llama.import_llama)
+            | dict.fromkeys(gemma.MODEL_TYPES, gemma.import_gemma))
 
 
 def import_checkpoint(src: str | Path, dest: str | Path) -> Path:
@@ -68,6 +70,12 @@ EXPORTERS: dict[str, Exporter] = {
                       "Llama, Qwen2, Qwen3 or Mistral, whichever the config is exactly",
                       fits="tformer.interop.llama:exported_family",
                       tokenizers=BYTE_LEVEL_BPE),
+    "gemma": Exporter("tformer.interop.gemma:export_gemma",
+                      "Gemma2ForCausalLM or Gemma3ForCausalLM (text), whichever the config is",
+                      fits="tformer.interop.gemma:exported_family", tokenizers=BYTE_LEVEL_BPE),
+    "phi3": Exporter("tformer.interop.phi3:export_phi3",
+                     "Phi3ForCausalLM (Phi-3, Phi-4): fused q/k/v and gate/up projections",
+                     fits="tformer.interop.phi3:exported_family", tokenizers=BYTE_LEVEL_BPE),
     "tformer": Exporter("tformer.training.checkpoint:ship_checkpoint",
                         "this library's checkpoint as a model is shipped: config, weights, "
                         "tokenizer, without the trainer state only --resume needs"),
@@ -137,7 +145,8 @@ def export_checkpoint(checkpoint: str | Path, dest: str | Path,
 def import_command(
     source: Annotated[
         str, Help("directory with config.json and the weights (GPT-2, Marian, Llama, Qwen2, "
-                  "Qwen3, Mistral), a .gguf file (llama, qwen2, qwen3, gpt2), or a PEFT LoRA "
+                  "Qwen3, Mistral, Gemma 2, Gemma 3 (its text model), Phi-3/Phi-4), a .gguf "
+                  "file (llama, qwen2, qwen3, gpt2, gemma2, gemma3, phi3), or a PEFT LoRA "
                   "adapter directory (with --base)")
     ],
     *,

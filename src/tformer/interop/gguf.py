@@ -32,7 +32,10 @@ from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3", "phi3")
+GEMMA = ("gemma2", "gemma3")
+"""llama.cpp's converter stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the
+weight itself); they come back as Gemma's offsets from 1."""
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 """The tensor types read; every one is dequantized to fp32 unless kept (see `kept_types`)."""
 LLAMA_LINEARS = {  # our linear layers -> the file's tensors they are made of, in order
@@ -52,6 +55,18 @@ LLAMA_BLOCK = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+GEMMA_BLOCK = LLAMA_BLOCK | {  # Gemma's sandwich: a norm after each sublayer too
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+PHI3_BLOCK = {  # fused projections, split by interop.phi3
+    "attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj",
+}
+PHI3_LINEARS = {"attn.qkv_proj": ("attn_qkv",), "attn.out_proj": ("attn_output",),
+                "ff.down": ("ffn_down",)}
+"""Phi-3's ffn_up holds gate and up: those two are dequantized, the others kept as blocks."""
 GPT2_NAMES = {
     "token_embd": "wte", "position_embd": "wpe", "output_norm": "ln_f", "output": "lm_head",
 }
@@ -201,8 +216,9 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
             raise TformerError(f"{file.path}: a different number of key/value heads per layer "
                                f"({sorted(set(kv_heads))}) cannot be expressed")
         kv_heads = kv_heads[0]
-    head_dim = file.get("attention.key_length") or file.get("rope.dimension_count") \
-        or d_model // n_head
+    # Phi-3's rotary dimensions are part of its head (Phi-4-mini's three quarters)
+    rotated_dims = None if arch == "phi3" else file.get("rope.dimension_count")
+    head_dim = file.get("attention.key_length") or rotated_dims or d_model // n_head
     if file.get("attention.value_length", head_dim) != head_dim:
         raise TformerError(f"{file.path}: value heads of another size than key heads cannot be "
                            f"expressed")
@@ -223,9 +239,50 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
     hf["rope_scaling"] = _rope_scaling(file, hf)
     if arch == "llama" and "blk.0.attn_output.bias" in file.tensors:
         hf["attention_bias"] = True
+    if arch in GEMMA:
+        hf |= _gemma_config(file, hf)
+    if arch == "phi3":
+        if "rope_factors_long.weight" in file.tensors:
+            raise TformerError(f"{file.path}: LongRoPE (rope_factors_long) cannot be expressed")
+        hf["sliding_window"] = file.get("attention.sliding_window")
     if file.get("expert_count"):
         raise TformerError(f"{file.path}: mixture-of-experts layers cannot be expressed")
     return hf
+
+
+def _gemma_config(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a Gemma 2 / Gemma 3 text config.json the file gives: its window, where
+    the global layers are (llama.cpp's rule, every second for Gemma 2 and every sixth for
+    Gemma 3, unless sliding_window_pattern says), soft caps, the sliding layers' rotary base
+    and the query scale: attention.scale where the file has it, else llama.cpp's rule,
+    1 / sqrt(d_model / n_head) for the 27B models (known by their layer count, 46 and 62:
+    their query_pre_attn_scalar is not their head size) and 1 / sqrt(head_dim) for the
+    others."""
+    from tformer.interop import gemma
+
+    gemma3 = file.architecture == "gemma3"
+    every = int(file.get("attention.sliding_window_pattern") or (6 if gemma3 else 2))
+    n_layer, head = hf["num_hidden_layers"], hf["head_dim"]
+    scale = file.get("attention.scale")
+    if scale is None and n_layer == (62 if gemma3 else 46):
+        scale = (hf["hidden_size"] / hf["num_attention_heads"]) ** -0.5
+    fields: dict[str, Any] = {
+        "model_type": "gemma3_text" if gemma3 else "gemma2",
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_act": None,
+        "sliding_window": file.get("attention.sliding_window"),
+        "layer_types": ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                        for i in range(n_layer)],
+        "attn_logit_softcapping": file.get("attn_logit_softcapping"),
+        "final_logit_softcapping": file.get("final_logit_softcapping"),
+        "query_pre_attn_scalar": head if scale is None else gemma.query_scalar(float(scale)),
+    }
+    if gemma3:
+        full = {"rope_type": "default", "rope_theta": hf["rope_theta"]}
+        full |= hf.get("rope_scaling") or {}
+        fields["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+            "rope_type": "default",
+            "rope_theta": float(file.get("rope.freq_base_swa", 10000.0))}}
+    return fields
 
 
 def _rope_scaling(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any] | None:
@@ -299,8 +356,10 @@ def unpermute(rows: Tensor, n_head: int) -> Tensor:
 
 def hf_names(file: GGUFFile, n_layer: int) -> dict[str, str]:
     """llama.cpp's tensor names -> Hugging Face's, for every name the layout has."""
-    top, block = (GPT2_NAMES, GPT2_BLOCK) if file.architecture == "gpt2" else \
-        (LLAMA_NAMES, LLAMA_BLOCK)
+    blocks = {"gpt2": GPT2_BLOCK, "gemma2": GEMMA_BLOCK, "gemma3": GEMMA_BLOCK,
+              "phi3": PHI3_BLOCK}
+    block = blocks.get(file.architecture, LLAMA_BLOCK)
+    top = GPT2_NAMES if file.architecture == "gpt2" else LLAMA_NAMES
     prefix = "transformer." if file.architecture == "gpt2" else ""
     names = {}
     for ours, theirs in top.items():
@@ -325,9 +384,11 @@ class Deferred:
     """Query or key rows of a llama file: put back from pairs order, over this many heads."""
     transpose: bool = False
     """A GPT-2 matrix: back to Conv1D's (in, out)."""
+    offset: float = 0.0
+    """Subtracted from every value: 1 from a Gemma norm's weight (GEMMA)."""
 
     def float(self) -> Tensor:
-        value = self.tensor.dequantize()
+        value = self.tensor.dequantize() - self.offset
         if self.heads is not None:
             value = unpermute(value, self.heads)
         return value.t().contiguous() if self.transpose else value
@@ -353,7 +414,8 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
                 hf["num_key_value_heads"]
         transpose = arch == "gpt2" and name.startswith("blk.") and name.endswith(".weight") \
             and len(tensor.shape) == 2
-        weights[names[name]] = Deferred(tensor, heads, transpose)
+        offset = 1.0 if arch in GEMMA and name.endswith("norm.weight") else 0.0
+        weights[names[name]] = Deferred(tensor, heads, transpose, offset)
     return weights
 
 
@@ -367,7 +429,7 @@ def kept_types() -> dict[int, str]:
 
 def linear_sources(file: GGUFFile, cfg: Any) -> dict[str, tuple[str, ...]]:
     """Our linear layers' weights -> the file's tensors stacked into each (in row order)."""
-    table = GPT2_LINEARS if file.architecture == "gpt2" else LLAMA_LINEARS
+    table = {"gpt2": GPT2_LINEARS, "phi3": PHI3_LINEARS}.get(file.architecture, LLAMA_LINEARS)
     sources = {f"blocks.{i}.{ours}.weight": tuple(f"blk.{i}.{t}.weight" for t in theirs)
                for i in range(cfg.n_layer) for ours, theirs in table.items()}
     if not cfg.tie_embeddings:
@@ -409,10 +471,12 @@ def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
 
 def model_from_gguf(file: GGUFFile):
     """A GPT holding the file's weights in fp32, and the config.json it was built from."""
-    from tformer.interop import gpt2, llama
+    from tformer.interop import gemma, gpt2, llama, phi3
 
     hf = hf_config(file)
-    build = gpt2.gpt_from_hf if file.architecture == "gpt2" else llama.llama_from_hf
+    builders = {"gpt2": gpt2.gpt_from_hf, "gemma2": gemma.gemma_from_hf,
+                "gemma3": gemma.gemma_from_hf, "phi3": phi3.phi3_from_hf}
+    build = builders.get(file.architecture, llama.llama_from_hf)
     return build(hf, hf_weights(file, hf), file.path), hf
 
 

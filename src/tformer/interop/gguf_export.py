@@ -1,5 +1,7 @@
 """A tformer GPT checkpoint out as a GGUF file that llama.cpp, Ollama and LM Studio run:
-`llama` (or `qwen2`, `qwen3`) for the Llama layout, `gpt2` for GPT-2's; a LoRA run with its
+`llama` (or `qwen2`, `qwen3`) for the Llama layout, `gpt2` for GPT-2's, `gemma2`, `gemma3`
+and `phi3` for theirs (Gemma's norm weights plus 1, as llama.cpp's converter writes them);
+a LoRA run with its
 adapters merged; the tokenizer, special ids and chat template in the metadata.
 
 The tensors go the way tformer.interop.gguf brings them in, reversed: Hugging Face's names
@@ -22,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tformer.errors import TformerError
-from tformer.interop.gguf import hf_names, llama3_factors, require_gguf
+from tformer.interop.gguf import GEMMA, hf_names, llama3_factors, require_gguf
 from tformer.kernels import blocks
 
 log = logging.getLogger(__name__)
@@ -41,18 +43,30 @@ def permute(rows: Tensor, n_head: int) -> Tensor:
 
 def _layout(cfg: Any) -> str:
     """The GGUF architecture `cfg` is exactly; an error naming every difference if none."""
-    from tformer.interop import gpt2, llama
+    from tformer.interop import gemma, gpt2, llama, phi3
 
     try:
         model_type = llama.model_type_of(cfg)
     except TformerError as llama_error:
-        try:
-            gpt2.gpt2_config(cfg)
-        except TformerError as gpt2_error:
-            raise TformerError(f"no GGUF architecture expresses this model: {llama_error}; "
-                               f"{gpt2_error}") from None
-        return "gpt2"
+        others = {"gpt2": gpt2.gpt2_config, "gemma": gemma.model_type_of,
+                  "phi3": phi3.check_layout}
+        errors = [str(llama_error)]
+        for name, check in others.items():
+            try:
+                found = check(cfg)
+            except TformerError as e:
+                errors.append(str(e))
+                continue
+            # llama.cpp names Gemma 3's text model gemma3
+            return {"gpt2": "gpt2", "phi3": "phi3"}.get(name) or found.removesuffix("_text")
+        raise TformerError("no GGUF architecture expresses this model: "
+                           + "; ".join(errors)) from None
     if model_type == "mistral":
+        try:  # Phi-3's architecture has a window (Phi-3-mini-4k's)
+            phi3.check_layout(cfg)
+            return "phi3"
+        except TformerError:
+            pass
         raise TformerError(f"GGUF's llama architecture has no sliding window (model.window = "
                            f"{cfg.window})")
     if model_type == "llama" and cfg.attention_bias:
@@ -86,12 +100,40 @@ def _metadata(arch: str, cfg: Any) -> dict[str, Any]:
     }
     if cfg.rope_scaling == "linear":
         keys |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(cfg.rope_factor)}
+    if arch == "phi3":  # its rotary dimensions are part of a head
+        keys["rope.dimension_count"] = 2 * int(cfg.head_size * cfg.rope_fraction // 2)
+    if cfg.window is not None:
+        keys["attention.sliding_window"] = cfg.window
+    if arch in GEMMA:
+        keys |= _gemma_metadata(arch, cfg)
+    return keys
+
+
+def _gemma_metadata(arch: str, cfg: Any) -> dict[str, Any]:
+    """Gemma's keys: the soft caps, the sliding layers' pattern and rotary base, and the
+    query scale where it is not 1 / sqrt(head_dim) (which llama.cpp assumes otherwise)."""
+    keys: dict[str, Any] = {}
+    if cfg.attn_softcap is not None:
+        keys["attn_logit_softcapping"] = float(cfg.attn_softcap)
+    if cfg.logit_softcap is not None:
+        keys["final_logit_softcapping"] = float(cfg.logit_softcap)
+    if cfg.window is None:  # no layer slides: a window as long as the context
+        keys["attention.sliding_window"] = cfg.context
+    every = cfg.global_every if cfg.window is not None else 1
+    if every != (6 if arch == "gemma3" else 2):
+        if every == 0:  # every layer slides: a period longer than the stack
+            every = cfg.n_layer + 1
+        keys["attention.sliding_window_pattern"] = every
+    if cfg.rope_local_theta is not None:
+        keys["rope.freq_base_swa"] = float(cfg.rope_local_theta)
+    if cfg.attn_scale is not None:
+        keys["attention.scale"] = float(cfg.attn_scale)
     return keys
 
 
 def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
     """The model's tensors under llama.cpp's names, in the layout a GGUF file has them."""
-    from tformer.interop import gpt2, llama
+    from tformer.interop import gemma, gpt2, llama, phi3
 
     cfg = model.cfg
     if arch == "gpt2":
@@ -99,7 +141,9 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
         hf = {("" if theirs == "lm_head.weight" else "transformer.") + theirs: state[ours]
               for ours, theirs in gpt2._names(cfg.n_layer, cfg.tie_embeddings).items()}
     else:
-        hf = llama.hf_weights(model)
+        exporters = {"gemma2": gemma.hf_weights, "gemma3": gemma.hf_weights,
+                     "phi3": phi3.hf_weights}
+        hf = exporters.get(arch, llama.hf_weights)(model)
     back = {theirs: ours for ours, theirs in hf_names_for(arch, cfg.n_layer).items()}
     tensors = {}
     for name, value in hf.items():
@@ -107,6 +151,8 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
         value = value.detach().cpu()
         if value.dtype != torch.uint8:  # uint8: blocks, written as they are
             value = value.float()
+        if arch in GEMMA and ours.endswith("norm.weight"):
+            value = value + 1.0  # llama.cpp's RMSNorm multiplies by the weight itself
         if arch == "llama" and (".attn_q." in ours or ".attn_k." in ours):
             value = permute(value, cfg.n_head if ".attn_q." in ours else
                             cfg.n_kv_head or cfg.n_head)

@@ -210,7 +210,8 @@ def gpt2_config(cfg: GPTConfig) -> dict[str, Any]:
         "position": "learned", "norm": "pre", "final_norm": True, "bias": True,
         "output_bias": False, "scale_embeddings": False, "embed_norm": False,
         "norm_kind": "layernorm", "norm_eps": 1e-5, "feedforward": "plain", "rotary": False,
-        "qk_norm": False, "window": None,
+        "qk_norm": False, "window": None, "sandwich_norm": False, "attn_scale": None,
+        "attn_softcap": None, "logit_softcap": None,
     }
     for key, value in wanted.items():
         if getattr(cfg, key) != value:

@@ -142,13 +142,20 @@ def llama_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path |
     saved, or its state_dict()). `source` names it in errors."""
     source = Path(source)
     cfg = llama_config(hf, source)
+    return build_gpt(cfg, _names(cfg), weights, source)
+
+
+def build_gpt(cfg: GPTConfig, names: dict[str, str | tuple[str, ...]],
+              weights: dict[str, Tensor], source: Path) -> GPT:
+    """A GPT of `cfg` holding `weights` (Hugging Face's names), placed by `names` (ours ->
+    theirs, several of theirs stacked into one of ours); a tensor left over is an error."""
     weights = dict(weights)
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight", None)  # state_dict() lists the tied copy too
     for name in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
         del weights[name]  # a buffer older versions saved
     state = {}
-    for ours, theirs in _names(cfg).items():
+    for ours, theirs in names.items():
         parts = (theirs,) if isinstance(theirs, str) else theirs
         state[ours] = torch.cat([take(weights, p, source).float() for p in parts])
     if weights:
@@ -197,10 +204,16 @@ def read_tokenizer(src: Path, hf: dict[str, Any]) -> PretrainedBPETokenizer:
 
 def import_llama(src: Path, dest: Path) -> Path:
     """A local Llama / Qwen2 / Qwen3 / Mistral directory -> a tformer GPT checkpoint."""
+    return import_hf_gpt(src, dest, llama_from_hf)
+
+
+def import_hf_gpt(src: Path, dest: Path, build: Any) -> Path:
+    """A local Hugging Face directory -> a tformer GPT checkpoint, the model made by
+    build(config.json, weights, src)."""
     from tformer.training.checkpoint import save_checkpoint
 
     hf = read_hf_config(src)
-    model = llama_from_hf(hf, read_hf_weights(src), src)
+    model = build(hf, read_hf_weights(src), src)
     tokenizer = read_tokenizer(src, hf)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise TformerError(f"{src}: the tokenizer has {tokenizer.vocab_size} tokens, the model "
@@ -224,7 +237,9 @@ def model_type_of(cfg: GPTConfig) -> str:
     wanted = {"position": "none", "rotary": True, "norm": "pre", "norm_kind": "rmsnorm",
               "feedforward": "gated", "activation": "silu", "bias": False, "final_norm": True,
               "output_bias": False, "scale_embeddings": False, "embed_norm": False,
-              "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None}
+              "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None,
+              "sandwich_norm": False, "attn_scale": None, "attn_softcap": None,
+              "logit_softcap": None}
     differ = [f"model.{key} = {getattr(cfg, key)!r} (Llama: {value!r})"
               for key, value in wanted.items() if getattr(cfg, key) != value]
     if cfg.qk_norm:
@@ -237,6 +252,9 @@ def model_type_of(cfg: GPTConfig) -> str:
         model_type = "llama"
     if model_type != "llama" and cfg.attention_bias:
         differ.append(f"model.attn_bias = true ({model_type}: no bias on o_proj)")
+    if cfg.window is not None and cfg.global_every:
+        differ.append(f"model.global_every = {cfg.global_every} ({model_type}: every layer "
+                      f"slides or none)")
     if model_type in ("qwen3", "qwen2") and cfg.window is not None:
         differ.append(f"model.window = {cfg.window} ({model_type} with q/k norms or biases "
                       f"has no window here)")
@@ -289,11 +307,17 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
 
 def hf_weights(model: GPT) -> dict[str, Tensor]:
     """The model's tensors under their Hugging Face names, the fused q/k/v split apart."""
-    cfg, state = model.cfg, model.state_dict()
+    return hf_tensors(model, _names(model.cfg))
+
+
+def hf_tensors(model: GPT, names: dict[str, str | tuple[str, ...]]) -> dict[str, Tensor]:
+    """The model's tensors under the names `names` gives (ours -> theirs), a tensor of
+    ours that stacks several of theirs (the q/k/v projections) split apart."""
+    state = model.state_dict()
     attn = model.blocks[0].attn
     q, k, v = attn.widths
     tensors: dict[str, Tensor] = {}
-    for ours, theirs in _names(cfg).items():
+    for ours, theirs in names.items():
         tensor = state[ours]
         if isinstance(theirs, str):
             tensors[theirs] = tensor.contiguous().clone()
@@ -306,14 +330,20 @@ def hf_weights(model: GPT) -> dict[str, Tensor]:
 def export_llama(checkpoint: Path, dest: Path) -> Path:
     """A tformer GPT checkpoint of a Llama layout -> a directory its Hugging Face family's
     from_pretrained and AutoTokenizer.from_pretrained load."""
+    from tformer.loading import load_checkpoint
+
+    loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
+    return write_hf_gpt(loaded, hf_config(loaded.model.cfg), hf_weights(loaded.model), dest)
+
+
+def write_hf_gpt(loaded: Any, hf: dict[str, Any], weights: dict[str, Tensor],
+                 dest: Path) -> Path:
+    """A loaded checkpoint (tformer.loading) -> a Hugging Face directory at `dest` with
+    config.json `hf` and `weights`, its tokenizer, chat template and generation config."""
     import shutil
 
     from safetensors.torch import save_file
 
-    from tformer.loading import load_checkpoint
-
-    loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
-    hf = hf_config(loaded.model.cfg)
     tokenizer = loaded.tokenizer
     if getattr(tokenizer, "tok", None) is None:
         raise TformerError(f"a Hugging Face tokenizer.json needs a BPE tokenizer; this "
@@ -327,7 +357,7 @@ def export_llama(checkpoint: Path, dest: Path) -> Path:
     specials = {f"{k}_token": v for k, v in names.items() if v is not None}
     ids = export_token_ids(tokenizer, names)
     hf |= ids
-    save_file(hf_weights(loaded.model), tmp / "model.safetensors", metadata={"format": "pt"})
+    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "tokenizer.json").write_text(with_bos_template(tokenizer), encoding="utf-8")
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
                         "model_max_length": hf["max_position_embeddings"], **specials}

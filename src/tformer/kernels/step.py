@@ -236,7 +236,10 @@ class LMStep:
         if _library() is None:
             return None
         made = [cls._layer(block) for block in blocks]
-        if None in made:
+        # One rotary table serves every layer's step (`run`), and one mask: layers that
+        # rotate by other bases, or slide while others do not, run as modules.
+        if None in made or len({id(b.attn.rotary) for b in blocks}) > 1 or len(
+                {getattr(b, "slides", True) for b in blocks}) > 1:
             return None
         return cls(blocks, [m.struct for m in made], min(m.max_rows for m in made),
                    [t for m in made for t in m.tensors])
@@ -260,11 +263,16 @@ class LMStep:
         if (None in linears or None in norms or None in head_norms or activation is None
                 or len(pre) != 1):
             return None
+        # What step.c does not compute: soft-capped scores, a norm on a sublayer's output.
+        if attn.softcap is not None or any(getattr(r, "out_norm", None) is not None
+                                           for r in (block.attn_residual, block.ff_residual)):
+            return None
         rotary = attn.rotary
+        scale = attn.d_head**-0.5 if attn.scale is None else attn.scale
         struct = LMLayer(*(b.struct for b in linears), *norms, *head_norms, attn.n_head,
                          attn.n_kv_head, attn.d_head, attn.d_value,
                          0 if rotary is None else rotary.rotated,
-                         int(rotary is not None and rotary.interleaved), attn.d_head**-0.5,
+                         int(rotary is not None and rotary.interleaved), scale,
                          int(pre.pop()), activation)
         return _BoundLayer.of(struct, block, linears)
 

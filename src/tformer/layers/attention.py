@@ -54,6 +54,8 @@ class MultiHeadAttention(nn.Module):
     bias: on the q/k/v projections; out_bias: on the output projection (default: `bias`).
     qk_norm: a norm over d_head for each query and key head (Qwen3), made by this factory.
     rotary: rotary position embeddings applied to queries and keys (Su et al. 2021).
+    scale: the factor on q . k (None: 1 / sqrt(d_head)); softcap: scores bounded by
+        softcap * tanh(s / softcap) before the softmax (Gemma 2), or None.
 
     `recorded`: None normally. Set to a list (tformer.viz.attention.recording_attention
     does), every forward pass appends its (B, H, T, S) attention probabilities to it.
@@ -73,8 +75,11 @@ class MultiHeadAttention(nn.Module):
         cross: bool = False,
         qk_norm: Callable[[int], nn.Module] | None = None,
         rotary: Rotary | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
+        self.scale, self.softcap = scale, softcap
         self.n_head = n_head
         self.n_kv_head = n_kv_head or n_head
         if n_head % self.n_kv_head != 0:
@@ -171,7 +176,8 @@ class MultiHeadAttention(nn.Module):
     def is_plain(self) -> bool:
         """Whether attention is exactly softmax(q k^T / sqrt(d_head) + mask) v, with nothing
         dropped or recorded: what a kernel computing the same may stand in for."""
-        return not self.training and self.recorded is None
+        return (not self.training and self.recorded is None and self.scale is None
+                and self.softcap is None)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool = False
@@ -180,6 +186,7 @@ class MultiHeadAttention(nn.Module):
         return scaled_dot_product(
             q, k, v, mask, is_causal and mask is None,
             dropout_p=self.dropout if self.training else 0.0, recorded=self.recorded,
+            scale=self.scale, softcap=self.softcap,
         )
 
     def attend_shared(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:

@@ -1,5 +1,6 @@
-"""The norms a config may name: `layernorm` (Ba et al. 2016) and `rmsnorm` (Zhang & Sennrich
-2019, the norm of Llama, Qwen and Mistral)."""
+"""The norms a config may name: `layernorm` (Ba et al. 2016), `rmsnorm` (Zhang & Sennrich
+2019, the norm of Llama, Qwen and Mistral) and `rmsnorm_plus1` (RMSNorm whose weight is
+stored as its difference from 1: Gemma's)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,29 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class OffsetRMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * (1 + weight), in float32 whatever x's dtype.
+
+    The same function as RMSNorm, with the weight stored as its offset from 1, so that a
+    weight decayed towards zero leaves the norm a plain RMS normalisation (Gemma's code);
+    its checkpoints hold the offsets, which is why it is a kind of its own rather than a
+    conversion at import. The scale multiplies before the cast back, as Gemma's code does.
+    """
+
+    rms: ClassVar[bool] = False
+    """kernels/step.py's RMSNorm multiplies by the weight itself: it must not take this."""
+
+    def __init__(self, d: int, *, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def layer_norm(d: int, *, eps: float, bias: bool) -> nn.Module:
     return nn.LayerNorm(d, eps=eps, bias=bias)
 
@@ -47,7 +71,12 @@ def rms_norm(d: int, *, eps: float, bias: bool) -> nn.Module:
 
 
 NormFactory = Callable[..., nn.Module]
-NORMS: dict[str, NormFactory] = {"layernorm": layer_norm, "rmsnorm": rms_norm}
+def offset_rms_norm(d: int, *, eps: float, bias: bool) -> nn.Module:
+    return OffsetRMSNorm(d, eps=eps)
+
+
+NORMS: dict[str, NormFactory] = {"layernorm": layer_norm, "rmsnorm": rms_norm,
+                                 "rmsnorm_plus1": offset_rms_norm}
 """(d, *, eps, bias) -> the norm over d features."""
 
 

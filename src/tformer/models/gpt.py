@@ -1,5 +1,6 @@
 """GPT: a decoder-only Transformer language model (Radford et al. 2018, 2019), and the
-layouts that grew from it (Llama, Qwen, Mistral) as choices of its config.
+layouts that grew from it (Llama, Qwen, Mistral, Gemma 2 and 3, Phi-3) as choices of its
+config.
 
 Shapes: B batch, T new tokens, S tokens attended (cached + new), D d_model, V vocabulary.
 """
@@ -69,6 +70,20 @@ class GPTConfig(StackConfig):
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    rope_local_theta: float | None = None
+    """The rotary base of the sliding-window layers, unscaled (Gemma 3's local layers);
+    none: they rotate as the others do."""
+    global_every: int = 0
+    """With a window: every global_every-th layer (the last of each group) attends over the
+    whole context instead (Gemma 2: 2, Gemma 3: 6); 0: every layer slides."""
+    sandwich_norm: bool = False
+    """A norm on each sublayer's output too, before it joins the residual (Gemma 2, 3)."""
+    attn_scale: float | None = None
+    """The factor on q . k; none means 1 / sqrt(d_head) (Gemma: query_pre_attn_scalar^-1/2)."""
+    attn_softcap: float | None = None
+    """Attention scores bounded by cap * tanh(s / cap) before the mask (Gemma 2)."""
+    logit_softcap: float | None = None
+    """Logits bounded by cap * tanh(z / cap) (Gemma 2's final soft-capping)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,6 +101,12 @@ class GPTConfig(StackConfig):
         check_choice("model.rope_layout", self.rope_layout, ROTARY_LAYOUTS)
         check_choice("model.rope_scaling", self.rope_scaling, ROTARY_SCALINGS)
         check_range("model.rope_factor", self.rope_factor, low=1.0)
+        check_range("model.global_every", self.global_every, low=0)
+        for key in ("rope_local_theta", "attn_scale", "attn_softcap", "logit_softcap"):
+            if getattr(self, key) is not None:
+                check_range(f"model.{key}", getattr(self, key), low=1e-9)
+        if self.sandwich_norm and self.norm != "pre":
+            raise TformerError("model.sandwich_norm = true needs model.norm = 'pre'")
         if self.rotary and 2 * int(self.head_size * self.rope_fraction // 2) < 2:
             raise TformerError(f"model.rope_fraction = {self.rope_fraction} rotates nothing "
                                f"of a head of {self.head_size}")
@@ -99,11 +120,29 @@ class GPTConfig(StackConfig):
         scaled = {"none": ROPE_SCALED, "linear": ROPE_SCALED - {"rope_factor"}}
         unused |= ({"rope_theta", "rope_fraction", "rope_layout", "rope_scaling", *ROPE_SCALED}
                    if not self.rotary else scaled.get(self.rope_scaling, set()))
+        if self.window is None:
+            unused |= {"global_every", "rope_local_theta"}
+        if not self.rotary:
+            unused.add("rope_local_theta")
         return frozenset(unused)
 
-    def rotary_module(self) -> Rotary | None:
+    def slides(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        return self.window is not None and (
+            self.global_every == 0 or (layer + 1) % self.global_every != 0)
+
+    @property
+    def cache_window(self) -> int | None:
+        """The window behind which no layer reads the cache (every layer slides), or None."""
+        return self.window if all(self.slides(i) for i in range(self.n_layer)) else None
+
+    def rotary_module(self, *, local: bool = False) -> Rotary | None:
+        """The rotary embeddings of the global layers, or of the sliding ones (`local`)."""
         if not self.rotary:
             return None
+        if local and self.rope_local_theta is not None:
+            return Rotary(self.head_size, theta=self.rope_local_theta,
+                          fraction=self.rope_fraction, layout=self.rope_layout)
         scaling = RotaryScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
                                 self.rope_high_freq_factor, self.rope_original_context)
         return Rotary(self.head_size, theta=self.rope_theta, fraction=self.rope_fraction,
@@ -127,13 +166,20 @@ class StackInput:
     """(B, T) or (T,) positions, for rotary embeddings."""
     uniform: bool
     """Whether the last token's mask row covers every other new token's."""
+    full_mask: Tensor | None = None
+    """Where the window slides past some tokens and some layers do not slide: those
+    layers' mask (`mask` without the window; None: causal, as for `mask`)."""
+    mixed: bool = False
+    """Whether the layers that do not slide read `full_mask`."""
 
 
 class GPTBlock(nn.Module):
-    """Causal self-attention then feed-forward, each inside a residual connection."""
+    """Causal self-attention then feed-forward, each inside a residual connection.
+    `slides`: whether it attends through the window (the mask it reads: GPT.stack)."""
 
-    def __init__(self, cfg: GPTConfig, rotary: Rotary | None) -> None:
+    def __init__(self, cfg: GPTConfig, rotary: Rotary | None, *, slides: bool = True) -> None:
         super().__init__()
+        self.slides = slides
         qkv_bias = cfg.attention_bias if cfg.qkv_bias is None else cfg.qkv_bias
 
         def head_norm(d: int) -> nn.Module:
@@ -143,7 +189,7 @@ class GPTBlock(nn.Module):
             cfg.d_model, cfg.n_head, d_head=cfg.d_head, d_value=cfg.d_value,
             n_kv_head=cfg.n_kv_head, dropout=cfg.dropout, bias=qkv_bias,
             out_bias=cfg.attention_bias, qk_norm=head_norm if cfg.qk_norm else None,
-            rotary=rotary,
+            rotary=rotary, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
         )
         self.ff = make_feedforward(
             cfg.feedforward, cfg.d_model, cfg.ff_width, activation=cfg.activation,
@@ -151,7 +197,7 @@ class GPTBlock(nn.Module):
         )
         self.attn_residual, self.ff_residual = (
             Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias,
-                     kind=cfg.norm_kind, eps=cfg.norm_eps)
+                     kind=cfg.norm_kind, eps=cfg.norm_eps, out_norm=cfg.sandwich_norm)
             for _ in range(2)
         )
 
@@ -178,9 +224,12 @@ class GPT(Model):
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         self.embed_norm = cfg.norm_module() if cfg.embed_norm else None
         self.dropout = Dropout(cfg.dropout)
-        # One rotary table for every layer (its buffer is not saved).
+        # One rotary table for every layer of a kind (its buffer is not saved).
         rotary = cfg.rotary_module()
-        self.blocks = nn.ModuleList(GPTBlock(cfg, rotary) for _ in range(cfg.n_layer))
+        local = rotary if cfg.rope_local_theta is None else cfg.rotary_module(local=True)
+        self.blocks = nn.ModuleList(
+            GPTBlock(cfg, local if cfg.slides(i) else rotary, slides=cfg.slides(i))
+            for i in range(cfg.n_layer))
         # Pre-norm leaves the residual stream un-normalised: one norm closes the stack.
         closing_norm = cfg.norm == "pre" and cfg.final_norm
         self.final_norm = cfg.norm_module() if closing_norm else None
@@ -269,11 +318,14 @@ class GPT(Model):
         window = self.cfg.window
         windowed = window is not None and past + T > window
 
-        mask = None
-        if keys_real is not None or (past > 0 and T > 1) or windowed:
-            mask = lm_mask(keys_real, T, past + T, tokens.device)
-            if windowed:
-                mask = mask & window_mask(key_positions, T, window)
+        mask = full = None
+        if keys_real is not None or (past > 0 and T > 1):
+            mask = full = lm_mask(keys_real, T, past + T, tokens.device)
+        if windowed:
+            if mask is None:
+                mask = lm_mask(keys_real, T, past + T, tokens.device)
+            mask = mask & window_mask(key_positions, T, window)
+        mixed = windowed and self.cfg.cache_window is None
 
         x = self.embed(tokens)
         if self.embed_scale != 1.0:
@@ -288,13 +340,14 @@ class GPT(Model):
         # and no padding is among them (a padding query sees itself, lm_mask).
         uniform = T == 1 or not (windowed or (is_real is not None and not bool(is_real.all())))
         return StackInput(x, mask, positions if keys_real is not None else positions[0],
-                          uniform)
+                          uniform, full, mixed)
 
     def stack(self, inp: StackInput, cache: DecoderCache | None = None) -> Tensor:
         """Every block in turn: the (B, T, D) states after them."""
         x = inp.x
         for i, block in enumerate(self.blocks):
-            x = block(x, inp.mask, cache.self_attn[i] if cache is not None else None,
+            mask = inp.full_mask if inp.mixed and not block.slides else inp.mask
+            x = block(x, mask, cache.self_attn[i] if cache is not None else None,
                       inp.positions)
         return x
 
@@ -305,6 +358,8 @@ class GPT(Model):
             x = x[:, -1:]
         if self.final_norm is not None:
             x = self.final_norm(x)
-        if targets is not None:
-            return targets.of_states(x, self.lm_head)
-        return self.lm_head(x)
+        cap = self.cfg.logit_softcap
+        if cap is None:
+            return self.lm_head(x) if targets is None else targets.of_states(x, self.lm_head)
+        logits = cap * torch.tanh(self.lm_head(x) / cap)
+        return logits if targets is None else targets.of_logits(logits)

@@ -193,13 +193,21 @@ class Completion:
             for name, used in [("logprobs", logprobs is not None),
                                ("logit_bias", bool(body.logit_bias)),
                                ("frequency_penalty", body.frequency_penalty != 0),
-                               ("presence_penalty", body.presence_penalty != 0)]:
+                               ("presence_penalty", body.presence_penalty != 0),
+                               ("min_p", body.min_p != 0),
+                               ("repetition_penalty", body.repetition_penalty != 1),
+                               ("min_tokens", body.min_tokens != 0),
+                               ("ignore_eos", body.ignore_eos)]:
                 if used:
                     raise ApiError(400, f"{name} is served for models decoded with a KV "
                                    f"cache; this model's memory is its cache", param=name)
         bias = body.bias_for(tokenizer.vocab_size)
         self.prompts = [text for text, _ in prompts]
         encoded = [self._check(ids, max_tokens, engine, limits) for _, ids in prompts]
+        if any(body.min_tokens > budget for _, budget in encoded):
+            raise ApiError(400, f"min_tokens {body.min_tokens} is more than the "
+                           f"{min(b for _, b in encoded)} tokens max_tokens allows",
+                           param="min_tokens")
         self.token_texts = TokenTexts(tokenizer)
 
         self.events: asyncio.Queue[tuple[int, int | None, str | None]] = asyncio.Queue()
@@ -214,7 +222,8 @@ class Completion:
                                     prompt_logprobs=echo and logprobs is not None,
                                     frequency_penalty=body.frequency_penalty,
                                     presence_penalty=body.presence_penalty, logit_bias=bias,
-                                    stop_tokens=stop_tokens, constraint=constraint)
+                                    stop_tokens=stop_tokens, constraint=constraint,
+                                    extra=body.extra_sampling())
                 self.seqs.append(Sequence(ids, sampling, self._deliver(len(self.seqs),
                                                                        mailbox)))
         if len(self.seqs) > engine.max_waiting:

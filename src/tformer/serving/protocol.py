@@ -12,6 +12,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tformer.decoding.sampling import ExtraSampling
 from tformer.serving.sequence import SEED_LIMIT
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,12 @@ class SamplingFields(Strict):
     frequency_penalty and presence_penalty are OpenAI's: a token's logit is lowered by
     frequency_penalty for each time it was drawn before in this completion, and by
     presence_penalty once if it was; logit_bias adds to the logits of the token ids given.
-    `user` is accepted and ignored."""
+    `user` is accepted and ignored.
+
+    Beyond OpenAI's, as vLLM and llama.cpp's server take them (decoding/sampling.py's
+    ExtraSampling): min_p, repetition_penalty (over the prompt and the text, CTRL's
+    multiplicative rule), min_tokens (no end of text before them; at most max_tokens),
+    ignore_eos (only max_tokens, a stop string or a constraint ends the text)."""
 
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -104,6 +110,10 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
 
     @field_validator("seed")
     @classmethod
@@ -131,6 +141,11 @@ class SamplingFields(Strict):
         if value is not None and len(value) > 1024:
             raise ValueError("at most 1024 tokens may be biased")
         return value
+
+    def extra_sampling(self) -> ExtraSampling:
+        """The fields beyond OpenAI's, as one settings object for the engine."""
+        return ExtraSampling(min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
 
     def bias_for(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs, each id in the vocabulary."""

@@ -516,7 +516,7 @@ class LMEngine:
 
     def _draw(self, logits: Tensor, seqs: list[Sequence]) -> list[int | None]:
         """(n, V) next-token logits -> each sequence's token, its log-probability kept."""
-        logits = adjust(logits, seqs)
+        logits = adjust(logits, seqs, self.eos_ids)
         tokens = sample(logits, seqs)
         keep_logprobs(logits, seqs, tokens)
         advance(seqs, tokens)
@@ -549,7 +549,9 @@ class LMEngine:
             return True
         self.stats.generated_tokens += 1
         try:
-            if token in self.eos_ids or token in seq.sampling.stop_tokens:
+            ends = (() if seq.sampling.extra.ignore_eos
+                    else (*self.eos_ids, *seq.sampling.stop_tokens))
+            if token in ends:
                 seq.end_token = token
                 seq.finish("stop")
                 return True

@@ -18,7 +18,13 @@ import torch
 from torch import Tensor
 
 from tformer.decoding.constraints import mask_logits
-from tformer.decoding.sampling import next_token
+from tformer.decoding.sampling import (
+    NO_EXTRA,
+    ExtraSampling,
+    hold_back,
+    next_token,
+    penalize_repetition,
+)
 
 if TYPE_CHECKING:
     from tformer.decoding.constraints import Grammar, Matcher
@@ -55,12 +61,21 @@ class Sampling:
     constraint: Grammar | None = None
     """What the text follows (a JSON schema, a regex, a tool call's form): every draw is
     among the tokens that can continue it, and the sequence ends where it is complete."""
+    extra: ExtraSampling = NO_EXTRA
+    """min_p, repetition_penalty, min_tokens, ignore_eos (vLLM's and llama.cpp's)."""
 
     @property
     def adjusts(self) -> bool:
-        """Whether the logits change before drawing (penalties, bias, a constraint)."""
+        """Whether the logits change before drawing (penalties, bias, a constraint, ends
+        held back by min_tokens)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
-                    or self.constraint is not None)
+                    or self.constraint is not None or self.extra.changes_logits)
+
+    @property
+    def plain_draw(self) -> bool:
+        """Whether a draw is temperature, top-k and top-p of the model's logits alone, and
+        only the end of text (or a constraint, or max_tokens) ends the text."""
+        return not self.adjusts and self.extra == NO_EXTRA
 
 
 TokenLogprob = tuple[float, list[tuple[int, float]]]
@@ -132,11 +147,13 @@ class Sequence:
             log.exception("the answer of a failed sequence could not be handed over")
 
 
-def adjust(logits: Tensor, seqs: list[Sequence]) -> Tensor:
-    """(n, V) logits -> the logits each sequence draws from: OpenAI's frequency and
-    presence penalties over the tokens it has drawn so far, its logit bias, and its
-    constraint's mask (-inf where a token cannot continue the constrained text). A sequence
-    whose adjustment fails is failed (and dropped after this step)."""
+def adjust(logits: Tensor, seqs: list[Sequence], ends: tuple[int, ...] = ()) -> Tensor:
+    """(n, V) logits -> the logits each sequence draws from: the repetition penalty over
+    its prompt and the tokens it has drawn, OpenAI's frequency and presence penalties over
+    the tokens drawn, its logit bias, its constraint's mask (-inf where a token cannot
+    continue the constrained text), and under min_tokens its end tokens (`ends`, the
+    model's end of text, and its stop tokens) at -inf. A sequence whose adjustment fails is
+    failed (and dropped after this step)."""
     if not any(seq.sampling.adjusts for seq in seqs):
         return logits
     logits = logits.float().clone()
@@ -146,6 +163,11 @@ def adjust(logits: Tensor, seqs: list[Sequence]) -> Tensor:
         if not opts.adjusts or seq.finished:
             continue
         try:
+            if opts.extra.repetition_penalty != 1.0:
+                seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
+                seen[torch.tensor(seq.prompt + seq.tokens, device=logits.device)] = True
+                logits[row] = penalize_repetition(logits[row], seen,
+                                                  opts.extra.repetition_penalty)
             if seq.tokens and (opts.frequency_penalty or opts.presence_penalty):
                 counts = torch.bincount(torch.tensor(seq.tokens, device=logits.device),
                                         minlength=V)[:V].to(logits.dtype)
@@ -171,6 +193,10 @@ def adjust(logits: Tensor, seqs: list[Sequence]) -> Tensor:
                                                         [seqs[row].matcher])
                 except Exception as e:
                     seqs[row].fail("constraining the logits", e)
+    for row, seq in enumerate(seqs):
+        if len(seq.tokens) < seq.sampling.extra.min_tokens and not seq.finished:
+            logits[row : row + 1] = hold_back(logits[row : row + 1],
+                                              ends + seq.sampling.stop_tokens)
     return logits
 
 
@@ -196,7 +222,8 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> list[int | None]:
         opts = seq.sampling
         try:
             token = next_token(logits[row : row + 1], temperature=opts.temperature,
-                               top_k=opts.top_k, top_p=opts.top_p, generator=seq.generator)
+                               top_k=opts.top_k, top_p=opts.top_p, min_p=opts.extra.min_p,
+                               generator=seq.generator)
             out.append(int(token[0]))
         except Exception as e:
             seq.fail("sampling", e)

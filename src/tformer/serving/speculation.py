@@ -18,7 +18,8 @@ has read (`SlotPool.read`), so a round first feeds it what it has not.
 
 Which sequences speculate: those whose sampling the round reproduces exactly, that is
 temperature (greedy too), top-k and top-p, which the target's and the drafter's
-distributions share. Frequency and presence penalties change with every accepted token,
+distributions share. Frequency, presence and repetition penalties change with every
+accepted token (min-p, min_tokens and ignore_eos are left to the plain step too),
 and log-probabilities would need each kept position's logits: such sequences take the plain
 step inside the round. A row drafts no more than its max_tokens leaves room for; tokens of
 a run after the one that ends a sequence (end of text, a stop token, max_tokens) are
@@ -52,7 +53,7 @@ Draw = Callable[[Tensor, list[Sequence]], list[int | None]]
 
 def speculates(sampling: Sampling) -> bool:
     """Whether a speculative round gives exactly this sampling (see the module's text)."""
-    return sampling.logprobs is None and not sampling.adjusts
+    return sampling.logprobs is None and sampling.plain_draw
 
 
 class Speculator:

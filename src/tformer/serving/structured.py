@@ -10,7 +10,10 @@ Two ways to ask, on completions and chat completions alike:
   llama.cpp's server and vLLM's examples write it) or
   `json_object: true`.
 
-A constraint the engine cannot compile is a 400 naming why.
+Every JSON schema is compiled strict (decoding/constraints.py's `strict_schema`: no keys
+beyond an object's properties, numbers of bounded digits, no white space), so that the
+text ends; `strict` in response_format is accepted, and changes nothing. A constraint the
+engine cannot compile is a 400 naming why.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tformer.data.chat import ChatTemplate
-from tformer.decoding.constraints import Constraint
+from tformer.decoding.constraints import Constraint, strict_schema
 from tformer.serving.protocol import ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -202,7 +202,8 @@ def tool_constraint(tools: list[dict[str, Any]], required: str, form: str,
             fmt.key: function.get("parameters") or {"type": "object"}},
             "required": ["name", fmt.key], "additionalProperties": False})
     schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    # Strict, as response_format's schemas are: only the parameters' keys, bounded numbers.
+    schema = {**strict_schema(schema), "x-guidance": {"whitespace_flexible": False}}
     return Constraint.grammar(fmt.grammar(f"%json {json.dumps(schema)}", parallel))
 
 
