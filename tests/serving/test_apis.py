@@ -323,6 +323,20 @@ def test_ollama_chat_and_generate_answer_as_the_openai_routes_do(client):
     assert raw.json()["response"] == completion["choices"][0]["text"]
 
 
+def test_ollama_options_reach_the_sampling_as_chats_fields_do(client):
+    """repeat_penalty and min_p are Ollama's names for fields the sampling has: the same
+    reply as chat completions with repetition_penalty and min_p."""
+    r = client.post("/v1/chat/completions", json={
+        "messages": USER, "temperature": 0, "max_tokens": 12, "repetition_penalty": 3.0,
+        "min_p": 0.1})
+    want = r.json()["choices"][0]["message"]["content"]
+    assert want != chat_text(client, USER, 12)  # the penalty changes this reply
+    got = client.post("/api/chat", json={"model": "tiny", "messages": USER, "stream": False,
+                                         "options": {"temperature": 0, "num_predict": 12,
+                                                     "repeat_penalty": 3.0, "min_p": 0.1}})
+    assert got.json()["message"]["content"] == want
+
+
 def test_ollama_format_json_gives_json(client):
     r = client.post("/api/chat", json={"model": "tiny", "messages": USER, "stream": False,
                                        "format": {"type": "object", "properties": {

@@ -3,9 +3,10 @@ speak): /api/chat and /api/generate (streamed as NDJSON unless `stream` is false
 /api/embed, /api/tags, /api/show, /api/ps and /api/version.
 
 `format` is "json" (any JSON object) or a JSON schema; `options` takes temperature,
-top_p, top_k, seed, stop, num_predict (-1 or -2: up to the window), frequency_penalty and
-presence_penalty; num_ctx, keep_alive and Ollama's tuning options (num_thread, num_gpu,
-...) are accepted and change nothing (the model is loaded once, with its own window).
+top_p, top_k, min_p, seed, stop, num_predict (-1 or -2: up to the window),
+frequency_penalty, presence_penalty and repeat_penalty; num_ctx, repeat_last_n,
+keep_alive and Ollama's tuning options (num_thread, num_gpu, ...) are accepted and change
+nothing (the model is loaded once, with its own window).
 Tool calls carry their arguments as JSON objects, and are sent whole. /api/generate wraps
 its prompt (and `system`) in the chat template, or with `raw` sends it as it is.
 Errors are Ollama's body, {"error": message}.
@@ -59,7 +60,11 @@ class Options(Strict):
     num_predict: int | None = Field(None, ge=-2)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    """Ollama's name for repetition_penalty (over the prompt and the text)."""
     # Accepted, and nothing changes for them.
+    repeat_last_n: int | None = None
     num_ctx: int | None = None
     num_keep: int | None = None
     num_batch: int | None = None
@@ -79,7 +84,8 @@ class Options(Strict):
     def sampling(self) -> SamplingFields:
         return SamplingFields(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, frequency_penalty=self.frequency_penalty,
-                              presence_penalty=self.presence_penalty)
+                              presence_penalty=self.presence_penalty, min_p=self.min_p,
+                              repetition_penalty=self.repeat_penalty)
 
     def max_tokens(self) -> int | None:
         if self.num_predict == 0:
