@@ -409,6 +409,19 @@ def test_embeddings_are_the_pooled_states_on_every_route(client, loaded):
     assert np.allclose([d["embedding"] for d in by_ids["data"]], floats, atol=1e-6)
     ollama = client.post("/api/embed", json={"model": "tiny", "input": texts}).json()
     assert np.allclose(ollama["embeddings"], floats, atol=1e-6)
+    older = client.post("/api/embeddings", json={"model": "tiny", "prompt": texts[1]}).json()
+    assert np.allclose(older["embedding"], floats[1], atol=1e-6)
+    # Ollama cuts a text longer than the window to it (truncate, its default); OpenAI's
+    # route refuses it.
+    long = "ab" * 1024
+    cut = client.post("/api/embed", json={"model": "tiny", "input": long}).json()
+    window = text_start(loaded.tokenizer, loaded.tokenizer.encode(long))[:1024]
+    assert np.allclose(cut["embeddings"][0], reference_embedding(loaded.model, window, "mean"),
+                       atol=1e-5)
+    refused = client.post("/api/embed", json={"model": "tiny", "input": long,
+                                              "truncate": False})
+    assert refused.status_code == 400 and "1024" in refused.json()["error"]
+    assert client.post("/v1/embeddings", json={"input": long}).status_code == 400
     short = client.post("/v1/embeddings", json={"input": texts[0], "dimensions": 8}).json()
     cut = want[0][:8] / np.linalg.norm(want[0][:8])
     assert np.allclose(short["data"][0]["embedding"], cut, atol=1e-5)
@@ -423,6 +436,7 @@ def test_embeddings_are_the_pooled_states_on_every_route(client, loaded):
     ({"input": ""}, "input"),
     ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),
     ({"input": {"text": "hi"}}, "input"),
+    ({"input": ["hi"] * 2049}, "input"),
 ])
 def test_embeddings_bad_input_is_a_400_naming_the_field(client, body, param):
     r = client.post("/v1/embeddings", json=body)

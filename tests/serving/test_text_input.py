@@ -42,6 +42,7 @@ CASES |= {
     "/api/chat": [("messages", {"model": "m", "messages": MESSAGE})],
     "/api/generate": [("prompt", {"model": "m", "prompt": BAD})],
     "/api/embed": [("input", {"model": "m", "input": [BAD]})],
+    "/api/embeddings": [("prompt", {"model": "m", "prompt": BAD})],
     "/api/show": [("model", {"model": BAD})],
     "/v1/embeddings": [("input", {"input": BAD})],
 }
@@ -104,6 +105,7 @@ def test_every_route_answers_a_lone_surrogate_with_a_400(family, model):
               "/api/generate": {"model": "m", "prompt": "café", "stream": False,
                                 "options": {"num_predict": 2}},
               "/api/embed": {"model": "m", "input": "café"}, "/api/show": {"model": "m"},
+              "/api/embeddings": {"model": "m", "prompt": "café"},
               "/v1/embeddings": {"input": "café"}}
         for route in sorted(routes):
             assert client.post(route, json=ok[route]).status_code == 200, route

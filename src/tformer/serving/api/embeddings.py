@@ -35,14 +35,23 @@ class EmbeddingRequest(Strict):
     user: str | None = None
 
 
-def token_lists(server: Server, inputs: Prompt, param: str = "input") -> list[list[int]]:
-    """Each input as token ids (a text after bos where the model reads texts so)."""
+MAX_INPUTS = 2048
+"""Inputs in one request at most (as OpenAI's embeddings take)."""
+
+
+def token_lists(server: Server, inputs: Prompt, param: str = "input", *,
+                truncate: bool = False) -> list[list[int]]:
+    """Each input as token ids (a text after bos where the model reads texts so); one
+    longer than the model's window is a 400, or with `truncate` cut to the window."""
     if isinstance(inputs, str):
         inputs = [inputs]
     if not inputs:
         raise ApiError(400, f"{param}: an empty list holds no input", param=param)
     if isinstance(inputs[0], int):
         inputs = [inputs]  # one list of token ids
+    if len(inputs) > MAX_INPUTS:
+        raise ApiError(400, f"{param}: {len(inputs)} inputs; send at most {MAX_INPUTS}",
+                       param=param)
     vocab = server.tokenizer.vocab_size
     lists = []
     for i, item in enumerate(inputs):
@@ -61,6 +70,8 @@ def token_lists(server: Server, inputs: Prompt, param: str = "input") -> list[li
                 raise ApiError(400, f"{param}[{i}]: token ids are 1 or more, each 0 to "
                                f"{vocab - 1}", param=param)
         window = server.engine.context or server.limits.max_prompt_tokens
+        if truncate:
+            ids = ids[:window]
         if len(ids) > window:
             raise ApiError(400, f"{param}[{i}] is {len(ids)} tokens; the model reads at most "
                            f"{window}", param=param, code="context_length_exceeded")

@@ -1,6 +1,7 @@
 """Ollama's API (what VS Code's Ollama provider, Home Assistant and the ollama client
 speak): /api/chat and /api/generate (streamed as NDJSON unless `stream` is false),
-/api/embed, /api/tags, /api/show, /api/ps and /api/version.
+/api/embed (and the older /api/embeddings), /api/tags, /api/show, /api/ps and
+/api/version. /api/embed's `truncate` (the default) cuts a text to the model's window.
 
 `format` is "json" (any JSON object) or a JSON schema; `options` takes temperature,
 top_p, top_k, min_p, seed, stop, num_predict (-1 or -2: up to the window),
@@ -123,6 +124,13 @@ class EmbedRequest(Strict):
     input: str | list[str]
     truncate: bool = True
     dimensions: int | None = Field(None, ge=1)
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
+class LegacyEmbedRequest(Strict):
+    model: str
+    prompt: str
     options: dict[str, Any] | None = None
     keep_alive: str | int | float | None = None
 
@@ -343,7 +351,7 @@ async def embed(request: Request, server: Server) -> Response:
     started = time.perf_counter()
     body = await read_body(request, EmbedRequest)
     check_model(body.model, server)
-    lists = token_lists(server, body.input)
+    lists = token_lists(server, body.input, truncate=body.truncate)
     out = await vectors(server, lists, body.dimensions)
     return JSONResponse({"model": body.model, "embeddings": out.tolist(),
                          "total_duration": int((time.perf_counter() - started) * 1e9),
@@ -354,6 +362,15 @@ async def embed(request: Request, server: Server) -> Response:
 def architecture(server: Server) -> str:
     """The model's kind as Ollama's cards name it ("gpt")."""
     return type(server.engine.model).__name__.lower()
+
+
+async def embeddings(request: Request, server: Server) -> Response:
+    """Ollama's first embeddings route, which older clients still call: one `prompt`, one
+    `embedding`."""
+    body = await read_body(request, LegacyEmbedRequest)
+    check_model(body.model, server)
+    out = await vectors(server, token_lists(server, body.prompt, "prompt", truncate=True))
+    return JSONResponse({"embedding": out[0].tolist()})
 
 
 def details(server: Server) -> dict[str, Any]:
@@ -412,6 +429,7 @@ def error_response(exc: ApiError) -> JSONResponse:
 
 
 ROUTES = [Route("POST", "/api/chat", chat), Route("POST", "/api/generate", generate),
-          Route("POST", "/api/embed", embed), Route("GET", "/api/tags", tags),
+          Route("POST", "/api/embed", embed), Route("POST", "/api/embeddings", embeddings),
+          Route("GET", "/api/tags", tags),
           Route("GET", "/api/ps", ps), Route("POST", "/api/show", show),
           Route("GET", "/api/version", version)]
