@@ -586,3 +586,42 @@ def test_messages_tool_choice_names_a_tool_or_none(client):
         "tool_choice": {"type": "function", "name": "f"},
         "tools": [{"type": "function", "name": n, "parameters": schema} for n in "fg"]}).json()
     assert [(o["type"], o["name"]) for o in responses["output"]] == [("function_call", "f")]
+
+
+LLAMA_LIKE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}\n{% endfor %}"
+              "{% if tools %}<|python_tag|>{% endif %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}")
+"""A template that takes tools and speaks of Llama 3's tag: its model's calls are JSON."""
+
+
+def test_the_ollama_client_gets_a_call_with_its_arguments_as_an_object(loaded):
+    """Ollama has no tool_choice; a model of Llama 3's form whose reply `format` makes a
+    call's JSON shows the call read out of the reply, through the ollama client itself,
+    streamed and not."""
+    ollama = pytest.importorskip("ollama")
+    from tformer.serving.app import create_app
+    from tformer.serving.scheduler import LMEngine
+
+    engine = LMEngine(loaded.model, eos_id=loaded.tokenizer.eos_id, max_batch=2,
+                      max_waiting=4, batched=True)
+    app = create_app(engine, loaded.tokenizer, model_name="tiny", kind="lm",
+                     chat_template=ChatTemplate(LLAMA_LIKE))
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                  "required": ["city"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    call = {"type": "object", "properties": {"name": {"const": "get_weather"},
+                                             "parameters": parameters},
+            "required": ["name", "parameters"], "additionalProperties": False}
+    ask = dict(model="tiny", messages=USER, tools=[tool], format=call,
+               options={"num_predict": 200, "seed": 3})
+    with TestClient(app) as http:
+        client = ollama.Client(host="http://testserver")
+        client._client = http  # its requests, to the app in this process
+        whole = client.chat(**ask)
+        (made,) = whole.message.tool_calls
+        assert made.function.name == "get_weather" and whole.message.content == ""
+        assert set(made.function.arguments) == {"city"}
+        pieces = list(client.chat(**ask, stream=True))
+        calls = [c for p in pieces for c in (p.message.tool_calls or [])]
+        assert [c.function for c in calls] == [made.function]
+        assert pieces[-1].done and pieces[-1].done_reason == "stop"
