@@ -79,6 +79,7 @@ class Scripted:
     def __init__(self, pieces: list[str], reason: str, stop: str | None = None) -> None:
         self.pieces, self.reason, self.piece = list(pieces), reason, ""
         self.id, self.seqs, self.errors, self.reasons = "x", [None], [None], [None]
+        self.logprobs = None  # none asked for
         self.usage = {"prompt_tokens": 3, "completion_tokens": len(pieces)}
         self.choices = [SimpleNamespace(stopped=False, stop_found=stop,
                                         ready=lambda final: self.piece)]
@@ -171,6 +172,35 @@ def test_responses_answer_as_chat_does_streamed_or_not(client, loaded):
     assert "".join(e["delta"] for e in events
                    if e["type"] == "response.output_text.delta") == want
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == want
+
+
+def test_responses_log_probabilities_are_chats(client):
+    """Asked with include and top_logprobs: the entries chat completions gives for the same
+    greedy reply (its own code computes them), whole and spread over the stream's deltas."""
+    chat = client.post("/v1/chat/completions", json={
+        "messages": USER, "temperature": 0, "max_tokens": 6, "logprobs": True,
+        "top_logprobs": 2}).json()["choices"][0]["logprobs"]["content"]
+    body = {"input": "hello there", "temperature": 0, "max_output_tokens": 6,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    assert len(chat) == 6 and all(len(e["top_logprobs"]) == 2 for e in chat)
+
+    def same(entries):  # the same tokens; log-probabilities equal up to float rounding
+        flat = [(e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]])
+                for e in entries]
+        numbers = [v for e in entries for v in [e["logprob"]] + [t["logprob"]
+                                                                 for t in e["top_logprobs"]]]
+        return flat == [(e["token"], e["bytes"], [(t["token"], t["bytes"])
+                                                  for t in e["top_logprobs"]]) for e in chat] \
+            and numbers == pytest.approx([v for e in chat for v in [e["logprob"]] + [
+                t["logprob"] for t in e["top_logprobs"]]], abs=1e-5)
+
+    whole = client.post("/v1/responses", json=body).json()
+    assert same(whole["output"][0]["content"][0]["logprobs"])
+    events = sse(client.post("/v1/responses", json={**body, "stream": True}).text)
+    assert same([e for ev in events if ev["type"] == "response.output_text.delta"
+                 for e in ev["logprobs"]])
+    plain = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == []
 
 
 def test_previous_response_id_continues_the_conversation(client, loaded):

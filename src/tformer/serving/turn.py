@@ -13,6 +13,7 @@ model writes, with the tool calls read out of it in the template's form:
     TextDelta      a piece of final text
     CallBegun      a tool call whose name is whole (its id and name)
     ArgumentsDelta a piece of a call's arguments (JSON text)
+    Logprobs       the new tokens' log-probabilities, where the turn asks for them
     Finished       a reply has ended: its reason, and the whole reply read once more
     Usage          tokens read and written, once every reply has ended
     Failed         decoding failed; nothing follows
@@ -82,6 +83,8 @@ class ChatTurn:
     """What the reply's text follows (a JSON schema, ...)."""
     constraint_param: str = "response_format"
     """The request field that asked for `constraint`, to name in errors."""
+    logprobs: int | None = None
+    """Each token's log-probability and the `logprobs` likeliest (None: none)."""
 
 
 @dataclass(frozen=True)
@@ -164,20 +167,21 @@ async def start_turn(turn: ChatTurn, server: Server, mailbox: Mailbox) -> Reply:
     return start_prompt(ready.text, ready.ids, turn.sampling, server, mailbox,
                         max_tokens=turn.max_tokens, stops=turn.stops,
                         end_of_turn=server.chat_stops, grammar=ready.grammar,
-                        form=ready.form, parallel=turn.parallel_tool_calls)
+                        form=ready.form, parallel=turn.parallel_tool_calls,
+                        logprobs=turn.logprobs)
 
 
 def start_prompt(text: str, ids: list[int], sampling: SamplingFields, server: Server,
                  mailbox: Mailbox, *, max_tokens: int | None, stops: list[str],
                  end_of_turn: tuple[list[str], tuple[int, ...]] = ([], ()),
                  grammar: Grammar | None = None, form: str | None = None,
-                 parallel: bool = True) -> Reply:
+                 parallel: bool = True, logprobs: int | None = None) -> Reply:
     """Submit the replies to a prompt already rendered (a turn's, or a raw text's)."""
     stop_texts, stop_tokens = end_of_turn
     sampling = sampling.model_copy(update={"stream": True, "stop": None})
     run = Completion(sampling, server.engine, server.tokenizer, server.model_name,
                      server.limits, mailbox, prompts=[(text, ids)], max_tokens=max_tokens,
-                     echo=False, logprobs=None, stops=stops + stop_texts,
+                     echo=False, logprobs=logprobs, stops=stops + stop_texts,
                      stop_tokens=stop_tokens, constraint=grammar)
     return Reply(run, form, parallel, user_stops=stops)
 
@@ -208,6 +212,15 @@ class ArgumentsDelta:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    choice: int
+    entries: list[dict[str, Any]]
+    """For each new token, in OpenAI's form: its text ("token"), "logprob", UTF-8 "bytes",
+    and "top_logprobs", the likeliest tokens with theirs. Log-probabilities are those of
+    the distribution the token is drawn from, before temperature, top-k and top-p."""
+
+
+@dataclass(frozen=True)
 class Finished:
     choice: int
     reason: str
@@ -231,7 +244,7 @@ class Failed:
     message: str
 
 
-Event = TextDelta | CallBegun | ArgumentsDelta | Finished | Usage | Failed
+Event = TextDelta | CallBegun | ArgumentsDelta | Logprobs | Finished | Usage | Failed
 
 
 class ClientLeft(Exception):
@@ -253,6 +266,8 @@ class Reply:
         self.prompt_tokens = run.usage["prompt_tokens"] // max(1, len(run.seqs))
         self.reader = CallReader(len(run.seqs), form, parallel, user_stops=user_stops,
                                  stop_found=lambda index: run.choices[index].stop_found)
+        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in run.seqs]
+        """Each reply's log-probability entries so far (Logprobs events, gathered)."""
 
     def cancel(self) -> None:
         self.run.cancel()
@@ -269,15 +284,38 @@ class Reply:
                     yield Failed(run.errors[index] or "decoding failed")
                     return
                 if token is not None and not choice.stopped:
-                    for event in self.reader.feed(index, choice.ready(final=False), None):
+                    for event in self._logprobs(index) + self.reader.feed(
+                            index, choice.ready(final=False), None):
                         yield event
                 elif token is None:
                     reason = run.reasons[index] or "stop"
-                    for event in self.reader.feed(index, choice.ready(final=True), reason):
+                    for event in self._logprobs(index) + self.reader.feed(
+                            index, choice.ready(final=True), reason):
                         yield event
             yield Usage(run.usage["prompt_tokens"], run.usage["completion_tokens"])
         finally:
             run.cancel()
+
+    def _logprobs(self, index: int) -> list[Event]:
+        """The Logprobs event of reply `index`'s tokens not yet given (none if the turn
+        asked for none)."""
+        run = self.run
+        if run.logprobs is None:
+            return []
+        scored = list(zip(run.choices[index].ids, run.seqs[index].logprobs, strict=False))
+        new = scored[len(self.logprobs[index]):]
+        if not new:
+            return []
+        texts = run.token_texts
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = texts(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        entries = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+                   for token, (lp, top) in new]
+        self.logprobs[index] += entries
+        return [Logprobs(index, entries)]
 
     async def collect(self, request: Request) -> tuple[list[Finished], Usage]:
         """Every reply whole, and the usage; decoding that fails is a 500, and a client

@@ -34,6 +34,7 @@ from tformer.serving.turn import (
     ChatTurn,
     Failed,
     Finished,
+    Logprobs,
     Server,
     TextDelta,
     Usage,
@@ -63,15 +64,18 @@ class ResponsesRequest(Strict):
     stream: bool = False
     previous_response_id: str | None = None
     store: bool = True
+    include: list[str] | None = None
+    """Of what OpenAI's may hold, "message.output_text.logprobs" is read; the rest changes
+    nothing."""
     # Accepted, and nothing changes for them.
     reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
     truncation: str | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    """With include ["message.output_text.logprobs"]: the likeliest tokens beside each."""
     stream_options: dict[str, Any] | None = None
 
 
@@ -205,6 +209,9 @@ def text_constraint(text: TextOptions | None) -> Constraint | None:
                        param="text.format") from None
 
 
+LOGPROBS = "message.output_text.logprobs"
+
+
 def turn_of(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatTurn:
     messages = history + input_messages(body.input)
     if body.instructions:
@@ -214,16 +221,19 @@ def turn_of(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatTurn:
     return ChatTurn(messages, sampling, max_tokens=body.max_output_tokens,
                     tools=chat_tools(body.tools), tool_choice=chat_tool_choice(body.tool_choice),
                     parallel_tool_calls=body.parallel_tool_calls is not False,
-                    constraint=text_constraint(body.text), constraint_param="text.format")
+                    constraint=text_constraint(body.text), constraint_param="text.format",
+                    logprobs=(body.top_logprobs or 0) if LOGPROBS in (body.include or [])
+                    else None)
 
 
 # --- the answer -------------------------------------------------------------------------
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}] if status == "completed" or text else []}
+                         "logprobs": logprobs or []}] if status == "completed" or text else []}
 
 
 def call_item(call: ToolCall, item_id: str, status: str = "completed") -> dict[str, Any]:
@@ -299,7 +309,8 @@ async def create(request: Request, server: Server) -> Response:
                                  headers={"Cache-Control": "no-cache"})
     (finished,), usage = await reply.collect(request)
     if finished.content:
-        answer.output.append(message_item(f"msg_{secrets.token_hex(12)}", finished.content))
+        answer.output.append(message_item(f"msg_{secrets.token_hex(12)}", finished.content,
+                                          logprobs=reply.logprobs[0]))
     for call in finished.calls:
         answer.output.append(call_item(call, f"fc_{secrets.token_hex(12)}"))
     answer.finish(finished, usage)
@@ -325,17 +336,19 @@ async def stream(reply: Any, answer: Answer, store: Store,
     yield event("response.in_progress", response=answer.body_json())
     text_at: int | None = None  # the message item's place in output, once begun
     text = ""
+    scored: list[dict[str, Any]] = []  # log-probabilities not yet sent with a delta
     calls: dict[int, int] = {}  # call index -> its place in output
     finished: Finished | None = None
 
     def close_text() -> list[str]:
         if text_at is None or answer.output[text_at]["status"] == "completed":
             return []
-        item = answer.output[text_at] = message_item(answer.output[text_at]["id"], text)
+        item = answer.output[text_at] = message_item(answer.output[text_at]["id"], text,
+                                                     logprobs=reply.logprobs[0])
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": text_at}
         return [event("response.output_text.done", **where, content_index=0, text=text,
-                      logprobs=[]),
+                      logprobs=part["logprobs"]),
                 event("response.content_part.done", **where, content_index=0, part=part),
                 event("response.output_item.done", output_index=text_at, item=item)]
 
@@ -367,7 +380,11 @@ async def stream(reply: Any, answer: Answer, store: Store,
                             part={"type": "output_text", "text": "", "annotations": []})
             text += ev.text
             yield event("response.output_text.delta", item_id=answer.output[text_at]["id"],
-                        output_index=text_at, content_index=0, delta=ev.text, logprobs=[])
+                        output_index=text_at, content_index=0, delta=ev.text,
+                        logprobs=scored)
+            scored = []
+        elif isinstance(ev, Logprobs):
+            scored = scored + ev.entries
         elif isinstance(ev, CallBegun):
             for line in close_text():
                 yield line
