@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -64,6 +65,12 @@ def url(loaded):
     thread.join(30)
 
 
+def together(*calls):
+    """The calls' results, the calls made at once from threads (the engine batches them)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 @pytest.fixture(scope="module")
 def oai(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
@@ -74,12 +81,13 @@ def test_responses_with_a_function_tool_streamed_and_not_and_continued(oai):
             "parameters": PARAMETERS}
     ask = dict(model=MODEL, tools=[tool], tool_choice="required", parallel_tool_calls=False,
                temperature=0, max_output_tokens=40)
-    done = oai.responses.create(input=ASK, **ask)
+    # Requests sent together are decoded together: the time of one.
+    done, events = together(lambda: oai.responses.create(input=ASK, **ask),
+                            lambda: list(oai.responses.create(input=ASK, stream=True, **ask)))
     (call,) = done.output
     assert done.status == "completed" and call.type == "function_call"
     assert call.name == "get_weather" and json.loads(call.arguments)["city"] == "Paris"
 
-    events = list(oai.responses.create(input=ASK, stream=True, **ask))
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert "response.output_item.added" in kinds
@@ -93,11 +101,12 @@ def test_responses_with_a_function_tool_streamed_and_not_and_continued(oai):
     answer = {"type": "function_call_output", "call_id": call.call_id,
               "output": "18 degrees and sunny"}
     more = dict(model=MODEL, tools=[tool], temperature=0, max_output_tokens=4)
-    follow = oai.responses.create(previous_response_id=done.id, input=[answer], **more)
-    whole = oai.responses.create(input=[
-        {"role": "user", "content": ASK},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name,
-         "arguments": call.arguments}, answer], **more)
+    follow, whole = together(
+        lambda: oai.responses.create(previous_response_id=done.id, input=[answer], **more),
+        lambda: oai.responses.create(input=[
+            {"role": "user", "content": ASK},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments}, answer], **more))
     assert follow.usage.input_tokens == whole.usage.input_tokens > done.usage.input_tokens
     assert follow.output_text == whole.output_text and follow.output_text
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
@@ -123,13 +132,16 @@ def test_anthropic_messages_tool_use_round_trip_created_and_streamed(url):
     greedy = {"temperature": 0}  # this SDK's create() no longer names it
     common = dict(model=MODEL, max_tokens=40, extra_body=greedy, tools=[tool],
                   tool_choice={"type": "any", "disable_parallel_tool_use": True})
-    message = client.messages.create(messages=ask, **common)
+    def streamed_message():
+        with client.messages.stream(messages=ask, **common) as stream:
+            return stream.get_final_message()
+
+    message, streamed = together(lambda: client.messages.create(messages=ask, **common),
+                                 streamed_message)
     assert message.stop_reason == "tool_use"
     (use,) = message.content
     assert use.type == "tool_use" and use.name == "get_weather"
     assert use.input == {"city": "Paris"}
-    with client.messages.stream(messages=ask, **common) as stream:
-        streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use" and streamed.content[0].input == use.input
 
     reply = client.messages.create(model=MODEL, max_tokens=6, extra_body=greedy, tools=[tool],
@@ -152,20 +164,15 @@ def test_ollama_chat_format_tools_embed_and_list(url):
     assert [m.model for m in client.list().models] == [MODEL]
     ask = [{"role": "user", "content": "Say hello to Tom."}]
     options = {"temperature": 0, "num_predict": 4}
-    whole = client.chat(model=MODEL, messages=ask, options=options)
-    pieces = list(client.chat(model=MODEL, messages=ask, options=options, stream=True))
+    whole, pieces = together(
+        lambda: client.chat(model=MODEL, messages=ask, options=options),
+        lambda: list(client.chat(model=MODEL, messages=ask, options=options, stream=True)))
     assert "".join(p.message.content for p in pieces) == whole.message.content
     assert pieces[-1].done and pieces[-1].eval_count == whole.eval_count
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "country": {"type": "string", "maxLength": 20}},
               "required": ["name", "country"], "additionalProperties": False}
-    answer = client.chat(model=MODEL, format=schema, options={"temperature": 0,
-                                                              "num_predict": 40},
-                         messages=[{"role": "user",
-                                    "content": "Name the capital of France, as JSON."}])
-    assert set(json.loads(answer.message.content)) == {"name", "country"}
-
     # A tool call made earlier (its arguments an object) and the tool's answer (naming the
     # tool) read as the same conversation sent to OpenAI's chat completions. (The ollama
     # client sends a schema's type, properties and required only.)
@@ -179,16 +186,23 @@ def test_ollama_chat_format_tools_embed_and_list(url):
                                                        "name": "get_weather",
                                                        "arguments": {"city": "Paris"}}}]},
                {"role": "tool", "content": "18 degrees and sunny", "tool_name": "get_weather"}]
-    answered = client.chat(model=MODEL, tools=[tool], messages=history,
-                           options={"temperature": 0, "num_predict": 2})
-    as_openai = openai.OpenAI(base_url=url + "/v1", api_key="x").chat.completions.create(
-        model=MODEL, tools=[tool], max_tokens=2, temperature=0, messages=[
-            history[0], {"role": "assistant", "content": "", "tool_calls": [{
-                "id": "call_0", "type": "function", "function": {
-                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-            {"role": "tool", "tool_call_id": "call_0", "content": "18 degrees and sunny"}])
-    assert answered.prompt_eval_count == as_openai.usage.prompt_tokens
-    assert answered.message.content == as_openai.choices[0].message.content
+    as_openai = [history[0], {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_0", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "18 degrees and sunny"}]
+    chat = openai.OpenAI(base_url=url + "/v1", api_key="x").chat.completions
+    formatted, answered, theirs = together(
+        lambda: client.chat(model=MODEL, format=schema,
+                            options={"temperature": 0, "num_predict": 40},
+                            messages=[{"role": "user",
+                                       "content": "Name the capital of France, as JSON."}]),
+        lambda: client.chat(model=MODEL, tools=[tool], messages=history,
+                            options={"temperature": 0, "num_predict": 2}),
+        lambda: chat.create(model=MODEL, tools=[tool], max_tokens=2, temperature=0,
+                            messages=as_openai))
+    assert set(json.loads(formatted.message.content)) == {"name", "country"}
+    assert answered.prompt_eval_count == theirs.usage.prompt_tokens
+    assert answered.message.content == theirs.choices[0].message.content
 
 
 def test_the_same_embedding_on_every_route_and_it_ranks_a_paraphrase_first(url, oai,
