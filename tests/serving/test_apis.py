@@ -655,3 +655,25 @@ def test_the_ollama_client_gets_a_call_with_its_arguments_as_an_object(loaded):
         calls = [c for p in pieces for c in (p.message.tool_calls or [])]
         assert [c.function for c in calls] == [made.function]
         assert pieces[-1].done and pieces[-1].done_reason == "stop"
+
+
+def test_a_responses_stream_whose_call_does_not_parse_ends_as_text():
+    """The call's name went out as an item, but the reply never closed it: the item leaves
+    the output and the whole reply is the message's text, its deltas joined."""
+    import asyncio
+
+    from tformer.serving.api.responses import Answer, ResponsesRequest, Store, stream
+
+    pieces = ["Hi ", '<tool_call>\n{"name": "f", "arguments": {"a": 1}', " oops"]
+    reply = Reply(Scripted(pieces, "stop"), "hermes", True, user_stops=[])
+    answer = Answer(ResponsesRequest(input="x"), SimpleNamespace(model_name="m"))
+
+    async def read():
+        return [e async for e in stream(reply, answer, Store(), [])]
+    events = sse("".join(asyncio.run(read())))
+    assert "response.output_item.added" in [e["type"] for e in events]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == "".join(pieces)
+    (item,) = events[-1]["response"]["output"]
+    assert events[-1]["type"] == "response.completed"
+    assert item["type"] == "message" and item["content"][0]["text"] == "".join(pieces)

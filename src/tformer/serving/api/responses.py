@@ -386,8 +386,8 @@ async def stream(reply: Any, answer: Answer, store: Store,
         elif isinstance(ev, Logprobs):
             scored = scored + ev.entries
         elif isinstance(ev, CallBegun):
-            for line in close_text():
-                yield line
+            # The text item stays open: a reply whose calls turn out not to parse sends
+            # the rest of its text at its end.
             for index in calls:
                 for line in close_call(index):
                     yield line
