@@ -26,6 +26,7 @@ from tformer.serving.turn import (
     Finished,
     Server,
     TextDelta,
+    logprob_entries,
     prepare_turn,
     read_reply,
 )
@@ -158,11 +159,6 @@ class ChatCompletion(Completion):
         if self.logprobs is None:
             return None
         seq, choice = self.seqs[index], self.choices[index]
-
-        def entry(token: int, logprob: float) -> dict[str, Any]:
-            text = self.token_texts(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
-                   for token, (lp, top) in zip(choice.ids, seq.logprobs, strict=False)]
+        content = logprob_entries(self.token_texts,
+                                  zip(choice.ids, seq.logprobs, strict=False))
         return {"content": content[start:end]}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ from tformer.serving.completions import Completion, Mailbox, encode_prompt
 from tformer.serving.protocol import ApiError, Limits, SamplingFields
 from tformer.serving.scheduler import LMEngine
 from tformer.serving.structured import compile_for
+from tformer.serving.tokens import TokenTexts
 from tformer.serving.tools import (
     ToolCall,
     call_format,
@@ -247,6 +248,19 @@ class Failed:
 Event = TextDelta | CallBegun | ArgumentsDelta | Logprobs | Finished | Usage | Failed
 
 
+def logprob_entries(texts: TokenTexts, scored: Iterable[tuple[int, tuple[float, Any]]]
+                    ) -> list[dict[str, Any]]:
+    """(token, (its log-probability, the likeliest (token, log-probability) pairs)) ->
+    OpenAI's chat entries: each token's text, log-probability, UTF-8 bytes and
+    top_logprobs, the likeliest tokens with theirs."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = texts(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+            for token, (lp, top) in scored]
+
+
 class ClientLeft(Exception):
     """The client left before its answer was whole (the server answers 499, to no one)."""
 
@@ -306,14 +320,7 @@ class Reply:
         new = scored[len(self.logprobs[index]):]
         if not new:
             return []
-        texts = run.token_texts
-
-        def entry(token: int, logprob: float) -> dict[str, Any]:
-            text = texts(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        entries = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
-                   for token, (lp, top) in new]
+        entries = logprob_entries(run.token_texts, new)
         self.logprobs[index] += entries
         return [Logprobs(index, entries)]
 
