@@ -176,3 +176,29 @@ def test_generate_follows_a_regex_as_the_command_line_does(lm, capsys, tmp_path)
     assert "schema.json" in capsys.readouterr().err
     with pytest.raises(tformer.TformerError, match="not both"):
         model.generate("ROMEO:", regex="a", json_schema={"type": "string"})
+
+
+def test_embed_pools_the_last_blocks_normed_states_to_unit_length(lm, s2s):
+    """Independently: the full forward pass in float64, the states caught on their way to
+    the vocabulary projection, averaged (or the last) and scaled to length 1."""
+    model = tformer.load(lm, threads=1)
+    texts = ["ROMEO:", "hear me speak"]
+    module = tformer.loading.load_checkpoint(lm).model.double()
+    caught = []
+    module.lm_head.register_forward_hook(lambda m, inputs, out: caught.append(inputs[0][0]))
+    for pooling in ("mean", "last"):
+        got = model.embed(texts, pooling=pooling)
+        assert got.shape == (2, 16) and got.dtype == torch.float32
+        for text, vector in zip(texts, got, strict=True):
+            caught.clear()
+            with torch.no_grad():
+                module(torch.tensor([model.prompt_ids(text)]))
+            want = caught[0].mean(0) if pooling == "mean" else caught[0][-1]
+            assert torch.allclose(vector.double(), want / want.norm(), atol=1e-5)
+    assert torch.equal(model.embed("ROMEO:")[0], model.embed(texts)[0])
+    with pytest.raises(tformer.TformerError, match="pooling 'max' is not one of mean, last"):
+        model.embed(texts, pooling="max")
+    with pytest.raises(tformer.TformerError, match="non-empty texts"):
+        model.embed([""])
+    with pytest.raises(tformer.TformerError, match="GPT-family"):
+        tformer.load(s2s, threads=1).embed(["a man"])

@@ -276,7 +276,7 @@ def test_the_serving_examples_run_on_the_readme_runs(workdir):
         assert json.loads(chat).get("choices", [{}])[0].get("message", {}).get("role") == (
             "assistant"), chat
         # The OpenAI client example, pointed at the first server.
-        example, structured = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+        example, structured, apis = re.findall(r"```python\n(.*?)```", section, flags=re.S)
         example = example.replace("http://127.0.0.1:8000", servers["8000"].url)
         run = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
                              timeout=120)
@@ -291,6 +291,12 @@ def test_the_serving_examples_run_on_the_readme_runs(workdir):
         assert run.returncode == 0, run.stderr[-2000:]
         parsed, call, _answer = run.stdout.split("\n", 2)
         assert parsed.startswith("name=") and call.startswith("get_weather {")
+        # The Responses, Messages, Ollama and embeddings example, on the same stand-in.
+        apis = apis.replace("http://127.0.0.1:8000", servers["smollm"].url)
+        run = subprocess.run([sys.executable, "-c", apis], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.rstrip().endswith("2 32")  # two vectors of d_model
     finally:
         for server in servers.values():
             server.stop()

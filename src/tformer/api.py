@@ -470,6 +470,22 @@ class Model:
         pairs = zip(ids[1:], logprobs, strict=True)
         return [(self.tokenizer.decode([t]), lp) for t, lp in pairs]
 
+    def embed(self, texts: str | Sequence[str], *, pooling: str = "mean") -> torch.Tensor:
+        """Each text's embedding, (len(texts), D) float32, each of unit length (so that a dot
+        product is the cosine similarity): the last block's states pooled, "mean" over the
+        text's tokens (the default) or its "last" token's (tformer.decoding.embeddings).
+        The same vectors as `tformer serve`'s /v1/embeddings and /api/embed."""
+        from tformer.data.tokenizers import text_start
+        from tformer.decoding.embeddings import check_embedder, check_pooling, embed_ids
+
+        check_embedder(self.module)
+        check_pooling(pooling)
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if not texts or any(not t for t in texts):
+            raise TformerError("embed needs one or more non-empty texts")
+        ids = [text_start(self.tokenizer, self.tokenizer.encode(t)) for t in texts]
+        return embed_ids(self.module, ids, pooling=pooling)
+
     # --- translation --------------------------------------------------------------------
 
     def translate(

@@ -31,6 +31,21 @@ CASES = {
     "/v1/translations": [("input", {"input": ["ok", BAD]}), ("model", {"model": BAD,
                                                                         "input": ["ok"]})],
 }
+USER = [{"role": "user", "content": "ok"}]
+CASES |= {
+    "/v1/responses": [("input", {"input": BAD}), ("instructions", {"input": "ok",
+                                                                   "instructions": BAD})],
+    "/v1/messages": [("messages", {"model": "m", "max_tokens": 2, "messages": MESSAGE}),
+                     ("system", {"model": "m", "max_tokens": 2, "messages": USER,
+                                 "system": BAD})],
+    "/v1/messages/count_tokens": [("messages", {"model": "m", "messages": MESSAGE})],
+    "/api/chat": [("messages", {"model": "m", "messages": MESSAGE})],
+    "/api/generate": [("prompt", {"model": "m", "prompt": BAD})],
+    "/api/embed": [("input", {"model": "m", "input": [BAD]})],
+    "/api/embeddings": [("prompt", {"model": "m", "prompt": BAD})],
+    "/api/show": [("model", {"model": BAD})],
+    "/v1/embeddings": [("input", {"input": BAD})],
+}
 """route -> (the field named, a body with a lone surrogate in it)."""
 
 
@@ -50,6 +65,16 @@ def app_of(family, **model):
                       kind="seq2seq")
 
 
+def error_of(body: dict) -> tuple[str | None, str]:
+    """(param, message) of an error body in any of the server's APIs' shapes: OpenAI's
+    {"error": {"message", "param"}}, Anthropic's {"type": "error", "error": {"type",
+    "message"}}, Ollama's {"error": message}."""
+    error = body["error"]
+    if isinstance(error, str):
+        return None, error
+    return error.get("param"), error["message"]
+
+
 @pytest.mark.parametrize("family,model", [("gpt", {"context": 32}),
                                           ("seq2seq", {"d_ff": 32, "max_len": 32})])
 def test_every_route_answers_a_lone_surrogate_with_a_400(family, model):
@@ -63,13 +88,24 @@ def test_every_route_answers_a_lone_surrogate_with_a_400(family, model):
                 r = client.post(route, content=json.dumps(body),
                                 headers={"content-type": "application/json"})
                 assert r.status_code == 400, (route, field, r.status_code, r.text)
-                error = r.json()["error"]
-                assert error["param"] == field and "lone surrogate" in error["message"], error
+                param, message = error_of(r.json())
+                assert param in (field, None) and "lone surrogate" in message, r.json()
+                assert message.startswith(f"{field}:"), message
         # ...and the same routes answer text that is text.
         ok = {"/v1/completions": {"prompt": "café", "max_tokens": 2},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "café"}],
                                        "max_tokens": 2},
               "/tokenize": {"prompt": "café"}, "/detokenize": {"tokens": [1]},
-              "/v1/translations": {"input": ["café"], "max_len_b": 2}}
+              "/v1/translations": {"input": ["café"], "max_len_b": 2},
+              "/v1/responses": {"input": "café", "max_output_tokens": 2},
+              "/v1/messages": {"model": "m", "max_tokens": 2, "messages": USER},
+              "/v1/messages/count_tokens": {"model": "m", "messages": USER},
+              "/api/chat": {"model": "m", "messages": USER, "stream": False,
+                            "options": {"num_predict": 2}},
+              "/api/generate": {"model": "m", "prompt": "café", "stream": False,
+                                "options": {"num_predict": 2}},
+              "/api/embed": {"model": "m", "input": "café"}, "/api/show": {"model": "m"},
+              "/api/embeddings": {"model": "m", "prompt": "café"},
+              "/v1/embeddings": {"input": "café"}}
         for route in sorted(routes):
             assert client.post(route, json=ok[route]).status_code == 200, route

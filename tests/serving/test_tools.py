@@ -104,6 +104,19 @@ def test_llama3_json_calls_are_read():
     assert parse_calls("The sum is {3}.", "llama3") == ("The sum is {3}.", [])
 
 
+def test_mistral_calls_are_read_after_their_tag():
+    mistral = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}"
+                           "{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]"
+                           "{% endif %}[TOOL_CALLS]")
+    assert call_format(mistral) == "mistral"
+    content, calls = parse_calls('[TOOL_CALLS][{"name": "add", "arguments": {"a": 4}}, '
+                                 '{"name": "add", "arguments": {"a": 5}}]', "mistral")
+    assert content is None and [json.loads(c.arguments)["a"] for c in calls] == [4, 5]
+    for text in ('[{"name": "add", "arguments": {"a": 4}}]', "[TOOL_CALLS] no calls"):
+        assert parse_calls(text, "mistral") == (text, [])
+    assert held_back("[TOOL_CA", "mistral") == 0 and held_back("Hi", "mistral") == 2
+
+
 def test_a_stream_holds_back_what_may_start_a_call():
     text = "Sure. <tool"
     assert held_back(text, "hermes") == len("Sure. ")
@@ -112,7 +125,7 @@ def test_a_stream_holds_back_what_may_start_a_call():
     assert held_back(' {"name"', "llama3") == 0 and held_back("Hi", "llama3") == 2
 
 
-@pytest.mark.parametrize("form", ["hermes", "llama3"])
+@pytest.mark.parametrize("form", ["hermes", "llama3", "mistral"])
 def test_the_required_call_grammar_gives_calls_that_parse(form):
     from tformer.decoding.constraints import compile_grammar, mask_logits
 
@@ -136,9 +149,10 @@ def test_the_required_call_grammar_gives_calls_that_parse(form):
 def stream_of(form: str, pieces: list[str], reason: str = "stop") -> list[dict]:
     """The deltas and finish reasons a chat stream sends for a reply arriving in pieces."""
     from tformer.serving.chat import ChatCompletion
+    from tformer.serving.turn import CallReader
 
     run = ChatCompletion.__new__(ChatCompletion)  # the streaming part alone
-    run.seqs, run.form = [None], form
+    run.seqs, run.form, run.reader = [None], form, CallReader(1, form, parallel=True)
     run.id, run.created, run.model_name = "chatcmpl-x", 0, "m"
     events = "".join(run._chunk(0, piece, None) for piece in pieces)
     events += run._chunk(0, "", reason)
@@ -168,6 +182,8 @@ STREAMED_CALLS = {
                '</tool_call>'),
     "llama3": ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": {"c": [2, "}"]}}}; '
                '{"name": "neg", "parameters": {"x":  -3}}'),
+    "mistral": ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": {"c": [2, "}"]}}}, '
+                '{"name": "neg", "arguments": {"x":  -3}}]'),
 }
 
 
@@ -201,3 +217,13 @@ def test_a_stream_sends_each_call_as_it_is_written(form):
         '{"a": 1, "b": {"c": [2, "}"]}}', '{"x":  -3}']
     assert [d["function"]["name"] for _, d in deltas if "id" in d] == ["add", "neg"]
     assert out[-1] == {"delta": {}, "reason": "tool_calls"}
+
+
+def test_a_stream_cut_inside_a_call_sends_neither_the_call_text_nor_a_call_end():
+    """A reply stopped by max_tokens while writing a call: the text before it is content,
+    the call's name went out once whole, and the reply ends with "length", the partial
+    call never sent as content."""
+    out = stream_of("hermes", ["Sure. ", '<tool_call>\n{"name": "add", "arguments": {"a'],
+                    reason="length")
+    assert "".join(o["delta"].get("content", "") for o in out) == "Sure. "
+    assert out[-1] == {"delta": {}, "reason": "length"}

@@ -24,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tformer.data.chat import TEMPLATE_FILE, ChatTemplate
 from tformer.data.tokenizers import special_names, text_start
 from tformer.errors import TformerError
+from tformer.serving.api import anthropic, embeddings, invalid_body, ollama, responses
+from tformer.serving.api.responses import Store
 from tformer.serving.chat import chat, end_of_turn
 from tformer.serving.completions import Mailbox, complete, translate_lines
 from tformer.serving.protocol import (
@@ -38,6 +40,7 @@ from tformer.serving.protocol import (
 from tformer.serving.scheduler import LMEngine
 from tformer.serving.tokens import TokenTexts
 from tformer.serving.translation import TranslationBatcher
+from tformer.serving.turn import ClientLeft, Server
 
 if TYPE_CHECKING:
     from tformer.decoding.speculative import SpeculationStats
@@ -151,11 +154,13 @@ def speculation_figures(spec: SpeculationStats | None) -> list[tuple[str, str, s
 
 def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_name: str,
                kind: str, api_key: str | None = None, limits: Limits | None = None,
-               created: int | None = None, chat_template: ChatTemplate | None = None
-               ) -> FastAPI:
-    """kind: 'lm' serves /v1/completions, 'seq2seq' serves /v1/translations.
+               created: int | None = None, chat_template: ChatTemplate | None = None,
+               pooling: str = "mean") -> FastAPI:
+    """kind: 'lm' serves /v1/completions, chat and the APIs of serving/api/, 'seq2seq'
+    serves /v1/translations.
     created: the model's Unix time (when its checkpoint was written); default now.
-    chat_template: the Jinja template that renders chat messages as the model's prompt."""
+    chat_template: the Jinja template that renders chat messages as the model's prompt.
+    pooling: how embeddings pool a text's states (tformer.decoding.embeddings)."""
     limits = limits or Limits()
     created = int(time.time()) if created is None else created
     metrics = Metrics()
@@ -163,6 +168,7 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.mailbox = Mailbox(asyncio.get_running_loop())
+        app.state.responses = Store()
         engine.start()
         yield
         # uvicorn has let the requests in flight finish before it gets here.
@@ -170,30 +176,32 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
 
     app = FastAPI(title="tformer", lifespan=lifespan, docs_url=None, redoc_url=None)
 
+    # Each API answers its errors in its own words (serving/api/); the rest in OpenAI's.
+    shapes = {route.path: module.error_response for module in API_MODULES
+              for route in module.ROUTES} if kind == "lm" else {}
+
+    def shaped(path: str, exc: ApiError) -> JSONResponse:
+        return shapes.get(path, ApiError.response)(exc)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+        return shaped(request.url.path, exc)
+
+    @app.exception_handler(ClientLeft)
+    async def _left(request: Request, exc: ClientLeft) -> JSONResponse:
+        return JSONResponse({}, status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            message, param = "the body is not valid JSON", None
-        elif first.get("type") == "extra_forbidden":
-            message, param = f"unknown field {'.'.join(loc)!r}", ".".join(loc)
-        else:
-            param = ".".join(loc) or None
-            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return ApiError(400, message, param=param).response()
+        return shaped(request.url.path, invalid_body(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+        return shaped(request.url.path, ApiError(exc.status_code, str(exc.detail), code=code))
 
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
-                       metrics=metrics)
+                       metrics=metrics, shapes=shapes)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -277,6 +285,13 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
                                code="no_chat_template")
             return await chat(body, request, engine, tokenizer, model_name, limits,
                               chat_template, chat_stops)
+
+        server = Server(engine, tokenizer, model_name, limits, chat_template, chat_stops,
+                        created=created, pooling=pooling)
+        for module in API_MODULES:
+            for route in module.ROUTES:
+                app.add_api_route(route.path, bound(route.handler, server),
+                                  methods=[route.method], response_model=None)
     else:
         assert isinstance(engine, TranslationBatcher)
 
@@ -288,8 +303,21 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
     return app
 
 
+API_MODULES = (responses, anthropic, ollama, embeddings)
+"""serving/api/'s adapters: each one's ROUTES become routes of a language model's server."""
+
+
+def bound(handler: Any, server: Server) -> Any:
+    """A route's handler with the server it answers for."""
+    async def endpoint(request: Request) -> Any:
+        return await handler(request, server)
+    endpoint.__name__ = handler.__module__.rsplit(".", 1)[-1] + "_" + handler.__name__
+    return endpoint
+
+
 KNOWN_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
-                "/v1/translations", "/tokenizer_info", "/tokenize", "/detokenize")
+                "/v1/translations", "/tokenizer_info", "/tokenize", "/detokenize",
+                *(route.path for module in API_MODULES for route in module.ROUTES))
 """Routes counted by name in /metrics (the rest as 'other')."""
 
 
@@ -304,8 +332,9 @@ class Guard:
     disconnect pass through untouched."""
 
     def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, shapes: dict[str, Any] | None = None) -> None:
         self.app = app
+        self.shapes = shapes or {}
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
@@ -326,7 +355,8 @@ class Guard:
             inner_receive = await self._check(scope, receive)
             await self.app(scope, inner_receive, counted_send)
         except ApiError as exc:
-            await exc.response()(scope, receive, counted_send)
+            shape = self.shapes.get(path, ApiError.response)
+            await shape(exc)(scope, receive, counted_send)
         self.metrics.count(path if path in KNOWN_ROUTES else "other", status[0])
 
     async def _check(self, scope: dict, receive: Any) -> Any:
@@ -334,10 +364,13 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope["headers"]}
         if self.api_key is not None and scope["path"] not in OPEN_ROUTES:
+            # Anthropic's clients send the key as x-api-key.
             given = headers.get("authorization", "").encode()
-            if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                               code="invalid_api_key")
+            other = headers.get("x-api-key", "").encode()
+            if not (secrets.compare_digest(given, f"Bearer {self.api_key}".encode())
+                    or secrets.compare_digest(other, self.api_key.encode())):
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY, or "
+                               "x-api-key: KEY)", code="invalid_api_key")
         too_large = ApiError(413, f"the body is over {self.max_body_bytes} bytes",
                              code="body_too_large")
         length = headers.get("content-length")

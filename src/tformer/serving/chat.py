@@ -5,29 +5,30 @@ out of its reply into `tool_calls`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tformer.data.chat import ChatTemplate, ChatTemplateError
+from tformer.data.chat import ChatTemplate
 from tformer.errors import TformerError
-from tformer.serving.completions import Completion, encode_prompt
+from tformer.serving.completions import Completion
 from tformer.serving.protocol import ApiError, ChatRequest, Limits
 from tformer.serving.scheduler import LMEngine
-from tformer.serving.structured import compile_for, request_constraint
+from tformer.serving.structured import request_constraint
 from tformer.serving.tokens import TokenTexts
-from tformer.serving.tools import (
-    ToolCall,
-    call_format,
-    calls_so_far,
-    check_tools,
-    held_back,
-    parse_calls,
-    template_messages,
-    tool_constraint,
+from tformer.serving.turn import (
+    ArgumentsDelta,
+    CallBegun,
+    CallReader,
+    ChatTurn,
+    Finished,
+    Server,
+    TextDelta,
+    logprob_entries,
+    prepare_turn,
+    read_reply,
 )
 
 
@@ -51,41 +52,34 @@ async def chat(body: ChatRequest, request: Request, engine: LMEngine, tokenizer:
                chat_stops: tuple[list[str], tuple[int, ...]]) -> JSONResponse | StreamingResponse:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    # With tool_choice "none" the model still reads the tools (as with OpenAI's and vLLM's),
-    # and what it writes is its answer, never read as calls.
-    tools, required = check_tools(body.tools, body.tool_choice)
-    messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages],
-                                 template, tools)
-    try:
-        text = template.render(messages, add_generation_prompt=True,
-                               tools=tools if tools and template.takes_tools else None)
-    except ChatTemplateError as e:
-        raise ApiError(400, f"messages: {e}", param="messages") from None
-    form = call_format(template)
-    constraint, param = request_constraint(body.response_format, body.structured_outputs), (
-        "response_format" if body.response_format is not None else "structured_outputs")
-    if required is not None:
-        if constraint is not None:
-            raise ApiError(400, f"tool_choice {body.tool_choice!r} makes the reply a tool "
-                           f"call; it cannot also follow {param}", param="tool_choice")
-        # A named function is one call; "required" is one, or several where allowed.
-        parallel = required == "" and body.parallel_tool_calls is not False
-        constraint = tool_constraint(tools, required, form, parallel)
-        param = "tools"
-    # Off the event loop: a model's first constraint reads its vocabulary (about a second).
-    grammar = await asyncio.to_thread(compile_for, constraint, tokenizer,
-                                      engine.model.cfg.vocab_size, batched=engine.batched,
-                                      param=param)
-    stop_texts, stop_tokens = chat_stops
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    param = "response_format" if body.response_format is not None else "structured_outputs"
+    # The request as the neutral turn every chat endpoint makes (serving/turn.py): the
+    # request itself is the sampling settings.
+    turn = ChatTurn([m.model_dump(exclude_none=True) for m in body.messages], body,
+                    max_tokens=body.budget(), stops=stops, tools=body.tools,
+                    tool_choice=body.tool_choice,
+                    parallel_tool_calls=body.parallel_tool_calls is not False,
+                    constraint=request_constraint(body.response_format,
+                                                  body.structured_outputs),
+                    constraint_param=param)
+    server = Server(engine, tokenizer, model_name, limits, template, chat_stops)
+    ready = await prepare_turn(turn, server)
+    stop_texts, stop_tokens = chat_stops
     run = ChatCompletion(body, engine, tokenizer, model_name, limits,
-                         request.app.state.mailbox,
-                         prompts=[(text, encode_prompt(tokenizer, text, rendered=True))],
-                         max_tokens=body.budget(), echo=False,
+                         request.app.state.mailbox, prompts=[(ready.text, ready.ids)],
+                         max_tokens=turn.max_tokens, echo=False,
                          logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                         stops=stops + stop_texts, stop_tokens=stop_tokens, constraint=grammar)
-    run.form = form if tools and body.tool_choice != "none" else None
+                         stops=stops + stop_texts, stop_tokens=stop_tokens,
+                         constraint=ready.grammar)
+    run.form = ready.form
+    run.reader = CallReader(len(run.seqs), ready.form, turn.parallel_tool_calls)
     return await run.answer(request)
+
+
+def openai_reason(finished: Finished) -> str:
+    """A finished reply's finish_reason in OpenAI's words."""
+    return "stop" if finished.reason == "stop_sequence" else finished.reason
 
 
 class ChatCompletion(Completion):
@@ -95,7 +89,8 @@ class ChatCompletion(Completion):
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
     form: str | None = None
-    """How the model writes tool calls (serving/tools.py), where tools were offered."""
+    """How the model writes tool calls (serving/tools.py), where they are read."""
+    reader: CallReader
 
     def _chunk(self, index: int, text: str, reason: str | None,
                logprobs: dict[str, Any] | None = None, *, role: bool = False) -> str:
@@ -114,56 +109,28 @@ class ChatCompletion(Completion):
 
     def _tool_chunks(self, index: int, text: str, reason: str | None,
                      logprobs: dict[str, Any] | None) -> str:
-        """A stream's pieces of a reply that may hold tool calls: its text up to where a
-        call may start is content, sent as it comes; each call is sent as it is written,
-        as tool_calls deltas (its id and name once whole, then its arguments' text piece by
-        piece); a reply whose calls turn out not to parse, at the end."""
-        if not hasattr(self, "_replies"):
-            self._replies = [""] * len(self.seqs)
-            self._content_sent = [0] * len(self.seqs)
-            self._calls_sent: list[list[ToolCall]] = [[] for _ in self.seqs]
-        self._replies[index] += text
-        reply, sent = self._replies[index], self._content_sent[index]
-        events = ""
-        if reason is None:
-            cut = held_back(reply, self.form or "")
-            if cut > sent or logprobs:
-                events = self._event(index, {"content": reply[sent:max(cut, sent)]}, None,
-                                     logprobs)
-                self._content_sent[index] = max(cut, sent)
-            events += self._call_deltas(index, calls_so_far(reply, self.form or ""))
-            return events
-        content, calls = parse_calls(reply, self.form or "")
-        if not calls:
-            rest = reply[sent:]
-            if rest or logprobs:
-                events += self._event(index, {"content": rest}, None, logprobs)
-            return events + self._event(index, {}, reason)
-        before = (content or "")[sent:]
-        if before or logprobs:
-            events += self._event(index, {"content": before}, None, logprobs)
-        events += self._call_deltas(index, [(c.name, c.arguments) for c in calls])
-        return events + self._event(index, {}, "tool_calls")
-
-    def _call_deltas(self, index: int, calls: list[tuple[str, str]]) -> str:
-        """The tool_calls deltas that bring what the client has of the reply's calls up to
-        `calls` (name, arguments so far): a new call's id and name, then the arguments'
-        text it has not had. A call's arguments only grow, by construction of
-        tools.calls_so_far."""
-        events = ""
-        sent = self._calls_sent[index]
-        for i, (name, arguments) in enumerate(calls):
-            if i == len(sent):
-                sent.append(ToolCall(name, ""))
-                events += self._event(index, {"tool_calls": [{
-                    "index": i, "id": sent[i].id, "type": "function",
-                    "function": {"name": name, "arguments": ""}}]}, None)
-            have = sent[i].arguments
-            if len(arguments) > len(have) and arguments.startswith(have):
-                events += self._event(index, {"tool_calls": [{
-                    "index": i, "function": {"arguments": arguments[len(have):]}}]}, None)
-                sent[i].arguments = arguments
-        return events
+        """A stream's pieces of a reply that may hold tool calls, as the reader
+        (serving/turn.py) gives them: its text up to where a call may start is content,
+        sent as it comes; each call is sent as it is written (its id and name once whole,
+        then its arguments' text piece by piece); a reply whose calls turn out not to
+        parse, at the end. Log-probabilities go with the first content delta."""
+        chunks = []
+        for event in self.reader.feed(index, text, reason):
+            if isinstance(event, TextDelta):
+                chunks.append(self._event(index, {"content": event.text}, None, logprobs))
+                logprobs = None
+            elif isinstance(event, CallBegun):
+                chunks.append(self._event(index, {"tool_calls": [{
+                    "index": event.index, "id": event.id, "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}]}, None))
+            elif isinstance(event, ArgumentsDelta):
+                chunks.append(self._event(index, {"tool_calls": [{
+                    "index": event.index, "function": {"arguments": event.text}}]}, None))
+            elif isinstance(event, Finished):
+                chunks.append(self._event(index, {}, openai_reason(event)))
+        if logprobs:
+            chunks.insert(0, self._event(index, {"content": ""}, None, logprobs))
+        return "".join(chunks)
 
     def _chunk_head(self) -> dict[str, Any]:
         return {**self._head(), "object": "chat.completion.chunk"}
@@ -175,11 +142,13 @@ class ChatCompletion(Completion):
         text, reason = self.choices[index].text, self.reasons[index]
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.form is not None:
-            content, calls = parse_calls(text, self.form)
-            if calls:
-                message = {"role": "assistant", "content": content,
-                           "tool_calls": [call.as_dict() for call in calls]}
-                reason = "tool_calls"
+            whole = read_reply(text, self.form, self.reader.parallel, reason or "stop", index)
+            # Beside calls, no text is null (as OpenAI's API has it); alone, it is "".
+            message = {"role": "assistant",
+                       "content": whole.content if whole.calls else whole.content or ""}
+            if whole.calls:
+                message["tool_calls"] = [call.as_dict() for call in whole.calls]
+            reason = openai_reason(whole)
         return {"index": index, "message": message, "logprobs": self._logprobs(index),
                 "finish_reason": reason}
 
@@ -190,11 +159,6 @@ class ChatCompletion(Completion):
         if self.logprobs is None:
             return None
         seq, choice = self.seqs[index], self.choices[index]
-
-        def entry(token: int, logprob: float) -> dict[str, Any]:
-            text = self.token_texts(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
-                   for token, (lp, top) in zip(choice.ids, seq.logprobs, strict=False)]
+        content = logprob_entries(self.token_texts,
+                                  zip(choice.ids, seq.logprobs, strict=False))
         return {"content": content[start:end]}

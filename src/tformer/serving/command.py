@@ -78,6 +78,12 @@ def serve_command(
         int, Help("tokens a decoding step reads at most: long prompts are read in chunks "
                   "of it between the running sequences' steps")
     ] = 512,
+    # The names of tformer.decoding.embeddings.POOLINGS, written here so that parsing the
+    # command line imports no torch (tests/serving/test_apis.py checks they agree).
+    pooling: Annotated[
+        str, Help("how /v1/embeddings and /api/embed pool a text's states: %(choices)s",
+                  choices=("mean", "last"))
+    ] = "mean",
 ) -> int:
     require_serving_packages()
     import uvicorn
@@ -140,7 +146,8 @@ def serve_command(
     template = load_chat_template(loaded.path, chat_template, specials) if kind == "lm" else None
     app = create_app(engine, tokenizer, model_name=name, kind=kind, api_key=api_key,
                      limits=Limits(max_body_bytes=max_body_bytes),
-                     created=created_time(loaded.path), chat_template=template)
+                     created=created_time(loaded.path), chat_template=template,
+                     pooling=pooling)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     how = ""

@@ -61,6 +61,8 @@ class Choice:
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.stop_found: str | None = None
+        """The stop string that ended the text, if one did."""
 
     def add(self, token: int) -> None:
         """Take the next token; once a stop string has matched, the ones still on their way
@@ -77,6 +79,7 @@ class Choice:
             if at >= 0:
                 self.text = self.text[:at]
                 self.stopped = True
+                self.stop_found = stop
 
     def ready(self, final: bool) -> str:
         """The text not sent yet that can be sent now."""
@@ -317,6 +320,11 @@ class Completion:
     def _cancel(self) -> None:
         for seq in self.seqs:
             seq.cancel()
+
+    # What serving/turn.py's Reply reads a run through.
+    take = _next
+    finished = _finished
+    cancel = _cancel
 
     def _echo(self, index: int) -> str:
         return self._prompt_text(index) if self.echo else ""

@@ -45,6 +45,8 @@ TOOLS_SYSTEM_BLOCK = (
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 """What Llama 3.1+ may write before its JSON calls."""
+MISTRAL_TAG = "[TOOL_CALLS]"
+"""What Mistral writes before its array of calls."""
 
 
 # --- messages ---------------------------------------------------------------------------
@@ -176,11 +178,11 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any
 
 
 def call_format(template: ChatTemplate) -> str:
-    """How the template's model writes its calls: 'llama3' or 'hermes'."""
-    if template.takes_tools and (PYTHON_TAG in template.source
-                                 or "ipython" in template.source) \
-            and HERMES_OPEN not in template.source:
-        return "llama3"
+    """The name of the form the template's model writes its calls in (CALL_FORMATS): the
+    first format that recognises the template, else Hermes'."""
+    for name, form in CALL_FORMATS.items():
+        if form.recognises(template):
+            return name
     return "hermes"
 
 
@@ -189,7 +191,7 @@ def tool_constraint(tools: list[dict[str, Any]], required: str, form: str,
     """The grammar of a reply that is tool calls only: any of the tools ('' required) or
     the named one, each call's arguments an instance of its function's parameters; one
     call, or with `parallel` one or more."""
-    key = "parameters" if form == "llama3" else "arguments"
+    fmt = CALL_FORMATS[form]
     schemas = []
     for tool in tools:
         function = tool["function"]
@@ -197,19 +199,12 @@ def tool_constraint(tools: list[dict[str, Any]], required: str, form: str,
             continue
         schemas.append({"type": "object", "properties": {
             "name": {"const": function["name"]},
-            key: function.get("parameters") or {"type": "object"}},
-            "required": ["name", key], "additionalProperties": False})
+            fmt.key: function.get("parameters") or {"type": "object"}},
+            "required": ["name", fmt.key], "additionalProperties": False})
     schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     # Strict, as response_format's schemas are: only the parameters' keys, bounded numbers.
     schema = {**strict_schema(schema), "x-guidance": {"whitespace_flexible": False}}
-    one = json.dumps(schema)
-    if form == "llama3":
-        call = f"%json {one}"
-        more = '(";" call)*' if parallel else ""
-    else:
-        call = f'"{HERMES_OPEN}\\n" %json {one} "\\n{HERMES_CLOSE}"'
-        more = '("\\n" call)*' if parallel else ""
-    return Constraint.grammar(f"start: call {more}\ncall: {call}\n")
+    return Constraint.grammar(fmt.grammar(f"%json {json.dumps(schema)}", parallel))
 
 
 # --- reading the calls out of a reply ---------------------------------------------------
@@ -230,36 +225,9 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
-_HERMES = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE),
-                     re.DOTALL)
-
-
-def parse_calls(text: str, form: str) -> tuple[str | None, list[ToolCall]]:
-    """A reply -> its text before the calls (None when empty) and the calls; a reply
-    whose calls do not parse is text with no calls."""
-    if form == "llama3":
-        body = text.strip().removeprefix(PYTHON_TAG).strip()
-        if not body.startswith("{"):
-            return text, []
-        calls = []
-        for piece in body.split(";"):
-            call = _call(piece.strip(), "parameters")
-            if call is None:
-                return text, []
-            calls.append(call)
-        return None, calls
-    start = text.find(HERMES_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for match in _HERMES.finditer(text, start):
-        call = _call(match.group(1), "arguments")
-        if call is not None:
-            calls.append(call)
-    if not calls:
-        return text, []
-    content = text[:start].strip()
-    return content or None, calls
+_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+                         r'"(?:arguments|parameters)"\s*:\s*')
+"""The start of a call that names its function first, up to its arguments."""
 
 
 def _call(text: str, key: str) -> ToolCall | None:
@@ -279,61 +247,8 @@ def _call(text: str, key: str) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
-                         r'"(?:arguments|parameters)"\s*:\s*')
-"""The start of a call that names its function first, up to its arguments."""
-
-
-def calls_so_far(text: str, form: str = "hermes") -> list[tuple[str, str]]:
-    """The calls of a reply still being written: for each call begun whose name is whole
-    (and written first), (the name, the text of its arguments so far), so that a stream
-    sends a call as it is written. Of a call not yet closed, the arguments' last closing
-    braces and spaces wait: they may close the call rather than them."""
-    found = []
-    for head, end in _calls_begun(text, form):
-        whole = _call(text[head.start():end], "arguments") if end is not None else None
-        if whole is not None:
-            found.append((whole.name, whole.arguments))
-            continue
-        body = text[head.end():end] if end is not None else text[head.end():]
-        if end is None and form == "hermes":
-            body = body[:held_back(body, form, HERMES_CLOSE)]
-        found.append((json.loads(f'"{head.group(1)}"'), body.rstrip("} \n\t\r")))
-        break  # a call not yet whole is the last that can be sent
-    return found
-
-
-def _calls_begun(text: str, form: str) -> Iterator[tuple[re.Match[str], int | None]]:
-    """Each call a reply has begun that names its function first: its start up to its
-    arguments (_NAME_FIRST's match), and where the call ends (None while it is being
-    written). Hermes calls sit in tags; Llama 3's are JSON objects joined by ";"."""
-    if form == "llama3":
-        body = text.lstrip()
-        at = len(text) - len(body) + (len(PYTHON_TAG) if body.startswith(PYTHON_TAG) else 0)
-        while (head := _NAME_FIRST.match(text, at)) is not None:
-            try:
-                _, end = json.JSONDecoder().raw_decode(text, text.index("{", at))
-            except json.JSONDecodeError:
-                yield head, None
-                return
-            yield head, end
-            at = len(text) - len(text[end:].lstrip().removeprefix(";").lstrip())
-        return
-    for opened in re.finditer(re.escape(HERMES_OPEN), text):
-        head = _NAME_FIRST.match(text, opened.end())
-        if head is None:
-            return
-        end = text.find(HERMES_CLOSE, head.end())
-        yield head, (end if end >= 0 else None)
-
-
-def held_back(text: str, form: str, tag: str = HERMES_OPEN) -> int:
-    """Where a stream must stop sending a reply's text as content: at the start of a call
-    (or of what may yet become one: `tag`'s start); len(text) when nothing needs holding."""
-    if form == "llama3":  # a reply that is calls starts with them
-        start = text.lstrip()
-        may_call = start.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(start)
-        return 0 if may_call else len(text)
+def _text_held(text: str, tag: str) -> int:
+    """Where `tag`, or what may yet become it at the text's end, starts; else len(text)."""
     at = text.find(tag)
     if at >= 0:
         return at
@@ -341,3 +256,249 @@ def held_back(text: str, form: str, tag: str = HERMES_OPEN) -> int:
         if text.endswith(tag[:k]):
             return len(text) - k
     return len(text)
+
+
+class CallFormat:
+    """How one family of models writes tool calls, read back out of its replies: a class
+    per form, one instance each in CALL_FORMATS, chosen from the chat template."""
+
+    key = "arguments"
+    """The name the form gives a call's arguments in its JSON."""
+
+    def recognises(self, template: ChatTemplate) -> bool:
+        return False
+
+    def grammar(self, call: str, parallel: bool) -> str:
+        """The Lark grammar of a reply that is calls only, given one call's rule."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A reply -> its text before the calls (None when empty) and the calls; a reply
+        whose calls do not parse is text with no calls."""
+        raise NotImplementedError
+
+    def begun(self, text: str) -> Iterator[tuple[re.Match[str], int | None]]:
+        """Each call a reply has begun that names its function first: its start up to its
+        arguments (_NAME_FIRST's match), and where the call ends (None while it is being
+        written)."""
+        raise NotImplementedError
+
+    def held_back(self, text: str) -> int:
+        """Where a stream must stop sending a reply's text as content: at the start of a
+        call, or of what may yet become one; len(text) when nothing needs holding."""
+        raise NotImplementedError
+
+    def ends_in_a_call(self, text: str) -> bool:
+        """Whether a reply stops inside a call it has begun (cut off by its budget)."""
+        raise NotImplementedError
+
+    def unfinished(self, body: str) -> str:
+        """The arguments' text of a call being written, less what may be the call's end."""
+        return body
+
+    def so_far(self, text: str) -> list[tuple[str, str]]:
+        """The calls of a reply still being written: for each call begun whose name is
+        whole (and written first), (the name, the text of its arguments so far), so that a
+        stream sends a call as it is written. Of a call not yet closed, the arguments' last
+        closing braces and spaces wait: they may close the call rather than them."""
+        found = []
+        for head, end in self.begun(text):
+            whole = _call(text[head.start():end], self.key) if end is not None else None
+            if whole is not None:
+                found.append((whole.name, whole.arguments))
+                continue
+            body = text[head.end():end] if end is not None else self.unfinished(
+                text[head.end():])
+            found.append((json.loads(f'"{head.group(1)}"'), body.rstrip("} \n\t\r")))
+            break  # a call not yet whole is the last that can be sent
+        return found
+
+
+class Hermes(CallFormat):
+    """Hermes' and Qwen's <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks,
+    after any text; also what the default tools block asks for."""
+
+    def recognises(self, template: ChatTemplate) -> bool:
+        return HERMES_OPEN in template.source
+
+    def grammar(self, call: str, parallel: bool) -> str:
+        more = '("\\n" call)*' if parallel else ""
+        return f'start: call {more}\ncall: "{HERMES_OPEN}\\n" {call} "\\n{HERMES_CLOSE}"\n'
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        start = text.find(HERMES_OPEN)
+        if start < 0:
+            return text, []
+        calls = []
+        for match in _HERMES.finditer(text, start):
+            call = _call(match.group(1), "arguments")
+            if call is not None:
+                calls.append(call)
+        if not calls:
+            return text, []
+        content = text[:start].strip()
+        return content or None, calls
+
+    def begun(self, text: str) -> Iterator[tuple[re.Match[str], int | None]]:
+        for opened in re.finditer(re.escape(HERMES_OPEN), text):
+            head = _NAME_FIRST.match(text, opened.end())
+            if head is None:
+                return
+            end = text.find(HERMES_CLOSE, head.end())
+            yield head, (end if end >= 0 else None)
+
+    def unfinished(self, body: str) -> str:
+        return body[:_text_held(body, HERMES_CLOSE)]
+
+    def held_back(self, text: str) -> int:
+        return _text_held(text, HERMES_OPEN)
+
+    def ends_in_a_call(self, text: str) -> bool:
+        closed = text.rfind(HERMES_CLOSE)
+        rest = text[closed + len(HERMES_CLOSE):] if closed >= 0 else text
+        return self.held_back(rest) < len(rest)
+
+
+class JsonCalls(CallFormat):
+    """Calls as bare JSON objects that open the reply, after an optional tag, between
+    separators: Llama 3's and Mistral's."""
+
+    tag = ""
+    """What may come before the calls."""
+    open, separator, close = "", ";", ""
+    """Around and between the calls."""
+
+    def grammar(self, call: str, parallel: bool) -> str:
+        more = f'("{self.separator}" call)*' if parallel else ""
+        tag = json.dumps(self.tag + self.open) + " " if self.tag + self.open else ""
+        close = " " + json.dumps(self.close) if self.close else ""
+        return f"start: {tag}call {more}{close}\ncall: {call}\n"
+
+    def _start(self, text: str) -> int | None:
+        """Where the first call starts (after the tag and the opening), or None."""
+        body = text.lstrip()
+        at = len(text) - len(body)
+        if self.tag and body.startswith(self.tag):
+            at += len(self.tag)
+        elif self.tag and not self.optional_tag:
+            return None
+        rest = text[at:].lstrip()
+        at = len(text) - len(rest)
+        if self.open:
+            if not rest.startswith(self.open):
+                return None
+            at += len(self.open)
+        return at
+
+    optional_tag = True
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = self._start(text)
+        if at is None:
+            return text, []
+        body = text[at:].strip().removesuffix(self.close).strip() if self.close \
+            else text[at:].strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        decoder = json.JSONDecoder()
+        pos = 0
+        while pos < len(body):
+            try:
+                _, end = decoder.raw_decode(body, pos)
+            except json.JSONDecodeError:
+                return text, []
+            call = _call(body[pos:end], self.key)
+            if call is None:
+                return text, []
+            calls.append(call)
+            rest = body[end:].lstrip()
+            if rest and not rest.startswith(self.separator):
+                return text, []
+            pos = len(body) - len(rest.removeprefix(self.separator).lstrip())
+        return (None, calls) if calls else (text, [])
+
+    def begun(self, text: str) -> Iterator[tuple[re.Match[str], int | None]]:
+        at = self._start(text)
+        if at is None:
+            return
+        at = len(text) - len(text[at:].lstrip())
+        while (head := _NAME_FIRST.match(text, at)) is not None:
+            try:
+                _, end = json.JSONDecoder().raw_decode(text, text.index("{", at))
+            except json.JSONDecodeError:
+                yield head, None
+                return
+            yield head, end
+            rest = text[end:].lstrip().removeprefix(self.separator).lstrip()
+            at = len(text) - len(rest)
+
+    def held_back(self, text: str) -> int:
+        # A reply that is calls starts with them.
+        start = text.lstrip()
+        opening = self.tag + self.open
+        may_call = start.startswith(("{", opening) if opening else "{") or (
+            bool(opening) and opening.startswith(start))
+        return 0 if may_call else len(text)
+
+    def ends_in_a_call(self, text: str) -> bool:
+        return self.held_back(text) == 0 and bool(text.strip()) and not self.parse(text)[1]
+
+
+class Llama3(JsonCalls):
+    """Llama 3.1+'s JSON calls, {"name": ..., "parameters": {...}}, several joined by ";",
+    perhaps after <|python_tag|>; for templates that speak of the tag or of ipython."""
+
+    key = "parameters"
+    tag = PYTHON_TAG
+
+    def recognises(self, template: ChatTemplate) -> bool:
+        return template.takes_tools and (PYTHON_TAG in template.source
+                                         or "ipython" in template.source) \
+            and HERMES_OPEN not in template.source
+
+    def grammar(self, call: str, parallel: bool) -> str:
+        more = '(";" call)*' if parallel else ""
+        return f"start: call {more}\ncall: {call}\n"
+
+
+class Mistral(JsonCalls):
+    """Mistral's [TOOL_CALLS] followed by a JSON array of {"name", "arguments"} objects
+    (its v3 tokenizer's form; the text is read as the tokenizer decodes it, so the tag must
+    be decoded as text)."""
+
+    tag = MISTRAL_TAG
+    optional_tag = False
+    open, separator, close = "[", ",", "]"
+
+    def recognises(self, template: ChatTemplate) -> bool:
+        return MISTRAL_TAG in template.source
+
+
+CALL_FORMATS: dict[str, CallFormat] = {"mistral": Mistral(), "llama3": Llama3(),
+                                       "hermes": Hermes()}
+"""The forms by name, in the order they are tried on a template (Hermes' the default)."""
+
+
+_HERMES = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE),
+                     re.DOTALL)
+
+
+def parse_calls(text: str, form: str) -> tuple[str | None, list[ToolCall]]:
+    """A reply -> its text before the calls (None when empty) and the calls, in `form`."""
+    return CALL_FORMATS[form].parse(text)
+
+
+def calls_so_far(text: str, form: str = "hermes") -> list[tuple[str, str]]:
+    """CallFormat.so_far of the named form."""
+    return CALL_FORMATS[form].so_far(text)
+
+
+def held_back(text: str, form: str) -> int:
+    """CallFormat.held_back of the named form."""
+    return CALL_FORMATS[form].held_back(text)
+
+
+def ends_in_a_call(text: str, form: str) -> bool:
+    """CallFormat.ends_in_a_call of the named form."""
+    return CALL_FORMATS[form].ends_in_a_call(text)
