@@ -34,20 +34,21 @@ def read(pool: PagedPool, row: Row, text: list[int], chunk: int) -> torch.Tensor
                       for i in range(0, len(text), chunk)])
 
 
-@pytest.mark.parametrize("gathered", [True, False], ids=["whole", "per-layer"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "per-layer"])
 @pytest.mark.parametrize("options", LAYOUTS, ids=str)
 @torch.no_grad()
-def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options, gathered,
-                                                                        monkeypatch):
-    """Steps gather every layer's past at once for the one-call step kernel, or attend
+def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options, in_place):
+    """Steps read every row's blocks in place through the one-call step kernel, or attend
     layer by layer over the gathered blocks: both as a full pass."""
-    from tformer.decoding import paged
+    from tformer.kernels.attend import native
 
-    if not gathered:
-        monkeypatch.setattr(paged, "GATHER_BYTES", 0)
     model = model_of(options)
     pool = PagedPool(model, 64, block_size=4)
-    assert pool._gathers_whole(3, 20) == (gathered and pool._step is not None)
+    if not in_place:
+        pool._step = None
+    elif native() is None:
+        pytest.skip("the kernels are not built here")
+    assert (pool._step is not None) == in_place
     g = torch.Generator().manual_seed(1)
     texts: list[list[int]] = []
     for length in (9, 3, 14):
@@ -80,6 +81,55 @@ def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options, 
         assert max(held) <= 2 and pool.used == sum(held) < sum(-(-len(t) // 4) for t in texts)
     pool.clear()
     assert pool.used == 0
+
+
+@pytest.mark.parametrize("options", LAYOUTS, ids=str)
+@torch.no_grad()
+def test_steps_in_place_give_the_gathered_path_s_logits_through_preemption(options):
+    """Two pools driven alike, one stepping in place (the paged step kernel) and one over
+    gathered blocks (the model's modules): rows join, leave, are preempted (their blocks
+    given back) and resumed (their text read again, into other blocks), and every step's
+    logits agree within 1e-5, with prefix-cache blocks shared among rows."""
+    from tformer.kernels.attend import native
+
+    if native() is None:
+        pytest.skip("the kernels are not built here")
+    model = model_of(options)
+    pools = [PagedPool(model, 40, block_size=4), PagedPool(model, 40, block_size=4)]
+    pools[1]._step = None
+    g = torch.Generator().manual_seed(7)
+    texts = [torch.randint(0, 37, (n,), generator=g).tolist() for n in (6, 11, 2)]
+    texts.append(texts[1][:8] + [5, 6])  # shares two full blocks with the second text
+
+    def seat(text):
+        for pool in pools:
+            row = Row()
+            pool.reuse(row, text)
+            read(pool, row, text[row.length :], chunk=5)
+            pool.seat(row)
+
+    for text in texts:
+        seat(text)
+    for step in range(14):
+        if step == 3:  # the second row is preempted; the last takes its place
+            for pool in pools:
+                pool.remove(1)
+            preempted, texts[1] = texts[1], texts.pop()
+        if step == 6:  # ... and resumed with the text it had
+            seat(preempted)
+            texts.append(preempted)
+        if step == 9:  # a row leaves
+            for pool in pools:
+                pool.remove(0)
+            texts[0] = texts.pop()
+        new = torch.randint(0, 37, (len(texts),), generator=g).tolist()
+        in_place, gathered = (pool.step(new) for pool in pools)
+        torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
+        for text, token in zip(texts, new, strict=True):
+            text.append(token)
+    want = torch.stack([model(torch.tensor([t]))[0, -1] for t in texts])
+    torch.testing.assert_close(in_place, want, atol=1e-5, rtol=1e-5)
+    assert pools[0].found == pools[1].found > 0
 
 
 @pytest.mark.parametrize("options", LAYOUTS[:2], ids=str)

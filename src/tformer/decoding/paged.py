@@ -3,11 +3,15 @@ blocks (its block table), so that a text holds what it uses and no text widens a
 (Kwon et al. 2023, "PagedAttention"). Serving's continuous batching decodes over it
 (serving/scheduler.py); a long prompt is read into it a chunk at a time.
 
-A forward pass over some rows hands the model a view that quacks as a DecoderCache: each
-layer gathers the rows' blocks into a (n, H_kv, W, ·) window (W: the longest row's length,
-shorter rows masked as padding at its end), attends over it and the new keys, and writes the
-new keys and values into the rows' blocks. Positions count real tokens, so a row decodes as
-it would alone.
+A decoding step (one new token a row) where the one-call step kernel serves (fp32 on a CPU)
+reads the keys and values where they lie: each row's block table (a tensor) and length go to
+kernels/step.c's paged step, whose attention follows the table block by block, and the new
+keys and values are written into their blocks; nothing is gathered or copied. Elsewhere (a
+prompt's chunk, a speculative round's verification, a GPU) a forward pass hands the model a
+view that quacks as a DecoderCache: each layer gathers the rows' blocks into a (n, H_kv, W,
+·) window (W: the longest row's length, shorter rows masked as padding at its end), attends
+over it and the new keys, and writes the new keys and values into the rows' blocks.
+Positions count real tokens, so a row decodes as it would alone either way.
 
 With `prefix_cache`, every full block is known by a hash of its tokens and of everything
 before them (the previous block's hash), and kept after its text leaves, until its room is
@@ -34,10 +38,6 @@ import torch
 from torch import Tensor, nn
 
 from tformer.decoding.runner import runner
-from tformer.layers import DecoderCache, KVCache
-
-GATHER_BYTES = 128 << 20
-"""The most a one-token step copies to gather every layer's past at once."""
 
 BLOCK_SIZE = 16
 """Positions per block: small enough that a text wastes little of its last block."""
@@ -106,11 +106,7 @@ class _Pass:
         self.length = self.width
         n, T = real.shape
         past_blocks = blocks_for(self.width, bs)
-        table = torch.zeros(n, max(past_blocks, 1), dtype=torch.long)
-        for i, row in enumerate(rows):
-            table[i, : len(row.blocks[:past_blocks])] = torch.tensor(
-                row.blocks[:past_blocks], dtype=torch.long)
-        self.table = table[:, :past_blocks].to(device)
+        self.table = pool.block_tables(rows, past_blocks)
         uniform = bool((lengths == self.width).all()) and bool(real.all())
         self.is_real: Tensor | None = None
         if not uniform:
@@ -284,10 +280,11 @@ class PagedPool:
             raise ValueError(f"{longest} positions exceed the model's context of "
                              f"{self.context}")
         self._allocate(rows, counts)
-        view = _Pass(self, rows, real)
-        if tokens.shape[1] == 1 and self._gathers_whole(len(rows), view.width):
-            logits = self._step_gathered(view, tokens, real, last_only)
-        else:
+        logits = None
+        if tokens.shape[1] == 1 and bool(real.all()):
+            logits = self._step_in_place(rows, tokens)
+        if logits is None:
+            view = _Pass(self, rows, real)
             logits = self.model(tokens, None if view.is_real is None else real, cache=view,
                                 last_only=last_only)
         for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
@@ -310,38 +307,23 @@ class PagedPool:
             row.blocks[i] = 0
         row.behind = max(row.behind, behind)
 
-    def _gathers_whole(self, rows: int, width: int) -> bool:
-        """Whether a one-token step gathers every layer's past at once (into buffers
-        the one-call step kernel reads, kernels/step.py): where it has the kernel and the
-        copies stay small."""
-        if self._step is None:
-            return False
-        per_position = sum(k[0, :, 0].numel() + v[0, :, 0].numel()
-                           for k, v in zip(self.k, self.v, strict=True))
-        return rows * (width + 1) * per_position * self.k[0].element_size() <= GATHER_BYTES
+    def block_tables(self, rows: list[Row], width: int | None = None) -> Tensor:
+        """(n, width) int64: each row's blocks in order (width: the most any row holds),
+        block 0 after a row's last."""
+        width = max((len(row.blocks) for row in rows), default=0) if width is None else width
+        return torch.tensor([row.blocks[:width] + [0] * (width - len(row.blocks[:width]))
+                             for row in rows], dtype=torch.long, device=self.device
+                            ).reshape(len(rows), width)
 
-    def _step_gathered(self, view: _Pass, tokens: Tensor, real: Tensor,
-                       last_only: bool) -> Tensor:
-        """A one-token step over contiguous copies of the rows' pasts (a DecoderCache the
-        model's one-call step runs over), the new keys and values then stored in blocks."""
-        n, W = len(tokens), view.width
-        caches = []
-        for k, v in zip(self.k, self.v, strict=True):
-            kg = k.new_empty(n, k.shape[1], W + 1, k.shape[3])
-            vg = v.new_empty(n, v.shape[1], W + 1, v.shape[3])
-            if W:
-                kg[:, :, :W] = view.gather(k)
-                vg[:, :, :W] = view.gather(v)
-            caches.append(KVCache.over(kg, vg, W))
-        cache = DecoderCache(caches)
-        cache.is_real = view.is_real
-        cache.step = self._step
-        logits = self.model(tokens, None if view.is_real is None else real, cache=cache,
-                            last_only=last_only)
-        for c, k, v in zip(caches, self.k, self.v, strict=True):
-            view.scatter(k, c.k[:, :, W:])
-            view.scatter(v, c.v[:, :, W:])
-        return logits
+    def _step_in_place(self, rows: list[Row], tokens: Tensor) -> Tensor | None:
+        """A one-token step whose attention reads every row's keys and values in their
+        blocks (the one-call step kernel, kernels/step.c's paged step), the new ones stored
+        there too: (n, 1, V) logits, or None where the kernel does not serve."""
+        if self._step is None:
+            return None
+        logits = self.model.paged_step(tokens, self.k, self.v, self.block_tables(rows),
+                                       [row.length + 1 for row in rows], self.window)
+        return None if logits is None else logits[:, None]
 
     def read_chunk(self, row: Row, tokens: list[int], *, every_position: bool = False) -> Tensor:
         """Read a chunk of a row's text: its (1, V) last-position logits, or (T, V)."""

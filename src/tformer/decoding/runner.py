@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 
 from tformer.kernels.attend import serves_cache
@@ -74,6 +75,24 @@ class LMRunner:
         else:
             x = model.stack(inp, cache)
         return model.outputs(x, last_only=last_only, targets=targets)
+
+
+    def paged_step(self, tokens: Tensor, k: list[Tensor], v: list[Tensor], tables: Tensor,
+                   lengths: list[int], window: int | None) -> Tensor | None:
+        """(n, 1) new tokens of n sequences over a paged pool (decoding/paged.py: k[i], v[i]
+        layer i's blocks, tables (n, ·) each sequence's blocks, lengths its positions with
+        the new one) -> (n, V) next-token logits, their keys and values stored in place; None
+        where the one-call step does not serve (the caller takes the model's path)."""
+        step = self.step()
+        if step is None:
+            return None
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=tokens.device)
+        positions = (lengths_t - 1)[:, None]
+        x = self.model.embed_at(tokens, positions)
+        if not step.serves_paged(x, k[0], max(lengths)):
+            return None
+        x = step.run_paged(x, k, v, tables, lengths_t, positions, window)
+        return self.model.outputs(x, last_only=True)[:, -1]
 
 
 class Seq2SeqRunner:
