@@ -242,3 +242,37 @@ def test_idle_named_blocks_are_taken_back_least_recently_used_first():
     assert pool.available == 3 and len(pool.idle) == 2
     pool.read_chunk(b, list(range(20, 30)))  # needs 3 blocks: the free one, then idle ones
     assert len(pool.idle) == 0 and pool.reuse(Row(), list(range(9))) == 0
+
+
+@torch.no_grad()
+def test_a_rollback_over_several_one_token_passes_as_a_drafter_makes_them():
+    """A drafter's round: three one-token passes, then the first of the three kept. A row
+    that wrote nothing in them (it did not draft) keeps its text; both then step as a full
+    pass over what they kept."""
+    model = model_of({**LLAMA, "n_kv_head": 2})
+    pool = PagedPool(model, 20, block_size=4)
+    pool.reach = 3
+    texts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    for text in texts:
+        pool.join(text)
+    drafting = torch.tensor([[True], [False]])
+    for token in (9, 10, 11):
+        pool.extend(torch.tensor([[token], [0]]), drafting)
+    assert pool.read == [8, 3]
+    pool.truncate(torch.tensor([1, 3]), 3)
+    assert pool.read == [6, 3] and len(pool.active[0].blocks) == 2  # the third went back
+    logits = pool.step([12, 13])
+    for i, text in enumerate([texts[0] + [9, 12], texts[1] + [13]]):
+        torch.testing.assert_close(logits[i], model(torch.tensor([text]))[0, -1], atol=1e-5,
+                                   rtol=1e-5)
+    with pytest.raises(ValueError, match="rollback of 4 columns"):
+        pool.truncate(torch.tensor([0, 0]), 4)
+
+
+@torch.no_grad()
+def test_a_text_longer_than_the_context_is_read_from_its_last_tokens():
+    model = model_of({}, context=8)
+    pool = PagedPool(model, 10, block_size=4)
+    text = list(range(1, 12))
+    pool.join(text)
+    assert pool.read == [11] and pool.held() == 8

@@ -8,7 +8,6 @@ import threading
 import pytest
 import torch
 
-from tformer.decoding.pool import SlotPool
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import TransformerXL, TransformerXLConfig
 from tformer.registry import get_family
@@ -133,23 +132,6 @@ def test_any_of_several_end_of_text_tokens_ends_a_sequence(gpt, batched):
         assert sink.tokens == tokens[:stop]
         assert sink.reason == ("length" if stop is None else "stop")
     assert sinks[0].reason == "stop"
-
-
-def test_compaction_keeps_what_every_row_sees(gpt):
-    pool = SlotPool(gpt, capacity=3)
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    pool.prefill(prompts[:1])
-    pool.prefill(prompts[1:])  # two of different lengths at once
-    pool.remove(0)  # the last row moves into row 0
-    pool.width = 24  # as if the clock had reached the end of the buffer
-    before = pool.step([5, 6])
-    # The same step from a fresh pool with the rows' prompts read again.
-    fresh = SlotPool(gpt, capacity=2)
-    fresh.prefill([prompts[2]])
-    fresh.prefill([prompts[1]])
-    want = fresh.step([5, 6])
-    torch.testing.assert_close(before, want, rtol=1e-5, atol=1e-5)
-    assert pool.width == 5  # gathered to the longest row (4 prompt + 1 new)
 
 
 def test_a_cancelled_sequence_leaves_and_the_others_go_on(gpt):

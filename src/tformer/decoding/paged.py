@@ -53,8 +53,9 @@ class Row:
 
     blocks: list[int] = field(default_factory=list)
     length: int = 0
-    written: int = 0
-    """Positions the last pass stored (speculation's rollback cuts into them)."""
+    passes: list[tuple[int, int]] = field(default_factory=list)
+    """(columns, positions stored) of its latest passes, the last one last, as far back as
+    a rollback may cut (PagedPool.reach columns; the last pass at least)."""
     tokens: list[int] = field(default_factory=list)
     """The tokens whose keys and values it holds (to name its full blocks)."""
     hashes: list[int] = field(default_factory=list)
@@ -63,6 +64,10 @@ class Row:
     """Whether its text has been looked up in the prefix cache (counted once)."""
     behind: int = 0
     """Its first blocks, behind a sliding window, given back (block 0 in their place)."""
+    skipped: int = 0
+    """Tokens of its text before the first it holds (a text longer than the model's
+    context, read from its last `context` tokens: a draft model's row beside a target
+    with a longer context)."""
 
 
 def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
@@ -171,6 +176,8 @@ class PagedPool:
         self.name_of: dict[int, int] = {}
         self.idle: OrderedDict[int, None] = OrderedDict()
         """Named blocks no row holds, least recently used first: free to take back."""
+        self.reach = 1
+        """The most columns a rollback may cut (`truncate`): speculation sets it."""
         self.looked_up = 0
         """Prompt positions looked up in the prefix cache, and those found there."""
         self.found = 0
@@ -287,9 +294,12 @@ class PagedPool:
             view = _Pass(self, rows, real)
             logits = self.model(tokens, None if view.is_real is None else real, cache=view,
                                 last_only=last_only)
+        columns = tokens.shape[1]
         for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
             row.length += count
-            row.written = count
+            row.passes.append((columns, count))
+            while sum(c for c, _ in row.passes[1:]) >= self.reach and len(row.passes) > 1:
+                del row.passes[0]
             row.tokens += tokens[i][real[i]].tolist()
             self._name_blocks(row)
             if self.window is not None:
@@ -300,7 +310,8 @@ class PagedPool:
         """Give back the row's blocks wholly behind the window of every token it may yet
         read: from the length before the last pass on, since a rollback may cut back to
         it. A query at position q sees keys after q - window."""
-        behind = min((row.length - row.written - self.window + 1) // self.block_size,
+        since = row.length - sum(stored for _, stored in row.passes)
+        behind = min((since - self.window + 1) // self.block_size,
                      len(row.blocks) - 1)
         for i in range(row.behind, behind):
             self._drop(row.blocks[i])
@@ -335,20 +346,31 @@ class PagedPool:
         for block in reversed(row.blocks[row.behind:]):
             self._drop(block)
         row.blocks, row.length, row.tokens, row.hashes = [], 0, [], []
-        row.behind = 0
+        row.behind = row.skipped = 0
+        row.passes = []
 
-    # The interface of decoding/pool.py's SlotPool (and its Rows), over the active rows.
+    # decoding/pool.py's Rows (what a speculative round asks of its cache), over the active
+    # rows.
 
     @property
     def read(self) -> list[int]:
         """Per active row: the tokens of its text it has read."""
-        return [row.length for row in self.active]
+        return [row.skipped + row.length for row in self.active]
 
     def held(self) -> int:
         return max((row.length for row in self.active), default=0)
 
     def seat(self, row: Row) -> None:
         self.active.append(row)
+
+    def join(self, text: list[int]) -> None:
+        """Read a text (its last `context` tokens) into a new active row, in one pass (an
+        empty text: a row that starts empty)."""
+        row = Row(skipped=max(0, len(text) - self.context))
+        if text:
+            self.forward([row], torch.tensor([text[row.skipped :]], device=self.device),
+                         last_only=True)
+        self.seat(row)
 
     def step(self, last_tokens: list[int]) -> Tensor:
         """One new token per active row -> (n, V) logits for the next ones."""
@@ -361,11 +383,27 @@ class PagedPool:
         return self.forward(self.active, tokens, real, last_only=last_only)
 
     def truncate(self, kept: Tensor, written: int) -> None:
-        """Row i keeps the first kept[i] of the positions the last `extend` stored."""
+        """Row i keeps the first kept[i] of the `written` columns its latest passes stored
+        (each pass's real columns first): speculation's rollback of rejected drafts, over
+        one pass (the target's verification) or several (a drafter's one-token passes)."""
         bs = self.block_size
         for row, keep in zip(self.active, kept.tolist(), strict=True):
-            row.length -= row.written - min(keep, row.written)
-            row.written = min(keep, row.written)
+            recent: list[tuple[int, int]] = []  # the passes of the last `written` columns
+            columns = 0
+            for width, count in reversed(row.passes):
+                if columns >= written:
+                    break
+                recent.insert(0, (width, count))
+                columns += width
+            if columns != written:
+                raise ValueError(f"a rollback of {written} columns, past the {columns} the "
+                                 f"pool keeps (PagedPool.reach)")
+            dropped = seen = 0
+            for width, count in recent:
+                dropped += count - min(count, max(0, keep - seen))
+                seen += width
+            row.length -= dropped
+            row.passes.clear()
             del row.tokens[row.length :]
             del row.hashes[row.length // bs :]
             keep_blocks = blocks_for(row.length, bs)

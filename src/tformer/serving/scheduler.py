@@ -104,6 +104,7 @@ class PagedEngine(LMEngine):
         self.slots = PagedPool(model, kv_blocks or max_batch * blocks_for(self.context) + 1,
                                prefix_cache=prefix_cache)
         self.speculator = speculator
+        self.slots.reach = self.ahead  # a round's verification: one pass to roll back into
         self.stats.speculation = speculator.stats if speculator is not None else None
         self.seats: Seats[Request] = Seats(
             [self.slots, *(speculator.pools if speculator is not None else [])])  # type: ignore[list-item]
