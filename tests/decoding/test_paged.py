@@ -239,9 +239,9 @@ def test_idle_named_blocks_are_taken_back_least_recently_used_first():
     a, b = Row(), Row()
     pool.read_chunk(a, list(range(9)))  # 2 full blocks named, 1 partial
     pool.release(a)
-    assert pool.available == 3 and len(pool.idle) == 2
+    assert pool.available == 3 and pool.blocks.idle == 2
     pool.read_chunk(b, list(range(20, 30)))  # needs 3 blocks: the free one, then idle ones
-    assert len(pool.idle) == 0 and pool.reuse(Row(), list(range(9))) == 0
+    assert pool.blocks.idle == 0 and pool.reuse(Row(), list(range(9))) == 0
 
 
 @torch.no_grad()

@@ -18,7 +18,9 @@ before them (the previous block's hash), and kept after its text leaves, until i
 needed (least recently used first): a text that starts with the same tokens takes those
 blocks instead of reading them again (a chat's earlier turns, the n choices of one prompt).
 Only full blocks are shared, and a text writes only after its last position, so a shared
-block is never written; a rollback into one (speculation) first takes a private copy.
+block is never written; a rollback into one (speculation) first takes a private copy. Which
+blocks are free, held (and by how many rows) or kept under a name is decoding/blocks.py's
+BlockPool's business; this module keeps the keys and values and the rows.
 
 A model with a sliding window (Mistral) never attends again to the blocks wholly behind it:
 they go back to the pool as the text moves on, and the block table holds block 0 in their
@@ -31,12 +33,12 @@ key/value heads, d key size, d_value value size, V vocabulary.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from tformer.decoding.blocks import BlockPool
 from tformer.decoding.runner import runner
 
 BLOCK_SIZE = 16
@@ -150,8 +152,8 @@ class PagedPool:
 
     def __init__(self, model: nn.Module, blocks: int, *, block_size: int = BLOCK_SIZE,
                  prefix_cache: bool = True) -> None:
-        if blocks < 2:
-            raise ValueError(f"a paged pool needs at least 2 blocks, not {blocks}")
+        self.blocks = BlockPool(blocks, prefix_cache=prefix_cache)
+        """Which blocks are free, held, or kept under a name (decoding/blocks.py)."""
         self.model = model = runner(model)
         self.context = model.cfg.context
         self.window: int | None = getattr(model.cfg, "window", None)
@@ -167,15 +169,8 @@ class PagedPool:
         self._step = model.make_cache(1, 1).step
         """The model's one-call decoding step (kernels/step.py), or None."""
         self.total = blocks - 1
-        self.free = list(range(blocks - 1, 0, -1))
         self.active: list[Row] = []
         self.prefix_cache = prefix_cache
-        self.refs = [0] * blocks
-        self.named: dict[int, int] = {}
-        """Full blocks by name (hash of their tokens and their prefix's)."""
-        self.name_of: dict[int, int] = {}
-        self.idle: OrderedDict[int, None] = OrderedDict()
-        """Named blocks no row holds, least recently used first: free to take back."""
         self.reach = 1
         """The most columns a rollback may cut (`truncate`): speculation sets it."""
         self.looked_up = 0
@@ -196,32 +191,22 @@ class PagedPool:
     @property
     def available(self) -> int:
         """Blocks a row may take: free ones and named ones no row holds."""
-        return len(self.free) + len(self.idle)
+        return self.blocks.available
 
     @property
     def used(self) -> int:
-        return self.total - self.available
+        return self.blocks.used
 
     def _take(self) -> int:
-        """A free block, else the least recently used idle named one (forgotten)."""
-        if self.free:
-            block = self.free.pop()
-        else:
-            block, _ = self.idle.popitem(last=False)
-            del self.named[self.name_of.pop(block)]
+        """A block from the manager, zeroed: what a pass gathers and masks must be finite
+        (new memory may hold NaN, and a masked NaN spreads through 0 * NaN)."""
+        block = self.blocks.take()
         for buf in (*self.k, *self.v):
             buf[block].zero_()
-        self.refs[block] = 1
         return block
 
     def _drop(self, block: int) -> None:
-        """A row lets go of a block: free, or idle where it is named."""
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            if block in self.name_of:
-                self.idle[block] = None
-            else:
-                self.free.append(block)
+        self.blocks.drop(block)
 
     def _allocate(self, rows: list[Row], adding: list[int]) -> None:
         """Give each row the blocks it needs for `adding` more positions, all or none."""
@@ -240,10 +225,7 @@ class PagedPool:
             i = len(row.hashes)
             name = hash((row.hashes[-1] if i else 0, tuple(row.tokens[i * bs : (i + 1) * bs])))
             row.hashes.append(name)
-            block = row.blocks[i]
-            if self.prefix_cache and name not in self.named and block not in self.name_of:
-                self.named[name] = block
-                self.name_of[block] = name
+            self.blocks.name(row.blocks[i], name)
 
     def reuse(self, row: Row, text: list[int]) -> int:
         """Take the named blocks that hold the start of `text` after what the row holds
@@ -260,11 +242,10 @@ class PagedPool:
             i = len(row.hashes)
             chunk = tuple(text[row.length : row.length + bs])
             name = hash((row.hashes[-1] if i else 0, chunk))
-            block = self.named.get(name)
+            block = self.blocks.find(name)
             if block is None:
                 break
-            self.idle.pop(block, None)
-            self.refs[block] += 1
+            self.blocks.hold(block)
             row.blocks.append(block)
             row.hashes.append(name)
             row.tokens += chunk
@@ -417,16 +398,16 @@ class PagedPool:
         """Make the row's last block its own before it writes into it again: unnamed, or
         a copy where other rows hold it too (copy on write)."""
         block = row.blocks[-1]
-        if self.refs[block] > 1:
+        if self.blocks.shared(block):
             if not self.available:
                 raise PoolFull("no KV block free to copy a shared one into")
             copy = self._take()
             for buf in (*self.k, *self.v):
                 buf[copy] = buf[block]
-            self.refs[block] -= 1
+            self.blocks.drop(block)
             row.blocks[-1] = copy
-        elif block in self.name_of:
-            del self.named[self.name_of.pop(block)]
+        else:
+            self.blocks.unname(block)
 
     def remove(self, row: int) -> None:
         """Free an active row; the last one moves into its place."""
