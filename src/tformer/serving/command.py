@@ -144,8 +144,8 @@ def serve_command(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     how = ""
-    if isinstance(engine, LMEngine) and engine.slots is not None:
-        pool = engine.slots
+    pool = getattr(engine, "slots", None)  # a KV-cache model's paged pool
+    if pool is not None:
         how = (f"; KV pool {pool.total * pool.block_bytes(model) / 2**30:.2f} GiB "
                f"({pool.total} blocks of {pool.block_size} positions)")
     if draft is not None or prompt_lookup:
