@@ -8,9 +8,10 @@ reads the keys and values where they lie: each row's block table (a tensor) and 
 kernels/step.c's paged step, whose attention follows the table block by block, and the new
 keys and values are written into their blocks; nothing is gathered or copied. Elsewhere (a
 prompt's chunk, a speculative round's verification, a GPU) a forward pass hands the model a
-view that quacks as a DecoderCache: each layer gathers the rows' blocks into a (n, H_kv, W,
-·) window (W: the longest row's length, shorter rows masked as padding at its end), attends
-over it and the new keys, and writes the new keys and values into the rows' blocks.
+PagedView, which its forward reads as a cache (a KVView, layers/cache.py): each layer
+gathers the rows' blocks into a (n, H_kv, W, ·) window (W: the longest row's length,
+shorter rows masked as padding at its end), attends over it and the new keys, and writes
+the new keys and values into the rows' blocks.
 Positions count real tokens, so a row decodes as it would alone either way.
 
 With `prefix_cache`, every full block is known by a hash of its tokens and of everything
@@ -76,10 +77,11 @@ def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-positions // block_size)
 
 
-class _Layer:
-    """One layer's part of a pass: the gathered past, and where the new positions go."""
+class PagedLayer:
+    """One layer's part of a pass (a LayerKV, layers/cache.py): its blocks, and the view
+    that says which are each row's and where the new positions go."""
 
-    def __init__(self, k: Tensor, v: Tensor, pass_: _Pass) -> None:
+    def __init__(self, k: Tensor, v: Tensor, pass_: PagedView) -> None:
         self.k, self.v, self.pass_ = k, v, pass_
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -98,9 +100,10 @@ class _Layer:
         return out
 
 
-class _Pass:
-    """What GPT.forward reads of a DecoderCache (length, is_real, self_attn, step), over the
-    blocks of the rows in a pass."""
+class PagedView:
+    """The rows of one pass over the pool as a model's forward reads its cache (a KVView,
+    layers/cache.py): block tables as a tensor, which positions are each row's, and a
+    PagedLayer per layer."""
 
     lineage = None
     step = None
@@ -111,9 +114,8 @@ class _Pass:
         lengths = torch.tensor([row.length for row in rows], device=device)
         self.width = int(lengths.max())
         self.length = self.width
-        n, T = real.shape
-        past_blocks = blocks_for(self.width, bs)
-        self.table = pool.block_tables(rows, past_blocks)
+        tables = pool.block_tables(rows)  # every block a row holds, the new ones' too
+        self.table = tables[:, : blocks_for(self.width, bs)]
         uniform = bool((lengths == self.width).all()) and bool(real.all())
         self.is_real: Tensor | None = None
         if not uniform:
@@ -124,12 +126,9 @@ class _Pass:
         rank = (real.cumsum(1) - 1) + lengths[:, None]
         rows_of, cols = real.nonzero(as_tuple=True)
         positions = rank[rows_of, cols]
-        full = [torch.tensor(row.blocks, dtype=torch.long) for row in rows]
-        flat = torch.cat(full).to(device) if full else torch.zeros(0, dtype=torch.long)
-        starts = torch.tensor([0] + [len(b) for b in full], device=device).cumsum(0)[:-1]
-        self.dest_block = flat[starts[rows_of] + positions // bs]
+        self.dest_block = tables[rows_of, positions // bs]
         self.dest_offset = positions % bs
-        self.self_attn = [_Layer(k, v, self) for k, v in zip(pool.k, pool.v, strict=True)]
+        self.self_attn = [PagedLayer(k, v, self) for k, v in zip(pool.k, pool.v, strict=True)]
 
     def gather(self, blocks: Tensor) -> Tensor:
         """(blocks, H, bs, ·) pool -> (n, H, W, ·) the rows' past positions."""
@@ -272,7 +271,7 @@ class PagedPool:
         if tokens.shape[1] == 1 and bool(real.all()):
             logits = self._step_in_place(rows, tokens)
         if logits is None:
-            view = _Pass(self, rows, real)
+            view = PagedView(self, rows, real)
             logits = self.model(tokens, None if view.is_real is None else real, cache=view,
                                 last_only=last_only)
         columns = tokens.shape[1]
