@@ -89,7 +89,8 @@ def test_steps_in_place_give_the_gathered_path_s_logits_through_preemption(optio
     """Two pools driven alike, one stepping in place (the paged step kernel) and one over
     gathered blocks (the model's modules): rows join, leave, are preempted (their blocks
     given back) and resumed (their text read again, into other blocks), and every step's
-    logits agree within 1e-5, with prefix-cache blocks shared among rows."""
+    logits agree within 1e-5, with prefix-cache blocks shared among rows and a speculative
+    round's verification (a few tokens a row, then a rollback) among the steps."""
     from tformer.kernels.attend import native
 
     if native() is None:
@@ -97,6 +98,8 @@ def test_steps_in_place_give_the_gathered_path_s_logits_through_preemption(optio
     model = model_of(options)
     pools = [PagedPool(model, 40, block_size=4), PagedPool(model, 40, block_size=4)]
     pools[1]._step = None
+    for pool in pools:
+        pool.reach = 2
     g = torch.Generator().manual_seed(7)
     texts = [torch.randint(0, 37, (n,), generator=g).tolist() for n in (6, 11, 2)]
     texts.append(texts[1][:8] + [5, 6])  # shares two full blocks with the second text
@@ -122,6 +125,16 @@ def test_steps_in_place_give_the_gathered_path_s_logits_through_preemption(optio
             for pool in pools:
                 pool.remove(0)
             texts[0] = texts.pop()
+        if step == 11:  # a speculative round's verification: 2 tokens a row, some kept
+            drafts = torch.randint(0, 37, (len(texts), 2), generator=g)
+            real = torch.ones_like(drafts, dtype=torch.bool)
+            in_place, gathered = (pool.extend(drafts, real) for pool in pools)
+            torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
+            kept = torch.tensor([1, 2, 0])
+            for pool in pools:
+                pool.truncate(kept, 2)
+            for text, row, keep in zip(texts, drafts.tolist(), kept.tolist(), strict=True):
+                text += row[:keep]
         new = torch.randint(0, 37, (len(texts),), generator=g).tolist()
         in_place, gathered = (pool.step(new) for pool in pools)
         torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)

@@ -3,16 +3,17 @@ blocks (its block table), so that a text holds what it uses and no text widens a
 (Kwon et al. 2023, "PagedAttention"). Serving's continuous batching decodes over it
 (serving/scheduler.py); a long prompt is read into it a chunk at a time.
 
-A decoding step (one new token a row) where the one-call step kernel serves (fp32 on a CPU)
-reads the keys and values where they lie: each row's block table (a tensor) and length go to
-kernels/step.c's paged step, whose attention follows the table block by block, and the new
-keys and values are written into their blocks; nothing is gathered or copied. Elsewhere (a
-prompt's chunk, a speculative round's verification, a GPU) a forward pass hands the model a
-PagedView, which its forward reads as a cache (a KVView, layers/cache.py): each layer
-gathers the rows' blocks into a (n, H_kv, W, ·) window (W: the longest row's length,
-shorter rows masked as padding at its end), attends over it and the new keys, and writes
-the new keys and values into the rows' blocks.
-Positions count real tokens, so a row decodes as it would alone either way.
+A decoding step (one new token a row, or a few: a speculative round's verification) where
+the one-call step kernel serves (fp32 on a CPU, a few rows) reads the keys and values where
+they lie: each row's block table (a tensor) and length go to kernels/step.c's paged step,
+whose attention follows the table block by block, and the new keys and values are written
+into their blocks; nothing is gathered or copied. Elsewhere (a prompt's chunk, rows with
+different numbers of new tokens, a GPU) a forward pass hands the model a PagedView, which
+its forward reads as a cache (a KVView, layers/cache.py): each layer gathers the rows'
+blocks into a (n, H_kv, W, ·) window (W: the longest row's length, shorter rows masked as
+padding at its end), attends over it and the new keys, and writes the new keys and values
+into the rows' blocks. Positions count real tokens, so a row decodes as it would alone
+either way.
 
 With `prefix_cache`, every full block is known by a hash of its tokens and of everything
 before them (the previous block's hash), and kept after its text leaves, until its room is
@@ -268,8 +269,8 @@ class PagedPool:
                              f"{self.context}")
         self._allocate(rows, counts)
         logits = None
-        if tokens.shape[1] == 1 and bool(real.all()):
-            logits = self._step_in_place(rows, tokens)
+        if bool(real.all()):
+            logits = self._step_in_place(rows, tokens, last_only)
         if logits is None:
             view = PagedView(self, rows, real)
             logits = self.model(tokens, None if view.is_real is None else real, cache=view,
@@ -306,15 +307,17 @@ class PagedPool:
                              for row in rows], dtype=torch.long, device=self.device
                             ).reshape(len(rows), width)
 
-    def _step_in_place(self, rows: list[Row], tokens: Tensor) -> Tensor | None:
-        """A one-token step whose attention reads every row's keys and values in their
-        blocks (the one-call step kernel, kernels/step.c's paged step), the new ones stored
-        there too: (n, 1, V) logits, or None where the kernel does not serve."""
+    def _step_in_place(self, rows: list[Row], tokens: Tensor, last_only: bool
+                       ) -> Tensor | None:
+        """A pass of a few new tokens a row whose attention reads every row's keys and
+        values in their blocks (the one-call step kernel, kernels/step.c's paged step), the
+        new ones stored there too: (n, T, V) logits, or (n, 1, V) with `last_only`; None
+        where the kernel does not serve (many rows or tokens, not fp32 on a CPU)."""
         if self._step is None:
             return None
-        logits = self.model.paged_step(tokens, self.k, self.v, self.block_tables(rows),
-                                       [row.length + 1 for row in rows], self.window)
-        return None if logits is None else logits[:, None]
+        return self.model.paged_step(tokens, self.k, self.v, self.block_tables(rows),
+                                     [row.length for row in rows], self.window,
+                                     last_only=last_only)
 
     def read_chunk(self, row: Row, tokens: list[int], *, every_position: bool = False) -> Tensor:
         """Read a chunk of a row's text: its (1, V) last-position logits, or (T, V)."""

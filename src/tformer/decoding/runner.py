@@ -78,21 +78,24 @@ class LMRunner:
 
 
     def paged_step(self, tokens: Tensor, k: list[Tensor], v: list[Tensor], tables: Tensor,
-                   lengths: list[int], window: int | None) -> Tensor | None:
-        """(n, 1) new tokens of n sequences over a paged pool (decoding/paged.py: k[i], v[i]
-        layer i's blocks, tables (n, ·) each sequence's blocks, lengths its positions with
-        the new one) -> (n, V) next-token logits, their keys and values stored in place; None
-        where the one-call step does not serve (the caller takes the model's path)."""
+                   held: list[int], window: int | None, *, last_only: bool = False
+                   ) -> Tensor | None:
+        """(n, T) new tokens of n sequences over a paged pool (decoding/paged.py: k[i], v[i]
+        layer i's blocks, tables (n, ·) each sequence's blocks, held the positions each
+        holds before these) -> (n, T, V) logits, or (n, 1, V) with `last_only`, their keys
+        and values stored in place; None where the one-call step does not serve (the caller
+        takes the model's path)."""
         step = self.step()
         if step is None:
             return None
-        lengths_t = torch.tensor(lengths, dtype=torch.long, device=tokens.device)
-        positions = (lengths_t - 1)[:, None]
+        n, T = tokens.shape
+        start = torch.tensor(held, dtype=torch.long, device=tokens.device)
+        positions = start[:, None] + torch.arange(T, device=tokens.device)
         x = self.model.embed_at(tokens, positions)
-        if not step.serves_paged(x, k[0], max(lengths)):
+        if not step.serves_paged(x, k[0], max(held) + T):
             return None
-        x = step.run_paged(x, k, v, tables, lengths_t, positions, window)
-        return self.model.outputs(x, last_only=True)[:, -1]
+        x = step.run_paged(x, k, v, tables, start + T, positions, window)
+        return self.model.outputs(x, last_only=last_only)
 
 
 class Seq2SeqRunner:

@@ -223,34 +223,39 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
 
 /* The same over a paged cache (Kwon et al. 2023): k and v hold `blocks` blocks of `block`
  * positions, key head g of position `slot` of block b at k + b * k_block + g * k_head +
- * slot * k_pos (v alike). Query row i is one new token of a sequence whose history is
- * lengths[i] positions (the new one's included, already stored), position s in block
- * table[i * table_row + s / block]; with a sliding window > 0 it reads only the last
- * `window` of them (the blocks behind may have been given back). Returns -1, computing
- * nothing, where a table names a block outside the pool or a length is not positive. */
+ * slot * k_pos (v alike). The n query rows are `tokens` new tokens of each of n / tokens
+ * sequences (row i: token i % tokens of sequence i / tokens). Sequence b's history is
+ * lengths[b] positions, its new tokens the last `tokens` of them (already stored), position
+ * s in block table[b * table_row + s / block]; each token reads the positions up to its own
+ * (causal), and with a sliding window > 0 only the last `window` of those (the blocks
+ * behind may have been given back). Returns -1, computing nothing, where a table names a
+ * block outside the pool or a sequence has fewer than `tokens` positions. */
 int tformer_attend_paged(const float *q, long q_row, const float *k, long k_block, long k_head,
                          long k_pos, const float *v, long v_block, long v_head, long v_pos,
                          const int64_t *table, long table_row, long block,
-                         const int64_t *lengths, long window, float *out, long n, long blocks,
-                         long heads, long kv_group, long d, long dv, float scale, int threads)
+                         const int64_t *lengths, long window, float *out, long n, long tokens,
+                         long blocks, long heads, long kv_group, long d, long dv, float scale,
+                         int threads)
 {
     long work = 0;
-    for (long i = 0; i < n; i++) {
-        const long T = lengths[i], first = window > 0 && T > window ? T - window : 0;
-        if (T < 1)
+    for (long b = 0; b < n / tokens; b++) {
+        const long T = lengths[b], first = window > 0 && T - tokens + 1 > window
+                                               ? T - tokens + 1 - window : 0;
+        if (T < tokens)
             return -1;
-        for (long b = first / block; b <= (T - 1) / block; b++)
-            if (table[i * table_row + b] < 0 || table[i * table_row + b] >= blocks)
+        for (long c = first / block; c <= (T - 1) / block; c++)
+            if (table[b * table_row + c] < 0 || table[b * table_row + c] >= blocks)
                 return -1;
-        work += heads * (T - first) * (d + dv);
+        work += tokens * heads * (T - first) * (d + dv);
     }
     const struct places w = {table, table_row, 1, block};
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 65536)
     for (long ih = 0; ih < n * heads; ih++) {
-        const long i = ih / heads, h = ih % heads, T = lengths[i];
+        const long i = ih / heads, h = ih % heads, b = i / tokens;
+        const long T = lengths[b] - tokens + 1 + i % tokens; /* the positions this row reads */
         const long first = window > 0 && T > window ? T - window : 0;
         attend_one(q + i * q_row + h * d, k, k_block, k_head, k_pos, v, v_block, v_head, v_pos,
-                   &w, table + i * table_row, i, h / kv_group, NULL, 0, first, T, d, dv, scale,
+                   &w, table + b * table_row, i, h / kv_group, NULL, 0, first, T, d, dv, scale,
                    out + ih * dv);
     }
     return 0;

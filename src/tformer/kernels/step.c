@@ -367,15 +367,17 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, lo
     return lm_feed_forward(l, x, h, wide, out, n, threads);
 }
 
-/* One step of layer `l` for n sequences, one new token each, over a paged cache: kv's
- * buffer rows are its kv->rows blocks of `block` positions, and sequence i's positions lie
- * in the blocks its table names (table + i * table_row, as tformer_attend_paged reads it).
- * lengths[i] counts sequence i's positions with the new one, which is stored at position
- * lengths[i] - 1 (its block given); window > 0: each reads only its last `window` positions.
- * cos, sin and scratch as tformer_lm_layer_step takes them.
+/* One step of layer `l` over a paged cache: `tokens` new tokens of each of n / tokens
+ * sequences (row i of x: token i % tokens of sequence i / tokens). kv's buffer rows are its
+ * kv->rows blocks of `block` positions, and sequence b's positions lie in the blocks its
+ * table names (table + b * table_row, as tformer_attend_paged reads it). lengths[b] counts
+ * sequence b's positions with the new ones, which are stored at positions lengths[b] -
+ * tokens .. lengths[b] - 1 (their blocks given); each reads the positions up to its own,
+ * with window > 0 only the last `window`. cos, sin (per row) and scratch as
+ * tformer_lm_layer_step takes them.
  * Returns 0; -1 where a product could not allocate; -2 where a table names a block outside
- * the pool (nothing is stored then). */
-int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long n,
+ * the pool or a sequence has fewer positions than new tokens (nothing is stored then). */
+int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long n, long tokens,
                                 const struct tformer_kv *kv, const int64_t *table,
                                 long table_row, long block, const int64_t *lengths,
                                 long window, const float *cos, const float *sin,
@@ -389,9 +391,9 @@ int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long
     int status = 0;
 
     for (long i = 0; i < n; i++) {
-        const long s = lengths[i] - 1;
-        if (s < 0 || table[i * table_row + s / block] < 0
-            || table[i * table_row + s / block] >= kv->rows)
+        const long b = i / tokens, s = lengths[b] - tokens + i % tokens;
+        if (s < 0 || table[b * table_row + s / block] < 0
+            || table[b * table_row + s / block] >= kv->rows)
             return -2;
     }
     /* self-attention */
@@ -399,14 +401,14 @@ int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long
     if ((status = tformer_linear(&l->qkv, in, wide, n, threads)))
         return status;
     for (long i = 0; i < n; i++) {
-        const long s = lengths[i] - 1;
-        place_qkv(l, wide + i * width, table[i * table_row + s / block], s % block, kv,
+        const long b = i / tokens, s = lengths[b] - tokens + i % tokens;
+        place_qkv(l, wide + i * width, table[b * table_row + s / block], s % block, kv,
                   cos ? cos + i * half : NULL, sin ? sin + i * half : NULL);
     }
     if (tformer_attend_paged(wide, width, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v,
                              kv->v_row, kv->v_head, kv->v_pos, table, table_row, block,
-                             lengths, window, att, n, kv->rows, H, H / l->kv_heads, l->d_head,
-                             dv, l->scale, threads))
+                             lengths, window, att, n, tokens, kv->rows, H, H / l->kv_heads,
+                             l->d_head, dv, l->scale, threads))
         return -2;
     if ((status = tformer_linear(&l->out, att, out, n, threads)))
         return status;

@@ -153,8 +153,9 @@ class PagedEngine(LMEngine):
             self._drop_cancelled()
             self._start_sliding()
             requests = {r.order: r for r in self._requests()}
+            # Sequences past the context hold no pool row, but a place in the batch.
             plan = plan_step(self.wants(), self.pool_view(), self.step_tokens,
-                             max_batch=self.max_batch, ahead=self.ahead)
+                             max_batch=self.max_batch - len(self.sliding), ahead=self.ahead)
             self._apply_plan(plan, requests)
             if self.active or self.sliding:
                 self._decode()
