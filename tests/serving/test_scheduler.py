@@ -402,3 +402,48 @@ def test_past_max_waiting_a_request_gets_503_with_retry_after():
         bad = client.post("/v1/completions", json={"prompt": "abc", "priority": "high"})
         assert bad.status_code == 400 and "priority" in bad.text
     assert [s.reason for s in queued] == ["length", "length"]
+
+
+def test_no_step_reads_more_than_its_budget_and_rows_decode_every_step():
+    """Three rows decode while two long prompts and a stream of short ones arrive: every
+    step's passes read at most --step-tokens positions, every decoding row gets its token
+    in every step, and each text is the one it makes alone."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=160, n_layer=2, n_head=2, d_model=16)))
+    engine = LMEngine(gpt, eos_id=None, max_batch=8, max_waiting=16, batched=True,
+                      step_tokens=24)
+    g = torch.Generator().manual_seed(8)
+    read_per_step: list[int] = []
+    forward = engine.slots.forward
+
+    def counted(rows, tokens, real=None, **kw):
+        read_per_step[-1] += int(real.sum()) if real is not None else tokens.numel()
+        return forward(rows, tokens, real, **kw)
+
+    engine.slots.forward = counted
+    requests = [([1, 2, 3], Sampling(30, 0.0)), ([4, 5], Sampling(30, 0.0)),
+                ([6], Sampling(30, 0.0))]
+    sinks = [Collect() for _ in range(3)]
+    engine.submit([Sequence(p, s, sink) for (p, s), sink in zip(requests, sinks,
+                                                                 strict=True)])
+    for step in range(25):
+        if step == 2:
+            for _ in range(2):
+                prompt = torch.randint(0, 29, (100,), generator=g).tolist()
+                requests.append((prompt, Sampling(3, 0.0)))
+                sinks.append(Collect())
+                engine.submit([Sequence(prompt, requests[-1][1], sinks[-1])])
+        if step % 3 == 0 and step:
+            prompt = torch.randint(0, 29, (5,), generator=g).tolist()
+            requests.append((prompt, Sampling(2, 0.0)))
+            sinks.append(Collect())
+            engine.submit([Sequence(prompt, requests[-1][1], sinks[-1])])
+        before = [len(s.tokens) for s in sinks[:3]]
+        read_per_step.append(0)
+        engine.step()
+        assert read_per_step[-1] <= 24
+        if step:  # from the second step on, the three rows decode every step
+            assert [len(s.tokens) for s in sinks[:3]] == [b + 1 for b in before]
+    while engine.running or engine.waiting:
+        engine.step()
+    for (prompt, sampling), sink in zip(requests, sinks, strict=True):
+        assert sink.tokens == alone(gpt, prompt, sampling)
