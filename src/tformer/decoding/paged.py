@@ -112,12 +112,13 @@ class PagedView:
     def __init__(self, pool: PagedPool, rows: list[Row], real: Tensor) -> None:
         device = pool.device
         bs = pool.block_size
-        lengths = torch.tensor([row.length for row in rows], device=device)
-        self.width = int(lengths.max())
+        held = [row.length for row in rows]  # known on the host: no device sync for them
+        lengths = torch.tensor(held, device=device)
+        self.width = max(held)
         self.length = self.width
         tables = pool.block_tables(rows)  # every block a row holds, the new ones' too
         self.table = tables[:, : blocks_for(self.width, bs)]
-        uniform = bool((lengths == self.width).all()) and bool(real.all())
+        uniform = all(h == self.width for h in held) and bool(real.all())
         self.is_real: Tensor | None = None
         if not uniform:
             self.is_real = torch.cat([

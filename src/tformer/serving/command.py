@@ -54,7 +54,9 @@ def serve_command(
     device: Annotated[str, Help("auto (CUDA if present) | cpu | cuda:N")] = "auto",
     name: Annotated[str | None, Help("the model's name in the API (default: the run)")] = None,
     max_batch: Annotated[int, Help("sequences decoded together")] = 16,
-    max_waiting: Annotated[int, Help("sequences queued; past it requests get 503")] = 64,
+    max_waiting: Annotated[
+        int, Help("sequences queued; past it requests get 503 with Retry-After")
+    ] = 64,
     max_body_bytes: Annotated[int, Help("the largest request body accepted")] = 1 << 20,
     batch_window_ms: Annotated[
         float, Help("translations arriving this close together share a batch")
