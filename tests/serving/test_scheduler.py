@@ -349,7 +349,7 @@ def test_prompts_that_cannot_all_be_read_at_once_take_turns():
 
 
 def test_lower_priority_values_are_served_first_when_the_batch_is_full(gpt):
-    """One row, three sequences queued together: they are decoded one after another, the
+    """One row, five sequences queued together: they are decoded one after another, the
     lowest priority value first, then in order of arrival."""
     engine = LMEngine(gpt, eos_id=None, max_batch=1, max_waiting=8, batched=True)
     ends: list[int] = []

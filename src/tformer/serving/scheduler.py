@@ -68,11 +68,17 @@ class Request:
 
     @property
     def computed(self) -> int:
+        """Positions of its text whose keys and values the pool holds."""
         return self.row.length
 
     @property
+    def wanted(self) -> int:
+        """Positions it must hold before it decodes."""
+        return len(self.text)
+
+    @property
     def left(self) -> int:
-        return len(self.text) - self.row.length
+        return self.wanted - self.computed
 
     @property
     def scores(self) -> bool:
@@ -176,7 +182,7 @@ class PagedEngine(LMEngine):
             if (r.phase is not Phase.DECODING and self.slots.prefix_cache and not r.scores
                     and r.computed == 0 and len(r.text) > block):
                 start = hash(tuple(r.text[:block]))
-            wants.append(Want(r.order, r.phase, r.computed, len(r.text), len(r.row.blocks),
+            wants.append(Want(r.order, r.phase, r.computed, r.wanted, len(r.row.blocks),
                               r.seq.sampling.priority, r.order, r.resumed, start))
         return wants
 
