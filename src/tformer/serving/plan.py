@@ -21,10 +21,11 @@ The rules, in the order the function applies them:
    in what is left is read to its end in this step, shortest first: a short prompt that
    arrives while a long one is read has its first token after one step. Texts that do not
    fit are read a chunk at a time in arrival order (so that no stream of later prompts
-   starves the first), at most `piece` tokens in all while rows decode (so that their
-   steps stay short, and never less than `MIN_PIECE`).
-   A chunk is cut to the blocks the pool has; where it has none, a text with more left
-   of no higher priority gives its blocks back, else the text waits for blocks.
+   starves the first): while rows decode, at most a quarter of the budget in all, less
+   the rows' tokens and never less than `MIN_PIECE`, so that their steps stay short. A
+   chunk is cut to the blocks the pool has; where it has none, a text with more left of
+   no higher priority gives its blocks back, else the text waits for blocks (and fails
+   where it could not fit in the whole pool, nothing else holding any).
 """
 
 from __future__ import annotations
