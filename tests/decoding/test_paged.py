@@ -34,20 +34,21 @@ def read(pool: PagedPool, row: Row, text: list[int], chunk: int) -> torch.Tensor
                       for i in range(0, len(text), chunk)])
 
 
-@pytest.mark.parametrize("gathered", [True, False], ids=["whole", "per-layer"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "per-layer"])
 @pytest.mark.parametrize("options", LAYOUTS, ids=str)
 @torch.no_grad()
-def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options, gathered,
-                                                                        monkeypatch):
-    """Steps gather every layer's past at once for the one-call step kernel, or attend
+def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options, in_place):
+    """Steps read every row's blocks in place through the one-call step kernel, or attend
     layer by layer over the gathered blocks: both as a full pass."""
-    from tformer.decoding import paged
+    from tformer.kernels.attend import native
 
-    if not gathered:
-        monkeypatch.setattr(paged, "GATHER_BYTES", 0)
     model = model_of(options)
     pool = PagedPool(model, 64, block_size=4)
-    assert pool._gathers_whole(3, 20) == (gathered and pool._step is not None)
+    if not in_place:
+        pool._step = None
+    elif native() is None:
+        pytest.skip("the kernels are not built here")
+    assert (pool._step is not None) == in_place
     g = torch.Generator().manual_seed(1)
     texts: list[list[int]] = []
     for length in (9, 3, 14):
@@ -80,6 +81,68 @@ def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options, 
         assert max(held) <= 2 and pool.used == sum(held) < sum(-(-len(t) // 4) for t in texts)
     pool.clear()
     assert pool.used == 0
+
+
+@pytest.mark.parametrize("options", LAYOUTS, ids=str)
+@torch.no_grad()
+def test_steps_in_place_give_the_gathered_path_s_logits_through_preemption(options):
+    """Two pools driven alike, one stepping in place (the paged step kernel) and one over
+    gathered blocks (the model's modules): rows join, leave, are preempted (their blocks
+    given back) and resumed (their text read again, into other blocks), and every step's
+    logits agree within 1e-5, with prefix-cache blocks shared among rows and a speculative
+    round's verification (a few tokens a row, then a rollback) among the steps."""
+    from tformer.kernels.attend import native
+
+    if native() is None:
+        pytest.skip("the kernels are not built here")
+    model = model_of(options)
+    pools = [PagedPool(model, 40, block_size=4), PagedPool(model, 40, block_size=4)]
+    pools[1]._step = None
+    for pool in pools:
+        pool.reach = 2
+    g = torch.Generator().manual_seed(7)
+    texts = [torch.randint(0, 37, (n,), generator=g).tolist() for n in (6, 11, 2)]
+    texts.append(texts[1][:8] + [5, 6])  # shares two full blocks with the second text
+
+    def seat(text):
+        for pool in pools:
+            row = Row()
+            pool.reuse(row, text)
+            read(pool, row, text[row.length :], chunk=5)
+            pool.seat(row)
+
+    for text in texts:
+        seat(text)
+    for step in range(14):
+        if step == 3:  # the second row is preempted; the last takes its place
+            for pool in pools:
+                pool.remove(1)
+            preempted, texts[1] = texts[1], texts.pop()
+        if step == 6:  # ... and resumed with the text it had
+            seat(preempted)
+            texts.append(preempted)
+        if step == 9:  # a row leaves
+            for pool in pools:
+                pool.remove(0)
+            texts[0] = texts.pop()
+        if step == 11:  # a speculative round's verification: 2 tokens a row, some kept
+            drafts = torch.randint(0, 37, (len(texts), 2), generator=g)
+            real = torch.ones_like(drafts, dtype=torch.bool)
+            in_place, gathered = (pool.extend(drafts, real) for pool in pools)
+            torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
+            kept = torch.tensor([1, 2, 0])
+            for pool in pools:
+                pool.truncate(kept, 2)
+            for text, row, keep in zip(texts, drafts.tolist(), kept.tolist(), strict=True):
+                text += row[:keep]
+        new = torch.randint(0, 37, (len(texts),), generator=g).tolist()
+        in_place, gathered = (pool.step(new) for pool in pools)
+        torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
+        for text, token in zip(texts, new, strict=True):
+            text.append(token)
+    want = torch.stack([model(torch.tensor([t]))[0, -1] for t in texts])
+    torch.testing.assert_close(in_place, want, atol=1e-5, rtol=1e-5)
+    assert pools[0].found == pools[1].found > 0
 
 
 @pytest.mark.parametrize("options", LAYOUTS[:2], ids=str)
@@ -189,6 +252,40 @@ def test_idle_named_blocks_are_taken_back_least_recently_used_first():
     a, b = Row(), Row()
     pool.read_chunk(a, list(range(9)))  # 2 full blocks named, 1 partial
     pool.release(a)
-    assert pool.available == 3 and len(pool.idle) == 2
+    assert pool.available == 3 and pool.blocks.idle == 2
     pool.read_chunk(b, list(range(20, 30)))  # needs 3 blocks: the free one, then idle ones
-    assert len(pool.idle) == 0 and pool.reuse(Row(), list(range(9))) == 0
+    assert pool.blocks.idle == 0 and pool.reuse(Row(), list(range(9))) == 0
+
+
+@torch.no_grad()
+def test_a_rollback_over_several_one_token_passes_as_a_drafter_makes_them():
+    """A drafter's round: three one-token passes, then the first of the three kept. A row
+    that wrote nothing in them (it did not draft) keeps its text; both then step as a full
+    pass over what they kept."""
+    model = model_of({**LLAMA, "n_kv_head": 2})
+    pool = PagedPool(model, 20, block_size=4)
+    pool.reach = 3
+    texts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    for text in texts:
+        pool.join(text)
+    drafting = torch.tensor([[True], [False]])
+    for token in (9, 10, 11):
+        pool.extend(torch.tensor([[token], [0]]), drafting)
+    assert pool.read == [8, 3]
+    pool.truncate(torch.tensor([1, 3]), 3)
+    assert pool.read == [6, 3] and len(pool.active[0].blocks) == 2  # the third went back
+    logits = pool.step([12, 13])
+    for i, text in enumerate([texts[0] + [9, 12], texts[1] + [13]]):
+        torch.testing.assert_close(logits[i], model(torch.tensor([text]))[0, -1], atol=1e-5,
+                                   rtol=1e-5)
+    with pytest.raises(ValueError, match="rollback of 4 columns"):
+        pool.truncate(torch.tensor([0, 0]), 4)
+
+
+@torch.no_grad()
+def test_a_text_longer_than_the_context_is_read_from_its_last_tokens():
+    model = model_of({}, context=8)
+    pool = PagedPool(model, 10, block_size=4)
+    text = list(range(1, 12))
+    pool.join(text)
+    assert pool.read == [11] and pool.held() == 8

@@ -180,7 +180,7 @@ def served(target, prompt, runs, options, stats):
                             lambda token, _, text=text: token is not None and text.append(token))
                    for i, text in enumerate(texts)])
     while engine.waiting or engine.running:
-        engine._turn(engine._admit())  # the decoding thread's loop, without the thread
+        engine.step()  # the decoding thread's loop, without the thread
     return texts
 
 

@@ -159,3 +159,51 @@ def test_a_row_outside_the_buffer_is_an_index_error_not_a_stray_read():
         rows[1, 3] = bad
         with pytest.raises(IndexError, match="not among the 2 buffer rows"):
             attend_step(q, k, v, 4, rows=rows)
+
+
+def naive_paged(q, k, v, tables, lengths, window):
+    """Paged attention row by row and head by head in float64, each position's key found by
+    hand: block tables[i, s // bs], slot s % bs."""
+    n, heads, d = q.shape
+    bs, kv_group = k.shape[2], heads // k.shape[1]
+    out = torch.empty(n, heads, v.shape[-1], dtype=torch.float64)
+    for i in range(n):
+        length = int(lengths[i])
+        seen = range(max(0, length - window) if window else 0, length)
+        for h in range(heads):
+            g = h // kv_group
+            keys = torch.stack([k[int(tables[i, s // bs]), g, s % bs] for s in seen]).double()
+            values = torch.stack([v[int(tables[i, s // bs]), g, s % bs] for s in seen]).double()
+            scores = keys @ q[i, h].double() / math.sqrt(d)
+            out[i, h] = scores.softmax(dim=0) @ values
+    return out
+
+
+@native
+@pytest.mark.parametrize("heads, kv_heads, d, dv, window",
+                         [(4, 4, 16, 16, None), (9, 3, 64, 64, None), (4, 1, 12, 5, None),
+                          (4, 2, 16, 16, 7)])
+def test_paged_attention_reads_each_position_in_its_block(heads, kv_heads, d, dv, window):
+    """Rows of different lengths whose blocks lie scattered through the pool (block 0
+    standing for blocks behind a window), against float64 attention found by hand."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(12, kv_heads, 4, d, generator=g)
+    v = torch.randn(12, kv_heads, 4, dv, generator=g)
+    q = torch.randn(3, heads, d, generator=g)
+    tables = torch.tensor([[5, 2, 9, 0, 0], [7, 0, 0, 0, 0], [0, 0, 1, 11, 3]])
+    lengths = torch.tensor([11, 3, 18])
+    if window is None:
+        tables[2, :2] = torch.tensor([4, 8])
+    out = attend.attend_paged(q, k, v, tables, lengths, window=window)
+    want = naive_paged(q, k, v, tables, lengths, window)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    reference = attend.attend_paged_reference(q, k, v, tables, lengths, window=window)
+    torch.testing.assert_close(reference.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@native
+def test_paged_attention_refuses_a_table_outside_the_pool():
+    k = v = torch.zeros(4, 1, 4, 8)
+    with pytest.raises(IndexError, match="outside"):
+        attend.attend_paged(torch.zeros(1, 1, 8), k, v, torch.tensor([[0, 4]]),
+                            torch.tensor([6]))

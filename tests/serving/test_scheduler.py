@@ -8,11 +8,10 @@ import threading
 import pytest
 import torch
 
-from tformer.decoding.pool import SlotPool
 from tformer.models.gpt import GPT, GPTConfig
 from tformer.models.transformer_xl import TransformerXL, TransformerXLConfig
 from tformer.registry import get_family
-from tformer.serving.scheduler import LMEngine
+from tformer.serving.scheduler import LMEngine, PagedEngine
 from tformer.serving.sequence import Sampling, Sequence
 
 
@@ -77,7 +76,7 @@ def run_engine(model, requests, *, max_batch, batched=True, eos_id=None, specula
         for seq, (_, _, at) in zip(seqs, requests, strict=True):
             if at == step:
                 engine.submit([seq])
-        engine._turn(engine._admit())
+        engine.step()
         step += 1
         assert step < 500
     return sinks
@@ -135,34 +134,16 @@ def test_any_of_several_end_of_text_tokens_ends_a_sequence(gpt, batched):
     assert sinks[0].reason == "stop"
 
 
-def test_compaction_keeps_what_every_row_sees(gpt):
-    pool = SlotPool(gpt, capacity=3)
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    pool.prefill(prompts[:1])
-    pool.prefill(prompts[1:])  # two of different lengths at once
-    pool.remove(0)  # the last row moves into row 0
-    pool.width = 24  # as if the clock had reached the end of the buffer
-    before = pool.step([5, 6])
-    # The same step from a fresh pool with the rows' prompts read again.
-    fresh = SlotPool(gpt, capacity=2)
-    fresh.prefill([prompts[2]])
-    fresh.prefill([prompts[1]])
-    want = fresh.step([5, 6])
-    torch.testing.assert_close(before, want, rtol=1e-5, atol=1e-5)
-    assert pool.width == 5  # gathered to the longest row (4 prompt + 1 new)
-
-
 def test_a_cancelled_sequence_leaves_and_the_others_go_on(gpt):
     sink = Collect()
     engine = LMEngine(gpt, eos_id=None, max_batch=4, max_waiting=8, batched=True)
     seq = Sequence([1, 2], Sampling(10, 0.0), sink)
     other = Collect()
     engine.submit([seq, Sequence([3], Sampling(5, 0.0), other)])
-    engine._turn(engine._admit())  # both prompts read, a first token each
-    engine._turn([])
+    engine.step()  # both prompts read, a first token each
+    engine.step()
     seq.cancel()
-    engine._drop_cancelled()
-    engine._step()
+    engine.step()
     assert sink.reason == "cancelled" and len(sink.tokens) == 2
     assert len(engine.active) == 1 and engine.slots.rows == 1
 
@@ -240,10 +221,10 @@ def test_a_short_prompt_is_answered_while_a_long_one_is_still_being_read():
     engine.submit([Sequence(long_prompt.tolist(), Sampling(4, 0.0), long_sink),
                    Sequence([3, 4, 5], Sampling(4, 0.0), short_sink)])
     for _ in range(5):
-        engine._turn(engine._admit())
+        engine.step()
     assert short_sink.reason == "length" and not long_sink.tokens
     while long_sink.reason is None:
-        engine._turn(engine._admit())
+        engine.step()
     assert short_sink.tokens == alone(gpt, [3, 4, 5], Sampling(4, 0.0))
     assert long_sink.tokens == alone(gpt, long_prompt.tolist(), Sampling(4, 0.0))
 
@@ -262,14 +243,14 @@ def test_short_prompts_that_fit_the_step_are_read_whole_while_rows_decode():
     first, long_sink, sinks = Collect(), Collect(), [Collect() for _ in shorts]
     engine.submit([Sequence(long_prompt, Sampling(6, 0.0), long_sink),
                    Sequence([3, 4, 5], Sampling(12, 0.0), first)])
-    engine._turn(engine._admit())
+    engine.step()
     assert len(first.tokens) == 1 and not long_sink.tokens  # decoding; the long one read on
     engine.submit([Sequence(p, Sampling(4, 0.0), s) for p, s in zip(shorts, sinks,
                                                                      strict=True)])
-    engine._turn(engine._admit())
+    engine.step()
     assert [len(s.tokens) for s in sinks] == [1, 1, 1] and not long_sink.tokens
     while engine.running or engine.waiting:
-        engine._turn(engine._admit())
+        engine.step()
     for prompt, sink, sampling in [(long_prompt, long_sink, Sampling(6, 0.0)),
                                    ([3, 4, 5], first, Sampling(12, 0.0)),
                                    *[(p, s, Sampling(4, 0.0)) for p, s in zip(
@@ -286,16 +267,16 @@ def test_rows_preempted_for_want_of_blocks_resume_with_the_same_text(monkeypatch
     requests = [(torch.randint(0, 29, (40,), generator=g).tolist(),
                  Sampling(30, 0.0 if i % 2 == 0 else 1.0, top_k=0 if i % 2 == 0 else 5,
                           seed=i), 0) for i in range(3)]
-    engine_stats = []
-    original = LMEngine._make_room
+    engines = []
+    original = PagedEngine.__init__
 
-    def make_room(self):
-        original(self)
-        engine_stats.append(self.stats.preemptions)
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        engines.append(self)
 
-    monkeypatch.setattr(LMEngine, "_make_room", make_room)
+    monkeypatch.setattr(PagedEngine, "__init__", init)
     sinks = run_engine(gpt, requests, max_batch=3, kv_blocks=10)
-    assert max(engine_stats) >= 1
+    assert engines[0].stats.preemptions >= 1
     for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
         assert sink.tokens == alone(gpt, prompt, sampling)
         assert sink.reason == "length"
@@ -306,7 +287,7 @@ def test_a_text_larger_than_the_whole_pool_fails_with_a_clear_error(gpt):
                       kv_blocks=2)  # one block of 16 positions
     sink = Collect()
     engine.submit([Sequence(list(range(20)), Sampling(3, 0.0), sink)])
-    engine._turn(engine._admit())
+    engine.step()
     assert sink.reason == "error" and engine.kv_positions() == 16
 
 
@@ -342,7 +323,7 @@ def test_the_n_choices_of_a_prompt_share_its_blocks_and_chat_turns_reuse_the_las
     engine.submit([Sequence(prompt, Sampling(5, 1.0, seed=i), sink)
                    for i, sink in enumerate(sinks)])
     while any(s.reason is None for s in sinks):
-        engine._turn(engine._admit())
+        engine.step()
     pool = engine.slots
     assert pool.found == 32 and pool.looked_up == 80
     for i, sink in enumerate(sinks):
@@ -351,7 +332,7 @@ def test_the_n_choices_of_a_prompt_share_its_blocks_and_chat_turns_reuse_the_las
     sink = Collect()
     engine.submit([Sequence(longer, Sampling(4, 0.0), sink)])
     while sink.reason is None:
-        engine._turn(engine._admit())
+        engine.step()
     assert pool.found == 32 + 32 and sink.tokens == alone(gpt, longer, Sampling(4, 0.0))
 
 
@@ -365,3 +346,104 @@ def test_prompts_that_cannot_all_be_read_at_once_take_turns():
     sinks = run_engine(gpt, requests, max_batch=3, kv_blocks=5, step_tokens=16)
     for (prompt, sampling, _), sink in zip(requests, sinks, strict=True):
         assert sink.tokens == alone(gpt, prompt, sampling) and sink.reason == "length"
+
+
+def test_lower_priority_values_are_served_first_when_the_batch_is_full(gpt):
+    """One row, five sequences queued together: they are decoded one after another, the
+    lowest priority value first, then in order of arrival."""
+    engine = LMEngine(gpt, eos_id=None, max_batch=1, max_waiting=8, batched=True)
+    ends: list[int] = []
+
+    def sink(i):
+        def deliver(token, reason):
+            if token is None:
+                ends.append(i)
+        return deliver
+
+    engine.submit([Sequence([1, 2], Sampling(3, 0.0, priority=p), sink(i))
+                   for i, p in enumerate([0, -1, 0, 2, -1])])
+    while len(ends) < 5:
+        engine.step()
+    assert ends == [1, 4, 0, 2, 3]
+
+
+def test_past_max_waiting_a_request_gets_503_with_retry_after():
+    """The queue full (the decoding thread held before its step, so nothing leaves it), a
+    completion is refused with 503 and Retry-After; once the thread goes on, a request with
+    a priority is answered, and a priority that is not a number is a 400 naming it."""
+    from fastapi.testclient import TestClient
+
+    from tformer.data.tokenizers import CharTokenizer
+    from tformer.serving.app import create_app
+
+    tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz .")
+    gpt = decisive(GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context=24, n_layer=2,
+                                 n_head=2, d_model=16)))
+    engine = LMEngine(gpt, eos_id=None, max_batch=1, max_waiting=2, batched=True)
+    go = threading.Event()
+    step = engine.step
+
+    def held_step():
+        go.wait(30)
+        step()
+
+    engine.step = held_step
+    app = create_app(engine, tokenizer, model_name="tiny", kind="lm")
+    queued = [Collect(), Collect()]
+    with TestClient(app) as client:
+        assert engine.submit([Sequence([1], Sampling(2, 0.0), s) for s in queued])
+        r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "overloaded"
+        go.set()
+        ok = client.post("/v1/completions",
+                         json={"prompt": "abc", "max_tokens": 2, "priority": -3})
+        assert ok.status_code == 200, ok.text
+        bad = client.post("/v1/completions", json={"prompt": "abc", "priority": "high"})
+        assert bad.status_code == 400 and "priority" in bad.text
+    assert [s.reason for s in queued] == ["length", "length"]
+
+
+def test_no_step_reads_more_than_its_budget_and_rows_decode_every_step():
+    """Three rows decode while two long prompts and a stream of short ones arrive: every
+    step's passes read at most --step-tokens positions, every decoding row gets its token
+    in every step, and each text is the one it makes alone."""
+    gpt = decisive(GPT(GPTConfig(vocab_size=29, context=160, n_layer=2, n_head=2, d_model=16)))
+    engine = LMEngine(gpt, eos_id=None, max_batch=8, max_waiting=16, batched=True,
+                      step_tokens=24)
+    g = torch.Generator().manual_seed(8)
+    read_per_step: list[int] = []
+    forward = engine.slots.forward
+
+    def counted(rows, tokens, real=None, **kw):
+        read_per_step[-1] += int(real.sum()) if real is not None else tokens.numel()
+        return forward(rows, tokens, real, **kw)
+
+    engine.slots.forward = counted
+    requests = [([1, 2, 3], Sampling(30, 0.0)), ([4, 5], Sampling(30, 0.0)),
+                ([6], Sampling(30, 0.0))]
+    sinks = [Collect() for _ in range(3)]
+    engine.submit([Sequence(p, s, sink) for (p, s), sink in zip(requests, sinks,
+                                                                 strict=True)])
+    for step in range(25):
+        if step == 2:
+            for _ in range(2):
+                prompt = torch.randint(0, 29, (100,), generator=g).tolist()
+                requests.append((prompt, Sampling(3, 0.0)))
+                sinks.append(Collect())
+                engine.submit([Sequence(prompt, requests[-1][1], sinks[-1])])
+        if step % 3 == 0 and step:
+            prompt = torch.randint(0, 29, (5,), generator=g).tolist()
+            requests.append((prompt, Sampling(2, 0.0)))
+            sinks.append(Collect())
+            engine.submit([Sequence(prompt, requests[-1][1], sinks[-1])])
+        before = [len(s.tokens) for s in sinks[:3]]
+        read_per_step.append(0)
+        engine.step()
+        assert read_per_step[-1] <= 24
+        if step:  # from the second step on, the three rows decode every step
+            assert [len(s.tokens) for s in sinks[:3]] == [b + 1 for b in before]
+    while engine.running or engine.waiting:
+        engine.step()
+    for (prompt, sampling), sink in zip(requests, sinks, strict=True):
+        assert sink.tokens == alone(gpt, prompt, sampling)

@@ -3,18 +3,26 @@ blocks (its block table), so that a text holds what it uses and no text widens a
 (Kwon et al. 2023, "PagedAttention"). Serving's continuous batching decodes over it
 (serving/scheduler.py); a long prompt is read into it a chunk at a time.
 
-A forward pass over some rows hands the model a view that quacks as a DecoderCache: each
-layer gathers the rows' blocks into a (n, H_kv, W, ·) window (W: the longest row's length,
-shorter rows masked as padding at its end), attends over it and the new keys, and writes the
-new keys and values into the rows' blocks. Positions count real tokens, so a row decodes as
-it would alone.
+A decoding step (one new token a row, or a few: a speculative round's verification) where
+the one-call step kernel serves (fp32 on a CPU, a few rows) reads the keys and values where
+they lie: each row's block table (a tensor) and length go to kernels/step.c's paged step,
+whose attention follows the table block by block, and the new keys and values are written
+into their blocks; nothing is gathered or copied. Elsewhere (a prompt's chunk, rows with
+different numbers of new tokens, a GPU) a forward pass hands the model a PagedView, which
+its forward reads as a cache (a KVView, layers/cache.py): each layer gathers the rows'
+blocks into a (n, H_kv, W, ·) window (W: the longest row's length, shorter rows masked as
+padding at its end), attends over it and the new keys, and writes the new keys and values
+into the rows' blocks. Positions count real tokens, so a row decodes as it would alone
+either way.
 
 With `prefix_cache`, every full block is known by a hash of its tokens and of everything
 before them (the previous block's hash), and kept after its text leaves, until its room is
 needed (least recently used first): a text that starts with the same tokens takes those
 blocks instead of reading them again (a chat's earlier turns, the n choices of one prompt).
 Only full blocks are shared, and a text writes only after its last position, so a shared
-block is never written; a rollback into one (speculation) first takes a private copy.
+block is never written; a rollback into one (speculation) first takes a private copy. Which
+blocks are free, held (and by how many rows) or kept under a name is decoding/blocks.py's
+BlockPool's business; this module keeps the keys and values and the rows.
 
 A model whose every layer slides a window (Mistral; not Gemma's, whose global layers read
 everything) never attends again to the blocks wholly behind it:
@@ -28,17 +36,13 @@ key/value heads, d key size, d_value value size, V vocabulary.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from tformer.decoding.blocks import BlockPool
 from tformer.decoding.runner import runner
-from tformer.layers import DecoderCache, KVCache
-
-GATHER_BYTES = 128 << 20
-"""The most a one-token step copies to gather every layer's past at once."""
 
 BLOCK_SIZE = 16
 """Positions per block: small enough that a text wastes little of its last block."""
@@ -54,8 +58,9 @@ class Row:
 
     blocks: list[int] = field(default_factory=list)
     length: int = 0
-    written: int = 0
-    """Positions the last pass stored (speculation's rollback cuts into them)."""
+    passes: list[tuple[int, int]] = field(default_factory=list)
+    """(columns, positions stored) of its latest passes, the last one last, as far back as
+    a rollback may cut (PagedPool.reach columns; the last pass at least)."""
     tokens: list[int] = field(default_factory=list)
     """The tokens whose keys and values it holds (to name its full blocks)."""
     hashes: list[int] = field(default_factory=list)
@@ -64,16 +69,21 @@ class Row:
     """Whether its text has been looked up in the prefix cache (counted once)."""
     behind: int = 0
     """Its first blocks, behind a sliding window, given back (block 0 in their place)."""
+    skipped: int = 0
+    """Tokens of its text before the first it holds (a text longer than the model's
+    context, read from its last `context` tokens: a draft model's row beside a target
+    with a longer context)."""
 
 
 def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-positions // block_size)
 
 
-class _Layer:
-    """One layer's part of a pass: the gathered past, and where the new positions go."""
+class PagedLayer:
+    """One layer's part of a pass (a LayerKV, layers/cache.py): its blocks, and the view
+    that says which are each row's and where the new positions go."""
 
-    def __init__(self, k: Tensor, v: Tensor, pass_: _Pass) -> None:
+    def __init__(self, k: Tensor, v: Tensor, pass_: PagedView) -> None:
         self.k, self.v, self.pass_ = k, v, pass_
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -92,9 +102,10 @@ class _Layer:
         return out
 
 
-class _Pass:
-    """What GPT.forward reads of a DecoderCache (length, is_real, self_attn, step), over the
-    blocks of the rows in a pass."""
+class PagedView:
+    """The rows of one pass over the pool as a model's forward reads its cache (a KVView,
+    layers/cache.py): block tables as a tensor, which positions are each row's, and a
+    PagedLayer per layer."""
 
     lineage = None
     step = None
@@ -102,17 +113,13 @@ class _Pass:
     def __init__(self, pool: PagedPool, rows: list[Row], real: Tensor) -> None:
         device = pool.device
         bs = pool.block_size
-        lengths = torch.tensor([row.length for row in rows], device=device)
-        self.width = int(lengths.max())
+        held = [row.length for row in rows]  # known on the host: no device sync for them
+        lengths = torch.tensor(held, device=device)
+        self.width = max(held)
         self.length = self.width
-        n, T = real.shape
-        past_blocks = blocks_for(self.width, bs)
-        table = torch.zeros(n, max(past_blocks, 1), dtype=torch.long)
-        for i, row in enumerate(rows):
-            table[i, : len(row.blocks[:past_blocks])] = torch.tensor(
-                row.blocks[:past_blocks], dtype=torch.long)
-        self.table = table[:, :past_blocks].to(device)
-        uniform = bool((lengths == self.width).all()) and bool(real.all())
+        tables = pool.block_tables(rows)  # every block a row holds, the new ones' too
+        self.table = tables[:, : blocks_for(self.width, bs)]
+        uniform = all(h == self.width for h in held) and bool(real.all())
         self.is_real: Tensor | None = None
         if not uniform:
             self.is_real = torch.cat([
@@ -122,12 +129,9 @@ class _Pass:
         rank = (real.cumsum(1) - 1) + lengths[:, None]
         rows_of, cols = real.nonzero(as_tuple=True)
         positions = rank[rows_of, cols]
-        full = [torch.tensor(row.blocks, dtype=torch.long) for row in rows]
-        flat = torch.cat(full).to(device) if full else torch.zeros(0, dtype=torch.long)
-        starts = torch.tensor([0] + [len(b) for b in full], device=device).cumsum(0)[:-1]
-        self.dest_block = flat[starts[rows_of] + positions // bs]
+        self.dest_block = tables[rows_of, positions // bs]
         self.dest_offset = positions % bs
-        self.self_attn = [_Layer(k, v, self) for k, v in zip(pool.k, pool.v, strict=True)]
+        self.self_attn = [PagedLayer(k, v, self) for k, v in zip(pool.k, pool.v, strict=True)]
 
     def gather(self, blocks: Tensor) -> Tensor:
         """(blocks, H, bs, ·) pool -> (n, H, W, ·) the rows' past positions."""
@@ -150,8 +154,8 @@ class PagedPool:
 
     def __init__(self, model: nn.Module, blocks: int, *, block_size: int = BLOCK_SIZE,
                  prefix_cache: bool = True) -> None:
-        if blocks < 2:
-            raise ValueError(f"a paged pool needs at least 2 blocks, not {blocks}")
+        self.blocks = BlockPool(blocks, prefix_cache=prefix_cache)
+        """Which blocks are free, held, or kept under a name (decoding/blocks.py)."""
         self.model = model = runner(model)
         self.context = model.cfg.context
         self.window: int | None = getattr(model.cfg, "cache_window", None)
@@ -167,15 +171,10 @@ class PagedPool:
         self._step = model.make_cache(1, 1).step
         """The model's one-call decoding step (kernels/step.py), or None."""
         self.total = blocks - 1
-        self.free = list(range(blocks - 1, 0, -1))
         self.active: list[Row] = []
         self.prefix_cache = prefix_cache
-        self.refs = [0] * blocks
-        self.named: dict[int, int] = {}
-        """Full blocks by name (hash of their tokens and their prefix's)."""
-        self.name_of: dict[int, int] = {}
-        self.idle: OrderedDict[int, None] = OrderedDict()
-        """Named blocks no row holds, least recently used first: free to take back."""
+        self.reach = 1
+        """The most columns a rollback may cut (`truncate`): speculation sets it."""
         self.looked_up = 0
         """Prompt positions looked up in the prefix cache, and those found there."""
         self.found = 0
@@ -194,32 +193,22 @@ class PagedPool:
     @property
     def available(self) -> int:
         """Blocks a row may take: free ones and named ones no row holds."""
-        return len(self.free) + len(self.idle)
+        return self.blocks.available
 
     @property
     def used(self) -> int:
-        return self.total - self.available
+        return self.blocks.used
 
     def _take(self) -> int:
-        """A free block, else the least recently used idle named one (forgotten)."""
-        if self.free:
-            block = self.free.pop()
-        else:
-            block, _ = self.idle.popitem(last=False)
-            del self.named[self.name_of.pop(block)]
+        """A block from the manager, zeroed: what a pass gathers and masks must be finite
+        (new memory may hold NaN, and a masked NaN spreads through 0 * NaN)."""
+        block = self.blocks.take()
         for buf in (*self.k, *self.v):
             buf[block].zero_()
-        self.refs[block] = 1
         return block
 
     def _drop(self, block: int) -> None:
-        """A row lets go of a block: free, or idle where it is named."""
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            if block in self.name_of:
-                self.idle[block] = None
-            else:
-                self.free.append(block)
+        self.blocks.drop(block)
 
     def _allocate(self, rows: list[Row], adding: list[int]) -> None:
         """Give each row the blocks it needs for `adding` more positions, all or none."""
@@ -238,10 +227,7 @@ class PagedPool:
             i = len(row.hashes)
             name = hash((row.hashes[-1] if i else 0, tuple(row.tokens[i * bs : (i + 1) * bs])))
             row.hashes.append(name)
-            block = row.blocks[i]
-            if self.prefix_cache and name not in self.named and block not in self.name_of:
-                self.named[name] = block
-                self.name_of[block] = name
+            self.blocks.name(row.blocks[i], name)
 
     def reuse(self, row: Row, text: list[int]) -> int:
         """Take the named blocks that hold the start of `text` after what the row holds
@@ -258,11 +244,10 @@ class PagedPool:
             i = len(row.hashes)
             chunk = tuple(text[row.length : row.length + bs])
             name = hash((row.hashes[-1] if i else 0, chunk))
-            block = self.named.get(name)
+            block = self.blocks.find(name)
             if block is None:
                 break
-            self.idle.pop(block, None)
-            self.refs[block] += 1
+            self.blocks.hold(block)
             row.blocks.append(block)
             row.hashes.append(name)
             row.tokens += chunk
@@ -285,15 +270,19 @@ class PagedPool:
             raise ValueError(f"{longest} positions exceed the model's context of "
                              f"{self.context}")
         self._allocate(rows, counts)
-        view = _Pass(self, rows, real)
-        if tokens.shape[1] == 1 and self._gathers_whole(len(rows), view.width):
-            logits = self._step_gathered(view, tokens, real, last_only)
-        else:
+        logits = None
+        if bool(real.all()):
+            logits = self._step_in_place(rows, tokens, last_only)
+        if logits is None:
+            view = PagedView(self, rows, real)
             logits = self.model(tokens, None if view.is_real is None else real, cache=view,
                                 last_only=last_only)
+        columns = tokens.shape[1]
         for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
             row.length += count
-            row.written = count
+            row.passes.append((columns, count))
+            while sum(c for c, _ in row.passes[1:]) >= self.reach and len(row.passes) > 1:
+                del row.passes[0]
             row.tokens += tokens[i][real[i]].tolist()
             self._name_blocks(row)
             if self.window is not None:
@@ -304,45 +293,33 @@ class PagedPool:
         """Give back the row's blocks wholly behind the window of every token it may yet
         read: from the length before the last pass on, since a rollback may cut back to
         it. A query at position q sees keys after q - window."""
-        behind = min((row.length - row.written - self.window + 1) // self.block_size,
+        since = row.length - sum(stored for _, stored in row.passes)
+        behind = min((since - self.window + 1) // self.block_size,
                      len(row.blocks) - 1)
         for i in range(row.behind, behind):
             self._drop(row.blocks[i])
             row.blocks[i] = 0
         row.behind = max(row.behind, behind)
 
-    def _gathers_whole(self, rows: int, width: int) -> bool:
-        """Whether a one-token step gathers every layer's past at once (into buffers
-        the one-call step kernel reads, kernels/step.py): where it has the kernel and the
-        copies stay small."""
-        if self._step is None:
-            return False
-        per_position = sum(k[0, :, 0].numel() + v[0, :, 0].numel()
-                           for k, v in zip(self.k, self.v, strict=True))
-        return rows * (width + 1) * per_position * self.k[0].element_size() <= GATHER_BYTES
+    def block_tables(self, rows: list[Row], width: int | None = None) -> Tensor:
+        """(n, width) int64: each row's blocks in order (width: the most any row holds),
+        block 0 after a row's last."""
+        width = max((len(row.blocks) for row in rows), default=0) if width is None else width
+        return torch.tensor([row.blocks[:width] + [0] * (width - len(row.blocks[:width]))
+                             for row in rows], dtype=torch.long, device=self.device
+                            ).reshape(len(rows), width)
 
-    def _step_gathered(self, view: _Pass, tokens: Tensor, real: Tensor,
-                       last_only: bool) -> Tensor:
-        """A one-token step over contiguous copies of the rows' pasts (a DecoderCache the
-        model's one-call step runs over), the new keys and values then stored in blocks."""
-        n, W = len(tokens), view.width
-        caches = []
-        for k, v in zip(self.k, self.v, strict=True):
-            kg = k.new_empty(n, k.shape[1], W + 1, k.shape[3])
-            vg = v.new_empty(n, v.shape[1], W + 1, v.shape[3])
-            if W:
-                kg[:, :, :W] = view.gather(k)
-                vg[:, :, :W] = view.gather(v)
-            caches.append(KVCache.over(kg, vg, W))
-        cache = DecoderCache(caches)
-        cache.is_real = view.is_real
-        cache.step = self._step
-        logits = self.model(tokens, None if view.is_real is None else real, cache=cache,
-                            last_only=last_only)
-        for c, k, v in zip(caches, self.k, self.v, strict=True):
-            view.scatter(k, c.k[:, :, W:])
-            view.scatter(v, c.v[:, :, W:])
-        return logits
+    def _step_in_place(self, rows: list[Row], tokens: Tensor, last_only: bool
+                       ) -> Tensor | None:
+        """A pass of a few new tokens a row whose attention reads every row's keys and
+        values in their blocks (the one-call step kernel, kernels/step.c's paged step), the
+        new ones stored there too: (n, T, V) logits, or (n, 1, V) with `last_only`; None
+        where the kernel does not serve (many rows or tokens, not fp32 on a CPU)."""
+        if self._step is None:
+            return None
+        return self.model.paged_step(tokens, self.k, self.v, self.block_tables(rows),
+                                     [row.length for row in rows], self.window,
+                                     last_only=last_only)
 
     def read_chunk(self, row: Row, tokens: list[int], *, every_position: bool = False) -> Tensor:
         """Read a chunk of a row's text: its (1, V) last-position logits, or (T, V)."""
@@ -354,20 +331,31 @@ class PagedPool:
         for block in reversed(row.blocks[row.behind:]):
             self._drop(block)
         row.blocks, row.length, row.tokens, row.hashes = [], 0, [], []
-        row.behind = 0
+        row.behind = row.skipped = 0
+        row.passes = []
 
-    # The interface of decoding/pool.py's SlotPool (and its Rows), over the active rows.
+    # decoding/pool.py's Rows (what a speculative round asks of its cache), over the active
+    # rows.
 
     @property
     def read(self) -> list[int]:
         """Per active row: the tokens of its text it has read."""
-        return [row.length for row in self.active]
+        return [row.skipped + row.length for row in self.active]
 
     def held(self) -> int:
         return max((row.length for row in self.active), default=0)
 
     def seat(self, row: Row) -> None:
         self.active.append(row)
+
+    def join(self, text: list[int]) -> None:
+        """Read a text (its last `context` tokens) into a new active row, in one pass (an
+        empty text: a row that starts empty)."""
+        row = Row(skipped=max(0, len(text) - self.context))
+        if text:
+            self.forward([row], torch.tensor([text[row.skipped :]], device=self.device),
+                         last_only=True)
+        self.seat(row)
 
     def step(self, last_tokens: list[int]) -> Tensor:
         """One new token per active row -> (n, V) logits for the next ones."""
@@ -380,11 +368,27 @@ class PagedPool:
         return self.forward(self.active, tokens, real, last_only=last_only)
 
     def truncate(self, kept: Tensor, written: int) -> None:
-        """Row i keeps the first kept[i] of the positions the last `extend` stored."""
+        """Row i keeps the first kept[i] of the `written` columns its latest passes stored
+        (each pass's real columns first): speculation's rollback of rejected drafts, over
+        one pass (the target's verification) or several (a drafter's one-token passes)."""
         bs = self.block_size
         for row, keep in zip(self.active, kept.tolist(), strict=True):
-            row.length -= row.written - min(keep, row.written)
-            row.written = min(keep, row.written)
+            recent: list[tuple[int, int]] = []  # the passes of the last `written` columns
+            columns = 0
+            for width, count in reversed(row.passes):
+                if columns >= written:
+                    break
+                recent.insert(0, (width, count))
+                columns += width
+            if columns != written:
+                raise ValueError(f"a rollback of {written} columns, past the {columns} the "
+                                 f"pool keeps (PagedPool.reach)")
+            dropped = seen = 0
+            for width, count in recent:
+                dropped += count - min(count, max(0, keep - seen))
+                seen += width
+            row.length -= dropped
+            row.passes.clear()
             del row.tokens[row.length :]
             del row.hashes[row.length // bs :]
             keep_blocks = blocks_for(row.length, bs)
@@ -398,16 +402,16 @@ class PagedPool:
         """Make the row's last block its own before it writes into it again: unnamed, or
         a copy where other rows hold it too (copy on write)."""
         block = row.blocks[-1]
-        if self.refs[block] > 1:
+        if self.blocks.shared(block):
             if not self.available:
                 raise PoolFull("no KV block free to copy a shared one into")
             copy = self._take()
             for buf in (*self.k, *self.v):
                 buf[copy] = buf[block]
-            self.refs[block] -= 1
+            self.blocks.drop(block)
             row.blocks[-1] = copy
-        elif block in self.name_of:
-            del self.named[self.name_of.pop(block)]
+        else:
+            self.blocks.unname(block)
 
     def remove(self, row: int) -> None:
         """Free an active row; the last one moves into its place."""

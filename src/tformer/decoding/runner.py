@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 
 from tformer.kernels.attend import serves_cache
@@ -74,6 +75,27 @@ class LMRunner:
         else:
             x = model.stack(inp, cache)
         return model.outputs(x, last_only=last_only, targets=targets)
+
+
+    def paged_step(self, tokens: Tensor, k: list[Tensor], v: list[Tensor], tables: Tensor,
+                   held: list[int], window: int | None, *, last_only: bool = False
+                   ) -> Tensor | None:
+        """(n, T) new tokens of n sequences over a paged pool (decoding/paged.py: k[i], v[i]
+        layer i's blocks, tables (n, ·) each sequence's blocks, held the positions each
+        holds before these) -> (n, T, V) logits, or (n, 1, V) with `last_only`, their keys
+        and values stored in place; None where the one-call step does not serve (the caller
+        takes the model's path)."""
+        step = self.step()
+        if step is None:
+            return None
+        n, T = tokens.shape
+        start = torch.tensor(held, dtype=torch.long, device=tokens.device)
+        positions = start[:, None] + torch.arange(T, device=tokens.device)
+        x = self.model.embed_at(tokens, positions)
+        if not step.serves_paged(x, k[0], max(held) + T):
+            return None
+        x = step.run_paged(x, k, v, tables, start + T, positions, window)
+        return self.model.outputs(x, last_only=last_only)
 
 
 class Seq2SeqRunner:

@@ -19,8 +19,8 @@ token ids alone (`accept_greedy`): no distribution is formed.
 verify (one target pass over each row's pending token and its drafts), accept, roll back
 (each cache forgets the drafts its row rejected). `speculative_generate` is a loop of
 rounds over generate's rows; the server's engine (serving/speculation.py) runs the same
-round over its pool. Rows accept different numbers of tokens: a pool of many rows marks a
-row's rejected positions as not real, one row's cache is cut back (decoding/pool.py).
+round over its pool. Rows accept different numbers of tokens: each row's rejected positions
+are cut off its blocks (decoding/paged.py) or its one cache (decoding/pool.py's OneRow).
 
 Shapes: n rows, K draft tokens, V vocabulary.
 """

@@ -61,11 +61,26 @@ static inline void dot_block(const float *q, const float *const k[BLOCK], long d
             out[b] += q[j] * k[b][j];
 }
 
-/* The buffer row that holds position s of query row i's history: its lineage's entry, or
- * without one the row shared by each `group` query rows. */
-static inline long buffer_row(const int64_t *lineage, long i, long group, long s)
+/* Where the keys and values of a query row's positions lie. Position s of query row i is
+ * at slot `slot` of buffer row `place(...)`:
+ *   - block > 0 (a paged cache): table is the row's block table, position s in block
+ *     table[s / block] at slot s % block;
+ *   - else with a table (a lineage): buffer row table[s], slot s;
+ *   - else: buffer row i / group, slot s. */
+struct places {
+    const int64_t *rows; /* (n, ...) tables, rows_row apart; NULL: none */
+    long rows_row, group, block;
+};
+
+static inline long place(const struct places *w, const int64_t *table, long i, long s,
+                         long *slot)
 {
-    return lineage ? lineage[s] : i / group;
+    if (w->block) {
+        *slot = s % w->block;
+        return table[s / w->block];
+    }
+    *slot = s;
+    return table ? table[s] : i / w->group;
 }
 
 /* Ask for the n floats at p to be brought into the cache. */
@@ -73,6 +88,101 @@ static inline void fetch(const float *p, long n)
 {
     for (long j = 0; j < n; j += 16)
         _mm_prefetch((const char *)(p + j), _MM_HINT_T0);
+}
+
+/* One query head's attention (query row i, head h, key/value head g) over positions
+ * first .. T-1 of its history, into o (dv floats). bias: per buffer row, or NULL. */
+static void attend_one(const float *qi, const float *k, long k_row, long k_head, long k_pos,
+                       const float *v, long v_row, long v_head, long v_pos,
+                       const struct places *w, const int64_t *table, long i, long g,
+                       const float *bias, long bias_row, long first, long T, long d, long dv,
+                       float scale, float *o)
+{
+    const long count = T - first;
+    float p[count + BLOCK];
+    float mx = -INFINITY;
+    int nan = 0;
+    long slot;
+    for (long s0 = 0; s0 < count; s0 += BLOCK) {
+        const float *keys[BLOCK];
+        for (int b = 0; b < BLOCK; b++) {
+            const long s = first + (s0 + b < count ? s0 + b : count - 1);
+            const long r = place(w, table, i, s, &slot);
+            keys[b] = k + r * k_row + g * k_head + slot * k_pos;
+        }
+        if (table) {
+            /* Through a table the positions lie in rows the prefetcher cannot guess: fetch
+             * the next block's keys and this block's values. */
+            for (long s = first + s0 + BLOCK; s < first + s0 + 2 * BLOCK && s < T; s++) {
+                const long r = place(w, table, i, s, &slot);
+                fetch(k + r * k_row + g * k_head + slot * k_pos, d);
+            }
+            for (long s = first + s0; s < first + s0 + BLOCK && s < T; s++) {
+                const long r = place(w, table, i, s, &slot);
+                fetch(v + r * v_row + g * v_head + slot * v_pos, dv);
+            }
+        }
+        dot_block(qi, keys, d, p + s0);
+    }
+    for (long c = 0; c < count; c++) {
+        float x = p[c] * scale;
+        if (bias)
+            x += bias[place(w, table, i, first + c, &slot) * bias_row + first + c];
+        p[c] = x;
+        mx = x > mx ? x : mx;
+        nan |= x != x;
+    }
+    if (nan) { /* as torch's softmax: a NaN score makes the row NaN (exp8 would zero it) */
+        for (long j = 0; j < dv; j++)
+            o[j] = NAN;
+        return;
+    }
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    long c = 0;
+    for (; c + 8 <= count; c += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + c), m));
+        _mm256_storeu_ps(p + c, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = sum_lanes(acc);
+    for (; c < count; c++) {
+        p[c] = expf(p[c] - mx);
+        sum += p[c];
+    }
+    /* out = sum_s p[s] v[s], 64 floats at a time held in eight registers; a narrower rest
+     * (dv not a multiple of 64) through memory, in the same order of operations. */
+    long j0 = 0;
+    for (; j0 + 64 <= dv; j0 += 64) {
+        __m256 a[8];
+        for (int u = 0; u < 8; u++)
+            a[u] = _mm256_setzero_ps();
+        for (c = 0; c < count; c++) {
+            const __m256 wt = _mm256_set1_ps(p[c]);
+            const long r = place(w, table, i, first + c, &slot);
+            const float *vs = v + r * v_row + g * v_head + slot * v_pos + j0;
+            for (int u = 0; u < 8; u++)
+                a[u] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vs + 8 * u), a[u]);
+        }
+        for (int u = 0; u < 8; u++)
+            _mm256_storeu_ps(o + j0 + 8 * u, a[u]);
+    }
+    for (long j = j0; j < dv; j++)
+        o[j] = 0.0f;
+    for (c = 0; c < count && j0 < dv; c++) {
+        const long r = place(w, table, i, first + c, &slot);
+        const float *vs = v + r * v_row + g * v_head + slot * v_pos;
+        const __m256 wt = _mm256_set1_ps(p[c]);
+        long j = j0;
+        for (; j + 8 <= dv; j += 8)
+            _mm256_storeu_ps(o + j, _mm256_fmadd_ps(wt, _mm256_loadu_ps(vs + j),
+                                                    _mm256_loadu_ps(o + j)));
+        for (; j < dv; j++)
+            o[j] += p[c] * vs[j];
+    }
+    const float inv = 1.0f / sum;
+    for (long j = 0; j < dv; j++)
+        o[j] *= inv;
 }
 
 /* Strides are in floats (rows: in int64s); the last axis of q, k, v and out is contiguous.
@@ -98,93 +208,55 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
             for (long s = 0; s < length; s++)
                 if (rows[i * rows_row + s] < 0 || rows[i * rows_row + s] >= r)
                     return -1;
+    const struct places w = {rows, rows_row, group, 0};
     const long work = n * heads * length * (d + dv);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 65536)
     for (long ih = 0; ih < n * heads; ih++) {
-        const long i = ih / heads, h = ih % heads, g = h / kv_group;
+        const long i = ih / heads, h = ih % heads;
         const long T = length - own + 1 + i % own; /* the positions this row reads */
-        const float *qi = q + i * q_row + h * d;
-        const int64_t *lineage = rows ? rows + i * rows_row : 0;
-        float p[T + BLOCK];
-        float mx = -INFINITY;
-        int nan = 0;
-        for (long s0 = 0; s0 < T; s0 += BLOCK) {
-            const float *keys[BLOCK];
-            for (int b = 0; b < BLOCK; b++) {
-                const long s = s0 + b < T ? s0 + b : T - 1;
-                const long r = buffer_row(lineage, i, group, s);
-                keys[b] = k + r * k_row + g * k_head + s * k_pos;
-            }
-            if (lineage) {
-                /* Through a lineage the positions lie in rows the prefetcher cannot guess:
-                 * fetch the next block's keys and this block's values. */
-                for (long s = s0 + BLOCK; s < s0 + 2 * BLOCK && s < T; s++)
-                    fetch(k + lineage[s] * k_row + g * k_head + s * k_pos, d);
-                for (long s = s0; s < s0 + BLOCK && s < T; s++)
-                    fetch(v + lineage[s] * v_row + g * v_head + s * v_pos, dv);
-            }
-            dot_block(qi, keys, d, p + s0);
-        }
-        for (long s = 0; s < T; s++) {
-            float x = p[s] * scale;
-            if (bias)
-                x += bias[buffer_row(lineage, i, group, s) * bias_row + s];
-            p[s] = x;
-            mx = x > mx ? x : mx;
-            nan |= x != x;
-        }
-        float *o = out + ih * dv;
-        if (nan) { /* as torch's softmax: a NaN score makes the row NaN (exp8 would zero it) */
-            for (long j = 0; j < dv; j++)
-                o[j] = NAN;
-            continue;
-        }
-        const __m256 m = _mm256_set1_ps(mx);
-        __m256 acc = _mm256_setzero_ps();
-        long s = 0;
-        for (; s + 8 <= T; s += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), m));
-            _mm256_storeu_ps(p + s, e);
-            acc = _mm256_add_ps(acc, e);
-        }
-        float sum = sum_lanes(acc);
-        for (; s < T; s++) {
-            p[s] = expf(p[s] - mx);
-            sum += p[s];
-        }
-        /* out = sum_s p[s] v[s], 64 floats at a time held in eight registers; a narrower
-         * rest (dv not a multiple of 64) through memory, in the same order of operations. */
-        long c = 0;
-        for (; c + 64 <= dv; c += 64) {
-            __m256 a[8];
-            for (int u = 0; u < 8; u++)
-                a[u] = _mm256_setzero_ps();
-            for (s = 0; s < T; s++) {
-                const __m256 w = _mm256_set1_ps(p[s]);
-                const long r = buffer_row(lineage, i, group, s);
-                const float *vs = v + r * v_row + g * v_head + s * v_pos + c;
-                for (int u = 0; u < 8; u++)
-                    a[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + 8 * u), a[u]);
-            }
-            for (int u = 0; u < 8; u++)
-                _mm256_storeu_ps(o + c + 8 * u, a[u]);
-        }
-        for (long j = c; j < dv; j++)
-            o[j] = 0.0f;
-        for (s = 0; s < T && c < dv; s++) {
-            const long r = buffer_row(lineage, i, group, s);
-            const float *vs = v + r * v_row + g * v_head + s * v_pos;
-            const __m256 w = _mm256_set1_ps(p[s]);
-            long j = c;
-            for (; j + 8 <= dv; j += 8)
-                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + j),
-                                                        _mm256_loadu_ps(o + j)));
-            for (; j < dv; j++)
-                o[j] += p[s] * vs[j];
-        }
-        const float inv = 1.0f / sum;
-        for (long j = 0; j < dv; j++)
-            o[j] *= inv;
+        attend_one(q + i * q_row + h * d, k, k_row, k_head, k_pos, v, v_row, v_head, v_pos, &w,
+                   rows ? rows + i * rows_row : 0, i, h / kv_group, bias, bias_row, 0, T, d,
+                   dv, scale, out + ih * dv);
+    }
+    return 0;
+}
+
+/* The same over a paged cache (Kwon et al. 2023): k and v hold `blocks` blocks of `block`
+ * positions, key head g of position `slot` of block b at k + b * k_block + g * k_head +
+ * slot * k_pos (v alike). The n query rows are `tokens` new tokens of each of n / tokens
+ * sequences (row i: token i % tokens of sequence i / tokens). Sequence b's history is
+ * lengths[b] positions, its new tokens the last `tokens` of them (already stored), position
+ * s in block table[b * table_row + s / block]; each token reads the positions up to its own
+ * (causal), and with a sliding window > 0 only the last `window` of those (the blocks
+ * behind may have been given back). Returns -1, computing nothing, where a table names a
+ * block outside the pool or a sequence has fewer than `tokens` positions. */
+int tformer_attend_paged(const float *q, long q_row, const float *k, long k_block, long k_head,
+                         long k_pos, const float *v, long v_block, long v_head, long v_pos,
+                         const int64_t *table, long table_row, long block,
+                         const int64_t *lengths, long window, float *out, long n, long tokens,
+                         long blocks, long heads, long kv_group, long d, long dv, float scale,
+                         int threads)
+{
+    long work = 0;
+    for (long b = 0; b < n / tokens; b++) {
+        const long T = lengths[b], first = window > 0 && T - tokens + 1 > window
+                                               ? T - tokens + 1 - window : 0;
+        if (T < tokens)
+            return -1;
+        for (long c = first / block; c <= (T - 1) / block; c++)
+            if (table[b * table_row + c] < 0 || table[b * table_row + c] >= blocks)
+                return -1;
+        work += tokens * heads * (T - first) * (d + dv);
+    }
+    const struct places w = {table, table_row, 1, block};
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 65536)
+    for (long ih = 0; ih < n * heads; ih++) {
+        const long i = ih / heads, h = ih % heads, b = i / tokens;
+        const long T = lengths[b] - tokens + 1 + i % tokens; /* the positions this row reads */
+        const long first = window > 0 && T > window ? T - window : 0;
+        attend_one(q + i * q_row + h * d, k, k_block, k_head, k_pos, v, v_block, v_head, v_pos,
+                   &w, table + b * table_row, i, h / kv_group, NULL, 0, first, T, d, dv, scale,
+                   out + ih * dv);
     }
     return 0;
 }

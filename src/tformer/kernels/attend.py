@@ -150,3 +150,52 @@ def attend_step_reference(
     if bias is not None:
         scores = scores + bias[shared, None, :length]
     return (scores.softmax(dim=-1)[:, :, None, :] @ v)[:, :, 0]
+
+
+def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tensor, *,
+                 window: int | None = None) -> Tensor:
+    """attend_step over a paged cache (Kwon et al. 2023), the keys read in their blocks.
+
+    q: (N, H, d) one query per sequence.
+    k, v: (blocks, H_kv, block_size, d) and (blocks, H_kv, block_size, d_value), the last
+        axis contiguous: the pool's blocks.
+    tables: (N, >= used) int64: sequence i's position s lies at slot s % block_size of block
+        tables[i, s // block_size] (IndexError from the kernel where it names no block).
+    lengths: (N,) int64, sequence i's positions (>= 1).
+    window: each query reads only its sequence's last `window` positions (None: all).
+    Returns (N, H, d_value).
+    """
+    n, heads, d = q.shape
+    blocks, k_heads, block, _ = k.shape
+    dv = v.shape[-1]
+    lib = native()
+    if (lib is None or not serves(q) or k.stride(3) != 1 or v.stride(3) != 1
+            or k.dtype != q.dtype or v.dtype != q.dtype or int(lengths.max()) > MAX_POSITIONS):
+        return attend_paged_reference(q, k, v, tables, lengths, window=window)
+    q, tables, lengths = q.contiguous(), tables.contiguous(), lengths.contiguous()
+    out = q.new_empty(n, heads, dv)
+    if lib.tformer_attend_paged(
+        q.data_ptr(), heads * d, k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
+        tables.data_ptr(), tables.stride(0), block, lengths.data_ptr(), window or 0,
+        out.data_ptr(), n, 1, blocks, heads, heads // k_heads, d, dv, d**-0.5,
+        torch.get_num_threads(),
+    ):
+        raise IndexError(f"attend_paged: a block table names a block outside the {blocks}, "
+                         f"or a length is below 1")
+    return out
+
+
+def attend_paged_reference(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tensor,
+                           *, window: int | None = None) -> Tensor:
+    """attend_paged with torch: each sequence's blocks gathered in order, then attention
+    written out over its positions (the window's)."""
+    block, group = k.shape[2], q.shape[1] // k.shape[1]
+    out = []
+    for i, length in enumerate(lengths.tolist()):
+        first = max(0, length - window) if window else 0
+        used = tables[i, : -(-length // block)]
+        keys, values = (t[used].transpose(0, 1).flatten(1, 2)[:, first:length]
+                        .repeat_interleave(group, dim=0) for t in (k, v))
+        scores = (keys @ q[i, :, :, None])[..., 0] / math.sqrt(q.shape[-1])
+        out.append((scores.softmax(dim=-1)[:, None] @ values)[:, 0])
+    return torch.stack(out)

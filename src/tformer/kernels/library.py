@@ -267,6 +267,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # decoding (attend.c, search.c, step.c)
     "tformer_attend_step": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2 + [_p] + [_long] * 2
                             + [_p, _long, _p] + [_long] * 8 + [_float, _int]),
+    "tformer_attend_paged": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2
+                             + [_p, _long, _long, _p, _long, _p] + [_long] * 7 + [_float, _int]),
     "tformer_top_logprobs": (None, [_p] * 3 + [_int] + [_p] * 2 + [_long] * 2 + [_int] * 2),
     "tformer_decoder_layer_scratch": (_long, [ctypes.POINTER(DecoderLayer)]),
     "tformer_decoder_layer_step": (_int, [ctypes.POINTER(DecoderLayer), _p, _long,
@@ -275,6 +277,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_lm_layer_scratch": (_long, [ctypes.POINTER(LMLayer)]),
     "tformer_lm_layer_step": (_int, [ctypes.POINTER(LMLayer), _p, _long, _long,
                                      ctypes.POINTER(KV), _long, _p, _p, _p, _long, _p, _int]),
+    "tformer_lm_layer_step_paged": (_int, [ctypes.POINTER(LMLayer), _p, _long, _long,
+                                           ctypes.POINTER(KV), _p, _long, _long, _p, _long,
+                                           _p, _p, _p, _int]),
     # training (dropout.c, xent.c, glu.c, rmsnorm.c)
     "tformer_philox4x32": (None, [_u32p] * 3),
     "tformer_dropout": (None, [_p] * 2 + [_long, ctypes.c_uint64, ctypes.c_uint32, _float,

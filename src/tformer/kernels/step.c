@@ -302,6 +302,32 @@ static void place_qkv(const struct tformer_lm_layer *l, float *qkv, long r, long
     }
 }
 
+/* The layer's feed-forward sublayer on n rows of x (in place), over the caller's scratch. */
+static int lm_feed_forward(const struct tformer_lm_layer *l, float *x, float *h, float *wide,
+                           float *out, long n, int threads)
+{
+    const long d = l->out.n_out, ff = l->up.n_out;
+    int status = 0;
+    const float *in = sublayer_input(l->pre_norm, &l->ff_norm, x, h, n, d);
+    if (l->gate.n_out) {
+        float *up = wide + n * ff;
+        if ((status = tformer_linear(&l->gate, in, wide, n, threads))
+            || (status = tformer_linear(&l->up, in, up, n, threads)))
+            return status;
+        activate(l->activation, wide, n * ff);
+        for (long j = 0; j < n * ff; j++)
+            wide[j] *= up[j];
+    } else {
+        if ((status = tformer_linear(&l->up, in, wide, n, threads)))
+            return status;
+        activate(l->activation, wide, n * ff);
+    }
+    if ((status = tformer_linear(&l->down, wide, out, n, threads)))
+        return status;
+    residual(l->pre_norm, &l->ff_norm, x, out, n, d);
+    return 0;
+}
+
 /* One step of layer `l` for n rows of x (n x d_model, updated in place): `tokens` new
  * tokens of each of n / tokens sequences, row i token i % tokens of sequence i / tokens.
  *   kv, length: the layer's cache, buffer row b for sequence b; the step's keys and values
@@ -338,24 +364,54 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, lo
     if ((status = tformer_linear(&l->out, att, out, n, threads)))
         return status;
     residual(l->pre_norm, &l->attn_norm, x, out, n, d);
+    return lm_feed_forward(l, x, h, wide, out, n, threads);
+}
 
-    /* feed-forward */
-    in = sublayer_input(l->pre_norm, &l->ff_norm, x, h, n, d);
-    if (l->gate.n_out) {
-        float *up = wide + n * ff;
-        if ((status = tformer_linear(&l->gate, in, wide, n, threads))
-            || (status = tformer_linear(&l->up, in, up, n, threads)))
-            return status;
-        activate(l->activation, wide, n * ff);
-        for (long j = 0; j < n * ff; j++)
-            wide[j] *= up[j];
-    } else {
-        if ((status = tformer_linear(&l->up, in, wide, n, threads)))
-            return status;
-        activate(l->activation, wide, n * ff);
+/* One step of layer `l` over a paged cache: `tokens` new tokens of each of n / tokens
+ * sequences (row i of x: token i % tokens of sequence i / tokens). kv's buffer rows are its
+ * kv->rows blocks of `block` positions, and sequence b's positions lie in the blocks its
+ * table names (table + b * table_row, as tformer_attend_paged reads it). lengths[b] counts
+ * sequence b's positions with the new ones, which are stored at positions lengths[b] -
+ * tokens .. lengths[b] - 1 (their blocks given); each reads the positions up to its own,
+ * with window > 0 only the last `window`. cos, sin (per row) and scratch as
+ * tformer_lm_layer_step takes them.
+ * Returns 0; -1 where a product could not allocate; -2 where a table names a block outside
+ * the pool or a sequence has fewer positions than new tokens (nothing is stored then). */
+int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long n, long tokens,
+                                const struct tformer_kv *kv, const int64_t *table,
+                                long table_row, long block, const int64_t *lengths,
+                                long window, const float *cos, const float *sin,
+                                float *scratch, int threads)
+{
+    const long d = l->out.n_out, H = l->heads, dv = l->d_value, half = l->rotated / 2;
+    const long width = l->qkv.n_out, ff = l->up.n_out;
+    const long hidden = (l->gate.n_out ? 2 : 1) * ff;
+    const long widest = width > hidden ? width : hidden;
+    float *h = scratch, *wide = h + n * d, *att = wide + n * widest, *out = att + n * H * dv;
+    int status = 0;
+
+    for (long i = 0; i < n; i++) {
+        const long b = i / tokens, s = lengths[b] - tokens + i % tokens;
+        if (s < 0 || table[b * table_row + s / block] < 0
+            || table[b * table_row + s / block] >= kv->rows)
+            return -2;
     }
-    if ((status = tformer_linear(&l->down, wide, out, n, threads)))
+    /* self-attention */
+    const float *in = sublayer_input(l->pre_norm, &l->attn_norm, x, h, n, d);
+    if ((status = tformer_linear(&l->qkv, in, wide, n, threads)))
         return status;
-    residual(l->pre_norm, &l->ff_norm, x, out, n, d);
-    return 0;
+    for (long i = 0; i < n; i++) {
+        const long b = i / tokens, s = lengths[b] - tokens + i % tokens;
+        place_qkv(l, wide + i * width, table[b * table_row + s / block], s % block, kv,
+                  cos ? cos + i * half : NULL, sin ? sin + i * half : NULL);
+    }
+    if (tformer_attend_paged(wide, width, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v,
+                             kv->v_row, kv->v_head, kv->v_pos, table, table_row, block,
+                             lengths, window, att, n, tokens, kv->rows, H, H / l->kv_heads,
+                             l->d_head, dv, l->scale, threads))
+        return -2;
+    if ((status = tformer_linear(&l->out, att, out, n, threads)))
+        return status;
+    residual(l->pre_norm, &l->attn_norm, x, out, n, d);
+    return lm_feed_forward(l, x, h, wide, out, n, threads);
 }

@@ -337,3 +337,55 @@ class LMStep:
         for c in cache.self_attn:
             c.length = length
         return x
+
+    def serves_paged(self, x: Tensor, pool: Tensor, longest: int) -> bool:
+        """Whether step.c runs this step over a paged pool (`run_paged`): x (N, T, D) fp32 on
+        the CPU with no gradient wanted (T new tokens of N sequences: one a step, or a few,
+        as speculative decoding's verification reads them), N * T rows within what the
+        products take, the pool's blocks fp32 on the CPU, every sequence's history
+        (`longest` positions at most) within the kernel's, the blocks in eval mode and
+        recording nothing."""
+        n, tokens = x.shape[:2]
+        rows = self.max_rows if tokens == 1 else min(self.max_rows, LM_F32_ROWS)
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and n * tokens <= rows
+                and longest <= MAX_POSITIONS
+                and not (torch.is_grad_enabled() and x.requires_grad)
+                and not torch.compiler.is_compiling()
+                and serves_cache(pool.dtype, pool.device)
+                and all(not block.training and block.attn.recorded is None
+                        for block in self.blocks))
+
+    def run_paged(self, x: Tensor, k: Sequence[Tensor], v: Sequence[Tensor], tables: Tensor,
+                  lengths: Tensor, positions: Tensor, window: int | None) -> Tensor:
+        """Every block's step on x (N, T, D), T new tokens of each of N sequences, over a
+        paged pool, where `serves_paged` says so: k[i], v[i] (blocks, H_kv, block_size, ·)
+        layer i's blocks; tables (N, >= used) int64, the blocks of each sequence in order;
+        lengths (N,) int64, its positions with the new ones, which are stored at positions
+        lengths - T .. lengths - 1 and attend causally; positions (N, T) theirs (rotary);
+        window: a sliding window, or None. The keys and values are read where they lie (no
+        gather); the result is a new tensor."""
+        lib = _library()
+        x = x.contiguous().clone()
+        batch, tokens = x.shape[:2]
+        n = batch * tokens
+        tables, lengths = tables.contiguous(), lengths.contiguous()
+        cos = sin = None
+        if self.rotary is not None:
+            cos, sin = (t.reshape(n, -1).contiguous()
+                        for t in self.rotary.cos_sin(positions, x.dtype))
+        if self._scratch.numel() < n * self._scratch_row:
+            self._scratch = torch.empty(n * self._scratch_row)
+        threads, block = torch.get_num_threads(), k[0].shape[2]
+        for i, (kb, vb) in enumerate(zip(k, v, strict=True)):
+            if self._kv[i][0] is not kb:  # the pool's buffers, bound once
+                self._kv[i] = (kb, ctypes.pointer(_kv(kb, vb)))
+            status = lib.tformer_lm_layer_step_paged(
+                self.pointers[i], x.data_ptr(), n, tokens, self._kv[i][1], tables.data_ptr(),
+                tables.stride(0), block, lengths.data_ptr(), window or 0, _ptr(cos), _ptr(sin),
+                self._scratch.data_ptr(), threads)
+            if status == -1:
+                raise MemoryError(f"no memory for a decoding step of {n} rows")
+            if status:
+                raise IndexError("paged decoding step: a block table names a block outside "
+                                 "the pool")
+        return x

@@ -123,6 +123,12 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
                         const int64_t *rows, long rows_row, long group, const float *bias,
                         long bias_row, float *out, long n, long r, long heads, long kv_group,
                         long length, long own, long d, long dv, float scale, int threads);
+int tformer_attend_paged(const float *q, long q_row, const float *k, long k_block, long k_head,
+                         long k_pos, const float *v, long v_block, long v_head, long v_pos,
+                         const int64_t *table, long table_row, long block,
+                         const int64_t *lengths, long window, float *out, long n, long tokens,
+                         long blocks, long heads, long kv_group, long d, long dv, float scale,
+                         int threads);
 void tformer_top_logprobs(const float *x, const float *add, const int64_t *banned,
                           int nbanned, float *top, int64_t *idx, long n, long v, int k,
                           int threads);
@@ -176,6 +182,11 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, lo
                           const struct tformer_kv *kv, long length, const float *cos,
                           const float *sin, const float *bias, long bias_row, float *scratch,
                           int threads);
+int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long n, long tokens,
+                                const struct tformer_kv *kv, const int64_t *table,
+                                long table_row, long block, const int64_t *lengths,
+                                long window, const float *cos, const float *sin,
+                                float *scratch, int threads);
 
 /* --- Training: dropout (dropout.c), the cross-entropy (xent.c), SwiGLU's gate (glu.c),
  * RMSNorm (rmsnorm.c) --------------------------------------------------------------------- */

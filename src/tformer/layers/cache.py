@@ -13,6 +13,7 @@ the layer's `attend` everything stored so far.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -39,6 +40,33 @@ class Attention(Protocol):
     def attend_shared(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """`attend` where each of N' key rows serves N/N' consecutive query rows."""
         ...
+
+
+class LayerKV(Protocol):
+    """One layer's keys and values as its attention reads them, through one method: a
+    KVCache (a contiguous buffer per row), or a paged pool's blocks (decoding/paged.py's
+    PagedLayer)."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+               attention: Attention) -> Tensor:
+        """Store the step's new keys and values and attend with q over every position held
+        and them: (N, H, T, d) -> (N, H, T, d_value)."""
+        ...
+
+
+class KVView(Protocol):
+    """What a decoder-only model's forward reads of its cache (models/gpt.py): a
+    DecoderCache, or the view of a paged pool's rows in one pass (decoding/paged.py's
+    PagedView)."""
+
+    length: int
+    """Positions held before the pass (the longest row's; shorter rows' are padding)."""
+    is_real: Tensor | None
+    """(N, >= length + T) which positions are a row's own, None where all are."""
+    self_attn: Sequence[LayerKV]
+    lineage: Lineage | None
+    step: object | None
+    """A one-call kernel step over this cache (kernels/step.py), or None."""
 
 
 def _steps_natively(q: Tensor, k: Tensor, attention: Attention) -> bool:

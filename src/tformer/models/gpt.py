@@ -327,20 +327,25 @@ class GPT(Model):
             mask = mask & window_mask(key_positions, T, window)
         mixed = windowed and self.cfg.cache_window is None
 
-        x = self.embed(tokens)
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale
-        absolute = self.positions(positions if keys_real is not None else positions[0])
-        if absolute is not None:
-            x = x + absolute
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
-        x = self.dropout(x)
+        x = self.embed_at(tokens, positions if keys_real is not None else positions[0])
         # The last token's mask row covers the others' where no window slides between them
         # and no padding is among them (a padding query sees itself, lm_mask).
         uniform = T == 1 or not (windowed or (is_real is not None and not bool(is_real.all())))
         return StackInput(x, mask, positions if keys_real is not None else positions[0],
                           uniform, full, mixed)
+
+    def embed_at(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """(B, T) tokens at (B, T) or (T,) positions -> the (B, T, D) states the first block
+        reads (a paged cache's step embeds its rows at their own positions)."""
+        x = self.embed(tokens)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        absolute = self.positions(positions)
+        if absolute is not None:
+            x = x + absolute
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        return self.dropout(x)
 
     def stack(self, inp: StackInput, cache: DecoderCache | None = None) -> Tensor:
         """Every block in turn: the (B, T, D) states after them."""

@@ -119,13 +119,14 @@ def histogram_lines(name: str, help_: str, histogram: Any) -> list[str]:
 def pool_figures(engine: Any) -> list[tuple[str, str, str, Any]]:
     """/metrics' lines of the paged KV pool (none where the engine has none)."""
     pool = getattr(engine, "slots", None)
-    if pool is None or not hasattr(pool, "free"):
+    if pool is None:
         return []
     return [
         ("kv_blocks_used", "gauge", "KV cache blocks holding sequences.", pool.used),
-        ("kv_blocks_free", "gauge", "KV cache blocks free.", len(pool.free)),
+        ("kv_blocks_free", "gauge", "KV cache blocks free.",
+         pool.blocks.available - pool.blocks.idle),
         ("kv_blocks_cached", "gauge", "KV cache blocks no sequence holds, kept for the prefix "
-         "cache until their room is needed.", len(pool.idle)),
+         "cache until their room is needed.", pool.blocks.idle),
         ("preemptions_total", "counter", "Sequences preempted for want of KV blocks.",
          engine.stats.preemptions),
         ("prefix_cache_hit_rate", "gauge", "Prompt positions found in the prefix cache.",

@@ -54,7 +54,9 @@ def serve_command(
     device: Annotated[str, Help("auto (CUDA if present) | cpu | cuda:N")] = "auto",
     name: Annotated[str | None, Help("the model's name in the API (default: the run)")] = None,
     max_batch: Annotated[int, Help("sequences decoded together")] = 16,
-    max_waiting: Annotated[int, Help("sequences queued; past it requests get 503")] = 64,
+    max_waiting: Annotated[
+        int, Help("sequences queued; past it requests get 503 with Retry-After")
+    ] = 64,
     max_body_bytes: Annotated[int, Help("the largest request body accepted")] = 1 << 20,
     batch_window_ms: Annotated[
         float, Help("translations arriving this close together share a batch")
@@ -151,8 +153,8 @@ def serve_command(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it may use it", host)
     how = ""
-    if isinstance(engine, LMEngine) and engine.slots is not None:
-        pool = engine.slots
+    pool = getattr(engine, "slots", None)  # a KV-cache model's paged pool
+    if pool is not None:
         how = (f"; KV pool {pool.total * pool.block_bytes(model) / 2**30:.2f} GiB "
                f"({pool.total} blocks of {pool.block_size} positions)")
     if draft is not None or prompt_lookup:

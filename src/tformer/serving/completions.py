@@ -223,7 +223,7 @@ class Completion:
                                     frequency_penalty=body.frequency_penalty,
                                     presence_penalty=body.presence_penalty, logit_bias=bias,
                                     stop_tokens=stop_tokens, constraint=constraint,
-                                    extra=body.extra_sampling())
+                                    extra=body.extra_sampling(), priority=body.priority)
                 self.seqs.append(Sequence(ids, sampling, self._deliver(len(self.seqs),
                                                                        mailbox)))
         if len(self.seqs) > engine.max_waiting:

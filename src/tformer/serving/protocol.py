@@ -114,6 +114,8 @@ class SamplingFields(Strict):
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    priority: int = 0
+    """vLLM's: where the server has no room for every request, lower values go first."""
 
     @field_validator("seed")
     @classmethod

@@ -63,6 +63,9 @@ class Sampling:
     among the tokens that can continue it, and the sequence ends where it is complete."""
     extra: ExtraSampling = NO_EXTRA
     """min_p, repetition_penalty, min_tokens, ignore_eos (vLLM's and llama.cpp's)."""
+    priority: int = 0
+    """Where the engine has no room for every sequence, lower values are served first
+    (vLLM's `priority`)."""
 
     @property
     def adjusts(self) -> bool:

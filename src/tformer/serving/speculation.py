@@ -8,13 +8,12 @@ pool at once, in one target pass: a row that drafts feeds its pending token and 
 a row that does not (see `speculates`, or prompt lookup found nothing) feeds its pending
 token alone, the rest of its columns marked as not real, and takes the plain step's draw
 from that position's logits (penalties, logit bias and log-probabilities included). Rows
-leave the round with different numbers of new tokens; the columns of the drafts a row
-rejected are marked as not real (`SlotPool.truncate`), so the pool's one column clock goes
-on for all rows.
+leave the round with different numbers of new tokens; the positions of the drafts a row
+rejected are cut off its row, and the blocks they alone used go back (`PagedPool.truncate`).
 
-The draft model keeps its own pool, whose rows mirror the target's: the engine's `Seats`
-moves both, and the sequences, together. Each of its rows counts how much of its text it
-has read (`SlotPool.read`), so a round first feeds it what it has not.
+The draft model keeps its own paged pool, whose rows mirror the target's: the engine's
+`Seats` moves both, and the sequences, together. Each of its rows counts how much of its
+text it has read (`PagedPool.read`), so a round first feeds it what it has not.
 
 Which sequences speculate: those whose sampling the round reproduces exactly, that is
 temperature (greedy too), top-k and top-p, which the target's and the drafter's
@@ -36,7 +35,8 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from tformer.decoding.pool import SlotPool
+from tformer.decoding.paged import PagedPool, blocks_for
+from tformer.decoding.pool import Rows
 from tformer.decoding.speculative import (
     LookupProposer,
     ModelProposer,
@@ -57,21 +57,26 @@ def speculates(sampling: Sampling) -> bool:
 
 
 class Speculator:
-    """Drafts for a target's SlotPool: with a draft model (its own pool of `capacity`
-    rows) or by prompt lookup of `lookup`-grams, up to `draft_tokens` a round."""
+    """Drafts for a target's paged pool: with a draft model (its own paged pool, room for
+    `capacity` rows of its whole context) or by prompt lookup of `lookup`-grams, up to
+    `draft_tokens` a round."""
 
     def __init__(self, *, capacity: int, draft: nn.Module | None = None, lookup: int = 0,
                  draft_tokens: int = 4) -> None:
         if (draft is None) == (lookup < 1) or draft_tokens < 1:
             raise ValueError("a speculator drafts with a model or by prompt lookup")
-        self.pool = SlotPool(draft, capacity) if draft is not None else None
+        self.pool = None
+        if draft is not None:
+            self.pool = PagedPool(draft, capacity * blocks_for(draft.cfg.context) + 1,
+                                  prefix_cache=False)
+            self.pool.reach = draft_tokens  # a round rolls back over its K - 1 draft passes
         self.proposer: Proposer = (ModelProposer(self.pool) if self.pool is not None
                                    else LookupProposer(lookup))
         self.draft_tokens = draft_tokens
         self.stats = SpeculationStats()
 
     @property
-    def pools(self) -> list[SlotPool]:
+    def pools(self) -> list[PagedPool]:
         """The pools whose rows mirror the target's (the engine's Seats moves them)."""
         return [self.pool] if self.pool is not None else []
 
@@ -80,10 +85,10 @@ class Speculator:
         if self.pool is not None:
             # A prompt longer than the draft's context blocks rounds while it is in the
             # pool (ModelProposer.room): its draft row only keeps the rows aligned.
-            self.pool.prefill([p[-self.pool.context:] for p in prompts],
-                              read=[len(p) for p in prompts])
+            for prompt in prompts:
+                self.pool.join(prompt)
 
-    def round(self, slots: SlotPool, seqs: list[Sequence], draw: Draw
+    def round(self, slots: Rows, seqs: list[Sequence], draw: Draw
               ) -> list[list[int | None]] | None:
         """Each row's new tokens of one speculative round over the target's pool (None for
         a row that failed), or None where no row drafts: the engine's plain step then."""
