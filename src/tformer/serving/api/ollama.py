@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from tformer.serving.turn import (
     ChatTurn,
     Failed,
     Finished,
+    Reply,
     Server,
     TextDelta,
     Usage,
@@ -241,28 +242,17 @@ def ollama_calls(finished: Finished) -> list[dict[str, Any]]:
     return [{"function": {"name": c.name, "arguments": json.loads(c.arguments or "{}")}}
             for c in finished.calls]
 
-
-async def chat(request: Request, server: Server) -> Response:
-    started = time.perf_counter()
-    body = await read_body(request, ChatRequest)
-    check_model(body.model, server)
-    turn = ChatTurn(chat_messages(body.messages), body.options.sampling(),
-                    max_tokens=body.options.max_tokens(), stops=list(body.options.stop or []),
-                    tools=body.tools, constraint=format_constraint(body.format),
-                    constraint_param="format")
-    reply = await start_turn(turn, server, request.app.state.mailbox)
-    head = {"model": body.model}
-
-    def message(content: str, finished: Finished | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": "assistant", "content": content}
-        if finished is not None and finished.calls:
-            out["tool_calls"] = ollama_calls(finished)
-        return out
-
-    if not body.stream:
+async def answer(request: Request, reply: Reply, stream: bool, head: dict[str, Any],
+                 started: float, body: Callable[..., dict[str, Any]], calls_line: bool = False
+                 ) -> Response:
+    """A reply as Ollama sends it: one JSON object, or with `stream` (Ollama's default) one
+    line of NDJSON a piece of text and a last line with the counts. `body(text, finished)`
+    is the endpoint's own part of each object (chat's "message", generate's "response");
+    `calls_line`: a reply's tool calls go out whole on a line of their own before the last,
+    as Ollama sends them."""
+    if not stream:
         (finished,), usage = await reply.collect(request)
-        return JSONResponse({**head, "created_at": now(),
-                             "message": message(finished.content or "", finished),
+        return JSONResponse({**head, "created_at": now(), **body(finished.content or "", finished),
                              "done": True, "done_reason": done_reason(finished),
                              **counts(usage, started)})
 
@@ -273,19 +263,41 @@ async def chat(request: Request, server: Server) -> Response:
                 yield json.dumps({"error": ev.message}) + "\n"
                 return
             if isinstance(ev, TextDelta) and ev.text:
-                yield json.dumps({**head, "created_at": now(), "message": message(ev.text),
+                yield json.dumps({**head, "created_at": now(), **body(ev.text),
                                   "done": False}) + "\n"
             elif isinstance(ev, Finished):
                 finished = ev
-                if ev.calls:  # Ollama sends a reply's calls whole
-                    yield json.dumps({**head, "created_at": now(),
-                                      "message": message("", ev), "done": False}) + "\n"
+                if calls_line and ev.calls:
+                    yield json.dumps({**head, "created_at": now(), **body("", ev),
+                                      "done": False}) + "\n"
             elif isinstance(ev, Usage) and finished is not None:
-                yield json.dumps({**head, "created_at": now(), "message": message(""),
-                                  "done": True, "done_reason": done_reason(finished),
+                yield json.dumps({**head, "created_at": now(), **body(""), "done": True,
+                                  "done_reason": done_reason(finished),
                                   **counts(ev, started)}) + "\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+
+async def chat(request: Request, server: Server) -> Response:
+    started = time.perf_counter()
+    body = await read_body(request, ChatRequest)
+    check_model(body.model, server)
+    turn = ChatTurn(chat_messages(body.messages), body.options.sampling(),
+                    max_tokens=body.options.max_tokens(), stops=list(body.options.stop or []),
+                    tools=body.tools, constraint=format_constraint(body.format),
+                    constraint_param="format")
+    reply = await start_turn(turn, server, request.app.state.mailbox)
+
+    def message(content: str, finished: Finished | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": content}
+        if finished is not None and finished.calls:
+            out["tool_calls"] = ollama_calls(finished)
+        return out
+
+    return await answer(request, reply, body.stream, {"model": body.model}, started,
+                        lambda text, finished=None: {"message": message(text, finished)},
+                        calls_line=True)
 
 
 async def generate(request: Request, server: Server) -> Response:
@@ -319,29 +331,8 @@ async def generate(request: Request, server: Server) -> Response:
                         stops=list(options.stop or []), constraint=constraint,
                         constraint_param="format")
         reply = await start_turn(turn, server, mailbox)
-    if not body.stream:
-        (finished,), usage = await reply.collect(request)
-        return JSONResponse({**head, "created_at": now(), "response": finished.content or "",
-                             "done": True, "done_reason": done_reason(finished),
-                             **counts(usage, started)})
-
-    async def lines() -> AsyncIterator[str]:
-        finished: Finished | None = None
-        async for ev in reply.events():
-            if isinstance(ev, Failed):
-                yield json.dumps({"error": ev.message}) + "\n"
-                return
-            if isinstance(ev, TextDelta) and ev.text:
-                yield json.dumps({**head, "created_at": now(), "response": ev.text,
-                                  "done": False}) + "\n"
-            elif isinstance(ev, Finished):
-                finished = ev
-            elif isinstance(ev, Usage) and finished is not None:
-                yield json.dumps({**head, "created_at": now(), "response": "", "done": True,
-                                  "done_reason": done_reason(finished),
-                                  **counts(ev, started)}) + "\n"
-
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return await answer(request, reply, body.stream, head, started, lambda text, finished=None: {
+        "response": text})
 
 
 # --- embeddings and the model's card ----------------------------------------------------
