@@ -52,6 +52,9 @@ def _layout(cfg: Any) -> str:
             raise TformerError(f"no GGUF architecture expresses this model: {llama_error}; "
                                f"{gpt2_error}") from None
         return "gpt2"
+    if model_type in llama.MIXTURES:
+        raise TformerError(f"GGUF export of a mixture of experts ({model_type}) is not "
+                           f"written yet; export it as a Hugging Face folder")
     if model_type == "mistral":
         raise TformerError(f"GGUF's llama architecture has no sliding window (model.window = "
                            f"{cfg.window})")

@@ -1,5 +1,6 @@
 """Hugging Face's Llama-layout decoders in: LlamaForCausalLM (SmolLM2 and Llama 3.x are
-`llama`), Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM.
+`llama`), Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM, and the mixtures of
+experts Qwen2MoeForCausalLM and Qwen3MoeForCausalLM.
 
 They share one layout, and every piece of it is a GPTConfig field: pre-norm RMSNorm, no
 absolute positions, rotary embeddings in the rotate-half layout, SwiGLU feed-forward,
@@ -7,12 +8,17 @@ grouped-query attention, no biases. They differ in a few fields: Qwen2 has biase
 q/k/v projections (not on the output one), Qwen3 a per-head RMSNorm on queries and keys and
 a head size of its own, Mistral a sliding window, Llama 3 its rope scaling. The separate
 q/k/v projections become our fused one, stacked in [q | k | v] order.
+
+Qwen2-MoE and Qwen3-MoE are Qwen2 and Qwen3 whose feed-forward is a mixture of experts
+(layers.experts): a router (`mlp.gate`), experts saved one by one (`mlp.experts.{e}.*`,
+stacked into our [E, ...] tensors), and in Qwen2-MoE a shared expert with a sigmoid gate.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +45,9 @@ from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
+MIXTURES = ("qwen2_moe", "qwen3_moe")
+"""The model types whose feed-forward is a mixture of experts."""
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
 
 
@@ -70,8 +78,10 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
     if model_type not in MODEL_TYPES:
         raise TformerError(f"{source}: model_type {model_type!r} is not one of "
                            f"{', '.join(MODEL_TYPES)}")
-    refused = [key for key in ("num_local_experts", "num_experts", "attn_logit_softcapping",
-                               "final_logit_softcapping") if hf.get(key)]
+    refused = [key for key in ("attn_logit_softcapping", "final_logit_softcapping")
+               if hf.get(key)]
+    if model_type not in MIXTURES:
+        refused += [key for key in ("num_local_experts", "num_experts") if hf.get(key)]
     if hf.get("mlp_bias"):
         refused.append("mlp_bias")
     if hf.get("hidden_act", "silu") != "silu":
@@ -89,27 +99,57 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
     window = None
     if model_type == "mistral" or hf.get("use_sliding_window"):
         window = hf.get("sliding_window")
-    if window is not None and model_type == "qwen2" and (
+    if window is not None and model_type in ("qwen2", "qwen2_moe") and (
             hf.get("max_window_layers", hf["num_hidden_layers"]) < hf["num_hidden_layers"]):
         raise TformerError(f"{source}: a sliding window on some layers only cannot be expressed")
     attention_bias = bool(hf.get("attention_bias", False))
+    experts = _experts(hf, source) if model_type in MIXTURES else {}
     return GPTConfig(
         vocab_size=int(hf["vocab_size"]), context=int(hf["max_position_embeddings"]),
         n_layer=int(hf["num_hidden_layers"]), n_head=n_head, d_model=d_model,
-        d_ff=int(hf["intermediate_size"]),
+        d_ff=int(hf["intermediate_size"]), **experts,
         d_head=None if head_dim * n_head == d_model else head_dim,
         n_kv_head=int(hf.get("num_key_value_heads") or n_head), dropout=0.0,
         activation="silu", position="none", norm="pre", norm_kind="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), feedforward="gated",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=False,
-        attn_bias=attention_bias, qkv_bias=True if model_type == "qwen2" else None,
-        qk_norm=model_type == "qwen3", window=window, rotary=True, rope_layout="halves",
+        attn_bias=attention_bias,
+        qkv_bias=True if model_type in ("qwen2", "qwen2_moe") else None,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), window=window, rotary=True,
+        rope_layout="halves",
         **_rope(hf, source),
     )
 
 
+def _experts(hf: dict[str, Any], source: Path) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen2-MoE or Qwen3-MoE config.json (every layer's
+    feed-forward a mixture: dense layers among them cannot be expressed)."""
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise TformerError(f"{source}: dense feed-forward layers among the experts' "
+                           f"(mlp_only_layers = {hf.get('mlp_only_layers')}, "
+                           f"decoder_sparse_step = {hf.get('decoder_sparse_step')}) cannot be "
+                           f"expressed")
+    n_expert = hf.get("num_experts", hf.get("num_local_experts"))
+    needed = {"num_experts": n_expert, "num_experts_per_tok": hf.get("num_experts_per_tok"),
+              "moe_intermediate_size": hf.get("moe_intermediate_size")}
+    missing = [key for key, value in needed.items() if not isinstance(value, int)]
+    if missing:
+        raise TformerError(f"{source}: config.json of a {hf['model_type']} model has no "
+                           f"{', '.join(missing)}")
+    return {"n_expert": n_expert, "n_expert_active": int(hf["num_experts_per_tok"]),
+            "d_ff": int(hf["moe_intermediate_size"]), "router_softmax": "before",
+            "router_renormalise": bool(hf.get("norm_topk_prob", False)),
+            "d_shared_expert": int(hf.get("shared_expert_intermediate_size") or 0)}
+
+
+class Stacked(tuple):
+    """Names of tensors of one shape stacked along a new first dimension (the experts'),
+    where a plain tuple's are concatenated along the existing one (the q/k/v rows)."""
+
+
 def _names(cfg: GPTConfig) -> dict[str, str | tuple[str, ...]]:
-    """Ours -> theirs (several of theirs stacked into one of ours: the q/k/v projections)."""
+    """Ours -> theirs (several of theirs concatenated into one of ours: the q/k/v
+    projections; or stacked, a Stacked: the experts)."""
     names: dict[str, str | tuple[str, ...]] = {
         "embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
     }
@@ -123,10 +163,8 @@ def _names(cfg: GPTConfig) -> dict[str, str | tuple[str, ...]]:
             ours + "ff_residual.norm.weight": theirs + "post_attention_layernorm.weight",
             ours + "attn.qkv_proj.weight": tuple(attn + f"{p}_proj.weight" for p in "qkv"),
             ours + "attn.out_proj.weight": attn + "o_proj.weight",
-            ours + "ff.gate.weight": theirs + "mlp.gate_proj.weight",
-            ours + "ff.up.weight": theirs + "mlp.up_proj.weight",
-            ours + "ff.down.weight": theirs + "mlp.down_proj.weight",
         }
+        names |= _feedforward_names(cfg, ours + "ff.", theirs + "mlp.")
         if cfg.qkv_bias or cfg.attn_bias:
             names[ours + "attn.qkv_proj.bias"] = tuple(attn + f"{p}_proj.bias" for p in "qkv")
         if cfg.attn_bias:
@@ -137,12 +175,43 @@ def _names(cfg: GPTConfig) -> dict[str, str | tuple[str, ...]]:
     return names
 
 
+def _feedforward_names(cfg: GPTConfig, ours: str, theirs: str) -> dict[str, Any]:
+    """A block's feed-forward: dense, or the router, the experts one by one (stacked), and
+    Qwen2-MoE's shared expert."""
+    dense = {f"{ours}{p}.weight": f"{theirs}{p}_proj.weight" for p in ("gate", "up", "down")}
+    if not cfg.n_expert:
+        return dense
+    names: dict[str, Any] = {ours + "router.weight": theirs + "gate.weight"}
+    for p in ("gate", "up", "down"):
+        names[f"{ours}experts.{p}"] = Stacked(f"{theirs}experts.{e}.{p}_proj.weight"
+                                              for e in range(cfg.n_expert))
+    if cfg.d_shared_expert:
+        names |= _feedforward_names(replace(cfg, n_expert=0), ours + "shared.",
+                                    theirs + "shared_expert.")
+        names[ours + "shared_gate"] = theirs + "shared_expert_gate.weight"
+    return names
+
+
+def _one_by_one(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """transformers 5's fused experts (a model's state_dict(): `experts.gate_up_proj` [E, 2F,
+    D] and `experts.down_proj` [E, D, F]) as the one-by-one tensors its files hold."""
+    out = dict(weights)
+    for name in [k for k in weights if k.endswith("experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        gate, up = out.pop(name).chunk(2, dim=1)
+        down = out.pop(prefix + "down_proj")
+        for e in range(gate.shape[0]):
+            for p, t in (("gate", gate), ("up", up), ("down", down)):
+                out[f"{prefix}{e}.{p}_proj.weight"] = t[e]
+    return out
+
+
 def llama_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path | str) -> GPT:
     """A GPT with the weights of a Llama-layout model, from its config and its tensors (as
     saved, or its state_dict()). `source` names it in errors."""
     source = Path(source)
     cfg = llama_config(hf, source)
-    weights = dict(weights)
+    weights = _one_by_one(weights)
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight", None)  # state_dict() lists the tied copy too
     for name in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
@@ -150,7 +219,8 @@ def llama_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path |
     state = {}
     for ours, theirs in _names(cfg).items():
         parts = (theirs,) if isinstance(theirs, str) else theirs
-        state[ours] = torch.cat([take(weights, p, source).float() for p in parts])
+        join = torch.stack if isinstance(theirs, Stacked) else torch.cat
+        state[ours] = join([take(weights, p, source).float() for p in parts])
     if weights:
         raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
                            f"{', '.join(sorted(weights)[:5])}")
@@ -215,7 +285,8 @@ def import_llama(src: Path, dest: Path) -> Path:
 # --- export -------------------------------------------------------------------------------
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def model_type_of(cfg: GPTConfig) -> str:
@@ -242,14 +313,34 @@ def model_type_of(cfg: GPTConfig) -> str:
                       f"has no window here)")
     if model_type == "qwen3" and cfg.qkv_bias:
         differ.append("model.qkv_bias = true (Qwen3: none)")
+    if cfg.n_expert:
+        model_type, mixture_differ = _mixture_type(cfg, model_type)
+        differ += mixture_differ
     if differ:
         raise TformerError("no Llama-layout family expresses this model: " + "; ".join(differ))
     return model_type
 
 
+def _mixture_type(cfg: GPTConfig, dense_type: str) -> tuple[str, list[str]]:
+    """The mixture-of-experts family of a model whose attention is `dense_type`'s, and the
+    fields that keep it from being one."""
+    model_type = {"qwen2": "qwen2_moe", "qwen3": "qwen3_moe"}.get(dense_type)
+    if model_type is None:
+        return dense_type, [f"model.n_expert = {cfg.n_expert} (experts need Qwen2's q/k/v "
+                            f"biases or Qwen3's q/k norms; {dense_type} has no mixture)"]
+    differ = []
+    if cfg.router_softmax != "before":
+        differ.append(f"model.router_softmax = {cfg.router_softmax!r} (Qwen: 'before')")
+    if model_type == "qwen3_moe" and cfg.d_shared_expert:
+        differ.append(f"model.d_shared_expert = {cfg.d_shared_expert} (Qwen3-MoE: none)")
+    if model_type == "qwen2_moe" and not cfg.d_shared_expert:
+        differ.append("model.d_shared_expert = 0 (Qwen2-MoE has a shared expert)")
+    return model_type, differ
+
+
 def exported_family(cfg: RunConfig) -> str:
-    """The Hugging Face family (llama, qwen2, qwen3, mistral) whose layout the run's model is
-    exactly, else a TformerError saying why none is."""
+    """The Hugging Face family (llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe) whose
+    layout the run's model is exactly, else a TformerError saying why none is."""
     if cfg.family != "gpt":
         raise TformerError(f"the Llama families are gpt models; this is a {cfg.family} model")
     return model_type_of(cfg.model)
@@ -282,8 +373,14 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         hf["rope_scaling"] = rope
     if model_type == "mistral":
         hf["sliding_window"] = cfg.window
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen2_moe"):
         hf |= {"use_sliding_window": False, "sliding_window": None}
+    if cfg.n_expert:
+        hf |= {"num_experts": cfg.n_expert, "num_experts_per_tok": cfg.n_expert_active,
+               "moe_intermediate_size": cfg.ff_width, "norm_topk_prob": cfg.router_renormalise,
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if model_type == "qwen2_moe":
+        hf |= {"shared_expert_intermediate_size": cfg.d_shared_expert, "qkv_bias": True}
     return hf
 
 
@@ -297,6 +394,9 @@ def hf_weights(model: GPT) -> dict[str, Tensor]:
         tensor = state[ours]
         if isinstance(theirs, str):
             tensors[theirs] = tensor.contiguous().clone()
+        elif isinstance(theirs, Stacked):
+            for name, part in zip(theirs, tensor.unbind(0), strict=True):
+                tensors[name] = part.contiguous().clone()
         else:
             for name, part in zip(theirs, tensor.split([q, k, v]), strict=True):
                 tensors[name] = part.contiguous().clone()

@@ -110,8 +110,11 @@ def quantize_model(model: nn.Module, weights: str | None) -> nn.Module:
         raise TformerError(f"--weights {fmt.name} runs on the CPU; pass --device cpu")
     skip = set(getattr(model, "int8_skip", ()))
     keep = PackedLinear if prepack_available() else (lambda linear: linear)
+    # Stacked experts split into one linear layer a projection and an expert: each expert's
+    # weight gets blocks (or int8 rows) of its own, and decoding still reads only the chosen.
     copy = swap_linears(
-        model, lambda name, linear: keep(linear) if name in skip else fmt.quantize(linear))
+        model, lambda name, linear: keep(linear) if name in skip else fmt.quantize(linear),
+        split=True)
     if fmt.output is not None:
         for attr in OUTPUT_LAYERS:
             layer = getattr(model, attr, None)

@@ -3,6 +3,7 @@
 from tformer.kernels.dropout import Dropout, dropout
 from tformer.layers.attention import MultiHeadAttention
 from tformer.layers.cache import DecoderCache, KVCache, Lineage, StaticKV
+from tformer.layers.experts import ROUTER_SOFTMAX, Experts, MixtureOfExperts
 from tformer.layers.feedforward import (
     ACTIVATIONS,
     FEEDFORWARDS,
@@ -31,6 +32,7 @@ from tformer.layers.rotary import ROTARY_LAYOUTS, ROTARY_SCALINGS, Rotary, Rotar
 __all__ = [
     "ACTIVATIONS",
     "DecoderCache",
+    "Experts",
     "Dropout",
     "FEEDFORWARDS",
     "FeedForward",
@@ -38,12 +40,14 @@ __all__ = [
     "KVCache",
     "LearnedPositions",
     "Lineage",
+    "MixtureOfExperts",
     "MultiHeadAttention",
     "NORMS",
     "POSITIONS",
     "RMSNorm",
     "ROTARY_LAYOUTS",
     "ROTARY_SCALINGS",
+    "ROUTER_SOFTMAX",
     "Residual",
     "Rotary",
     "RotaryScaling",

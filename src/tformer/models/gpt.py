@@ -20,9 +20,11 @@ from tformer.layers import (
     POSITIONS,
     ROTARY_LAYOUTS,
     ROTARY_SCALINGS,
+    ROUTER_SOFTMAX,
     DecoderCache,
     Dropout,
     KVCache,
+    MixtureOfExperts,
     MultiHeadAttention,
     Residual,
     Rotary,
@@ -37,6 +39,8 @@ from tformer.models.base import Model, StackConfig
 ROPE_SCALED = frozenset({"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                          "rope_original_context"})
 """The fields of rotary scalings: linear reads the factor alone, llama3 all four."""
+EXPERT_FIELDS = ("n_expert_active", "router_softmax", "router_renormalise", "d_shared_expert")
+"""The fields a mixture of experts reads, moot without experts."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,18 @@ class GPTConfig(StackConfig):
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    n_expert: int = 0
+    """Experts in each feed-forward layer, each a gated feed-forward of d_ff (a mixture of
+    experts, layers.experts); 0: one dense feed-forward of `feedforward`'s kind."""
+    n_expert_active: int = 2
+    """The experts each token goes through (the router's top k)."""
+    router_softmax: str = "before"
+    """before top-k, over every expert (Qwen), or after, over the k chosen (Mixtral)."""
+    router_renormalise: bool = False
+    """Scale the chosen experts' weights to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+    d_shared_expert: int = 0
+    """The width of an expert every token goes through, under a sigmoid gate (Qwen2-MoE);
+    0: none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,6 +102,16 @@ class GPTConfig(StackConfig):
         check_choice("model.rope_layout", self.rope_layout, ROTARY_LAYOUTS)
         check_choice("model.rope_scaling", self.rope_scaling, ROTARY_SCALINGS)
         check_range("model.rope_factor", self.rope_factor, low=1.0)
+        check_range("model.n_expert", self.n_expert, low=0)
+        if self.n_expert:
+            check_range("model.n_expert_active", self.n_expert_active, low=1,
+                        high=self.n_expert)
+            check_choice("model.router_softmax", self.router_softmax, ROUTER_SOFTMAX)
+            check_range("model.d_shared_expert", self.d_shared_expert, low=0)
+            if self.feedforward != "gated":
+                raise TformerError(f"model.n_expert = {self.n_expert} needs model.feedforward "
+                                   f"= 'gated' (experts are gated feed-forwards), not "
+                                   f"{self.feedforward!r}")
         if self.rotary and 2 * int(self.head_size * self.rope_fraction // 2) < 2:
             raise TformerError(f"model.rope_fraction = {self.rope_fraction} rotates nothing "
                                f"of a head of {self.head_size}")
@@ -97,9 +123,23 @@ class GPTConfig(StackConfig):
         if self.norm != "pre":
             unused.add("final_norm")
         scaled = {"none": ROPE_SCALED, "linear": ROPE_SCALED - {"rope_factor"}}
+        if not self.n_expert:
+            unused |= set(EXPERT_FIELDS)
         unused |= ({"rope_theta", "rope_fraction", "rope_layout", "rope_scaling", *ROPE_SCALED}
                    if not self.rotary else scaled.get(self.rope_scaling, set()))
         return frozenset(unused)
+
+    def feedforward_module(self) -> nn.Module:
+        """A block's feed-forward: the mixture of experts where n_expert says so, else the
+        dense one `feedforward` names."""
+        if self.n_expert:
+            return MixtureOfExperts(
+                self.d_model, self.ff_width, self.n_expert, self.n_expert_active,
+                activation=self.activation, dropout=self.dropout, softmax=self.router_softmax,
+                renormalise=self.router_renormalise, d_shared=self.d_shared_expert)
+        return make_feedforward(self.feedforward, self.d_model, self.ff_width,
+                                activation=self.activation, dropout=self.dropout,
+                                bias=self.bias)
 
     def rotary_module(self) -> Rotary | None:
         if not self.rotary:
@@ -145,10 +185,7 @@ class GPTBlock(nn.Module):
             out_bias=cfg.attention_bias, qk_norm=head_norm if cfg.qk_norm else None,
             rotary=rotary,
         )
-        self.ff = make_feedforward(
-            cfg.feedforward, cfg.d_model, cfg.ff_width, activation=cfg.activation,
-            dropout=cfg.dropout, bias=cfg.bias,
-        )
+        self.ff = cfg.feedforward_module()
         self.attn_residual, self.ff_residual = (
             Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias,
                      kind=cfg.norm_kind, eps=cfg.norm_eps)
@@ -201,7 +238,12 @@ class GPT(Model):
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for block in self.blocks:
             nn.init.normal_(block.attn.out_proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.ff.down.weight, mean=0.0, std=residual_std)
+            ff = block.ff
+            if isinstance(ff, MixtureOfExperts):
+                ff.experts.reset_parameters(std=0.02, down_std=residual_std)
+                ff = ff.shared
+            if ff is not None:
+                nn.init.normal_(ff.down.weight, mean=0.0, std=residual_std)
 
     def make_cache(
         self, batch: int, max_len: int | None = None, *, padded: bool = False
