@@ -107,7 +107,7 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
     return GPTConfig(
         vocab_size=int(hf["vocab_size"]), context=int(hf["max_position_embeddings"]),
         n_layer=int(hf["num_hidden_layers"]), n_head=n_head, d_model=d_model,
-        d_ff=int(hf["intermediate_size"]), **experts,
+        **({"d_ff": int(hf["intermediate_size"])} | experts),
         d_head=None if head_dim * n_head == d_model else head_dim,
         n_kv_head=int(hf.get("num_key_value_heads") or n_head), dropout=0.0,
         activation="silu", position="none", norm="pre", norm_kind="rmsnorm",

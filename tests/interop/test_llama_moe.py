@@ -1,0 +1,160 @@
+"""Qwen3-MoE and Qwen2-MoE from Hugging Face: tiny random models made by transformers,
+saved, imported, and compared with transformers' forward, generate and router token by
+token; then exported back, every tensor bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer.decoding.lm import generate, left_pad
+from tformer.errors import TformerError
+from tformer.interop import read_hf_config, read_hf_weights
+from tformer.interop.llama import llama_config, llama_from_hf
+
+from .test_llama import randomise
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "rms_norm_eps": 1e-6, "num_experts": 6, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 24, "tie_word_embeddings": False}
+FAMILIES = {
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 12,
+                                                           "norm_topk_prob": True}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "shared_expert_intermediate_size": 20, "norm_topk_prob": False}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    config_class, model_class, fields = FAMILIES[request.param]
+    config = getattr(transformers, config_class)(**COMMON, **fields,
+                                                 attn_implementation="eager")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    randomise(model)
+    with torch.no_grad():  # routers sharp enough that tokens spread over the experts
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(8.0)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, path, model, imported(path)
+
+
+def imported(path):
+    return llama_from_hf(read_hf_config(path), read_hf_weights(path), path)
+
+
+ROWS = [[5, 17, 3, 88, 41, 9, 62, 23, 7, 1, 54], [12, 6, 90], [33, 2, 71, 45, 8, 19, 60]]
+
+
+@torch.no_grad()
+def test_logits_match_hugging_face_on_a_left_padded_batch(saved):
+    name, _, hf, ours = saved
+    tokens, is_real = left_pad(ROWS, pad_id=0)
+    got = ours(tokens, is_real)
+    for i, row in enumerate(ROWS):
+        expected = hf(torch.tensor([row])).logits[0]
+        assert (got[i][is_real[i]] - expected).abs().max() <= 1e-5, name
+
+
+@torch.no_grad()
+def test_each_token_goes_to_the_experts_hugging_face_chooses(saved):
+    """Hugging Face's router hooked, layer by layer: the same experts, in the same order."""
+    name, _, hf, ours = saved
+    theirs, mine = {}, {}
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda m, i, out, n=n: theirs.__setitem__(n, out[2])) for n, layer in
+        enumerate(hf.model.layers)]
+    hooks += [block.ff.router.register_forward_hook(
+        lambda m, i, out, n=n: mine.__setitem__(n, out[0])) for n, block in
+        enumerate(ours.blocks)]
+    tokens = torch.tensor([ROWS[0] + ROWS[2]])
+    hf(tokens)
+    ours(tokens)
+    for hook in hooks:
+        hook.remove()
+    assert len(theirs) == len(mine) == 2
+    for n in theirs:
+        assert torch.equal(mine[n], theirs[n]), (name, n)
+    # The random routers do spread the tokens: most experts are chosen somewhere.
+    assert len({(n, e) for n in theirs for e in theirs[n].flatten().tolist()}) >= 6, theirs
+
+
+@torch.no_grad()
+def test_greedy_tokens_match_hugging_face_generate(saved):
+    name, _, hf, ours = saved
+    prompt = torch.tensor([ROWS[0][:4]])
+    expected = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[:, prompt.shape[1]:]
+    got = torch.stack(list(generate(ours, prompt, max_new_tokens=20, temperature=0.0)), 1)
+    assert torch.equal(got, expected), name
+
+
+@torch.no_grad()
+def test_cached_decoding_equals_the_full_pass(saved):
+    _, _, _, ours = saved
+    tokens = torch.tensor([ROWS[2]])
+    cache = ours.make_cache(1)
+    steps = [ours(tokens[:, :3], cache=cache)]
+    steps += [ours(tokens[:, i : i + 1], cache=cache) for i in range(3, tokens.shape[1])]
+    assert (torch.cat(steps, 1) - ours(tokens)).abs().max() < 1e-5
+
+
+def test_the_config_maps_the_mixture(saved):
+    name, path, hf, ours = saved
+    cfg = ours.cfg
+    assert (cfg.n_expert, cfg.n_expert_active, cfg.d_ff) == (6, 2, 24)
+    assert cfg.router_renormalise == (name == "qwen3-moe")
+    assert cfg.d_shared_expert == (20 if name == "qwen2-moe" else 0)
+    assert cfg.qk_norm == (name == "qwen3-moe") and bool(cfg.qkv_bias) == (name == "qwen2-moe")
+    # transformers' own state_dict() holds the experts fused (gate_up_proj): the same model.
+    again = llama_from_hf(hf.config.to_dict(), hf.state_dict(), path)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
+                                                 ours.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mlp_only_layers": [1]}, "dense feed-forward layers among the experts'"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
+    ({"num_experts_per_tok": None}, "has no num_experts_per_tok"),
+])
+def test_what_a_mixture_cannot_express_is_named(saved, change, message):
+    _, path, _, _ = saved
+    with pytest.raises(TformerError, match=message):
+        llama_config(read_hf_config(path) | change, path)
+
+
+def test_import_and_export_round_trip_through_the_cli_commands(saved, tmp_path):
+    """Imported with a tokenizer, loaded as decoding loads it, exported: transformers reads
+    back the same class and every tensor bit for bit."""
+    from tformer.interop.command import export_checkpoint, import_checkpoint
+    from tformer.loading import load_checkpoint
+
+    from .test_llama import bpe_tokenizer
+
+    name, path, hf, _ = saved
+    source = tmp_path / "source"
+    hf.save_pretrained(source)
+    bpe_tokenizer().save_pretrained(source)
+    loaded = load_checkpoint(import_checkpoint(source, tmp_path / "ours"))
+    prompt = torch.tensor([loaded.tokenizer.encode("Kalo mi")])
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[:, prompt.shape[1]:]
+        got = torch.stack(list(generate(loaded.model, prompt, max_new_tokens=12,
+                                        temperature=0.0)), 1)
+    assert torch.equal(got, expected), name
+
+    back = export_checkpoint(tmp_path / "ours", tmp_path / "back", "llama")
+    again = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    assert type(again) is type(hf)
+    theirs, ours = hf.state_dict(), again.state_dict()
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs), name
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "norm_topk_prob", "shared_expert_intermediate_size"):
+        assert getattr(again.config, key, None) == getattr(hf.config, key, None), key
