@@ -191,3 +191,30 @@ def test_the_one_call_step_kernel_declines_mixtures():
     from tformer.kernels.step import LMStep
 
     assert LMStep.of(tiny_moe().blocks) is None
+
+
+def test_lora_adapts_a_mixture_s_attention_and_leaves_the_experts_frozen():
+    from tformer.config import LoRAConfig
+    from tformer.training.lora import add_adapters, merge
+
+    model = tiny_moe(d_shared_expert=16).train()
+    names = add_adapters(model, LoRAConfig(r=2, targets=["qkv_proj", "out_proj"]))
+    assert sorted(names) == [f"blocks.{i}.attn.{p}" for i in range(2)
+                             for p in ("out_proj", "qkv_proj")]
+    tokens = torch.randint(0, 40, (2, 8))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(tokens).square().mean().backward()
+        opt.step()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all(".lora_" in n for n in trained)
+    model.eval()
+    with torch.no_grad():
+        adapted = model(tokens)
+        assert (merge(model)(tokens) - adapted).abs().max() < 1e-5
+    # "all" reaches the shared expert's linear layers, never the router or stacked experts.
+    other = tiny_moe(d_shared_expert=16)
+    everything = add_adapters(other, LoRAConfig(r=2))
+    assert "blocks.0.ff.shared.up" in everything
+    assert not any("router" in n or "experts" in n for n in everything)
