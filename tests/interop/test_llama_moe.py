@@ -4,6 +4,7 @@ token; then exported back, every tensor bit for bit."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,19 +129,28 @@ def test_what_a_mixture_cannot_express_is_named(saved, change, message):
         llama_config(read_hf_config(path) | change, path)
 
 
-def test_import_and_export_round_trip_through_the_cli_commands(saved, tmp_path):
-    """Imported with a tokenizer, loaded as decoding loads it, exported: transformers reads
-    back the same class and every tensor bit for bit."""
-    from tformer.interop.command import export_checkpoint, import_checkpoint
-    from tformer.loading import load_checkpoint
+@pytest.fixture(scope="module")
+def checkpoint(saved, tmp_path_factory):
+    """The saved model with a tokenizer, imported through the CLI's command."""
+    from tformer.interop.command import import_checkpoint
 
     from .test_llama import bpe_tokenizer
 
-    name, path, hf, _ = saved
-    source = tmp_path / "source"
+    name, _, hf, _ = saved
+    source = tmp_path_factory.mktemp(f"{name}-source")
     hf.save_pretrained(source)
     bpe_tokenizer().save_pretrained(source)
-    loaded = load_checkpoint(import_checkpoint(source, tmp_path / "ours"))
+    return import_checkpoint(source, tmp_path_factory.mktemp(f"{name}-ours") / "run")
+
+
+def test_import_and_export_round_trip_through_the_cli_commands(saved, checkpoint, tmp_path):
+    """Imported with a tokenizer, loaded as decoding loads it, exported: transformers reads
+    back the same class and every tensor bit for bit."""
+    from tformer.interop.command import export_checkpoint
+    from tformer.loading import load_checkpoint
+
+    name, _, hf, _ = saved
+    loaded = load_checkpoint(checkpoint)
     prompt = torch.tensor([loaded.tokenizer.encode("Kalo mi")])
     with torch.no_grad():
         expected = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0,
@@ -149,7 +159,7 @@ def test_import_and_export_round_trip_through_the_cli_commands(saved, tmp_path):
                                         temperature=0.0)), 1)
     assert torch.equal(got, expected), name
 
-    back = export_checkpoint(tmp_path / "ours", tmp_path / "back", "llama")
+    back = export_checkpoint(checkpoint, tmp_path / "back", "llama")
     again = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
     assert type(again) is type(hf)
     theirs, ours = hf.state_dict(), again.state_dict()
@@ -158,3 +168,50 @@ def test_import_and_export_round_trip_through_the_cli_commands(saved, tmp_path):
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "norm_topk_prob", "shared_expert_intermediate_size"):
         assert getattr(again.config, key, None) == getattr(hf.config, key, None), key
+
+
+def test_a_gguf_written_from_it_reads_back_the_same_in_transformers_and_here(
+        saved, checkpoint, tmp_path):
+    """Exported as GGUF (qwen2moe / qwen3moe, experts stacked as ffn_*_exps): transformers'
+    GGUF reader gives the original's logits, and importing it again every tensor."""
+    pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from tformer.interop.command import export_checkpoint
+    from tformer.interop.gguf import import_gguf, read_gguf
+
+    name, _, hf, ours = saved
+    out = export_checkpoint(checkpoint, tmp_path / "model.gguf", "gguf")
+    file = read_gguf(out)
+    assert file.architecture == name.replace("-", "")
+    assert file.tensors["blk.0.ffn_gate_exps.weight"].shape == (6, 24, 32)
+    back = import_gguf(out, tmp_path / "back")
+    before, after = ours.state_dict(), load_file(back / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before), name
+    tokens = torch.tensor([ROWS[0]])
+    # transformers' GGUF reader takes the tensors from the file but not every expert key
+    # (it reads no expert_feed_forward_length): the config comes from the original.
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        out.parent, gguf_file=out.name, config=hf.config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (reference(tokens).logits - hf(tokens).logits).abs().max() <= 1e-5
+
+
+def test_quantized_gguf_experts_are_blocks_sliced_per_expert(saved, checkpoint, tmp_path):
+    """A q8_0 export holds each stack of experts as Q8_0 blocks (routers in F32); imported,
+    expert e's weight is the file's blocks of expert e, dequantized."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from tformer.interop.command import export_checkpoint
+    from tformer.interop.gguf import import_gguf, read_gguf
+
+    out = export_checkpoint(checkpoint, tmp_path / "model.gguf", "gguf", type="q8_0")
+    file = read_gguf(out)
+    stack = file.tensors["blk.1.ffn_gate_exps.weight"]
+    assert (stack.type, file.tensors["blk.1.ffn_gate_inp.weight"].type) == ("Q8_0", "F32")
+    whole = gguf.quants.dequantize(stack.data, gguf.GGMLQuantizationType.Q8_0)
+    after = load_file(import_gguf(out, tmp_path / "back") / "model.safetensors")
+    assert torch.equal(after["blocks.1.ff.experts.gate"],
+                       torch.from_numpy(np.asarray(whole, dtype=np.float32)).reshape(6, 24, 32))

@@ -33,6 +33,8 @@ from tformer.errors import TformerError
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
+MIXTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+"""The mixture-of-experts architectures read, and their Hugging Face model types."""
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 """The tensor types read; every one is dequantized to fp32 unless kept (see `kept_types`)."""
 LLAMA_LINEARS = {  # our linear layers -> the file's tensors they are made of, in order
@@ -51,7 +53,15 @@ LLAMA_BLOCK = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures: the router, and Qwen2-MoE's shared expert with its gate (a vector here).
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
+"""A mixture's experts, one [E, rows, columns] tensor a projection; Hugging Face's files
+hold them one by one (`mlp.experts.{e}.gate_proj.weight`)."""
 GPT2_NAMES = {
     "token_embd": "wte", "position_embd": "wpe", "output_norm": "ln_f", "output": "lm_head",
 }
@@ -169,9 +179,9 @@ def _tensor(path: Path, t: Any) -> GGUFTensor:
 def hf_config(file: GGUFFile) -> dict[str, Any]:
     """The Hugging Face config.json the file's metadata describes."""
     arch = file.architecture
-    if arch not in ARCHITECTURES:
+    if arch not in ARCHITECTURES and arch not in MIXTURES:
         raise TformerError(f"{file.path}: architecture {arch!r} cannot be imported; tformer "
-                           f"reads {', '.join(ARCHITECTURES)}")
+                           f"reads {', '.join([*ARCHITECTURES, *MIXTURES])}")
     tokens = file.metadata.get("tokenizer.ggml.tokens")
     vocab = file.get("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
@@ -223,8 +233,26 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
     hf["rope_scaling"] = _rope_scaling(file, hf)
     if arch == "llama" and "blk.0.attn_output.bias" in file.tensors:
         hf["attention_bias"] = True
-    if file.get("expert_count"):
-        raise TformerError(f"{file.path}: mixture-of-experts layers cannot be expressed")
+    if arch in MIXTURES:
+        hf |= _mixture_config(file)
+    elif file.get("expert_count"):
+        raise TformerError(f"{file.path}: mixture-of-experts layers in a {arch} file cannot "
+                           f"be expressed")
+    return hf
+
+
+def _mixture_config(file: GGUFFile) -> dict[str, Any]:
+    """The expert keys of a qwen2moe / qwen3moe file as config.json has them. Whether the
+    chosen experts' weights are renormalised: the file's expert_weights_norm, else what
+    llama.cpp does for the architecture (Qwen3-MoE: yes, Qwen2-MoE: no)."""
+    arch = file.architecture
+    hf = {"model_type": MIXTURES[arch], "num_experts": int(file.need("expert_count")),
+          "num_experts_per_tok": int(file.need("expert_used_count")),
+          "moe_intermediate_size": int(file.need("expert_feed_forward_length")),
+          "norm_topk_prob": bool(file.get("expert_weights_norm", arch == "qwen3moe"))}
+    if arch == "qwen2moe":
+        hf["shared_expert_intermediate_size"] = int(
+            file.need("expert_shared_feed_forward_length"))
     return hf
 
 
@@ -297,6 +325,16 @@ def unpermute(rows: Tensor, n_head: int) -> Tensor:
         .reshape(shape)
 
 
+def expert_names(name: str, n_expert: int) -> list[str] | None:
+    """Hugging Face's names of the experts stacked in the file's tensor `name`, or None where
+    it holds no experts."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in EXPERT_STACKS:
+        return None
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_STACKS[parts[2]]}.weight"
+            for e in range(n_expert)]
+
+
 def hf_names(file: GGUFFile, n_layer: int) -> dict[str, str]:
     """llama.cpp's tensor names -> Hugging Face's, for every name the layout has."""
     top, block = (GPT2_NAMES, GPT2_BLOCK) if file.architecture == "gpt2" else \
@@ -325,11 +363,15 @@ class Deferred:
     """Query or key rows of a llama file: put back from pairs order, over this many heads."""
     transpose: bool = False
     """A GPT-2 matrix: back to Conv1D's (in, out)."""
+    shape: tuple[int, ...] | None = None
+    """Hugging Face's shape, where it differs (a shared expert's gate: a row, not a vector)."""
 
     def float(self) -> Tensor:
         value = self.tensor.dequantize()
         if self.heads is not None:
             value = unpermute(value, self.heads)
+        if self.shape is not None:
+            value = value.reshape(self.shape)
         return value.t().contiguous() if self.transpose else value
 
 
@@ -339,7 +381,9 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
     arch = file.architecture
     n_layer = hf["n_layer"] if arch == "gpt2" else hf["num_hidden_layers"]
     names = hf_names(file, n_layer)
-    unknown = [n for n in file.tensors if n not in names and n != "rope_freqs.weight"]
+    n_expert = hf.get("num_experts", 0)
+    unknown = [n for n in file.tensors if n not in names and n != "rope_freqs.weight"
+               and expert_names(n, n_expert) is None]
     if unknown:
         raise TformerError(f"{file.path}: tensors a {arch} model has no place for: "
                            f"{', '.join(unknown[:5])}")
@@ -347,13 +391,25 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
     for name, tensor in file.tensors.items():
         if name == "rope_freqs.weight":
             continue
+        experts = expert_names(name, n_expert)
+        if experts is not None:
+            # One view of the file's bytes an expert: each is dequantized on its own.
+            if tensor.shape[0] != n_expert:
+                raise TformerError(f"{file.path}: {name} stacks {tensor.shape[0]} experts, "
+                                   f"the metadata says {n_expert}")
+            for e, expert in enumerate(experts):
+                weights[expert] = Deferred(GGUFTensor(f"{name}[{e}]", tensor.type,
+                                                      tensor.ggml_type, tensor.shape[1:],
+                                                      tensor.data[e]))
+            continue
         heads = None
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = hf["num_attention_heads"] if ".attn_q." in name else \
                 hf["num_key_value_heads"]
         transpose = arch == "gpt2" and name.startswith("blk.") and name.endswith(".weight") \
             and len(tensor.shape) == 2
-        weights[names[name]] = Deferred(tensor, heads, transpose)
+        shape = (1, -1) if ".ffn_gate_inp_shexp." in name else None
+        weights[names[name]] = Deferred(tensor, heads, transpose, shape)
     return weights
 
 

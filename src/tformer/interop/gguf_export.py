@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from tformer.errors import TformerError
-from tformer.interop.gguf import hf_names, llama3_factors, require_gguf
+from tformer.interop.gguf import (
+    EXPERT_STACKS,
+    MIXTURES,
+    hf_names,
+    llama3_factors,
+    require_gguf,
+)
 from tformer.kernels import blocks
 
 log = logging.getLogger(__name__)
@@ -53,8 +59,7 @@ def _layout(cfg: Any) -> str:
                                f"{gpt2_error}") from None
         return "gpt2"
     if model_type in llama.MIXTURES:
-        raise TformerError(f"GGUF export of a mixture of experts ({model_type}) is not "
-                           f"written yet; export it as a Hugging Face folder")
+        return {hf: arch for arch, hf in MIXTURES.items()}[model_type]
     if model_type == "mistral":
         raise TformerError(f"GGUF's llama architecture has no sliding window (model.window = "
                            f"{cfg.window})")
@@ -89,6 +94,12 @@ def _metadata(arch: str, cfg: Any) -> dict[str, Any]:
     }
     if cfg.rope_scaling == "linear":
         keys |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(cfg.rope_factor)}
+    if cfg.n_expert:
+        keys |= {"expert_count": cfg.n_expert, "expert_used_count": cfg.n_expert_active,
+                 "expert_feed_forward_length": cfg.ff_width,
+                 "expert_weights_norm": cfg.router_renormalise}
+    if cfg.d_shared_expert:
+        keys["expert_shared_feed_forward_length"] = cfg.d_shared_expert
     return keys
 
 
@@ -105,7 +116,14 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
         hf = llama.hf_weights(model)
     back = {theirs: ours for ours, theirs in hf_names_for(arch, cfg.n_layer).items()}
     tensors = {}
+    state = model.state_dict()
+    for i in range(cfg.n_layer if cfg.n_expert else 0):  # the experts as the model stacks them
+        for stack, projection in EXPERT_STACKS.items():
+            tensors[f"blk.{i}.{stack}.weight"] = state[
+                f"blocks.{i}.ff.experts.{projection.removesuffix('_proj')}"].detach().float()
     for name, value in hf.items():
+        if ".mlp.experts." in name:
+            continue
         ours = back[name]
         value = value.detach().cpu()
         if value.dtype != torch.uint8:  # uint8: blocks, written as they are
@@ -113,6 +131,8 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
         if arch == "llama" and (".attn_q." in ours or ".attn_k." in ours):
             value = permute(value, cfg.n_head if ".attn_q." in ours else
                             cfg.n_kv_head or cfg.n_head)
+        if ".ffn_gate_inp_shexp." in ours:  # llama.cpp's is a vector
+            value = value.reshape(-1)
         tensors[ours] = value.contiguous()
     if cfg.rope_scaling == "llama3":
         tensors["rope_freqs.weight"] = torch.from_numpy(llama3_factors(
@@ -135,9 +155,13 @@ def _stored(name: str, value: Tensor, kind: str) -> tuple[np.ndarray, Any]:
     array = value.numpy()
     if value.dtype == torch.uint8:  # already blocks of `kind`
         return array, gguf.GGMLQuantizationType[kind.upper()]
-    if value.dim() != 2 or kind == "f32" or name == "rope_freqs.weight":
+    # Matrices and stacks of them (a mixture's experts, quantized one row at a time too);
+    # a router's scores stay f32, as llama.cpp's quantizer keeps them: rounded, they can
+    # change which experts a token goes to.
+    if (value.dim() not in (2, 3) or kind == "f32" or name == "rope_freqs.weight"
+            or ".ffn_gate_inp" in name):
         return array.astype(np.float32), None
-    if kind == "f16" or value.shape[1] % 32:
+    if kind == "f16" or value.shape[-1] % 32:
         return array.astype(np.float16), None
     qtype = gguf.GGMLQuantizationType[kind.upper()]
     return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
