@@ -218,3 +218,23 @@ def test_lora_adapts_a_mixture_s_attention_and_leaves_the_experts_frozen():
     everything = add_adapters(other, LoRAConfig(r=2))
     assert "blocks.0.ff.shared.up" in everything
     assert not any("router" in n or "experts" in n for n in everything)
+
+
+def test_one_token_reads_only_its_chosen_experts(monkeypatch):
+    """Decoding a token runs its k experts and no other: no dense pass over all E."""
+    from tformer.layers.experts import Experts
+
+    moe = mixture()
+    called = []
+    run = Experts.expert
+    monkeypatch.setattr(Experts, "expert",
+                        lambda self, e, x: called.append((e, x.shape[0])) or run(self, e, x))
+    x = torch.randn(1, 1, D)
+    with torch.no_grad():
+        moe(x)
+        chosen, _ = moe.router(x[0])
+    assert called == [(e, 1) for e in chosen[0].tolist()]
+    called.clear()
+    with torch.no_grad():  # many tokens: one call an expert, over the tokens routed to it
+        moe(torch.randn(1, 12, D))
+    assert len({e for e, _ in called}) == len(called) and sum(n for _, n in called) == 12 * K
