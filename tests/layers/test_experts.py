@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tformer.errors import TformerError
-from tformer.layers.experts import MixtureOfExperts
+from tformer.layers import GatedFeedForward
+from tformer.layers.experts import Experts, MixtureOfExperts, Router, make_glu
 from tformer.models.gpt import GPT, GPTConfig
 
 D, F, E, K = 16, 12, 5, 2
@@ -45,10 +46,17 @@ def reference(moe: MixtureOfExperts, x: torch.Tensor) -> tuple[torch.Tensor, lis
     return torch.stack(out), chosen
 
 
-def mixture(softmax="before", renormalise=False, d_shared=0, seed=0) -> MixtureOfExperts:
+def make_mixture(d: int, f: int, *, softmax="before", renormalise=False, d_shared=0,
+                 glu="gated", bias=False) -> MixtureOfExperts:
+    router = Router(d, E, K, softmax=softmax, renormalise=renormalise, bias=bias)
+    experts = Experts(d, f, E, glu=make_glu(glu, "silu", 7.0, 1.702), bias=bias)
+    shared = GatedFeedForward(d, d_shared, activation="silu", bias=False) if d_shared else None
+    return MixtureOfExperts(router, experts, shared)
+
+
+def mixture(seed=0, **options) -> MixtureOfExperts:
     torch.manual_seed(seed)
-    moe = MixtureOfExperts(D, F, E, K, softmax=softmax, renormalise=renormalise,
-                           d_shared=d_shared)
+    moe = make_mixture(D, F, **options)
     with torch.no_grad():  # weights large enough that the router's scores are far apart
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape) * 0.3)
@@ -90,8 +98,9 @@ def test_gradients_match_the_reference():
         assert (p.grad - twin_params[name].grad).abs().max() < 1e-4, name
 
 
-def test_split_experts_compute_the_same():
-    moe = mixture(d_shared=8)
+@pytest.mark.parametrize("options", [{"d_shared": 8}, {"glu": "clamped", "bias": True}])
+def test_split_experts_compute_the_same(options):
+    moe = mixture(**options)
     x = torch.randn(1, 6, D)
     with torch.no_grad():
         expected = moe(x)
@@ -160,7 +169,7 @@ def test_weight_formats_give_each_expert_its_own_blocks(fmt):
     up to the rounding of the activations (8 bits)."""
     from tformer.kernels.formats import quantize_model, weight_format
 
-    moe = MixtureOfExperts(32, 64, E, K, d_shared=32, renormalise=True)
+    moe = make_mixture(32, 64, d_shared=32, renormalise=True)
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape) * 0.3)
@@ -172,7 +181,7 @@ def test_weight_formats_give_each_expert_its_own_blocks(fmt):
     assert moe.experts.gate.dim() == 3  # the original is left as it was
     assert quantized.router.weight is moe.router.weight  # routers stay fp32
 
-    rounded = MixtureOfExperts(32, 64, E, K, d_shared=32, renormalise=True).double()
+    rounded = make_mixture(32, 64, d_shared=32, renormalise=True).double()
     rounded.load_state_dict(moe.state_dict())
     for p in ("gate", "up", "down"):
         getattr(rounded.experts, p).copy_(torch.stack([m.weight for m in getattr(split, p)]))
@@ -238,3 +247,34 @@ def test_one_token_reads_only_its_chosen_experts(monkeypatch):
     with torch.no_grad():  # many tokens: one call an expert, over the tokens routed to it
         moe(torch.randn(1, 12, D))
     assert len({e for e, _ in called}) == len(called) and sum(n for _, n in called) == 12 * K
+
+
+@torch.no_grad()
+def test_gpt_oss_experts_match_transformers():
+    """Router bias, softmax after top-k, biased experts and the clamped gate against
+    transformers' own GptOssMLP with the same weights (its gate and up interleaved in one
+    [E, D, 2F] tensor, stored input-first)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = transformers.GptOssConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
+                                       num_experts_per_tok=K)
+    theirs = GptOssMLP(config).eval()
+    torch.manual_seed(1)
+    for p in theirs.parameters():
+        p.copy_(torch.randn(p.shape) * 0.5)  # gates beyond the clamp's limit of 7 too
+    ours = make_mixture(D, F, softmax="after", glu="clamped", bias=True)
+    gate_up, gate_up_bias = theirs.experts.gate_up_proj, theirs.experts.gate_up_proj_bias
+    state = {"router.weight": theirs.router.weight, "router.bias": theirs.router.bias,
+             "experts.gate": gate_up[..., ::2].transpose(1, 2),
+             "experts.up": gate_up[..., 1::2].transpose(1, 2),
+             "experts.down": theirs.experts.down_proj.transpose(1, 2),
+             "experts.gate_bias": gate_up_bias[:, ::2], "experts.up_bias": gate_up_bias[:, 1::2],
+             "experts.down_bias": theirs.experts.down_proj_bias}
+    ours.load_state_dict(state)
+    x = torch.randn(2, 6, D) * 3
+    expected, _ = theirs(x)
+    assert (ours(x) - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert torch.equal(ours.router(x.reshape(-1, D))[0], theirs.router(x.reshape(-1, D))[2])
+    clamped = ours.experts.glu(torch.tensor([9.0, -9.0]), torch.tensor([9.0, -9.0]))
+    assert clamped[0] > 7.0 * 7.9 and clamped[1].abs() < 1e-3  # the limits do bite

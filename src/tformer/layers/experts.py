@@ -23,8 +23,10 @@ from torch import Tensor, nn
 
 from tformer.kernels.dropout import Dropout
 from tformer.kernels.glu import silu_mul
-from tformer.layers.feedforward import ACTIVATIONS, GatedFeedForward
+from tformer.layers.feedforward import ACTIVATIONS
 
+EXPERT_GLUS = ("gated", "clamped")
+"""An expert's gate: gated, act(gate) * up (SwiGLU with silu); clamped, gpt-oss's (ClampedGLU)."""
 ROUTER_SOFTMAX = ("before", "after")
 """Where the router's softmax sits: before top-k, over every expert, its chosen
 probabilities then summing to less than 1 unless renormalised (Qwen2-MoE, Qwen3-MoE); or
@@ -88,17 +90,61 @@ def route_tokens(x: Tensor, experts: Tensor, weights: Tensor, n_expert: int,
     return out
 
 
-class Experts(nn.Module):
-    """E gated feed-forwards, down_e(act(gate_e x) * up_e x), their weights stacked:
-    gate and up [E, F, D], down [E, D, F] (as nn.Linear holds a weight, output rows first)."""
+class GLU(nn.Module):
+    """(gate, up) -> act(gate) * up (Shazeer 2020; SwiGLU with silu)."""
 
-    def __init__(self, d_model: int, d_ff: int, n_expert: int, *, activation: str = "silu",
-                 dropout: float = 0.0) -> None:
+    def __init__(self, activation: str) -> None:
+        super().__init__()
+        self.activation = ACTIVATIONS[activation]()
+
+    def forward(self, gate: Tensor, up: Tensor) -> Tensor:
+        if isinstance(self.activation, nn.SiLU):  # in one pass (kernels/glu.py)
+            return silu_mul(gate, up)
+        return self.activation(gate) * up
+
+
+class ClampedGLU(nn.Module):
+    """(gate, up) -> gate * sigmoid(alpha * gate) * (up + 1), the gate clamped to at most
+    `limit` and up to [-limit, limit]: gpt-oss's experts (OpenAI 2025). The clamps bound
+    what an expert can write, and up + 1 lets an expert pass its gate through where up is
+    near 0."""
+
+    def __init__(self, limit: float, alpha: float) -> None:
+        super().__init__()
+        self.limit, self.alpha = limit, alpha
+
+    def forward(self, gate: Tensor, up: Tensor) -> Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(self.alpha * gate) * (up + 1)
+
+    def extra_repr(self) -> str:
+        return f"limit={self.limit}, alpha={self.alpha}"
+
+
+def make_glu(kind: str, activation: str, limit: float, alpha: float) -> nn.Module:
+    if kind == "clamped":
+        return ClampedGLU(limit, alpha)
+    if kind != "gated":
+        raise ValueError(f"an expert's gate must be one of {EXPERT_GLUS}, not {kind!r}")
+    return GLU(activation)
+
+
+class Experts(nn.Module):
+    """E gated feed-forwards, down_e(glu(gate_e x, up_e x)), their weights stacked: gate
+    and up [E, F, D], down [E, D, F] (as nn.Linear holds a weight, output rows first), and
+    with `bias` their biases [E, F] and [E, D] (gpt-oss)."""
+
+    def __init__(self, d_model: int, d_ff: int, n_expert: int, *, glu: nn.Module,
+                 dropout: float = 0.0, bias: bool = False) -> None:
         super().__init__()
         self.gate = nn.Parameter(torch.empty(n_expert, d_ff, d_model))
         self.up = nn.Parameter(torch.empty(n_expert, d_ff, d_model))
         self.down = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
-        self.activation = ACTIVATIONS[activation]()
+        self.gate_bias = nn.Parameter(torch.zeros(n_expert, d_ff)) if bias else None
+        self.up_bias = nn.Parameter(torch.zeros(n_expert, d_ff)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(n_expert, d_model)) if bias else None
+        self.glu = glu
         self.dropout = Dropout(dropout)
         self.reset_parameters()
 
@@ -110,13 +156,20 @@ class Experts(nn.Module):
         nn.init.normal_(self.gate, std=std)
         nn.init.normal_(self.up, std=std)
         nn.init.normal_(self.down, std=std if down_std is None else down_std)
+        for bias in (self.gate_bias, self.up_bias, self.down_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def _bias(self, name: str, e: int) -> Tensor | None:
+        bias = getattr(self, name)
+        return None if bias is None else bias[e]
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert e on rows x (n, D): a view of its slice of each stack, nothing copied."""
-        gate, up = F.linear(x, self.gate[e]), F.linear(x, self.up[e])
-        hidden = (silu_mul(gate, up) if isinstance(self.activation, nn.SiLU)
-                  else self.activation(gate) * up)
-        return F.linear(self.dropout(hidden), self.down[e])
+        gate = F.linear(x, self.gate[e], self._bias("gate_bias", e))
+        up = F.linear(x, self.up[e], self._bias("up_bias", e))
+        return F.linear(self.dropout(self.glu(gate, up)), self.down[e],
+                        self._bias("down_bias", e))
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         return route_tokens(x, experts, weights, self.n_expert, self.expert)
@@ -135,23 +188,23 @@ class ExpertLinears(nn.Module):
     def __init__(self, stacked: Experts) -> None:
         super().__init__()
 
-        def layers(weights: Tensor) -> nn.ModuleList:
+        def layers(weights: Tensor, biases: Tensor | None) -> nn.ModuleList:
             out = nn.ModuleList()
-            for w in weights:
+            for e, w in enumerate(weights):
                 linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
                 linear.weight = nn.Parameter(w.detach(), requires_grad=False)
+                if biases is not None:
+                    linear.bias = nn.Parameter(biases[e].detach(), requires_grad=False)
                 out.append(linear)
             return out
 
-        self.gate, self.up, self.down = (layers(w) for w in (stacked.gate, stacked.up,
-                                                                stacked.down))
-        self.activation = stacked.activation
+        self.gate = layers(stacked.gate, stacked.gate_bias)
+        self.up = layers(stacked.up, stacked.up_bias)
+        self.down = layers(stacked.down, stacked.down_bias)
+        self.glu = stacked.glu
 
     def expert(self, e: int, x: Tensor) -> Tensor:
-        gate, up = self.gate[e](x), self.up[e](x)
-        hidden = (silu_mul(gate, up) if isinstance(self.activation, nn.SiLU)
-                  else self.activation(gate) * up)
-        return self.down[e](hidden)
+        return self.down[e](self.glu(self.gate[e](x), self.up[e](x)))
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         return route_tokens(x, experts, weights, len(self.gate), self.expert)
@@ -159,19 +212,18 @@ class ExpertLinears(nn.Module):
 
 class MixtureOfExperts(nn.Module):
     """(B, T, D) -> (B, T, D): the router's k experts of each token, weighted, plus the
-    shared expert (if any) scaled by sigmoid(shared_gate(x)) (Qwen2-MoE)."""
+    shared expert (if any) scaled by sigmoid(shared_gate x) (Qwen2-MoE). The parts are
+    made by the caller (models.gpt.GPTConfig.feedforward_module) and passed in."""
 
-    def __init__(self, d_model: int, d_ff: int, n_expert: int, k: int, *,
-                 activation: str = "silu", dropout: float = 0.0, softmax: str = "before",
-                 renormalise: bool = False, d_shared: int = 0) -> None:
+    def __init__(self, router: Router, experts: Experts, shared: nn.Module | None = None
+                 ) -> None:
         super().__init__()
-        self.router = Router(d_model, n_expert, k, softmax=softmax, renormalise=renormalise)
-        self.experts: Experts | ExpertLinears = Experts(d_model, d_ff, n_expert,
-                                                        activation=activation, dropout=dropout)
-        self.shared = (GatedFeedForward(d_model, d_shared, activation=activation,
-                                        dropout=dropout, bias=False) if d_shared else None)
+        self.router = router
+        self.experts: Experts | ExpertLinears = experts
+        self.shared = shared
         # A parameter, not an nn.Linear, as the router's weight is (see Router).
-        self.shared_gate = nn.Parameter(torch.zeros(1, d_model)) if d_shared else None
+        d_model = router.weight.shape[1]
+        self.shared_gate = nn.Parameter(torch.zeros(1, d_model)) if shared is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
         h = x.reshape(-1, x.shape[-1])

@@ -17,20 +17,25 @@ from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError
 from tformer.evaluation.loss import Targets
 from tformer.layers import (
+    EXPERT_GLUS,
     POSITIONS,
     ROTARY_LAYOUTS,
     ROTARY_SCALINGS,
     ROUTER_SOFTMAX,
     DecoderCache,
     Dropout,
+    Experts,
+    GatedFeedForward,
     KVCache,
     MixtureOfExperts,
     MultiHeadAttention,
     Residual,
     Rotary,
     RotaryScaling,
+    Router,
     lm_mask,
     make_feedforward,
+    make_glu,
     make_norm,
     window_mask,
 )
@@ -39,7 +44,8 @@ from tformer.models.base import Model, StackConfig
 ROPE_SCALED = frozenset({"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                          "rope_original_context"})
 """The fields of rotary scalings: linear reads the factor alone, llama3 all four."""
-EXPERT_FIELDS = ("n_expert_active", "router_softmax", "router_renormalise", "d_shared_expert")
+EXPERT_FIELDS = ("n_expert_active", "router_softmax", "router_renormalise", "d_shared_expert",
+                 "expert_glu", "glu_limit", "glu_alpha", "expert_bias", "router_bias")
 """The fields a mixture of experts reads, moot without experts."""
 
 
@@ -85,6 +91,15 @@ class GPTConfig(StackConfig):
     d_shared_expert: int = 0
     """The width of an expert every token goes through, under a sigmoid gate (Qwen2-MoE);
     0: none."""
+    expert_glu: str = "gated"
+    """An expert's gate: gated, activation(gate) * up; clamped, gpt-oss's
+    gate * sigmoid(glu_alpha * gate) * (up + 1) with both clamped by glu_limit."""
+    glu_limit: float = 7.0
+    glu_alpha: float = 1.702
+    expert_bias: bool = False
+    """Biases on the experts' projections (gpt-oss)."""
+    router_bias: bool = False
+    """A bias on the router's scores (gpt-oss)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,6 +123,8 @@ class GPTConfig(StackConfig):
                         high=self.n_expert)
             check_choice("model.router_softmax", self.router_softmax, ROUTER_SOFTMAX)
             check_range("model.d_shared_expert", self.d_shared_expert, low=0)
+            check_choice("model.expert_glu", self.expert_glu, EXPERT_GLUS)
+            check_range("model.glu_limit", self.glu_limit, low=0.0)
             if self.feedforward != "gated":
                 raise TformerError(f"model.n_expert = {self.n_expert} needs model.feedforward "
                                    f"= 'gated' (experts are gated feed-forwards), not "
@@ -125,6 +142,8 @@ class GPTConfig(StackConfig):
         scaled = {"none": ROPE_SCALED, "linear": ROPE_SCALED - {"rope_factor"}}
         if not self.n_expert:
             unused |= set(EXPERT_FIELDS)
+        elif self.expert_glu != "clamped":
+            unused |= {"glu_limit", "glu_alpha"}
         unused |= ({"rope_theta", "rope_fraction", "rope_layout", "rope_scaling", *ROPE_SCALED}
                    if not self.rotary else scaled.get(self.rope_scaling, set()))
         return frozenset(unused)
@@ -133,10 +152,18 @@ class GPTConfig(StackConfig):
         """A block's feed-forward: the mixture of experts where n_expert says so, else the
         dense one `feedforward` names."""
         if self.n_expert:
-            return MixtureOfExperts(
-                self.d_model, self.ff_width, self.n_expert, self.n_expert_active,
-                activation=self.activation, dropout=self.dropout, softmax=self.router_softmax,
-                renormalise=self.router_renormalise, d_shared=self.d_shared_expert)
+            router = Router(self.d_model, self.n_expert, self.n_expert_active,
+                            softmax=self.router_softmax, renormalise=self.router_renormalise,
+                            bias=self.router_bias)
+            glu = make_glu(self.expert_glu, self.activation, self.glu_limit, self.glu_alpha)
+            experts = Experts(self.d_model, self.ff_width, self.n_expert, glu=glu,
+                              dropout=self.dropout, bias=self.expert_bias)
+            shared = None
+            if self.d_shared_expert:
+                shared = GatedFeedForward(self.d_model, self.d_shared_expert,
+                                          activation=self.activation, dropout=self.dropout,
+                                          bias=False)
+            return MixtureOfExperts(router, experts, shared)
         return make_feedforward(self.feedforward, self.d_model, self.ff_width,
                                 activation=self.activation, dropout=self.dropout,
                                 bias=self.bias)
