@@ -198,20 +198,47 @@ def test_a_gguf_written_from_it_reads_back_the_same_in_transformers_and_here(
         assert (reference(tokens).logits - hf(tokens).logits).abs().max() <= 1e-5
 
 
-def test_quantized_gguf_experts_are_blocks_sliced_per_expert(saved, checkpoint, tmp_path):
-    """A q8_0 export holds each stack of experts as Q8_0 blocks (routers in F32); imported,
-    expert e's weight is the file's blocks of expert e, dequantized."""
+def test_a_gguf_file_s_expert_blocks_are_kept_as_blocks(saved, checkpoint, tmp_path):
+    """A q8_0 export holds each stack of experts as Q8_0 blocks (routers in F32). Imported,
+    expert e holds the file's blocks of expert e byte for byte (the projections whose rows
+    are not whole blocks, f16 in the file, in fp32); the model computes with them, and goes
+    out again as GGUF with the same bytes and as a Hugging Face folder."""
     gguf = pytest.importorskip("gguf")
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     from tformer.interop.command import export_checkpoint
-    from tformer.interop.gguf import import_gguf, read_gguf
+    from tformer.interop.gguf import convert_gguf, read_gguf
+    from tformer.kernels.blocks import BlockLinear
+    from tformer.loading import load_checkpoint, stored_formats
 
+    name, _, hf, _ = saved
     out = export_checkpoint(checkpoint, tmp_path / "model.gguf", "gguf", type="q8_0")
     file = read_gguf(out)
     stack = file.tensors["blk.1.ffn_gate_exps.weight"]
     assert (stack.type, file.tensors["blk.1.ffn_gate_inp.weight"].type) == ("Q8_0", "F32")
+    assert file.tensors["blk.1.ffn_down_exps.weight"].type == "F16"  # rows of 24: no blocks
+    kept, dequantized = convert_gguf(out, tmp_path / "run")
+    # Every Q8_0 tensor but the embedding table (a lookup, not a product) stays blocks.
+    assert kept["Q8_0"] == sum(t.type == "Q8_0" for t in file.tensors.values()) - 1
+    assert dequantized["Q8_0"] == 1
+    assert stored_formats(tmp_path / "run")["blocks.1.ff.experts.gate.4.weight"] == "q8_0"
+    with safe_open(str(tmp_path / "run" / "model.safetensors"), "pt") as f:
+        held = f.get_tensor("blocks.1.ff.experts.gate.4.weight")
+    assert torch.equal(held, torch.from_numpy(np.array(stack.data[4])))
+
+    model = load_checkpoint(tmp_path / "run").model
+    experts = model.blocks[1].ff.experts
+    assert type(experts.gate[4]) is BlockLinear and type(experts.down[4]) is torch.nn.Linear
+    tokens = torch.tensor([ROWS[0]])
+    with torch.no_grad():
+        expected, got = hf(tokens).logits, model(tokens)
+    assert (got - expected).norm() / expected.norm() < 0.02  # q8_0 weights and activations
+
+    again = export_checkpoint(tmp_path / "run", tmp_path / "again.gguf", "gguf", type="q8_0")
+    assert np.array_equal(read_gguf(again).tensors["blk.1.ffn_gate_exps.weight"].data,
+                          stack.data)
+    folder = export_checkpoint(tmp_path / "run", tmp_path / "folder", "llama")
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     whole = gguf.quants.dequantize(stack.data, gguf.GGMLQuantizationType.Q8_0)
-    after = load_file(import_gguf(out, tmp_path / "back") / "model.safetensors")
-    assert torch.equal(after["blocks.1.ff.experts.gate"],
-                       torch.from_numpy(np.asarray(whole, dtype=np.float32)).reshape(6, 24, 32))
+    assert torch.equal(back.model.layers[1].mlp.experts.gate_up_proj[4, :24],
+                       torch.from_numpy(np.asarray(whole[4], dtype=np.float32)))

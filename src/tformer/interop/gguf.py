@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tformer.errors import TformerError
 
@@ -40,6 +40,9 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "
 LLAMA_LINEARS = {  # our linear layers -> the file's tensors they are made of, in order
     "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "attn.out_proj": ("attn_output",),
     "ff.gate": ("ffn_gate",), "ff.up": ("ffn_up",), "ff.down": ("ffn_down",),
+    # Qwen2-MoE's shared expert (the experts themselves: keep_expert_blocks)
+    "ff.shared.gate": ("ffn_gate_shexp",), "ff.shared.up": ("ffn_up_shexp",),
+    "ff.shared.down": ("ffn_down_shexp",),
 }
 GPT2_LINEARS = {"attn.qkv_proj": ("attn_qkv",), "attn.out_proj": ("attn_output",),
                 "ff.up": ("ffn_up",), "ff.down": ("ffn_down",)}
@@ -460,6 +463,46 @@ def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
         linear = getattr(owner, attr)
         setattr(owner, attr, BlockLinear(torch.cat(rows), fmt, linear.in_features, linear.bias))
         held[param] = fmt
+    return held | keep_expert_blocks(model, file)
+
+
+def expert_sources(cfg: Any) -> dict[str, str]:
+    """A mixture's experts of one projection (our `blocks.{i}.ff.experts.{p}`) -> the
+    file's stack of them."""
+    return {f"blocks.{i}.ff.experts.{p.removesuffix('_proj')}": f"blk.{i}.{stack}.weight"
+            for i in range(cfg.n_layer if cfg.n_expert else 0)
+            for stack, p in EXPERT_STACKS.items()}
+
+
+def keep_expert_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
+    """Make each mixture whose file stacks are of a kept type hold them as blocks, one
+    BlockLinear an expert over its slice of the stack (layers.experts.ExpertLinears);
+    returns {parameter: format} of those (`blocks.0.ff.experts.gate.3.weight`)."""
+    from tformer.kernels.blocks import BlockLinear
+    from tformer.layers.experts import Experts
+
+    kept, held = kept_types(), {}
+    for ours, name in expert_sources(model.cfg).items():
+        tensor = file.tensors.get(name)
+        if tensor is None or tensor.ggml_type not in kept:
+            continue
+        fmt = kept[tensor.ggml_type]
+        owner_path, _, projection = ours.rpartition(".")
+        mixture = model.get_submodule(owner_path.removesuffix(".experts"))
+        if isinstance(mixture.experts, Experts):  # still stacked: one layer an expert
+            stacked, mixture.experts = mixture.experts, mixture.experts.as_linears(share=False)
+            with torch.no_grad():  # the weights, for the projections not held as blocks
+                for name, layers in mixture.experts.named_children():
+                    if isinstance(layers, nn.ModuleList):
+                        for e, layer in enumerate(layers):
+                            layer.weight.copy_(getattr(stacked, name)[e])
+                            if layer.bias is not None:
+                                layer.bias.copy_(getattr(stacked, f"{name}_bias")[e])
+        layers = getattr(mixture.experts, projection)
+        for e in range(len(layers)):
+            data = torch.from_numpy(np.array(tensor.data[e], copy=True))
+            layers[e] = BlockLinear(data, fmt, layers[e].in_features, layers[e].bias)
+            held[f"{ours}.{e}.weight"] = fmt
     return held
 
 
@@ -503,6 +546,7 @@ def save_imported(file: GGUFFile, dest: Path) -> tuple[Counter[str], Counter[str
                     tokenizer)
     names = {n for p, names in linear_sources(file, model.cfg).items() if p in held
              for n in names}
+    names |= {n for p, n in expert_sources(model.cfg).items() if f"{p}.0.weight" in held}
     kept = Counter(file.tensors[n].type for n in names)
     return kept, Counter(t.type for t in file.tensors.values()
                          if t.type != "F32" and t.name not in names)

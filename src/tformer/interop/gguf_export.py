@@ -30,6 +30,7 @@ from tformer.interop.gguf import (
     require_gguf,
 )
 from tformer.kernels import blocks
+from tformer.layers.experts import stack_experts
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,7 @@ def export_gguf(checkpoint: Path, dest: Path, type: str = "f32") -> Path:
         raise TformerError(f"{dest} exists; choose another file name")
     loaded = load_checkpoint(checkpoint, family="gpt")  # blocks as the checkpoint holds them
     blocks.dequantize_model(loaded.model, keep=type)
+    stack_experts(loaded.model)  # written as stacks, quantized again as `type` says
     cfg = loaded.model.cfg
     arch = _layout(cfg)
     vocab = gguf_vocab(loaded.tokenizer)

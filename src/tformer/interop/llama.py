@@ -41,6 +41,7 @@ from tformer.interop import (
     with_bos_template,
     write_chat_template,
 )
+from tformer.layers.experts import stack_experts
 from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
@@ -413,6 +414,7 @@ def export_llama(checkpoint: Path, dest: Path) -> Path:
     from tformer.loading import load_checkpoint
 
     loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
+    stack_experts(loaded.model)  # a file's expert blocks were held one layer an expert
     hf = hf_config(loaded.model.cfg)
     tokenizer = loaded.tokenizer
     if getattr(tokenizer, "tok", None) is None:

@@ -174,27 +174,33 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         return route_tokens(x, experts, weights, self.n_expert, self.expert)
 
-    def as_linears(self) -> ExpertLinears:
-        """The same experts as separate nn.Linear layers over views of these weights, for
-        code that converts linear layers one by one (kernels.formats.quantize_model: each
-        expert's weight becomes blocks of its own)."""
-        return ExpertLinears(self)
+    def as_linears(self, *, share: bool = True) -> ExpertLinears:
+        """The same experts as separate nn.Linear layers, for code that converts linear
+        layers one by one. share: over views of these weights (kernels.formats.
+        quantize_model, which makes each a layer of its own at once); else over new,
+        uninitialised tensors of their shapes, for a checkpoint's or a file's weights to
+        fill (views of one tensor cannot be saved apart)."""
+        return ExpertLinears(self, share=share)
 
 
 class ExpertLinears(nn.Module):
     """Experts whose projections are E modules each, `gate[e]`, `up[e]`, `down[e]`, of any
     kind that maps (n, in) -> (n, out): nn.Linear or a weight format's layer."""
 
-    def __init__(self, stacked: Experts) -> None:
+    def __init__(self, stacked: Experts, *, share: bool = True) -> None:
         super().__init__()
+
+        def own(t: Tensor) -> nn.Parameter:
+            return nn.Parameter(t.detach() if share else torch.empty_like(t),
+                                requires_grad=False)
 
         def layers(weights: Tensor, biases: Tensor | None) -> nn.ModuleList:
             out = nn.ModuleList()
             for e, w in enumerate(weights):
-                linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
-                linear.weight = nn.Parameter(w.detach(), requires_grad=False)
+                linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+                linear.weight = own(w)
                 if biases is not None:
-                    linear.bias = nn.Parameter(biases[e].detach(), requires_grad=False)
+                    linear.bias = own(biases[e])
                 out.append(linear)
             return out
 
@@ -205,6 +211,21 @@ class ExpertLinears(nn.Module):
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         return self.down[e](self.glu(self.gate[e](x), self.up[e](x)))
+
+    def stacked(self) -> Experts:
+        """The same experts stacked again in fp32, every layer's weight as it computes with
+        it (a weight format's layer gives its rounded weight): for code that reads a
+        mixture's stacked tensors (export)."""
+        first = self.down[0]
+        experts = Experts(self.gate[0].in_features, first.in_features, len(self.gate),
+                          glu=self.glu, bias=first.bias is not None)
+        with torch.no_grad():
+            for name in ("gate", "up", "down"):
+                layers = getattr(self, name)
+                getattr(experts, name).copy_(torch.stack([m.weight.float() for m in layers]))
+                if first.bias is not None:
+                    getattr(experts, f"{name}_bias").copy_(torch.stack([m.bias for m in layers]))
+        return experts
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         return route_tokens(x, experts, weights, len(self.gate), self.expert)
@@ -232,3 +253,12 @@ class MixtureOfExperts(nn.Module):
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * self.shared(h)
         return out.view(x.shape)
+
+
+def stack_experts(model: nn.Module) -> nn.Module:
+    """Make every mixture's experts held one layer an expert (ExpertLinears: a checkpoint
+    holding a file's blocks, or a quantized model) stacked again, in place."""
+    for module in list(model.modules()):
+        if isinstance(module, MixtureOfExperts) and isinstance(module.experts, ExpertLinears):
+            module.experts = module.experts.stacked()
+    return model
