@@ -278,3 +278,19 @@ def test_gpt_oss_experts_match_transformers():
     assert torch.equal(ours.router(x.reshape(-1, D))[0], theirs.router(x.reshape(-1, D))[2])
     clamped = ours.experts.glu(torch.tensor([9.0, -9.0]), torch.tensor([9.0, -9.0]))
     assert clamped[0] > 7.0 * 7.9 and clamped[1].abs() < 1e-3  # the limits do bite
+
+
+def test_a_mixture_trains_and_generates_through_the_cli(tiny_config, tmp_path, capsys):
+    """The [model] table is all it takes: train, then generate with blocks for the experts."""
+    from tformer.cli import main
+    from tformer.loading import load_checkpoint
+
+    config = tiny_config(model={"d_model": 32, "feedforward": "gated", "activation": "silu",
+                                "n_expert": 4, "n_expert_active": 2}, lr=3e-3)
+    assert main(["train", str(config), "--out", str(tmp_path / "run")]) == 0
+    loaded = load_checkpoint(tmp_path / "run")
+    assert isinstance(loaded.model.blocks[0].ff, MixtureOfExperts)
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "First", "--weights", "q8_0",
+                 "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("First")
