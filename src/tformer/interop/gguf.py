@@ -238,6 +238,11 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         hf["attention_bias"] = True
     if arch in MIXTURES:
         hf |= _mixture_config(file)
+    elif arch == "llama" and file.get("expert_count"):  # Mixtral, as llama.cpp writes it
+        hf |= {"model_type": "mixtral", "num_local_experts": int(file.need("expert_count")),
+               "num_experts_per_tok": int(file.need("expert_used_count")),
+               "intermediate_size": int(file.get("expert_feed_forward_length")
+                                        or hf["intermediate_size"])}
     elif file.get("expert_count"):
         raise TformerError(f"{file.path}: mixture-of-experts layers in a {arch} file cannot "
                            f"be expressed")
@@ -384,7 +389,7 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
     arch = file.architecture
     n_layer = hf["n_layer"] if arch == "gpt2" else hf["num_hidden_layers"]
     names = hf_names(file, n_layer)
-    n_expert = hf.get("num_experts", 0)
+    n_expert = hf.get("num_experts") or hf.get("num_local_experts", 0)
     unknown = [n for n in file.tensors if n not in names and n != "rope_freqs.weight"
                and expert_names(n, n_expert) is None]
     if unknown:

@@ -59,6 +59,8 @@ def _layout(cfg: Any) -> str:
             raise TformerError(f"no GGUF architecture expresses this model: {llama_error}; "
                                f"{gpt2_error}") from None
         return "gpt2"
+    if model_type == "mixtral":  # llama.cpp's llama architecture, with experts
+        return "llama"
     if model_type in llama.MIXTURES:
         return {hf: arch for arch, hf in MIXTURES.items()}[model_type]
     if model_type == "mistral":
@@ -113,8 +115,8 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
         state = model.state_dict()
         hf = {("" if theirs == "lm_head.weight" else "transformer.") + theirs: state[ours]
               for ours, theirs in gpt2._names(cfg.n_layer, cfg.tie_embeddings).items()}
-    else:
-        hf = llama.hf_weights(model)
+    else:  # Mixtral's mixture under Qwen-MoE's names, which hf_names maps
+        hf = llama.rename_weights(llama.hf_weights(model), llama.MIXTRAL_NAMES)
     back = {theirs: ours for ours, theirs in hf_names_for(arch, cfg.n_layer).items()}
     tensors = {}
     state = model.state_dict()

@@ -12,6 +12,8 @@ q/k/v projections become our fused one, stacked in [q | k | v] order.
 Qwen2-MoE and Qwen3-MoE are Qwen2 and Qwen3 whose feed-forward is a mixture of experts
 (layers.experts): a router (`mlp.gate`), experts saved one by one (`mlp.experts.{e}.*`,
 stacked into our [E, ...] tensors), and in Qwen2-MoE a shared expert with a sigmoid gate.
+Mixtral is Mistral with Qwen-MoE's mixture under other names (`block_sparse_moe.experts.
+{e}.w1/w3/w2`), its chosen experts' weights always renormalised.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
-MIXTURES = ("qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+MIXTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 """The model types whose feed-forward is a mixture of experts."""
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
 
@@ -98,7 +100,7 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
     d_model, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or d_model // n_head
     window = None
-    if model_type == "mistral" or hf.get("use_sliding_window"):
+    if model_type in ("mistral", "mixtral") or hf.get("use_sliding_window"):
         window = hf.get("sliding_window")
     if window is not None and model_type in ("qwen2", "qwen2_moe") and (
             hf.get("max_window_layers", hf["num_hidden_layers"]) < hf["num_hidden_layers"]):
@@ -130,16 +132,18 @@ def _experts(hf: dict[str, Any], source: Path) -> dict[str, Any]:
                            f"(mlp_only_layers = {hf.get('mlp_only_layers')}, "
                            f"decoder_sparse_step = {hf.get('decoder_sparse_step')}) cannot be "
                            f"expressed")
+    mixtral = hf["model_type"] == "mixtral"
     n_expert = hf.get("num_experts", hf.get("num_local_experts"))
+    width = "intermediate_size" if mixtral else "moe_intermediate_size"
     needed = {"num_experts": n_expert, "num_experts_per_tok": hf.get("num_experts_per_tok"),
-              "moe_intermediate_size": hf.get("moe_intermediate_size")}
+              width: hf.get(width)}
     missing = [key for key, value in needed.items() if not isinstance(value, int)]
     if missing:
         raise TformerError(f"{source}: config.json of a {hf['model_type']} model has no "
                            f"{', '.join(missing)}")
     return {"n_expert": n_expert, "n_expert_active": int(hf["num_experts_per_tok"]),
-            "d_ff": int(hf["moe_intermediate_size"]), "router_softmax": "before",
-            "router_renormalise": bool(hf.get("norm_topk_prob", False)),
+            "d_ff": int(hf[width]), "router_softmax": "before",
+            "router_renormalise": mixtral or bool(hf.get("norm_topk_prob", False)),
             "d_shared_expert": int(hf.get("shared_expert_intermediate_size") or 0)}
 
 
@@ -193,6 +197,21 @@ def _feedforward_names(cfg: GPTConfig, ours: str, theirs: str) -> dict[str, Any]
     return names
 
 
+MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                 ".w2.": ".down_proj."}
+"""Mixtral's names of the mixture's parts -> Qwen-MoE's, which the mapping reads."""
+
+
+def rename_weights(weights: dict[str, Tensor], table: dict[str, str]) -> dict[str, Tensor]:
+    """The tensors with every part of their names that `table` lists replaced."""
+    out = {}
+    for name, tensor in weights.items():
+        for theirs, ours in table.items():
+            name = name.replace(theirs, ours)
+        out[name] = tensor
+    return out
+
+
 def _one_by_one(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """transformers 5's fused experts (a model's state_dict(): `experts.gate_up_proj` [E, 2F,
     D] and `experts.down_proj` [E, D, F]) as the one-by-one tensors its files hold."""
@@ -213,6 +232,8 @@ def llama_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path |
     source = Path(source)
     cfg = llama_config(hf, source)
     weights = _one_by_one(weights)
+    if hf["model_type"] == "mixtral":
+        weights = rename_weights(weights, MIXTRAL_NAMES)
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight", None)  # state_dict() lists the tied copy too
     for name in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
@@ -287,7 +308,8 @@ def import_llama(src: Path, dest: Path) -> Path:
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
 
 
 def model_type_of(cfg: GPTConfig) -> str:
@@ -325,15 +347,19 @@ def model_type_of(cfg: GPTConfig) -> str:
 def _mixture_type(cfg: GPTConfig, dense_type: str) -> tuple[str, list[str]]:
     """The mixture-of-experts family of a model whose attention is `dense_type`'s, and the
     fields that keep it from being one."""
-    model_type = {"qwen2": "qwen2_moe", "qwen3": "qwen3_moe"}.get(dense_type)
-    if model_type is None:
-        return dense_type, [f"model.n_expert = {cfg.n_expert} (experts need Qwen2's q/k/v "
-                            f"biases or Qwen3's q/k norms; {dense_type} has no mixture)"]
+    model_type = {"qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "llama": "mixtral",
+                  "mistral": "mixtral"}[dense_type]
     differ = []
     if cfg.router_softmax != "before":
-        differ.append(f"model.router_softmax = {cfg.router_softmax!r} (Qwen: 'before')")
-    if model_type == "qwen3_moe" and cfg.d_shared_expert:
-        differ.append(f"model.d_shared_expert = {cfg.d_shared_expert} (Qwen3-MoE: none)")
+        differ.append(f"model.router_softmax = {cfg.router_softmax!r} ({model_type}: "
+                      f"'before')")
+    if model_type == "mixtral":
+        if not cfg.router_renormalise:
+            differ.append("model.router_renormalise = false (Mixtral renormalises)")
+        if cfg.attention_bias:
+            differ.append("model.attn_bias = true (Mixtral: none)")
+    if model_type in ("qwen3_moe", "mixtral") and cfg.d_shared_expert:
+        differ.append(f"model.d_shared_expert = {cfg.d_shared_expert} ({model_type}: none)")
     if model_type == "qwen2_moe" and not cfg.d_shared_expert:
         differ.append("model.d_shared_expert = 0 (Qwen2-MoE has a shared expert)")
     return model_type, differ
@@ -372,11 +398,14 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     }
     if cfg.rope_scaling != "none":
         hf["rope_scaling"] = rope
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         hf["sliding_window"] = cfg.window
     if model_type in ("qwen2", "qwen2_moe"):
         hf |= {"use_sliding_window": False, "sliding_window": None}
-    if cfg.n_expert:
+    if model_type == "mixtral":
+        hf |= {"num_local_experts": cfg.n_expert, "num_experts_per_tok": cfg.n_expert_active,
+               "router_jitter_noise": 0.0}
+    elif cfg.n_expert:
         hf |= {"num_experts": cfg.n_expert, "num_experts_per_tok": cfg.n_expert_active,
                "moe_intermediate_size": cfg.ff_width, "norm_topk_prob": cfg.router_renormalise,
                "decoder_sparse_step": 1, "mlp_only_layers": []}
@@ -388,6 +417,13 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
 def hf_weights(model: GPT) -> dict[str, Tensor]:
     """The model's tensors under their Hugging Face names, the fused q/k/v split apart."""
     cfg, state = model.cfg, model.state_dict()
+    if model_type_of(cfg) == "mixtral":
+        return rename_weights(_hf_weights(cfg, state, model),
+                        {ours: theirs for theirs, ours in MIXTRAL_NAMES.items()})
+    return _hf_weights(cfg, state, model)
+
+
+def _hf_weights(cfg: GPTConfig, state: dict[str, Tensor], model: GPT) -> dict[str, Tensor]:
     attn = model.blocks[0].attn
     q, k, v = attn.widths
     tensors: dict[str, Tensor] = {}
