@@ -247,3 +247,26 @@ def test_a_gguf_file_s_expert_blocks_are_kept_as_blocks(saved, checkpoint, tmp_p
     whole = gguf.quants.dequantize(stack.data, gguf.GGMLQuantizationType.Q8_0)
     assert torch.equal(back.model.layers[1].mlp.experts.gate_up_proj[4, :24],
                        torch.from_numpy(np.asarray(whole[4], dtype=np.float32)))
+
+
+def test_training_starts_from_a_checkpoint_of_expert_blocks(saved, checkpoint, tmp_path):
+    """train.init_from's reading of a GGUF import: the experts' blocks come back stacked in
+    fp32 (their dequantized values), and they train."""
+    pytest.importorskip("gguf")
+    from tformer.interop.command import export_checkpoint
+    from tformer.interop.gguf import import_gguf
+    from tformer.loading import load_checkpoint, load_weights
+    from tformer.models.gpt import GPT
+
+    out = export_checkpoint(checkpoint, tmp_path / "model.gguf", "gguf", type="q4_0")
+    run = import_gguf(out, tmp_path / "run")
+    held = load_checkpoint(run).model.blocks[0].ff.experts
+    model = GPT(load_checkpoint(checkpoint).model.cfg)
+    load_weights(model, run)
+    experts = model.blocks[0].ff.experts
+    assert experts.gate.shape == (6, 24, 32)
+    assert torch.equal(experts.gate[2], held.gate[2].weight)
+    tokens = torch.tensor([ROWS[0]])
+    model.train()
+    model(tokens).square().mean().backward()
+    assert experts.gate.grad is not None and experts.gate.grad.abs().sum() > 0
