@@ -48,7 +48,7 @@ def permute(rows: Tensor, n_head: int) -> Tensor:
 
 def _layout(cfg: Any) -> str:
     """The GGUF architecture `cfg` is exactly; an error naming every difference if none."""
-    from tformer.interop import gpt2, llama
+    from tformer.interop import gpt2, llama, llama_moe
 
     try:
         model_type = llama.model_type_of(cfg)
@@ -61,7 +61,7 @@ def _layout(cfg: Any) -> str:
         return "gpt2"
     if model_type == "mixtral":  # llama.cpp's llama architecture, with experts
         return "llama"
-    if model_type in llama.MIXTURES:
+    if model_type in llama_moe.MIXTURES:
         return {hf: arch for arch, hf in MIXTURES.items()}[model_type]
     if model_type == "mistral":
         raise TformerError(f"GGUF's llama architecture has no sliding window (model.window = "
@@ -108,7 +108,7 @@ def _metadata(arch: str, cfg: Any) -> dict[str, Any]:
 
 def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
     """The model's tensors under llama.cpp's names, in the layout a GGUF file has them."""
-    from tformer.interop import gpt2, llama
+    from tformer.interop import gpt2, llama, llama_moe
 
     cfg = model.cfg
     if arch == "gpt2":
@@ -116,7 +116,7 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
         hf = {("" if theirs == "lm_head.weight" else "transformer.") + theirs: state[ours]
               for ours, theirs in gpt2._names(cfg.n_layer, cfg.tie_embeddings).items()}
     else:  # Mixtral's mixture under Qwen-MoE's names, which hf_names maps
-        hf = llama.rename_weights(llama.hf_weights(model), llama.MIXTRAL_NAMES)
+        hf = llama_moe.rename_weights(llama.hf_weights(model), llama_moe.MIXTRAL_NAMES)
     back = {theirs: ours for ours, theirs in hf_names_for(arch, cfg.n_layer).items()}
     tensors = {}
     state = model.state_dict()

@@ -8,19 +8,14 @@ grouped-query attention, no biases. They differ in a few fields: Qwen2 has biase
 q/k/v projections (not on the output one), Qwen3 a per-head RMSNorm on queries and keys and
 a head size of its own, Mistral a sliding window, Llama 3 its rope scaling. The separate
 q/k/v projections become our fused one, stacked in [q | k | v] order.
-
-Qwen2-MoE and Qwen3-MoE are Qwen2 and Qwen3 whose feed-forward is a mixture of experts
-(layers.experts): a router (`mlp.gate`), experts saved one by one (`mlp.experts.{e}.*`,
-stacked into our [E, ...] tensors), and in Qwen2-MoE a shared expert with a sigmoid gate.
-Mixtral is Mistral with Qwen-MoE's mixture under other names (`block_sparse_moe.experts.
-{e}.w1/w3/w2`), its chosen experts' weights always renormalised.
+Qwen2-MoE, Qwen3-MoE and Mixtral are Qwen2, Qwen3 and Mistral whose feed-forward is a
+mixture of experts: interop.llama_moe maps that part.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +38,23 @@ from tformer.interop import (
     with_bos_template,
     write_chat_template,
 )
+from tformer.interop.llama_moe import (
+    MIXTRAL_NAMES,
+    MIXTURES,
+    Stacked,
+    as_saved,
+    feedforward_names,
+    mixture_config,
+    mixture_fields,
+    mixture_type,
+    rename_weights,
+)
 from tformer.layers.experts import stack_experts
 from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
-MIXTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
-"""The model types whose feed-forward is a mixture of experts."""
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
 
 
@@ -106,7 +110,7 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
             hf.get("max_window_layers", hf["num_hidden_layers"]) < hf["num_hidden_layers"]):
         raise TformerError(f"{source}: a sliding window on some layers only cannot be expressed")
     attention_bias = bool(hf.get("attention_bias", False))
-    experts = _experts(hf, source) if model_type in MIXTURES else {}
+    experts = mixture_fields(hf, source) if model_type in MIXTURES else {}
     return GPTConfig(
         vocab_size=int(hf["vocab_size"]), context=int(hf["max_position_embeddings"]),
         n_layer=int(hf["num_hidden_layers"]), n_head=n_head, d_model=d_model,
@@ -122,34 +126,6 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
         rope_layout="halves",
         **_rope(hf, source),
     )
-
-
-def _experts(hf: dict[str, Any], source: Path) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen2-MoE or Qwen3-MoE config.json (every layer's
-    feed-forward a mixture: dense layers among them cannot be expressed)."""
-    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise TformerError(f"{source}: dense feed-forward layers among the experts' "
-                           f"(mlp_only_layers = {hf.get('mlp_only_layers')}, "
-                           f"decoder_sparse_step = {hf.get('decoder_sparse_step')}) cannot be "
-                           f"expressed")
-    mixtral = hf["model_type"] == "mixtral"
-    n_expert = hf.get("num_experts", hf.get("num_local_experts"))
-    width = "intermediate_size" if mixtral else "moe_intermediate_size"
-    needed = {"num_experts": n_expert, "num_experts_per_tok": hf.get("num_experts_per_tok"),
-              width: hf.get(width)}
-    missing = [key for key, value in needed.items() if not isinstance(value, int)]
-    if missing:
-        raise TformerError(f"{source}: config.json of a {hf['model_type']} model has no "
-                           f"{', '.join(missing)}")
-    return {"n_expert": n_expert, "n_expert_active": int(hf["num_experts_per_tok"]),
-            "d_ff": int(hf[width]), "router_softmax": "before",
-            "router_renormalise": mixtral or bool(hf.get("norm_topk_prob", False)),
-            "d_shared_expert": int(hf.get("shared_expert_intermediate_size") or 0)}
-
-
-class Stacked(tuple):
-    """Names of tensors of one shape stacked along a new first dimension (the experts'),
-    where a plain tuple's are concatenated along the existing one (the q/k/v rows)."""
 
 
 def _names(cfg: GPTConfig) -> dict[str, str | tuple[str, ...]]:
@@ -169,7 +145,7 @@ def _names(cfg: GPTConfig) -> dict[str, str | tuple[str, ...]]:
             ours + "attn.qkv_proj.weight": tuple(attn + f"{p}_proj.weight" for p in "qkv"),
             ours + "attn.out_proj.weight": attn + "o_proj.weight",
         }
-        names |= _feedforward_names(cfg, ours + "ff.", theirs + "mlp.")
+        names |= feedforward_names(cfg, ours + "ff.", theirs + "mlp.")
         if cfg.qkv_bias or cfg.attn_bias:
             names[ours + "attn.qkv_proj.bias"] = tuple(attn + f"{p}_proj.bias" for p in "qkv")
         if cfg.attn_bias:
@@ -180,60 +156,12 @@ def _names(cfg: GPTConfig) -> dict[str, str | tuple[str, ...]]:
     return names
 
 
-def _feedforward_names(cfg: GPTConfig, ours: str, theirs: str) -> dict[str, Any]:
-    """A block's feed-forward: dense, or the router, the experts one by one (stacked), and
-    Qwen2-MoE's shared expert."""
-    dense = {f"{ours}{p}.weight": f"{theirs}{p}_proj.weight" for p in ("gate", "up", "down")}
-    if not cfg.n_expert:
-        return dense
-    names: dict[str, Any] = {ours + "router.weight": theirs + "gate.weight"}
-    for p in ("gate", "up", "down"):
-        names[f"{ours}experts.{p}"] = Stacked(f"{theirs}experts.{e}.{p}_proj.weight"
-                                              for e in range(cfg.n_expert))
-    if cfg.d_shared_expert:
-        names |= _feedforward_names(replace(cfg, n_expert=0), ours + "shared.",
-                                    theirs + "shared_expert.")
-        names[ours + "shared_gate"] = theirs + "shared_expert_gate.weight"
-    return names
-
-
-MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
-                 ".w2.": ".down_proj."}
-"""Mixtral's names of the mixture's parts -> Qwen-MoE's, which the mapping reads."""
-
-
-def rename_weights(weights: dict[str, Tensor], table: dict[str, str]) -> dict[str, Tensor]:
-    """The tensors with every part of their names that `table` lists replaced."""
-    out = {}
-    for name, tensor in weights.items():
-        for theirs, ours in table.items():
-            name = name.replace(theirs, ours)
-        out[name] = tensor
-    return out
-
-
-def _one_by_one(weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """transformers 5's fused experts (a model's state_dict(): `experts.gate_up_proj` [E, 2F,
-    D] and `experts.down_proj` [E, D, F]) as the one-by-one tensors its files hold."""
-    out = dict(weights)
-    for name in [k for k in weights if k.endswith("experts.gate_up_proj")]:
-        prefix = name.removesuffix("gate_up_proj")
-        gate, up = out.pop(name).chunk(2, dim=1)
-        down = out.pop(prefix + "down_proj")
-        for e in range(gate.shape[0]):
-            for p, t in (("gate", gate), ("up", up), ("down", down)):
-                out[f"{prefix}{e}.{p}_proj.weight"] = t[e]
-    return out
-
-
 def llama_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path | str) -> GPT:
     """A GPT with the weights of a Llama-layout model, from its config and its tensors (as
     saved, or its state_dict()). `source` names it in errors."""
     source = Path(source)
     cfg = llama_config(hf, source)
-    weights = _one_by_one(weights)
-    if hf["model_type"] == "mixtral":
-        weights = rename_weights(weights, MIXTRAL_NAMES)
+    weights = as_saved(weights, hf["model_type"])
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight", None)  # state_dict() lists the tied copy too
     for name in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
@@ -337,37 +265,16 @@ def model_type_of(cfg: GPTConfig) -> str:
     if model_type == "qwen3" and cfg.qkv_bias:
         differ.append("model.qkv_bias = true (Qwen3: none)")
     if cfg.n_expert:
-        model_type, mixture_differ = _mixture_type(cfg, model_type)
+        model_type, mixture_differ = mixture_type(cfg, model_type)
         differ += mixture_differ
     if differ:
         raise TformerError("no Llama-layout family expresses this model: " + "; ".join(differ))
     return model_type
 
 
-def _mixture_type(cfg: GPTConfig, dense_type: str) -> tuple[str, list[str]]:
-    """The mixture-of-experts family of a model whose attention is `dense_type`'s, and the
-    fields that keep it from being one."""
-    model_type = {"qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "llama": "mixtral",
-                  "mistral": "mixtral"}[dense_type]
-    differ = []
-    if cfg.router_softmax != "before":
-        differ.append(f"model.router_softmax = {cfg.router_softmax!r} ({model_type}: "
-                      f"'before')")
-    if model_type == "mixtral":
-        if not cfg.router_renormalise:
-            differ.append("model.router_renormalise = false (Mixtral renormalises)")
-        if cfg.attention_bias:
-            differ.append("model.attn_bias = true (Mixtral: none)")
-    if model_type in ("qwen3_moe", "mixtral") and cfg.d_shared_expert:
-        differ.append(f"model.d_shared_expert = {cfg.d_shared_expert} ({model_type}: none)")
-    if model_type == "qwen2_moe" and not cfg.d_shared_expert:
-        differ.append("model.d_shared_expert = 0 (Qwen2-MoE has a shared expert)")
-    return model_type, differ
-
-
 def exported_family(cfg: RunConfig) -> str:
-    """The Hugging Face family (llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe) whose
-    layout the run's model is exactly, else a TformerError saying why none is."""
+    """The Hugging Face family (llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe, mixtral)
+    whose layout the run's model is exactly, else a TformerError saying why none is."""
     if cfg.family != "gpt":
         raise TformerError(f"the Llama families are gpt models; this is a {cfg.family} model")
     return model_type_of(cfg.model)
@@ -402,28 +309,14 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         hf["sliding_window"] = cfg.window
     if model_type in ("qwen2", "qwen2_moe"):
         hf |= {"use_sliding_window": False, "sliding_window": None}
-    if model_type == "mixtral":
-        hf |= {"num_local_experts": cfg.n_expert, "num_experts_per_tok": cfg.n_expert_active,
-               "router_jitter_noise": 0.0}
-    elif cfg.n_expert:
-        hf |= {"num_experts": cfg.n_expert, "num_experts_per_tok": cfg.n_expert_active,
-               "moe_intermediate_size": cfg.ff_width, "norm_topk_prob": cfg.router_renormalise,
-               "decoder_sparse_step": 1, "mlp_only_layers": []}
-    if model_type == "qwen2_moe":
-        hf |= {"shared_expert_intermediate_size": cfg.d_shared_expert, "qkv_bias": True}
+    if cfg.n_expert:
+        hf |= mixture_config(cfg, model_type)
     return hf
 
 
 def hf_weights(model: GPT) -> dict[str, Tensor]:
     """The model's tensors under their Hugging Face names, the fused q/k/v split apart."""
     cfg, state = model.cfg, model.state_dict()
-    if model_type_of(cfg) == "mixtral":
-        return rename_weights(_hf_weights(cfg, state, model),
-                        {ours: theirs for theirs, ours in MIXTRAL_NAMES.items()})
-    return _hf_weights(cfg, state, model)
-
-
-def _hf_weights(cfg: GPTConfig, state: dict[str, Tensor], model: GPT) -> dict[str, Tensor]:
     attn = model.blocks[0].attn
     q, k, v = attn.widths
     tensors: dict[str, Tensor] = {}
@@ -437,6 +330,8 @@ def _hf_weights(cfg: GPTConfig, state: dict[str, Tensor], model: GPT) -> dict[st
         else:
             for name, part in zip(theirs, tensor.split([q, k, v]), strict=True):
                 tensors[name] = part.contiguous().clone()
+    if cfg.n_expert and model_type_of(cfg) == "mixtral":
+        tensors = rename_weights(tensors, {ours: theirs for theirs, ours in MIXTRAL_NAMES.items()})
     return tensors
 
 
