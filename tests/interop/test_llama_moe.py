@@ -270,3 +270,23 @@ def test_training_starts_from_a_checkpoint_of_expert_blocks(saved, checkpoint, t
     model.train()
     model(tokens).square().mean().backward()
     assert experts.gate.grad is not None and experts.gate.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"expert_used_count": None}, "the metadata has no {arch}.expert_used_count"),
+    ({"expert_count": 5}, "stacks 6 experts, the metadata says 5"),
+])
+def test_a_gguf_file_s_mixture_that_does_not_add_up_is_named(saved, checkpoint, tmp_path,
+                                                              change, message):
+    pytest.importorskip("gguf")
+    from tformer.interop.command import export_checkpoint
+    from tformer.interop.gguf import model_from_gguf, read_gguf
+
+    file = read_gguf(export_checkpoint(checkpoint, tmp_path / "model.gguf", "gguf"))
+    for key, value in change.items():
+        if value is None:
+            del file.metadata[f"{file.architecture}.{key}"]
+        else:
+            file.metadata[f"{file.architecture}.{key}"] = value
+    with pytest.raises(TformerError, match=message.format(arch=file.architecture)):
+        model_from_gguf(file)
