@@ -59,7 +59,13 @@ def _layout(cfg: Any) -> str:
             raise TformerError(f"no GGUF architecture expresses this model: {llama_error}; "
                                f"{gpt2_error}") from None
         return "gpt2"
+    if cfg.rope_scaling == "yarn":
+        raise TformerError("GGUF export of yarn rope scaling is not written; export it as a "
+                           "Hugging Face folder")
     if model_type == "mixtral":  # llama.cpp's llama architecture, with experts
+        if cfg.window is not None and cfg.window < cfg.context:
+            raise TformerError(f"GGUF's llama architecture has no sliding window "
+                               f"(model.window = {cfg.window})")
         return "llama"
     if model_type in llama_moe.MIXTURES:
         return {hf: arch for arch, hf in MIXTURES.items()}[model_type]

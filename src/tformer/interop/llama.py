@@ -55,7 +55,7 @@ from tformer.models.gpt import GPT, GPTConfig
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 
 
 def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
@@ -74,9 +74,27 @@ def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
         fields.update(rope_low_freq_factor=float(params["low_freq_factor"]),
                       rope_high_freq_factor=float(params["high_freq_factor"]),
                       rope_original_context=int(params["original_max_position_embeddings"]))
+    if kind == "yarn":
+        fields |= _yarn(params, source)
     fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     fields["rope_fraction"] = float(fraction)
     return fields
+
+
+def _yarn(params: dict[str, Any], source: Path) -> dict[str, Any]:
+    """YaRN's fields; DeepSeek's mscale form of its attention factor is refused."""
+    if params.get("attention_factor") is None and (params.get("mscale")
+                                                   or params.get("mscale_all_dim")):
+        raise TformerError(f"{source}: yarn's mscale / mscale_all_dim cannot be expressed")
+    if not params.get("original_max_position_embeddings"):
+        raise TformerError(f"{source}: yarn rope scaling without "
+                           f"original_max_position_embeddings cannot be expressed")
+    factor = params.get("attention_factor")
+    return {"rope_original_context": int(params["original_max_position_embeddings"]),
+            "rope_beta_fast": float(params.get("beta_fast") or 32.0),
+            "rope_beta_slow": float(params.get("beta_slow") or 1.0),
+            "rope_truncate": bool(params.get("truncate", True)),
+            "rope_attention_factor": None if factor is None else float(factor)}
 
 
 def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
@@ -292,6 +310,12 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         rope |= {"low_freq_factor": cfg.rope_low_freq_factor,
                  "high_freq_factor": cfg.rope_high_freq_factor,
                  "original_max_position_embeddings": cfg.rope_original_context}
+    if cfg.rope_scaling == "yarn":
+        rope |= {"original_max_position_embeddings": cfg.rope_original_context,
+                 "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                 "truncate": cfg.rope_truncate}
+        if cfg.rope_attention_factor is not None:
+            rope["attention_factor"] = cfg.rope_attention_factor
     hf = {
         "model_type": model_type, "architectures": [ARCHITECTURES[model_type]],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,

@@ -41,9 +41,12 @@ from tformer.layers import (
 )
 from tformer.models.base import Model, StackConfig
 
-ROPE_SCALED = frozenset({"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                         "rope_original_context"})
-"""The fields of rotary scalings: linear reads the factor alone, llama3 all four."""
+ROPE_LLAMA3 = frozenset({"rope_low_freq_factor", "rope_high_freq_factor"})
+ROPE_YARN = frozenset({"rope_beta_fast", "rope_beta_slow", "rope_truncate",
+                       "rope_attention_factor"})
+ROPE_SCALED = frozenset({"rope_factor", "rope_original_context", *ROPE_LLAMA3, *ROPE_YARN})
+"""The fields of rotary scalings: linear reads the factor alone, llama3 and yarn the factor,
+the original context and their own."""
 EXPERT_FIELDS = ("n_expert_active", "router_softmax", "router_renormalise", "d_shared_expert",
                  "expert_glu", "glu_limit", "glu_alpha", "expert_bias", "router_bias")
 """The fields a mixture of experts reads, moot without experts."""
@@ -79,6 +82,11 @@ class GPTConfig(StackConfig):
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None
+    """yarn's (see layers.rotary.RotaryScaling); none: 0.1 ln(rope_factor) + 1."""
     n_expert: int = 0
     """Experts in each feed-forward layer, each a gated feed-forward of d_ff (a mixture of
     experts, layers.experts); 0: one dense feed-forward of `feedforward`'s kind."""
@@ -117,6 +125,11 @@ class GPTConfig(StackConfig):
         check_choice("model.rope_layout", self.rope_layout, ROTARY_LAYOUTS)
         check_choice("model.rope_scaling", self.rope_scaling, ROTARY_SCALINGS)
         check_range("model.rope_factor", self.rope_factor, low=1.0)
+        if self.rope_attention_factor is not None:
+            check_range("model.rope_attention_factor", self.rope_attention_factor, low=0.0)
+        if self.rope_beta_fast <= self.rope_beta_slow or self.rope_beta_slow <= 0:
+            raise TformerError(f"model.rope_beta_fast = {self.rope_beta_fast} must exceed "
+                               f"model.rope_beta_slow = {self.rope_beta_slow} > 0")
         check_range("model.n_expert", self.n_expert, low=0)
         if self.n_expert:
             check_range("model.n_expert_active", self.n_expert_active, low=1,
@@ -139,7 +152,8 @@ class GPTConfig(StackConfig):
             unused.add("sinusoid_layout")
         if self.norm != "pre":
             unused.add("final_norm")
-        scaled = {"none": ROPE_SCALED, "linear": ROPE_SCALED - {"rope_factor"}}
+        scaled = {"none": ROPE_SCALED, "linear": ROPE_SCALED - {"rope_factor"},
+                  "llama3": ROPE_YARN, "yarn": ROPE_LLAMA3}
         if not self.n_expert:
             unused |= set(EXPERT_FIELDS)
         elif self.expert_glu != "clamped":
@@ -172,7 +186,9 @@ class GPTConfig(StackConfig):
         if not self.rotary:
             return None
         scaling = RotaryScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
-                                self.rope_high_freq_factor, self.rope_original_context)
+                                self.rope_high_freq_factor, self.rope_original_context,
+                                self.rope_beta_fast, self.rope_beta_slow, self.rope_truncate,
+                                self.rope_attention_factor)
         return Rotary(self.head_size, theta=self.rope_theta, fraction=self.rope_fraction,
                       layout=self.rope_layout, scaling=scaling)
 
