@@ -17,9 +17,10 @@ from tformer.loading import config_of, read_config_json, resolve_checkpoint, tok
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
     """model_type -> importer(src, dest). Imported lazily: each may need an extra."""
-    from tformer.interop import gpt2, llama, marian
+    from tformer.interop import gpt2, gpt_oss, llama, marian
 
-    found = {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian}
+    found = {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian,
+             "gpt_oss": gpt_oss.import_gpt_oss}
     return found | dict.fromkeys(llama.MODEL_TYPES, llama.import_llama)
 
 

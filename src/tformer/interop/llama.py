@@ -58,7 +58,7 @@ MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 
 
-def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
+def rope_fields(hf: dict[str, Any], source: Path) -> dict[str, Any]:
     """The rotary fields, from transformers 4.x's rope_theta + rope_scaling or 5.x's
     rope_parameters."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -142,7 +142,7 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
         qkv_bias=True if model_type in ("qwen2", "qwen2_moe") else None,
         qk_norm=model_type in ("qwen3", "qwen3_moe"), window=window, rotary=True,
         rope_layout="halves",
-        **_rope(hf, source),
+        **rope_fields(hf, source),
     )
 
 

@@ -67,6 +67,8 @@ class GPTConfig(StackConfig):
     """Biases on the q/k/v projections alone (Qwen2); none means attn_bias."""
     qk_norm: bool = False
     """A norm (of norm_kind) over each query and key head before rotary (Qwen3)."""
+    attn_sinks: bool = False
+    """A learned logit per head in every attention softmax's denominator (gpt-oss)."""
     window: int | None = None
     """Sliding-window attention: each token sees itself and the window - 1 before it."""
     rotary: bool = False
@@ -226,7 +228,7 @@ class GPTBlock(nn.Module):
             cfg.d_model, cfg.n_head, d_head=cfg.d_head, d_value=cfg.d_value,
             n_kv_head=cfg.n_kv_head, dropout=cfg.dropout, bias=qkv_bias,
             out_bias=cfg.attention_bias, qk_norm=head_norm if cfg.qk_norm else None,
-            rotary=rotary,
+            rotary=rotary, sinks=cfg.attn_sinks,
         )
         self.ff = cfg.feedforward_module()
         self.attn_residual, self.ff_residual = (
