@@ -79,15 +79,12 @@ def route_tokens(x: Tensor, experts: Tensor, weights: Tensor, n_expert: int,
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
     token = order // k  # the token of each (token, choice) pair, in expert order
-    weight = weights.reshape(-1)[order, None]
-    out = torch.zeros_like(x)
-    start = 0
-    for e, count in enumerate(torch.bincount(flat, minlength=n_expert).tolist()):
-        if count:
-            rows = token[start : start + count]
-            out = out.index_add(0, rows, expert(e, x[rows]) * weight[start : start + count])
-            start += count
-    return out
+    counts = torch.bincount(flat, minlength=n_expert).tolist()
+    groups = x[token].split(counts)  # each expert's rows, one after the other
+    outputs = torch.cat([expert(e, rows) for e, rows in enumerate(groups) if len(rows)])
+    # One scatter back for all the experts: each token sums its k weighted outputs.
+    weighted = (outputs * weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add(0, token, weighted)
 
 
 class GLU(nn.Module):
