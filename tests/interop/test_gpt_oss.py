@@ -149,3 +149,18 @@ def test_recorded_attention_leaves_the_sinks_share_out(saved):
     assert (total < 1 - 1e-4).all() and (total > 0).all()
     # The head whose sink is largest gives it the most.
     assert total.mean(-1).argmin() == attn.sinks.argmax()
+
+
+def test_no_llama_layout_family_takes_it_for_its_own(saved):
+    """Export as a Llama-layout family (folder or GGUF) names what gpt-oss has and they
+    lack, rather than dropping it."""
+    from dataclasses import replace
+
+    from tformer.interop.llama import model_type_of
+
+    _, _, ours = saved
+    with pytest.raises(TformerError, match=r"attn_sinks = True.*expert_glu = 'clamped'"):
+        model_type_of(ours.cfg)
+    dense = replace(ours.cfg, n_expert=0, attn_bias=False)
+    with pytest.raises(TformerError, match="attn_sinks = True"):
+        model_type_of(dense)

@@ -264,7 +264,8 @@ def model_type_of(cfg: GPTConfig) -> str:
     wanted = {"position": "none", "rotary": True, "norm": "pre", "norm_kind": "rmsnorm",
               "feedforward": "gated", "activation": "silu", "bias": False, "final_norm": True,
               "output_bias": False, "scale_embeddings": False, "embed_norm": False,
-              "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None}
+              "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None,
+              "attn_sinks": False}
     differ = [f"model.{key} = {getattr(cfg, key)!r} (Llama: {value!r})"
               for key, value in wanted.items() if getattr(cfg, key) != value]
     if cfg.qk_norm:

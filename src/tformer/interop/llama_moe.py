@@ -109,7 +109,9 @@ def mixture_type(cfg: GPTConfig, dense_type: str) -> tuple[str, list[str]]:
     fields that keep it from being one."""
     model_type = {"qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "llama": "mixtral",
                   "mistral": "mixtral"}[dense_type]
-    differ = []
+    differ = [f"model.{key} = {getattr(cfg, key)!r} ({model_type}: {value!r})"
+              for key, value in (("expert_glu", "gated"), ("expert_bias", False),
+                                 ("router_bias", False)) if getattr(cfg, key) != value]
     if cfg.router_softmax != "before":
         differ.append(f"model.router_softmax = {cfg.router_softmax!r} ({model_type}: "
                       f"'before')")
