@@ -66,7 +66,8 @@ EXPORTERS: dict[str, Exporter] = {
     "gpt2": Exporter("tformer.interop.gpt2:export_gpt2", "GPT2LMHeadModel",
                      fits="tformer.interop.gpt2:exported_family", tokenizers=BYTE_LEVEL_BPE),
     "llama": Exporter("tformer.interop.llama:export_llama",
-                      "Llama, Qwen2, Qwen3 or Mistral, whichever the config is exactly",
+                      "Llama, Qwen2, Qwen3 or Mistral (or the mixtures Qwen2-MoE, Qwen3-MoE, "
+                      "Mixtral), whichever the config is exactly",
                       fits="tformer.interop.llama:exported_family",
                       tokenizers=BYTE_LEVEL_BPE),
     "tformer": Exporter("tformer.training.checkpoint:ship_checkpoint",
