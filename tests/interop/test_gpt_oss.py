@@ -103,7 +103,7 @@ def test_the_sinks_and_the_clamp_matter(saved):
 @pytest.mark.parametrize("change, message", [
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16},
      "sliding-window layers among full ones"),
-    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantized as mxfp4"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantized as bitsandbytes"),
     ({"num_local_experts": None}, "has no num_local_experts"),
 ])
 def test_what_is_not_expressed_is_named(saved, change, message):
@@ -164,3 +164,32 @@ def test_no_llama_layout_family_takes_it_for_its_own(saved):
     dense = replace(ours.cfg, n_expert=0, attn_bias=False)
     with pytest.raises(TformerError, match="attn_sinks = True"):
         model_type_of(dense)
+
+
+@torch.no_grad()
+def test_experts_in_mxfp4_blocks_are_read_as_transformers_reads_them():
+    """The released checkpoints' form: experts as MXFP4 blocks and scales. Random ones,
+    dequantized by transformers' own converter into its model, and by the import."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = transformers.GptOssConfig(**{**CONFIG, "intermediate_size": 32},
+                                       attn_implementation="eager")
+    torch.manual_seed(1)
+    hf = transformers.GptOssForCausalLM(config).eval()
+    randomise(hf)
+    g = torch.Generator().manual_seed(2)
+    weights = dict(hf.state_dict())
+    for layer in range(2):
+        for name, rows in (("gate_up_proj", 64), ("down_proj", 32)):
+            key = f"model.layers.{layer}.mlp.experts.{name}"
+            blocks = torch.randint(0, 256, (6, rows, 1, 16), dtype=torch.uint8, generator=g)
+            scales = torch.randint(122, 128, (6, rows, 1), dtype=torch.uint8, generator=g)
+            weights[key + "_blocks"], weights[key + "_scales"] = blocks, scales
+            del weights[key]
+            hf.get_parameter(key).copy_(convert_moe_packed_tensors(blocks, scales,
+                                                                   dtype=torch.float32))
+    raw = config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    ours = gpt_oss_from_hf(raw, weights, "mxfp4")
+    tokens = torch.tensor([ROWS[0]])
+    expected = hf(tokens).logits
+    assert (ours(tokens) - expected).abs().max() <= 1e-5 * expected.abs().max()

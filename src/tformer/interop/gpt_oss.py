@@ -11,9 +11,10 @@ transformers stores the experts input-first: gate_up_proj [E, D, 2F] with the ga
 columns interleaved (gate in the even ones), down_proj [E, F, D]; ours are nn.Linear's
 [E, out, in], the gate and up apart.
 
-What is not expressed, and refused by name: sliding-window layers among full ones
-(`layer_types`: every released gpt-oss alternates them), and weights still in MXFP4
-blocks (`*_blocks` / `*_scales`, as the released checkpoints hold the experts).
+The released checkpoints hold the experts in MXFP4 (the OCP microscaling format: 32 values
+of 4 bits, E2M1, sharing a power-of-two scale), as `*_blocks` and `*_scales`; they are
+dequantized to fp32 here (`mxfp4`). What is not expressed, and refused by name: sliding-
+window layers among full ones (`layer_types`: every released gpt-oss alternates them).
 """
 
 from __future__ import annotations
@@ -52,11 +53,10 @@ def gpt_oss_config(hf: dict[str, Any], source: Path) -> GPTConfig:
         if "full_attention" in kinds and window < context:
             raise TformerError(f"{source}: sliding-window layers among full ones "
                                f"(layer_types) cannot be expressed")
-    if hf.get("quantization_config"):
+    quantization = (hf.get("quantization_config") or {}).get("quant_method")
+    if quantization not in (None, "mxfp4"):
         raise TformerError(f"{source}: weights quantized as "
-                           f"{hf['quantization_config'].get('quant_method', '?')} cannot be "
-                           f"read; save the model dequantized (transformers' Mxfp4Config("
-                           f"dequantize=True))")
+                           f"{quantization} cannot be read")
     d_model, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or d_model // n_head
     return GPTConfig(
@@ -116,6 +116,23 @@ def _state(cfg: GPTConfig, weights: dict[str, Tensor], source: Path) -> dict[str
     return {name: t.float().contiguous() for name, t in state.items()}
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of a 4-bit E2M1 code (sign, 2 exponent bits, 1 mantissa bit)."""
+
+
+def mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
+    """MXFP4 -> fp32: blocks (..., G, 16) uint8, two 4-bit codes a byte (the low nibble the
+    earlier value), and scales (..., G) uint8, each group's power of two biased by 127 ->
+    (..., G * 32) values."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise TformerError(f"MXFP4 blocks {list(blocks.shape)} and scales "
+                           f"{list(scales.shape)} do not pair up")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()
+    values = torch.tensor(E2M1)[codes]
+    values = torch.ldexp(values, scales.long()[..., None] - 127)
+    return values.flatten(-2)
+
+
 def gpt_oss_from_hf(hf: dict[str, Any], weights: dict[str, Tensor],
                     source: Path | str) -> GPT:
     """A GPT with the weights of a gpt-oss model, from its config and its tensors. `source`
@@ -125,11 +142,11 @@ def gpt_oss_from_hf(hf: dict[str, Any], weights: dict[str, Tensor],
     weights = dict(weights)
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight", None)
-    packed = [name for name in weights if name.endswith(("_blocks", "_scales"))]
-    if packed:
-        raise TformerError(f"{source}: {packed[0]} is in MXFP4 blocks, which cannot be read; "
-                           f"save the model dequantized (transformers' Mxfp4Config("
-                           f"dequantize=True))")
+    for name in [k for k in weights if k.endswith("_blocks")]:
+        stem = name.removesuffix("_blocks")
+        # Stored output rows first ([E, out, in]); transformers' tensor is input-first.
+        weights[stem] = mxfp4(weights.pop(name), take(weights, stem + "_scales", source)
+                              ).transpose(1, 2)
     state = _state(cfg, weights, source)
     if weights:
         raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
