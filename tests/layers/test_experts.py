@@ -47,11 +47,11 @@ def reference(moe: MixtureOfExperts, x: torch.Tensor) -> tuple[torch.Tensor, lis
 
 
 def make_mixture(d: int, f: int, *, softmax="before", renormalise=False, d_shared=0,
-                 glu="gated", bias=False) -> MixtureOfExperts:
+                 glu="gated", bias=False, balance=0.0) -> MixtureOfExperts:
     router = Router(d, E, K, softmax=softmax, renormalise=renormalise, bias=bias)
     experts = Experts(d, f, E, glu=make_glu(glu, "silu", 7.0, 1.702), bias=bias)
     shared = GatedFeedForward(d, d_shared, activation="silu", bias=False) if d_shared else None
-    return MixtureOfExperts(router, experts, shared)
+    return MixtureOfExperts(router, experts, shared, balance=balance)
 
 
 def mixture(seed=0, **options) -> MixtureOfExperts:
@@ -286,7 +286,8 @@ def test_a_mixture_trains_and_generates_through_the_cli(tiny_config, tmp_path, c
     from tformer.loading import load_checkpoint
 
     config = tiny_config(model={"d_model": 32, "feedforward": "gated", "activation": "silu",
-                                "n_expert": 4, "n_expert_active": 2}, lr=3e-3)
+                                "n_expert": 4, "n_expert_active": 2, "router_balance": 0.01},
+                         lr=3e-3)
     assert main(["train", str(config), "--out", str(tmp_path / "run")]) == 0
     loaded = load_checkpoint(tmp_path / "run")
     assert isinstance(loaded.model.blocks[0].ff, MixtureOfExperts)
@@ -294,3 +295,30 @@ def test_a_mixture_trains_and_generates_through_the_cli(tiny_config, tmp_path, c
     assert main(["generate", str(tmp_path / "run"), "--prompt", "First", "--weights", "q8_0",
                  "--max-new-tokens", "5", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("First")
+
+
+def test_the_balance_loss_joins_the_gradients_and_not_the_outputs():
+    """With router_balance b, backward minimises outputs' loss + b * E * sum_e f_e P_e
+    (written out here with Python loops), and the outputs are the same."""
+    moe, twin = mixture(balance=0.3), mixture()
+    x = torch.randn(10, D)
+    out = moe(x[None])
+    out.square().sum().backward()
+    plain = twin(x[None])
+    assert torch.equal(out, plain)
+    probs = torch.softmax(x @ twin.router.weight.T, -1)
+    chosen = [sorted(range(E), key=lambda e: -row[e].item())[:K] for row in probs.detach()]
+    balance = 0
+    for e in range(E):
+        share = sum(e in c for c in chosen) / (len(chosen) * K)
+        balance = balance + share * probs[:, e].mean()
+    (plain.square().sum() + 0.3 * E * balance).backward()
+    assert (moe.router.weight.grad - twin.router.weight.grad).abs().max() < 1e-4
+    assert (moe.experts.gate.grad - twin.experts.gate.grad).abs().max() < 1e-4
+    # ...which the balance term does change: without it the router's gradient differs.
+    alone = mixture()
+    alone(x[None]).square().sum().backward()
+    assert (alone.router.weight.grad - moe.router.weight.grad).abs().max() > 1e-3
+    moe.eval()  # and not at inference
+    with torch.no_grad():
+        assert torch.equal(moe(x[None]), twin.eval()(x[None]))

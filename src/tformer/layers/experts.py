@@ -49,10 +49,14 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
         self.k, self.softmax, self.renormalise = k, softmax, renormalise
 
+    def logits(self, x: Tensor) -> Tensor:
+        """(N, D) -> (N, E) scores, in fp32 even under bf16 autocast: two experts'
+        probabilities differ in the third digit often enough that bf16 would change which
+        one wins."""
+        return F.linear(x, self.weight, self.bias).float()
+
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        # The softmax in fp32 even under bf16 autocast: two experts' probabilities differ in
-        # the third digit often enough that bf16 would change which one wins.
-        logits = F.linear(x, self.weight, self.bias).float()
+        logits = self.logits(x)
         if self.softmax == "before":
             weights, experts = logits.softmax(-1).topk(self.k, dim=-1)
             if self.renormalise:
@@ -85,6 +89,34 @@ def route_tokens(x: Tensor, experts: Tensor, weights: Tensor, n_expert: int,
     # One scatter back for all the experts: each token sums its k weighted outputs.
     weighted = (outputs * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add(0, token, weighted)
+
+
+def balance_loss(probs: Tensor, experts: Tensor) -> Tensor:
+    """Switch Transformer's load-balancing loss (Fedus et al. 2021, eq. 4-6), as Qwen-MoE and
+    Mixtral train with it: E * sum_e f_e * P_e over probs (N, E), the router's softmax over
+    every expert, and experts (N, k), the chosen ones: f_e the share of the N * k choices
+    that went to e, P_e its mean probability. 1 when the choices and the probabilities are
+    spread evenly, up to E when one expert takes them all; its gradient reaches the router
+    through P."""
+    n_expert = probs.shape[-1]
+    share = torch.bincount(experts.reshape(-1), minlength=n_expert) / experts.numel()
+    return n_expert * (share.to(probs.dtype) * probs.mean(0)).sum()
+
+
+class _WithAuxiliaryLoss(torch.autograd.Function):
+    """x unchanged forward; backward, x's gradient and 1 for `loss`: the loss joins what the
+    backward pass minimises without the value returned changing or the loss travelling
+    out of the layer (the pattern of DeepSeek-MoE's training code)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, loss: Tensor) -> Tensor:
+        ctx.loss_like = (loss.shape, loss.dtype)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        shape, dtype = ctx.loss_like
+        return grad, torch.ones(shape, dtype=dtype, device=grad.device)
 
 
 class GLU(nn.Module):
@@ -233,10 +265,12 @@ class MixtureOfExperts(nn.Module):
     shared expert (if any) scaled by sigmoid(shared_gate x) (Qwen2-MoE). The parts are
     made by the caller (models.gpt.GPTConfig.feedforward_module) and passed in."""
 
-    def __init__(self, router: Router, experts: Experts, shared: nn.Module | None = None
-                 ) -> None:
+    def __init__(self, router: Router, experts: Experts, shared: nn.Module | None = None, *,
+                 balance: float = 0.0) -> None:
         super().__init__()
         self.router = router
+        self.balance = balance
+        """The weight of the load-balancing loss (balance_loss) in training; 0: none."""
         self.experts: Experts | ExpertLinears = experts
         self.shared = shared
         # A parameter, not an nn.Linear, as the router's weight is (see Router).
@@ -249,6 +283,9 @@ class MixtureOfExperts(nn.Module):
         out = self.experts(h, experts, weights)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * self.shared(h)
+        if self.balance and self.training and torch.is_grad_enabled():
+            probs = self.router.logits(h).softmax(-1)
+            out = _WithAuxiliaryLoss.apply(out, self.balance * balance_loss(probs, experts))
         return out.view(x.shape)
 
 

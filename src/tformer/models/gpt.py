@@ -48,13 +48,14 @@ ROPE_SCALED = frozenset({"rope_factor", "rope_original_context", *ROPE_LLAMA3, *
 """The fields of rotary scalings: linear reads the factor alone, llama3 and yarn the factor,
 the original context and their own."""
 EXPERT_FIELDS = ("n_expert_active", "router_softmax", "router_renormalise", "d_shared_expert",
-                 "expert_glu", "glu_limit", "glu_alpha", "expert_bias", "router_bias")
+                 "expert_glu", "glu_limit", "glu_alpha", "expert_bias", "router_bias",
+                 "router_balance")
 """The fields a mixture of experts reads, moot without experts."""
 
 
 @dataclass(frozen=True)
 class GPTConfig(StackConfig):
-    weight_free: ClassVar[frozenset[str]] = frozenset({"dropout"})
+    weight_free: ClassVar[frozenset[str]] = frozenset({"dropout", "router_balance"})
     """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
 
     context: int = 64
@@ -110,6 +111,9 @@ class GPTConfig(StackConfig):
     """Biases on the experts' projections (gpt-oss)."""
     router_bias: bool = False
     """A bias on the router's scores (gpt-oss)."""
+    router_balance: float = 0.0
+    """In training, the weight of Switch Transformer's load-balancing loss, added to what
+    the backward pass minimises (Qwen-MoE's router_aux_loss_coef, 0.001); 0: none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -140,6 +144,7 @@ class GPTConfig(StackConfig):
             check_range("model.d_shared_expert", self.d_shared_expert, low=0)
             check_choice("model.expert_glu", self.expert_glu, EXPERT_GLUS)
             check_range("model.glu_limit", self.glu_limit, low=0.0)
+            check_range("model.router_balance", self.router_balance, low=0.0)
             if self.feedforward != "gated":
                 raise TformerError(f"model.n_expert = {self.n_expert} needs model.feedforward "
                                    f"= 'gated' (experts are gated feed-forwards), not "
@@ -179,7 +184,7 @@ class GPTConfig(StackConfig):
                 shared = GatedFeedForward(self.d_model, self.d_shared_expert,
                                           activation=self.activation, dropout=self.dropout,
                                           bias=False)
-            return MixtureOfExperts(router, experts, shared)
+            return MixtureOfExperts(router, experts, shared, balance=self.router_balance)
         return make_feedforward(self.feedforward, self.d_model, self.ff_width,
                                 activation=self.activation, dropout=self.dropout,
                                 bias=self.bias)
