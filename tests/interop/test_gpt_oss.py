@@ -1,6 +1,7 @@
 """gpt-oss from Hugging Face: a tiny random GptOssForCausalLM (attention sinks, biases,
-YaRN, biased experts with the clamped gate, softmax after top-k) made by transformers,
-saved, imported, and compared with transformers' forward pass and router."""
+YaRN, biased experts with the clamped gate, softmax after top-k; every layer full, or
+sliding-window and full layers in turn as the released checkpoints have them) made by
+transformers, saved, imported, and compared with transformers' forward pass and router."""
 
 from __future__ import annotations
 
@@ -23,9 +24,14 @@ CONFIG = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 24,
           "tie_word_embeddings": False}
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    config = transformers.GptOssConfig(**CONFIG, attn_implementation="eager")
+ALTERNATING = CONFIG | {"sliding_window": 4,
+                        "layer_types": ["sliding_attention", "full_attention"]}
+"""Every released gpt-oss's layers: sliding-window and full ones in turn, the window here
+short enough that the prompts and their continuations pass it."""
+
+
+def _saved(path, config_fields):
+    config = transformers.GptOssConfig(**config_fields, attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(config).eval()
     randomise(model)
@@ -34,18 +40,47 @@ def saved(tmp_path_factory):
             layer.mlp.experts.gate_up_proj.mul_(20.0)
             layer.mlp.router.weight.mul_(8.0)
             layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, 4))
-    path = tmp_path_factory.mktemp("gpt-oss")
     model.save_pretrained(path)
     ours = gpt_oss_from_hf(read_hf_config(path), read_hf_weights(path), path)
     return path, model, ours
 
 
-ROWS = [[5, 17, 3, 88, 41, 9, 62, 23, 7, 1, 54], [12, 6, 90], [33, 2, 71, 45, 8, 19, 60]]
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return _saved(tmp_path_factory.mktemp("gpt-oss"), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def alternating(tmp_path_factory):
+    return _saved(tmp_path_factory.mktemp("gpt-oss-alternating"), ALTERNATING)
+
+
+LAYOUTS = ["saved", "alternating"]
+"""Every layer full; sliding and full layers in turn."""
 
 
 @torch.no_grad()
-def test_logits_match_transformers_on_a_left_padded_batch(saved):
-    _, hf, ours = saved
+def test_alternating_layers_are_a_window_with_every_second_layer_global(alternating):
+    """The sliding layer slides and the full one does not, and the window matters to the
+    comparisons with transformers below: read as full layers, the same weights compute
+    otherwise."""
+    path, _, ours = alternating
+    assert (ours.cfg.window, ours.cfg.global_every) == (4, 2)
+    assert [block.slides for block in ours.blocks] == [True, False]
+    full = gpt_oss_from_hf(read_hf_config(path) | {"layer_types": ["full_attention"] * 2},
+                           read_hf_weights(path), path)
+    assert full.cfg.window is None
+    tokens = torch.tensor([ROWS[0]])
+    assert (full(tokens) - ours(tokens)).abs().max() > 1e-2
+
+
+ROWS = [[5, 17, 3, 88, 41, 9, 62, 23, 7, 1, 54], [12, 6, 90], [33, 2, 71, 45, 8, 19, 60]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@torch.no_grad()
+def test_logits_match_transformers_on_a_left_padded_batch(request, layout):
+    _, hf, ours = request.getfixturevalue(layout)
     tokens, is_real = left_pad(ROWS, pad_id=0)
     got = ours(tokens, is_real)
     for i, row in enumerate(ROWS):
@@ -53,9 +88,10 @@ def test_logits_match_transformers_on_a_left_padded_batch(saved):
         assert (got[i][is_real[i]] - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @torch.no_grad()
-def test_routes_greedy_tokens_and_cached_decoding(saved):
-    _, hf, ours = saved
+def test_routes_greedy_tokens_and_cached_decoding(request, layout):
+    _, hf, ours = request.getfixturevalue(layout)
     theirs, mine = {}, {}
     hooks = [layer.mlp.router.register_forward_hook(
         lambda m, i, out, n=n: theirs.__setitem__(n, out[2])) for n, layer in
@@ -68,7 +104,8 @@ def test_routes_greedy_tokens_and_cached_decoding(saved):
     ours(tokens)
     for hook in hooks:
         hook.remove()
-    assert all(torch.equal(mine[n], theirs[n]) for n in theirs) and len(theirs) == 2
+    assert all(torch.equal(mine[n], theirs[n]) for n in theirs)
+    assert len(theirs) == hf.config.num_hidden_layers
     seq = tokens[:, :5]
     for _ in range(15):  # greedy, as transformers' full forward pass picks each token
         seq = torch.cat([seq, hf(seq).logits[:, -1:].argmax(-1)], 1)
@@ -101,8 +138,12 @@ def test_the_sinks_and_the_clamp_matter(saved):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16},
-     "sliding-window layers among full ones"),
+    ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 16},
+     "sliding-window layers among full ones must alternate, sliding first"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"], "sliding_window": 16},
+     "not one of sliding_attention and full_attention"),
+    ({"layer_types": ["sliding_attention"] * 2, "sliding_window": None},
+     "without a sliding_window"),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantized as bitsandbytes"),
     ({"num_local_experts": None}, "has no num_local_experts"),
 ])
@@ -110,6 +151,19 @@ def test_what_is_not_expressed_is_named(saved, change, message):
     path, _, _ = saved
     with pytest.raises(TformerError, match=message):
         gpt_oss_config(read_hf_config(path) | change, path)
+
+
+@pytest.mark.parametrize("layer_types, expected", [
+    (["full_attention"] * 2, (None, 0)),
+    (["sliding_attention"] * 2, (16, 0)),
+    (["sliding_attention", "full_attention"], (16, 2)),
+    (None, (16, 2)),  # GptOssConfig's default: alternating
+])
+def test_layer_types_map_to_the_window_and_the_global_layers(saved, layer_types, expected):
+    path, _, _ = saved
+    hf = read_hf_config(path) | {"layer_types": layer_types, "sliding_window": 16}
+    cfg = gpt_oss_config(hf, path)
+    assert (cfg.window, cfg.global_every if cfg.window else 0) == expected
 
 
 def test_the_cli_imports_it_with_its_tokenizer(saved, tmp_path):

@@ -13,8 +13,9 @@ columns interleaved (gate in the even ones), down_proj [E, F, D]; ours are nn.Li
 
 The released checkpoints hold the experts in MXFP4 (the OCP microscaling format: 32 values
 of 4 bits, E2M1, sharing a power-of-two scale), as `*_blocks` and `*_scales`; they are
-dequantized to fp32 here (`mxfp4`). What is not expressed, and refused by name: sliding-
-window layers among full ones (`layer_types`: every released gpt-oss alternates them).
+dequantized to fp32 here (`mxfp4`). Every released gpt-oss alternates sliding-window and
+full layers (`layer_types`), which is `window` with `global_every = 2`; another pattern of
+the two is refused by name.
 """
 
 from __future__ import annotations
@@ -46,13 +47,7 @@ def gpt_oss_config(hf: dict[str, Any], source: Path) -> GPTConfig:
         raise TformerError(f"{source}: config.json of a gpt_oss model has no "
                            f"{', '.join(missing)}")
     n_layer, context = int(hf["num_hidden_layers"]), int(hf["max_position_embeddings"])
-    kinds = set(hf.get("layer_types") or ["full_attention"])
-    window = None
-    if "sliding_attention" in kinds:
-        window = int(hf["sliding_window"])
-        if "full_attention" in kinds and window < context:
-            raise TformerError(f"{source}: sliding-window layers among full ones "
-                               f"(layer_types) cannot be expressed")
+    window, global_every = _layers(hf, n_layer, source)
     quantization = (hf.get("quantization_config") or {}).get("quant_method")
     if quantization not in (None, "mxfp4"):
         raise TformerError(f"{source}: weights quantized as "
@@ -68,12 +63,41 @@ def gpt_oss_config(hf: dict[str, Any], source: Path) -> GPTConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-5)), feedforward="gated",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=False,
         attn_bias=bool(hf.get("attention_bias", True)), attn_sinks=True, window=window,
+        global_every=global_every,
         rotary=True, rope_layout="halves", n_expert=int(hf["num_local_experts"]),
         n_expert_active=int(hf["num_experts_per_tok"]), router_softmax="after",
         router_bias=True, expert_bias=True, expert_glu="clamped",
         glu_limit=float(hf.get("swiglu_limit", 7.0)),
         glu_alpha=float(hf.get("swiglu_alpha", 1.702)), **rope_fields(hf, source),
     )
+
+
+def _layers(hf: dict[str, Any], n_layer: int, source: Path) -> tuple[int | None, int]:
+    """(window, global_every) from layer_types: every layer full (no window), every layer
+    sliding (global_every 0), or sliding and full alternating from a sliding first layer
+    (global_every 2: every released gpt-oss, and GptOssConfig's default where the config
+    lists none); any other pattern is an error naming it."""
+    kinds = hf.get("layer_types")
+    if kinds is None:  # GptOssConfig's default
+        kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                 for i in range(n_layer)]
+    kinds = list(kinds)
+    if len(kinds) != n_layer or not set(kinds) <= {"sliding_attention", "full_attention"}:
+        raise TformerError(f"{source}: layer_types {kinds} is not one of sliding_attention "
+                           f"and full_attention a layer")
+    if "sliding_attention" not in kinds:
+        return None, 0
+    if not isinstance(hf.get("sliding_window"), int) or hf["sliding_window"] < 1:
+        raise TformerError(f"{source}: sliding_attention layers without a sliding_window")
+    window = int(hf["sliding_window"])
+    if "full_attention" not in kinds:
+        return window, 0
+    alternating = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                   for i in range(n_layer)]
+    if kinds != alternating:
+        raise TformerError(f"{source}: layer_types {kinds} cannot be expressed: sliding-window "
+                           f"layers among full ones must alternate, sliding first")
+    return window, 2
 
 
 def _state(cfg: GPTConfig, weights: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
