@@ -290,3 +290,58 @@ def test_a_gguf_file_s_mixture_that_does_not_add_up_is_named(saved, checkpoint, 
             file.metadata[f"{file.architecture}.{key}"] = value
     with pytest.raises(TformerError, match=message.format(arch=file.architecture)):
         model_from_gguf(file)
+
+
+def test_a_gguf_file_s_k_quant_expert_stacks_are_kept_as_blocks(tmp_path):
+    """A q4_k_m export of a mixture whose experts' rows are whole super-blocks (256 values):
+    its stacks in Q4_K, the last layer's down projections in Q6_K (llama.cpp's ffn_down
+    rule, which counts the experts' too). Imported, each expert holds its slice of the
+    file's K blocks byte for byte, the model computes with them, and goes out again."""
+    pytest.importorskip("gguf")
+    from safetensors import safe_open
+
+    from tformer.interop.command import export_checkpoint, import_checkpoint
+    from tformer.interop.gguf import convert_gguf, model_from_gguf, read_gguf
+    from tformer.kernels.blocks import BlockLinear
+    from tformer.loading import load_checkpoint, stored_formats
+
+    from .test_llama import bpe_tokenizer
+
+    config = transformers.Qwen3MoeConfig(
+        **{**COMMON, "hidden_size": 256}, intermediate_size=256, num_experts=4,
+        moe_intermediate_size=256, head_dim=64, norm_topk_prob=True,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config).eval()
+    randomise(hf)
+    hf.save_pretrained(tmp_path / "source")
+    bpe_tokenizer().save_pretrained(tmp_path / "source")
+    checkpoint = import_checkpoint(tmp_path / "source", tmp_path / "ours")
+    out = export_checkpoint(checkpoint, tmp_path / "model.gguf", "gguf", type="q4_k_m")
+    file = read_gguf(out)
+    types = {name: file.tensors[f"{name}.weight"].type
+             for name in ("blk.0.ffn_gate_exps", "blk.0.ffn_down_exps", "blk.1.ffn_up_exps",
+                          "blk.1.ffn_down_exps", "blk.1.ffn_gate_inp")}
+    assert types == {"blk.0.ffn_gate_exps": "Q4_K", "blk.0.ffn_down_exps": "Q4_K",
+                     "blk.1.ffn_up_exps": "Q4_K", "blk.1.ffn_down_exps": "Q6_K",
+                     "blk.1.ffn_gate_inp": "F32"}
+    kept, _ = convert_gguf(out, tmp_path / "run")
+    assert kept["Q4_K"] and kept["Q6_K"]
+    formats = stored_formats(tmp_path / "run")
+    assert formats["blocks.0.ff.experts.gate.3.weight"] == "q4_k"
+    assert formats["blocks.1.ff.experts.down.2.weight"] == "q6_k"
+    with safe_open(str(tmp_path / "run" / "model.safetensors"), "pt") as f:
+        held = f.get_tensor("blocks.1.ff.experts.down.2.weight")
+    stack = file.tensors["blk.1.ffn_down_exps.weight"]
+    assert torch.equal(held, torch.from_numpy(np.array(stack.data[2])))
+
+    model = load_checkpoint(tmp_path / "run").model
+    experts = model.blocks[1].ff.experts
+    assert type(experts.gate[0]) is BlockLinear and experts.down[2].fmt == "q6_k"
+    tokens = torch.tensor([ROWS[0]])
+    with torch.no_grad():  # against the file's weights dequantized to fp32
+        expected, got = model_from_gguf(file)[0](tokens), model(tokens)
+    assert (got - expected).norm() / expected.norm() < 0.05  # activations in 8-bit blocks
+    again = read_gguf(export_checkpoint(tmp_path / "run", tmp_path / "again.gguf", "gguf",
+                                        type="q4_k_m"))
+    assert again.tensors["blk.1.ffn_down_exps.weight"].type == "Q6_K"
