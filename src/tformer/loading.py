@@ -48,6 +48,7 @@ from tformer.config import RunConfig, config_from_dict
 from tformer.data.tokenizers import Tokenizer, load_tokenizer
 from tformer.errors import TformerError, shown
 from tformer.kernels import blocks
+from tformer.layers.experts import stack_experts
 from tformer.registry import get_family
 
 log = logging.getLogger(__name__)
@@ -400,10 +401,13 @@ def load_weights(
         load_weights(model, base, device=device)
     else:
         # Blocks into a plain model (training from an imported GGUF file, a LoRA run's
-        # base): read as the file holds them, then made fp32.
+        # base): read as the file holds them, then made fp32. A mixture's experts held as
+        # blocks one by one name no module of a plain model (its experts are stacked):
+        # hold_blocks splits them, and they are stacked again once fp32.
         modules = dict(model.named_modules())
         plain = {param: fmt for param, fmt in stored_formats(path).items()
-                 if isinstance(modules.get(param.removesuffix(".weight")), nn.Linear)}
+                 if not isinstance(modules.get(param.removesuffix(".weight")),
+                                   (blocks.BlockLinear, blocks.StackedLinear))}
         blocks.hold_blocks(model, plain)
         check_weight_shapes(path, model)
         try:
@@ -412,6 +416,7 @@ def load_weights(
             raise TformerError(f"checkpoint file {path / WEIGHTS} does not load: {e}") from None
         if plain:
             blocks.dequantize_model(model)
+            stack_experts(model)
     lora = read_config(path).train.lora
     if adapters and lora is not None:
         from tformer.training.lora import merge_adapters

@@ -105,7 +105,9 @@ def test_the_config_maps_each_family_difference(saved):
 
 @pytest.mark.parametrize("change,message", [
     ({"model_type": "gemma2"}, "model_type 'gemma2' is not one of"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": 0.7,
+                       "original_max_position_embeddings": 32}}, "yarn's mscale"),
     ({"num_local_experts": 8}, "cannot express num_local_experts"),
     ({"hidden_act": "gelu"}, "cannot express hidden_act = gelu"),
     ({"hidden_size": None}, "config.json of a llama model has no hidden_size"),

@@ -245,7 +245,8 @@ def test_rotary_angles_stay_float32_in_a_bfloat16_model():
     ({"n_kv_head": 3}, "model.n_kv_head = 3 must divide model.n_head = 4"),
     ({"norm_kind": "batchnorm"}, "model.norm_kind = 'batchnorm' is not allowed"),
     ({"feedforward": "moe"}, "model.feedforward = 'moe' is not allowed"),
-    ({"rope_scaling": "yarn"}, "model.rope_scaling = 'yarn' is not allowed"),
+    ({"rope_scaling": "dynamic"}, "model.rope_scaling = 'dynamic' is not allowed"),
+    ({"rope_beta_fast": 1.0}, "model.rope_beta_fast = 1.0 must exceed model.rope_beta_slow"),
     ({"rotary": True, "rope_fraction": 0.1}, "model.rope_fraction = 0.1 rotates nothing"),
     ({"window": 0}, "model.window"),
 ])

@@ -66,6 +66,35 @@ def test_gpt_flops_match_torchs_count():
     assert counted(decode) == pytest.approx(T * cost.decode_flops)
 
 
+def test_a_mixture_of_experts_costs_its_chosen_experts_as_torch_counts():
+    """A token pays for the router and its k experts, in training (grouped by expert) and
+    decoding (one token, its k experts), not for all of them."""
+    cfg, model = build("gpt", {"vocab_size": 40, "context": 12, "n_layer": 2, "n_head": 2,
+                               "d_model": 16, "d_ff": 24, "feedforward": "gated",
+                               "activation": "silu", "n_expert": 6, "n_expert_active": 2,
+                               "d_shared_expert": 8})
+    cost = get_family("gpt").cost(cfg)
+    T = 12
+    tokens = torch.randint(0, 40, (1, T))
+    assert counted(lambda: model(tokens).sum().backward()) == pytest.approx(
+        T * cost.train_flops)
+
+    def decode():
+        model.eval()
+        cache = model.make_cache(1)
+        with torch.no_grad():
+            for t in range(T):
+                model(tokens[:, t : t + 1], cache=cache, last_only=True)
+
+    assert counted(decode) == pytest.approx(T * cost.decode_flops)
+    dense = get_family("gpt").cost(run_config("gpt", {
+        "vocab_size": 40, "context": 12, "n_layer": 2, "n_head": 2, "d_model": 16,
+        "d_ff": 24, "feedforward": "gated", "activation": "silu"}))
+    # Two experts of 24 and a shared one of 8 are 56 wide; the router 6 scores of 16.
+    per_layer = 2 * 3 * 16 * (56 - 24) + 2 * 6 * 16 + 2 * 16  # and the shared gate's row
+    assert cost.decode_flops - dense.decode_flops == 2 * per_layer
+
+
 def test_seq2seq_flops_match_torchs_count():
     cfg, model = build("seq2seq", {"vocab_size": 30, "max_len": 20, "n_layer": 2,
                                    "n_decoder_layer": 1, "n_head": 2, "d_model": 16,

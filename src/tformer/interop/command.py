@@ -17,10 +17,10 @@ from tformer.loading import config_of, read_config_json, resolve_checkpoint, tok
 
 def importers() -> dict[str, Callable[[Path, Path], Path]]:
     """model_type -> importer(src, dest). Imported lazily: each may need an extra."""
-    from tformer.interop import gemma, gpt2, llama, marian, phi3
+    from tformer.interop import gemma, gpt2, gpt_oss, llama, marian, phi3
 
     found = {"gpt2": gpt2.import_gpt2, "marian": marian.import_marian,
-             "phi3": phi3.import_phi3}
+             "phi3": phi3.import_phi3, "gpt_oss": gpt_oss.import_gpt_oss}
     return (found | dict.fromkeys(llama.MODEL_TYPES, llama.import_llama)
             | dict.fromkeys(gemma.MODEL_TYPES, gemma.import_gemma))
 
@@ -67,7 +67,8 @@ EXPORTERS: dict[str, Exporter] = {
     "gpt2": Exporter("tformer.interop.gpt2:export_gpt2", "GPT2LMHeadModel",
                      fits="tformer.interop.gpt2:exported_family", tokenizers=BYTE_LEVEL_BPE),
     "llama": Exporter("tformer.interop.llama:export_llama",
-                      "Llama, Qwen2, Qwen3 or Mistral, whichever the config is exactly",
+                      "Llama, Qwen2, Qwen3 or Mistral (or the mixtures Qwen2-MoE, Qwen3-MoE, "
+                      "Mixtral), whichever the config is exactly",
                       fits="tformer.interop.llama:exported_family",
                       tokenizers=BYTE_LEVEL_BPE),
     "gemma": Exporter("tformer.interop.gemma:export_gemma",

@@ -90,8 +90,8 @@ def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
             **(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1e6)},
             "sliding_attention": {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}}
     if "full_attention" not in params:
-        return llama._rope(hf, source)
-    fields = llama._rope({"rope_parameters": params["full_attention"]}, source)
+        return llama.rope_fields(hf, source)
+    fields = llama.rope_fields({"rope_parameters": params["full_attention"]}, source)
     local = params.get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise TformerError(f"{source}: rope scaling on the sliding layers "
@@ -208,7 +208,8 @@ def model_type_of(cfg: GPTConfig) -> str:
               "feedforward": "gated", "activation": "gelu_tanh", "bias": False,
               "final_norm": True, "output_bias": False,
               "scale_embeddings": True, "embed_norm": False, "sandwich_norm": True,
-              "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None}
+              "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None,
+              "n_expert": 0, "attn_sinks": False}
     differ = [f"model.{key} = {getattr(cfg, key)!r} (Gemma: {value!r})"
               for key, value in wanted.items() if getattr(cfg, key) != value]
     if cfg.attention_bias or cfg.qkv_bias:

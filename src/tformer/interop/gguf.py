@@ -26,13 +26,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3", "phi3")
+MIXTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+"""The mixture-of-experts architectures read, and their Hugging Face model types."""
 GEMMA = ("gemma2", "gemma3")
 """llama.cpp's converter stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the
 weight itself); they come back as Gemma's offsets from 1."""
@@ -41,6 +43,9 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "
 LLAMA_LINEARS = {  # our linear layers -> the file's tensors they are made of, in order
     "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "attn.out_proj": ("attn_output",),
     "ff.gate": ("ffn_gate",), "ff.up": ("ffn_up",), "ff.down": ("ffn_down",),
+    # Qwen2-MoE's shared expert (the experts themselves: keep_expert_blocks)
+    "ff.shared.gate": ("ffn_gate_shexp",), "ff.shared.up": ("ffn_up_shexp",),
+    "ff.shared.down": ("ffn_down_shexp",),
 }
 GPT2_LINEARS = {"attn.qkv_proj": ("attn_qkv",), "attn.out_proj": ("attn_output",),
                 "ff.up": ("ffn_up",), "ff.down": ("ffn_down",)}
@@ -54,6 +59,10 @@ LLAMA_BLOCK = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures: the router, and Qwen2-MoE's shared expert with its gate (a vector here).
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 GEMMA_BLOCK = LLAMA_BLOCK | {  # Gemma's sandwich: a norm after each sublayer too
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
@@ -67,6 +76,10 @@ PHI3_BLOCK = {  # fused projections, split by interop.phi3
 PHI3_LINEARS = {"attn.qkv_proj": ("attn_qkv",), "attn.out_proj": ("attn_output",),
                 "ff.down": ("ffn_down",)}
 """Phi-3's ffn_up holds gate and up: those two are dequantized, the others kept as blocks."""
+EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
+"""A mixture's experts, one [E, rows, columns] tensor a projection; Hugging Face's files
+hold them one by one (`mlp.experts.{e}.gate_proj.weight`)."""
 GPT2_NAMES = {
     "token_embd": "wte", "position_embd": "wpe", "output_norm": "ln_f", "output": "lm_head",
 }
@@ -229,9 +242,9 @@ def _tensor(path: Path, t: Any) -> GGUFTensor:
 def hf_config(file: GGUFFile) -> dict[str, Any]:
     """The Hugging Face config.json the file's metadata describes."""
     arch = file.architecture
-    if arch not in ARCHITECTURES:
+    if arch not in ARCHITECTURES and arch not in MIXTURES:
         raise TformerError(f"{file.path}: architecture {arch!r} cannot be imported; tformer "
-                           f"reads {', '.join(ARCHITECTURES)}")
+                           f"reads {', '.join([*ARCHITECTURES, *MIXTURES])}")
     tokens = file.metadata.get("tokenizer.ggml.tokens")
     vocab = file.get("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
@@ -290,8 +303,31 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         if "rope_factors_long.weight" in file.tensors:
             raise TformerError(f"{file.path}: LongRoPE (rope_factors_long) cannot be expressed")
         hf["sliding_window"] = file.get("attention.sliding_window")
-    if file.get("expert_count"):
-        raise TformerError(f"{file.path}: mixture-of-experts layers cannot be expressed")
+    if arch in MIXTURES:
+        hf |= _mixture_config(file)
+    elif arch == "llama" and file.get("expert_count"):  # Mixtral, as llama.cpp writes it
+        hf |= {"model_type": "mixtral", "num_local_experts": int(file.need("expert_count")),
+               "num_experts_per_tok": int(file.need("expert_used_count")),
+               "intermediate_size": int(file.get("expert_feed_forward_length")
+                                        or hf["intermediate_size"])}
+    elif file.get("expert_count"):
+        raise TformerError(f"{file.path}: mixture-of-experts layers in a {arch} file cannot "
+                           f"be expressed")
+    return hf
+
+
+def _mixture_config(file: GGUFFile) -> dict[str, Any]:
+    """The expert keys of a qwen2moe / qwen3moe file as config.json has them. Whether the
+    chosen experts' weights are renormalised: the file's expert_weights_norm, else what
+    llama.cpp does for the architecture (Qwen3-MoE: yes, Qwen2-MoE: no)."""
+    arch = file.architecture
+    hf = {"model_type": MIXTURES[arch], "num_experts": int(file.need("expert_count")),
+          "num_experts_per_tok": int(file.need("expert_used_count")),
+          "moe_intermediate_size": int(file.need("expert_feed_forward_length")),
+          "norm_topk_prob": bool(file.get("expert_weights_norm", arch == "qwen3moe"))}
+    if arch == "qwen2moe":
+        hf["shared_expert_intermediate_size"] = int(
+            file.need("expert_shared_feed_forward_length"))
     return hf
 
 
@@ -399,6 +435,16 @@ def unpermute(rows: Tensor, n_head: int) -> Tensor:
         .reshape(shape)
 
 
+def expert_names(name: str, n_expert: int) -> list[str] | None:
+    """Hugging Face's names of the experts stacked in the file's tensor `name`, or None where
+    it holds no experts."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in EXPERT_STACKS:
+        return None
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_STACKS[parts[2]]}.weight"
+            for e in range(n_expert)]
+
+
 def hf_names(file: GGUFFile, n_layer: int) -> dict[str, str]:
     """llama.cpp's tensor names -> Hugging Face's, for every name the layout has."""
     blocks = {"gpt2": GPT2_BLOCK, "gemma2": GEMMA_BLOCK, "gemma3": GEMMA_BLOCK,
@@ -431,11 +477,15 @@ class Deferred:
     """A GPT-2 matrix: back to Conv1D's (in, out)."""
     offset: float = 0.0
     """Subtracted from every value: 1 from a Gemma norm's weight (GEMMA)."""
+    shape: tuple[int, ...] | None = None
+    """Hugging Face's shape, where it differs (a shared expert's gate: a row, not a vector)."""
 
     def float(self) -> Tensor:
         value = self.tensor.dequantize() - self.offset
         if self.heads is not None:
             value = unpermute(value, self.heads)
+        if self.shape is not None:
+            value = value.reshape(self.shape)
         return value.t().contiguous() if self.transpose else value
 
 
@@ -445,13 +495,26 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
     arch = file.architecture
     n_layer = hf["n_layer"] if arch == "gpt2" else hf["num_hidden_layers"]
     names = hf_names(file, n_layer)
-    unknown = [n for n in file.tensors if n not in names and n != "rope_freqs.weight"]
+    n_expert = hf.get("num_experts") or hf.get("num_local_experts", 0)
+    unknown = [n for n in file.tensors if n not in names and n != "rope_freqs.weight"
+               and expert_names(n, n_expert) is None]
     if unknown:
         raise TformerError(f"{file.path}: tensors a {arch} model has no place for: "
                            f"{', '.join(unknown[:5])}")
     weights: dict[str, Deferred] = {}
     for name, tensor in file.tensors.items():
         if name == "rope_freqs.weight":
+            continue
+        experts = expert_names(name, n_expert)
+        if experts is not None:
+            # One view of the file's bytes an expert: each is dequantized on its own.
+            if tensor.shape[0] != n_expert:
+                raise TformerError(f"{file.path}: {name} stacks {tensor.shape[0]} experts, "
+                                   f"the metadata says {n_expert}")
+            for e, expert in enumerate(experts):
+                weights[expert] = Deferred(GGUFTensor(f"{name}[{e}]", tensor.type,
+                                                      tensor.ggml_type, tensor.shape[1:],
+                                                      tensor.data[e]))
             continue
         heads = None
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
@@ -460,7 +523,8 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
         transpose = arch == "gpt2" and name.startswith("blk.") and name.endswith(".weight") \
             and len(tensor.shape) == 2
         offset = 1.0 if arch in GEMMA and name.endswith("norm.weight") else 0.0
-        weights[names[name]] = Deferred(tensor, heads, transpose, offset)
+        shape = (1, -1) if ".ffn_gate_inp_shexp." in name else None
+        weights[names[name]] = Deferred(tensor, heads, transpose, offset, shape)
     return weights
 
 
@@ -535,6 +599,46 @@ def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
             if len(parts) == 1 else StackedLinear(parts, linear.in_features, linear.bias)
         setattr(owner, attr, layer)
         held[param] = layer.fmt
+    return held | keep_expert_blocks(model, file)
+
+
+def expert_sources(cfg: Any) -> dict[str, str]:
+    """A mixture's experts of one projection (our `blocks.{i}.ff.experts.{p}`) -> the
+    file's stack of them."""
+    return {f"blocks.{i}.ff.experts.{p.removesuffix('_proj')}": f"blk.{i}.{stack}.weight"
+            for i in range(cfg.n_layer if cfg.n_expert else 0)
+            for stack, p in EXPERT_STACKS.items()}
+
+
+def keep_expert_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
+    """Make each mixture whose file stacks are of a kept type hold them as blocks, one
+    BlockLinear an expert over its slice of the stack (layers.experts.ExpertLinears);
+    returns {parameter: format} of those (`blocks.0.ff.experts.gate.3.weight`)."""
+    from tformer.kernels.blocks import BlockLinear
+    from tformer.layers.experts import Experts
+
+    kept, held = kept_types(), {}
+    for ours, name in expert_sources(model.cfg).items():
+        tensor = file.tensors.get(name)
+        if tensor is None or tensor.ggml_type not in kept:
+            continue
+        fmt = kept[tensor.ggml_type]
+        owner_path, _, projection = ours.rpartition(".")
+        mixture = model.get_submodule(owner_path.removesuffix(".experts"))
+        if isinstance(mixture.experts, Experts):  # still stacked: one layer an expert
+            stacked, mixture.experts = mixture.experts, mixture.experts.as_linears(share=False)
+            with torch.no_grad():  # the weights, for the projections not held as blocks
+                for name, layers in mixture.experts.named_children():
+                    if isinstance(layers, nn.ModuleList):
+                        for e, layer in enumerate(layers):
+                            layer.weight.copy_(getattr(stacked, name)[e])
+                            if layer.bias is not None:
+                                layer.bias.copy_(getattr(stacked, f"{name}_bias")[e])
+        layers = getattr(mixture.experts, projection)
+        for e in range(len(layers)):
+            data = torch.from_numpy(np.array(tensor.data[e], copy=True))
+            layers[e] = BlockLinear(data, fmt, layers[e].in_features, layers[e].bias)
+            held[f"{ours}.{e}.weight"] = fmt
     return held
 
 
@@ -580,6 +684,7 @@ def save_imported(file: GGUFFile, dest: Path) -> tuple[Counter[str], Counter[str
                     tokenizer)
     names = {n for p, names in linear_sources(file, model.cfg).items() if p in held
              for n in names}
+    names |= {n for p, n in expert_sources(model.cfg).items() if f"{p}.0.weight" in held}
     kept = Counter(file.tensors[n].type for n in names)
     return kept, Counter(t.type for t in file.tensors.values()
                          if t.type != "F32" and t.name not in names)

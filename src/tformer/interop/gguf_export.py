@@ -28,8 +28,16 @@ import torch
 from torch import Tensor
 
 from tformer.errors import TformerError
-from tformer.interop.gguf import GEMMA, hf_names, llama3_factors, require_gguf
+from tformer.interop.gguf import (
+    EXPERT_STACKS,
+    GEMMA,
+    MIXTURES,
+    hf_names,
+    llama3_factors,
+    require_gguf,
+)
 from tformer.kernels import blocks
+from tformer.layers.experts import stack_experts
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +57,7 @@ def permute(rows: Tensor, n_head: int) -> Tensor:
 
 def _layout(cfg: Any) -> str:
     """The GGUF architecture `cfg` is exactly; an error naming every difference if none."""
-    from tformer.interop import gemma, gpt2, llama, phi3
+    from tformer.interop import gemma, gpt2, llama, llama_moe, phi3
 
     try:
         model_type = llama.model_type_of(cfg)
@@ -67,6 +75,16 @@ def _layout(cfg: Any) -> str:
             return {"gpt2": "gpt2", "phi3": "phi3"}.get(name) or found.removesuffix("_text")
         raise TformerError("no GGUF architecture expresses this model: "
                            + "; ".join(errors)) from None
+    if cfg.rope_scaling == "yarn":
+        raise TformerError("GGUF export of yarn rope scaling is not written; export it as a "
+                           "Hugging Face folder")
+    if model_type == "mixtral":  # llama.cpp's llama architecture, with experts
+        if cfg.window is not None and cfg.window < cfg.context:
+            raise TformerError(f"GGUF's llama architecture has no sliding window "
+                               f"(model.window = {cfg.window})")
+        return "llama"
+    if model_type in llama_moe.MIXTURES:
+        return {hf: arch for arch, hf in MIXTURES.items()}[model_type]
     if model_type == "mistral":
         try:  # Phi-3's architecture has a window (Phi-3-mini-4k's)
             phi3.check_layout(cfg)
@@ -108,10 +126,16 @@ def _metadata(arch: str, cfg: Any) -> dict[str, Any]:
         keys |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(cfg.rope_factor)}
     if arch == "phi3":  # its rotary dimensions are part of a head
         keys["rope.dimension_count"] = 2 * int(cfg.head_size * cfg.rope_fraction // 2)
-    if cfg.window is not None:
+    if cfg.window is not None and arch != "llama":  # a Mixtral's window covers the context
         keys["attention.sliding_window"] = cfg.window
     if arch in GEMMA:
         keys |= _gemma_metadata(arch, cfg)
+    if cfg.n_expert:
+        keys |= {"expert_count": cfg.n_expert, "expert_used_count": cfg.n_expert_active,
+                 "expert_feed_forward_length": cfg.ff_width,
+                 "expert_weights_norm": cfg.router_renormalise}
+    if cfg.d_shared_expert:
+        keys["expert_shared_feed_forward_length"] = cfg.d_shared_expert
     return keys
 
 
@@ -139,20 +163,27 @@ def _gemma_metadata(arch: str, cfg: Any) -> dict[str, Any]:
 
 def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
     """The model's tensors under llama.cpp's names, in the layout a GGUF file has them."""
-    from tformer.interop import gemma, gpt2, llama, phi3
+    from tformer.interop import gemma, gpt2, llama, llama_moe, phi3
 
     cfg = model.cfg
     if arch == "gpt2":
         state = model.state_dict()
         hf = {("" if theirs == "lm_head.weight" else "transformer.") + theirs: state[ours]
               for ours, theirs in gpt2._names(cfg.n_layer, cfg.tie_embeddings).items()}
-    else:
-        exporters = {"gemma2": gemma.hf_weights, "gemma3": gemma.hf_weights,
-                     "phi3": phi3.hf_weights}
-        hf = exporters.get(arch, llama.hf_weights)(model)
+    elif arch in ("gemma2", "gemma3", "phi3"):
+        hf = (phi3.hf_weights if arch == "phi3" else gemma.hf_weights)(model)
+    else:  # Mixtral's mixture under Qwen-MoE's names, which hf_names maps
+        hf = llama_moe.rename_weights(llama.hf_weights(model), llama_moe.MIXTRAL_NAMES)
     back = {theirs: ours for ours, theirs in hf_names_for(arch, cfg.n_layer).items()}
     tensors = {}
+    state = model.state_dict()
+    for i in range(cfg.n_layer if cfg.n_expert else 0):  # the experts as the model stacks them
+        for stack, projection in EXPERT_STACKS.items():
+            tensors[f"blk.{i}.{stack}.weight"] = state[
+                f"blocks.{i}.ff.experts.{projection.removesuffix('_proj')}"].detach().float()
     for name, value in hf.items():
+        if ".mlp.experts." in name:
+            continue
         ours = back[name]
         value = value.detach().cpu()
         if value.dtype != torch.uint8:  # uint8: blocks, written as they are
@@ -162,6 +193,8 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
         if arch == "llama" and (".attn_q." in ours or ".attn_k." in ours):
             value = permute(value, cfg.n_head if ".attn_q." in ours else
                             cfg.n_kv_head or cfg.n_head)
+        if ".ffn_gate_inp_shexp." in ours:  # llama.cpp's is a vector
+            value = value.reshape(-1)
         tensors[ours] = value.contiguous()
     if cfg.rope_scaling == "llama3":
         tensors["rope_freqs.weight"] = torch.from_numpy(llama3_factors(
@@ -198,12 +231,18 @@ def _stored(name: str, value: Tensor, kind: str) -> tuple[np.ndarray, Any]:
     array = value.numpy()
     if value.dtype == torch.uint8:  # already blocks of `kind`
         return array, gguf.GGMLQuantizationType[kind.upper()]
-    if value.dim() != 2 or kind == "f32" or name == "rope_freqs.weight":
+    # Matrices and stacks of them (a mixture's experts, quantized one row at a time too);
+    # a router's scores stay f32, as llama.cpp's quantizer keeps them: rounded, they can
+    # change which experts a token goes to.
+    if (value.dim() not in (2, 3) or kind == "f32" or name == "rope_freqs.weight"
+            or ".ffn_gate_inp" in name):
         return array.astype(np.float32), None
-    fmt = None if kind == "f16" else blocks.fitting(kind, value.shape[1])
+    fmt = None if kind == "f16" else blocks.fitting(kind, value.shape[-1])
     if fmt is None:
         return array.astype(np.float16), None
-    return blocks.quantize(value, fmt).numpy(), gguf.GGMLQuantizationType[fmt.upper()]
+    rows = blocks.quantize(value.reshape(-1, value.shape[-1]), fmt)  # a stack: row by row
+    return (rows.reshape(*value.shape[:-1], -1).numpy(),
+            gguf.GGMLQuantizationType[fmt.upper()])
 
 
 def export_gguf(checkpoint: Path, dest: Path, type: str = "f32") -> Path:
@@ -219,6 +258,7 @@ def export_gguf(checkpoint: Path, dest: Path, type: str = "f32") -> Path:
         raise TformerError(f"{dest} exists; choose another file name")
     loaded = load_checkpoint(checkpoint, family="gpt")  # blocks as the checkpoint holds them
     blocks.dequantize_model(loaded.model, keep=type)
+    stack_experts(loaded.model)  # written as stacks, quantized again as `type` says
     cfg = loaded.model.cfg
     arch = _layout(cfg)
     vocab = gguf_vocab(loaded.tokenizer)

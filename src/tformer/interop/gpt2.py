@@ -211,7 +211,7 @@ def gpt2_config(cfg: GPTConfig) -> dict[str, Any]:
         "output_bias": False, "scale_embeddings": False, "embed_norm": False,
         "norm_kind": "layernorm", "norm_eps": 1e-5, "feedforward": "plain", "rotary": False,
         "qk_norm": False, "window": None, "sandwich_norm": False, "attn_scale": None,
-        "attn_softcap": None, "logit_softcap": None,
+        "attn_softcap": None, "logit_softcap": None, "n_expert": 0, "attn_sinks": False,
     }
     for key, value in wanted.items():
         if getattr(cfg, key) != value:

@@ -1,5 +1,6 @@
 """Hugging Face's Llama-layout decoders in: LlamaForCausalLM (SmolLM2 and Llama 3.x are
-`llama`), Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM.
+`llama`), Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM, and the mixtures of
+experts Qwen2MoeForCausalLM and Qwen3MoeForCausalLM.
 
 They share one layout, and every piece of it is a GPTConfig field: pre-norm RMSNorm, no
 absolute positions, rotary embeddings in the rotate-half layout, SwiGLU feed-forward,
@@ -7,6 +8,8 @@ grouped-query attention, no biases. They differ in a few fields: Qwen2 has biase
 q/k/v projections (not on the output one), Qwen3 a per-head RMSNorm on queries and keys and
 a head size of its own, Mistral a sliding window, Llama 3 its rope scaling. The separate
 q/k/v projections become our fused one, stacked in [q | k | v] order.
+Qwen2-MoE, Qwen3-MoE and Mixtral are Qwen2, Qwen3 and Mistral whose feed-forward is a
+mixture of experts: interop.llama_moe maps that part.
 """
 
 from __future__ import annotations
@@ -35,15 +38,27 @@ from tformer.interop import (
     with_bos_template,
     write_chat_template,
 )
+from tformer.interop.llama_moe import (
+    MIXTRAL_NAMES,
+    MIXTURES,
+    Stacked,
+    as_saved,
+    feedforward_names,
+    mixture_config,
+    mixture_fields,
+    mixture_type,
+    rename_weights,
+)
+from tformer.layers.experts import stack_experts
 from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 
 
-def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
+def rope_fields(hf: dict[str, Any], source: Path) -> dict[str, Any]:
     """The rotary fields, from transformers 4.x's rope_theta + rope_scaling or 5.x's
     rope_parameters."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -59,9 +74,27 @@ def _rope(hf: dict[str, Any], source: Path) -> dict[str, Any]:
         fields.update(rope_low_freq_factor=float(params["low_freq_factor"]),
                       rope_high_freq_factor=float(params["high_freq_factor"]),
                       rope_original_context=int(params["original_max_position_embeddings"]))
+    if kind == "yarn":
+        fields |= _yarn(params, source)
     fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     fields["rope_fraction"] = float(fraction)
     return fields
+
+
+def _yarn(params: dict[str, Any], source: Path) -> dict[str, Any]:
+    """YaRN's fields; DeepSeek's mscale form of its attention factor is refused."""
+    if params.get("attention_factor") is None and (params.get("mscale")
+                                                   or params.get("mscale_all_dim")):
+        raise TformerError(f"{source}: yarn's mscale / mscale_all_dim cannot be expressed")
+    if not params.get("original_max_position_embeddings"):
+        raise TformerError(f"{source}: yarn rope scaling without "
+                           f"original_max_position_embeddings cannot be expressed")
+    factor = params.get("attention_factor")
+    return {"rope_original_context": int(params["original_max_position_embeddings"]),
+            "rope_beta_fast": float(params.get("beta_fast") or 32.0),
+            "rope_beta_slow": float(params.get("beta_slow") or 1.0),
+            "rope_truncate": bool(params.get("truncate", True)),
+            "rope_attention_factor": None if factor is None else float(factor)}
 
 
 def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
@@ -70,8 +103,10 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
     if model_type not in MODEL_TYPES:
         raise TformerError(f"{source}: model_type {model_type!r} is not one of "
                            f"{', '.join(MODEL_TYPES)}")
-    refused = [key for key in ("num_local_experts", "num_experts", "attn_logit_softcapping",
-                               "final_logit_softcapping") if hf.get(key)]
+    refused = [key for key in ("attn_logit_softcapping", "final_logit_softcapping")
+               if hf.get(key)]
+    if model_type not in MIXTURES:
+        refused += [key for key in ("num_local_experts", "num_experts") if hf.get(key)]
     if hf.get("mlp_bias"):
         refused.append("mlp_bias")
     if hf.get("hidden_act", "silu") != "silu":
@@ -87,29 +122,33 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
     d_model, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or d_model // n_head
     window = None
-    if model_type == "mistral" or hf.get("use_sliding_window"):
+    if model_type in ("mistral", "mixtral") or hf.get("use_sliding_window"):
         window = hf.get("sliding_window")
-    if window is not None and model_type == "qwen2" and (
+    if window is not None and model_type in ("qwen2", "qwen2_moe") and (
             hf.get("max_window_layers", hf["num_hidden_layers"]) < hf["num_hidden_layers"]):
         raise TformerError(f"{source}: a sliding window on some layers only cannot be expressed")
     attention_bias = bool(hf.get("attention_bias", False))
+    experts = mixture_fields(hf, source) if model_type in MIXTURES else {}
     return GPTConfig(
         vocab_size=int(hf["vocab_size"]), context=int(hf["max_position_embeddings"]),
         n_layer=int(hf["num_hidden_layers"]), n_head=n_head, d_model=d_model,
-        d_ff=int(hf["intermediate_size"]),
+        **({"d_ff": int(hf["intermediate_size"])} | experts),
         d_head=None if head_dim * n_head == d_model else head_dim,
         n_kv_head=int(hf.get("num_key_value_heads") or n_head), dropout=0.0,
         activation="silu", position="none", norm="pre", norm_kind="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), feedforward="gated",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=False,
-        attn_bias=attention_bias, qkv_bias=True if model_type == "qwen2" else None,
-        qk_norm=model_type == "qwen3", window=window, rotary=True, rope_layout="halves",
-        **_rope(hf, source),
+        attn_bias=attention_bias,
+        qkv_bias=True if model_type in ("qwen2", "qwen2_moe") else None,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), window=window, rotary=True,
+        rope_layout="halves",
+        **rope_fields(hf, source),
     )
 
 
 def _names(cfg: GPTConfig) -> dict[str, str | tuple[str, ...]]:
-    """Ours -> theirs (several of theirs stacked into one of ours: the q/k/v projections)."""
+    """Ours -> theirs (several of theirs concatenated into one of ours: the q/k/v
+    projections; or stacked, a Stacked: the experts)."""
     names: dict[str, str | tuple[str, ...]] = {
         "embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
     }
@@ -123,10 +162,8 @@ def _names(cfg: GPTConfig) -> dict[str, str | tuple[str, ...]]:
             ours + "ff_residual.norm.weight": theirs + "post_attention_layernorm.weight",
             ours + "attn.qkv_proj.weight": tuple(attn + f"{p}_proj.weight" for p in "qkv"),
             ours + "attn.out_proj.weight": attn + "o_proj.weight",
-            ours + "ff.gate.weight": theirs + "mlp.gate_proj.weight",
-            ours + "ff.up.weight": theirs + "mlp.up_proj.weight",
-            ours + "ff.down.weight": theirs + "mlp.down_proj.weight",
         }
+        names |= feedforward_names(cfg, ours + "ff.", theirs + "mlp.")
         if cfg.qkv_bias or cfg.attn_bias:
             names[ours + "attn.qkv_proj.bias"] = tuple(attn + f"{p}_proj.bias" for p in "qkv")
         if cfg.attn_bias:
@@ -142,13 +179,14 @@ def llama_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path |
     saved, or its state_dict()). `source` names it in errors."""
     source = Path(source)
     cfg = llama_config(hf, source)
-    return build_gpt(cfg, _names(cfg), weights, source)
+    return build_gpt(cfg, _names(cfg), as_saved(weights, hf["model_type"]), source)
 
 
 def build_gpt(cfg: GPTConfig, names: dict[str, str | tuple[str, ...]],
               weights: dict[str, Tensor], source: Path) -> GPT:
     """A GPT of `cfg` holding `weights` (Hugging Face's names), placed by `names` (ours ->
-    theirs, several of theirs stacked into one of ours); a tensor left over is an error."""
+    theirs, several of theirs concatenated into one of ours, or stacked where a Stacked
+    names them: the experts); a tensor left over is an error."""
     weights = dict(weights)
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight", None)  # state_dict() lists the tied copy too
@@ -157,7 +195,8 @@ def build_gpt(cfg: GPTConfig, names: dict[str, str | tuple[str, ...]],
     state = {}
     for ours, theirs in names.items():
         parts = (theirs,) if isinstance(theirs, str) else theirs
-        state[ours] = torch.cat([take(weights, p, source).float() for p in parts])
+        join = torch.stack if isinstance(theirs, Stacked) else torch.cat
+        state[ours] = join([take(weights, p, source).float() for p in parts])
     if weights:
         raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
                            f"{', '.join(sorted(weights)[:5])}")
@@ -228,7 +267,9 @@ def import_hf_gpt(src: Path, dest: Path, build: Any) -> Path:
 # --- export -------------------------------------------------------------------------------
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
 
 
 def model_type_of(cfg: GPTConfig) -> str:
@@ -239,7 +280,7 @@ def model_type_of(cfg: GPTConfig) -> str:
               "output_bias": False, "scale_embeddings": False, "embed_norm": False,
               "rope_layout": "halves", "rope_fraction": 1.0, "d_value": None,
               "sandwich_norm": False, "attn_scale": None, "attn_softcap": None,
-              "logit_softcap": None}
+              "logit_softcap": None, "attn_sinks": False}
     differ = [f"model.{key} = {getattr(cfg, key)!r} (Llama: {value!r})"
               for key, value in wanted.items() if getattr(cfg, key) != value]
     if cfg.qk_norm:
@@ -260,14 +301,17 @@ def model_type_of(cfg: GPTConfig) -> str:
                       f"has no window here)")
     if model_type == "qwen3" and cfg.qkv_bias:
         differ.append("model.qkv_bias = true (Qwen3: none)")
+    if cfg.n_expert:
+        model_type, mixture_differ = mixture_type(cfg, model_type)
+        differ += mixture_differ
     if differ:
         raise TformerError("no Llama-layout family expresses this model: " + "; ".join(differ))
     return model_type
 
 
 def exported_family(cfg: RunConfig) -> str:
-    """The Hugging Face family (llama, qwen2, qwen3, mistral) whose layout the run's model is
-    exactly, else a TformerError saying why none is."""
+    """The Hugging Face family (llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe, mixtral)
+    whose layout the run's model is exactly, else a TformerError saying why none is."""
     if cfg.family != "gpt":
         raise TformerError(f"the Llama families are gpt models; this is a {cfg.family} model")
     return model_type_of(cfg.model)
@@ -285,6 +329,12 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         rope |= {"low_freq_factor": cfg.rope_low_freq_factor,
                  "high_freq_factor": cfg.rope_high_freq_factor,
                  "original_max_position_embeddings": cfg.rope_original_context}
+    if cfg.rope_scaling == "yarn":
+        rope |= {"original_max_position_embeddings": cfg.rope_original_context,
+                 "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                 "truncate": cfg.rope_truncate}
+        if cfg.rope_attention_factor is not None:
+            rope["attention_factor"] = cfg.rope_attention_factor
     hf = {
         "model_type": model_type, "architectures": [ARCHITECTURES[model_type]],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -298,21 +348,29 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     }
     if cfg.rope_scaling != "none":
         hf["rope_scaling"] = rope
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         hf["sliding_window"] = cfg.window
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen2_moe"):
         hf |= {"use_sliding_window": False, "sliding_window": None}
+    if cfg.n_expert:
+        hf |= mixture_config(cfg, model_type)
     return hf
 
 
 def hf_weights(model: GPT) -> dict[str, Tensor]:
-    """The model's tensors under their Hugging Face names, the fused q/k/v split apart."""
-    return hf_tensors(model, _names(model.cfg))
+    """The model's tensors under their Hugging Face names, the fused q/k/v split apart and
+    the stacked experts unbound."""
+    cfg = model.cfg
+    tensors = hf_tensors(model, _names(cfg))
+    if cfg.n_expert and model_type_of(cfg) == "mixtral":
+        tensors = rename_weights(tensors, {ours: theirs for theirs, ours in MIXTRAL_NAMES.items()})
+    return tensors
 
 
 def hf_tensors(model: GPT, names: dict[str, str | tuple[str, ...]]) -> dict[str, Tensor]:
     """The model's tensors under the names `names` gives (ours -> theirs), a tensor of
-    ours that stacks several of theirs (the q/k/v projections) split apart."""
+    ours that joins several of theirs split apart (the q/k/v projections) or unbound (a
+    Stacked: the experts)."""
     state = model.state_dict()
     attn = model.blocks[0].attn
     q, k, v = attn.widths
@@ -321,6 +379,9 @@ def hf_tensors(model: GPT, names: dict[str, str | tuple[str, ...]]) -> dict[str,
         tensor = state[ours]
         if isinstance(theirs, str):
             tensors[theirs] = tensor.contiguous().clone()
+        elif isinstance(theirs, Stacked):
+            for name, part in zip(theirs, tensor.unbind(0), strict=True):
+                tensors[name] = part.contiguous().clone()
         else:
             for name, part in zip(theirs, tensor.split([q, k, v]), strict=True):
                 tensors[name] = part.contiguous().clone()
@@ -333,6 +394,7 @@ def export_llama(checkpoint: Path, dest: Path) -> Path:
     from tformer.loading import load_checkpoint
 
     loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
+    stack_experts(loaded.model)  # a file's expert blocks were held one layer an expert
     return write_hf_gpt(loaded, hf_config(loaded.model.cfg), hf_weights(loaded.model), dest)
 
 

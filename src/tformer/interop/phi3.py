@@ -77,7 +77,8 @@ def check_layout(cfg: GPTConfig) -> None:
               "final_norm": True, "output_bias": False,
               "scale_embeddings": False, "embed_norm": False, "rope_layout": "halves",
               "d_value": None, "sandwich_norm": False, "attn_scale": None,
-              "attn_softcap": None, "logit_softcap": None, "global_every": 0}
+              "attn_softcap": None, "logit_softcap": None, "global_every": 0,
+              "n_expert": 0, "attn_sinks": False}
     differ = [f"model.{key} = {getattr(cfg, key)!r} (Phi-3: {value!r})"
               for key, value in wanted.items() if getattr(cfg, key) != value]
     if cfg.attention_bias or cfg.qkv_bias:

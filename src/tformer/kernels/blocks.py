@@ -406,6 +406,8 @@ def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
     modules = dict(model.named_modules())
     for param, fmt in formats.items():
         path = param.removesuffix(".weight")
+        if path not in modules and _split_owner(model, path):
+            modules = dict(model.named_modules())
         linear = modules.get(path)
         if not param.endswith(".weight") or not isinstance(linear, nn.Linear):
             raise TformerError(f"{param} is held as {fmt} blocks, but the model has no linear "
@@ -426,6 +428,26 @@ def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
         empty = torch.empty(n, k // layout.values * layout.size, dtype=torch.uint8)
         setattr(modules[parent] if parent else model, attr,
                 BlockLinear(empty, fmt, k, linear.bias))
+
+
+def _split_owner(model: nn.Module, path: str) -> bool:
+    """Where `path` lies inside a module that holds linear layers stacked (a mixture's
+    experts: `experts.gate.3` inside `experts`), replace that module by its `as_linears()`
+    in place, so that the layer exists to hold blocks; whether one was found."""
+    parts = path.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        owner_path = ".".join(parts[:n])
+        try:
+            owner = model.get_submodule(owner_path)
+        except AttributeError:
+            continue
+        if callable(getattr(owner, "as_linears", None)):  # new tensors, for the weights
+            parent, _, attr = owner_path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr,
+                    owner.as_linears(share=False))
+            return True
+        return False
+    return False
 
 
 def dequantize_model(model: nn.Module, keep: str | None = None) -> None:

@@ -115,9 +115,11 @@ class Mix:
         return self.base
 
 
-FINER_ROLES = ("attn.qkv_proj", "attn.v_proj", "ff.down", "attn_v.", "ffn_down.")
+FINER_ROLES = ("attn.qkv_proj", "attn.v_proj", "ff.down", "ff.experts.down.", "attn_v.",
+               "ffn_down.", "ffn_down_exps.")
 """The layers a Mix gives more bits in the layers more_bits picks, llama.cpp's attn_v and
-ffn_down: by tformer's module names, and by a GGUF file's tensor names (export)."""
+ffn_down (a mixture's experts' down projections among them, as llama.cpp counts them): by
+tformer's module names, and by a GGUF file's tensor names (export)."""
 
 
 def more_bits(i: int, n_layer: int) -> bool:
@@ -179,8 +181,11 @@ def quantize_model(model: nn.Module, weights: str | None) -> nn.Module:
         raise TformerError(f"--weights {fmt.name} runs on the CPU; pass --device cpu")
     skip = set(getattr(model, "int8_skip", ()))
     keep = PackedLinear if prepack_available() else (lambda linear: linear)
+    # Stacked experts split into one linear layer a projection and an expert: each expert's
+    # weight gets blocks (or int8 rows) of its own, and decoding still reads only the chosen.
     copy = swap_linears(
-        model, lambda name, linear: keep(linear) if name in skip else fmt.quantize(linear))
+        model, lambda name, linear: keep(linear) if name in skip else fmt.quantize(linear),
+        split=True)
     if fmt.output is not None:
         for attr in OUTPUT_LAYERS:
             layer = getattr(model, attr, None)

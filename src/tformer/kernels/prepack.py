@@ -106,14 +106,23 @@ def prepack(model: nn.Module) -> nn.Module:
     return swap_linears(model, lambda name, linear: PackedLinear(linear))
 
 
-def swap_linears(model: nn.Module, swap: Callable[[str, nn.Linear], nn.Module]) -> nn.Module:
+def swap_linears(model: nn.Module, swap: Callable[[str, nn.Linear], nn.Module], *,
+                 split: bool = False) -> nn.Module:
     """A copy of `model` in eval mode in which every nn.Linear `child`, an attribute `name`
     of its parent, becomes `swap(name, child)` and every dropout layer is gone. The copy
-    shares every parameter and buffer with `model`: only the module objects are new."""
+    shares every parameter and buffer with `model`: only the module objects are new.
+
+    `split`: a module that holds several linear layers' weights stacked (a mixture's
+    experts, [E, out, in]) and offers them as nn.Linears over views of them (its
+    `as_linears()`) is first replaced by those, so that each is swapped on its own."""
     # Copy the module tree but not its tensors: the memo maps every parameter and buffer
     # to itself.
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
     swapped = copy.deepcopy(model, memo)
+    for parent in list(swapped.modules()) if split else ():
+        for name, child in list(parent.named_children()):
+            if callable(getattr(child, "as_linears", None)):
+                setattr(parent, name, child.as_linears())
     for parent in list(swapped.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:

@@ -248,7 +248,8 @@ class LMStep:
     def _layer(block: nn.Module) -> _BoundLayer | None:
         attn, ff = block.attn, block.ff
         gated = getattr(ff, "gated", None)  # layers.feedforward's two kinds
-        if attn.cross or gated is None:
+        # step.c's attention has no sink logits; a mixture's feed-forward has no `gated`.
+        if attn.cross or gated is None or getattr(attn, "sinks", None) is not None:
             return None
         absent = BoundLinear(Linear(), 1 << 30, ())
         linears = [_linear(m, LM_F32_ROWS) if m is not None else absent

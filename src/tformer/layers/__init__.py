@@ -3,6 +3,14 @@
 from tformer.kernels.dropout import Dropout, dropout
 from tformer.layers.attention import MultiHeadAttention
 from tformer.layers.cache import DecoderCache, KVCache, Lineage, StaticKV
+from tformer.layers.experts import (
+    EXPERT_GLUS,
+    ROUTER_SOFTMAX,
+    Experts,
+    MixtureOfExperts,
+    Router,
+    make_glu,
+)
 from tformer.layers.feedforward import (
     ACTIVATIONS,
     FEEDFORWARDS,
@@ -31,6 +39,8 @@ from tformer.layers.rotary import ROTARY_LAYOUTS, ROTARY_SCALINGS, Rotary, Rotar
 __all__ = [
     "ACTIVATIONS",
     "DecoderCache",
+    "EXPERT_GLUS",
+    "Experts",
     "Dropout",
     "FEEDFORWARDS",
     "FeedForward",
@@ -38,13 +48,16 @@ __all__ = [
     "KVCache",
     "LearnedPositions",
     "Lineage",
+    "MixtureOfExperts",
     "MultiHeadAttention",
     "NORMS",
     "POSITIONS",
     "RMSNorm",
     "ROTARY_LAYOUTS",
     "ROTARY_SCALINGS",
+    "ROUTER_SOFTMAX",
     "Residual",
+    "Router",
     "Rotary",
     "RotaryScaling",
     "SINUSOID_LAYOUTS",
@@ -55,6 +68,7 @@ __all__ = [
     "dropout",
     "lm_mask",
     "make_feedforward",
+    "make_glu",
     "make_norm",
     "padding_mask",
     "sinusoids",

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
 from torch import Tensor, nn
 
 from tformer.layers.masks import attention_bias, causal_mask, lm_mask, padding_mask
@@ -56,6 +57,8 @@ class MultiHeadAttention(nn.Module):
     rotary: rotary position embeddings applied to queries and keys (Su et al. 2021).
     scale: the factor on q . k (None: 1 / sqrt(d_head)); softcap: scores bounded by
         softcap * tanh(s / softcap) before the softmax (Gemma 2), or None.
+    sinks: a learned logit per head in each softmax's denominator (gpt-oss's attention sinks,
+        after Xiao et al. 2023): a head may give its weight to no key.
 
     `recorded`: None normally. Set to a list (tformer.viz.attention.recording_attention
     does), every forward pass appends its (B, H, T, S) attention probabilities to it.
@@ -77,6 +80,7 @@ class MultiHeadAttention(nn.Module):
         rotary: Rotary | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.scale, self.softcap = scale, softcap
@@ -101,6 +105,8 @@ class MultiHeadAttention(nn.Module):
         self.q_norm = qk_norm(self.d_head) if qk_norm is not None else None
         self.k_norm = qk_norm(self.d_head) if qk_norm is not None else None
         self.rotary = rotary
+        # A learned logit per head in every softmax's denominator (gpt-oss).
+        self.sinks = nn.Parameter(torch.zeros(n_head)) if sinks else None
         self.recorded: list[Tensor] | None = None
 
     def forward(
@@ -177,7 +183,7 @@ class MultiHeadAttention(nn.Module):
         """Whether attention is exactly softmax(q k^T / sqrt(d_head) + mask) v, with nothing
         dropped or recorded: what a kernel computing the same may stand in for."""
         return (not self.training and self.recorded is None and self.scale is None
-                and self.softcap is None)
+                and self.softcap is None and self.sinks is None)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool = False
@@ -186,7 +192,7 @@ class MultiHeadAttention(nn.Module):
         return scaled_dot_product(
             q, k, v, mask, is_causal and mask is None,
             dropout_p=self.dropout if self.training else 0.0, recorded=self.recorded,
-            scale=self.scale, softcap=self.softcap,
+            scale=self.scale, softcap=self.softcap, sinks=self.sinks,
         )
 
     def attend_shared(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:

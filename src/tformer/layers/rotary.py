@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 ROTARY_LAYOUTS = ("halves", "interleaved")
-ROTARY_SCALINGS = ("none", "linear", "llama3")
+ROTARY_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,11 @@ class RotaryScaling:
     llama3: low frequencies (wavelengths above original_context / low_freq_factor) divided
     by `factor`, high ones (below original_context / high_freq_factor) kept, and those in
     between interpolated smoothly (Meta's Llama 3.1 code).
+    yarn (Peng et al. 2023, "YaRN", sec. 3.2-3.4): pairs that turn fewer than beta_slow
+    times over original_context divided by `factor`, those that turn more than beta_fast
+    times kept, a linear ramp over the pairs between (its ends rounded outwards where
+    `truncate`); and the angles' cos and sin scaled by attention_factor (None: 0.1 ln(factor)
+    + 1), which sharpens the softmax as the longer context flattens it.
     """
 
     kind: str = "none"
@@ -38,6 +43,19 @@ class RotaryScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_context: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """What the cosines and sines are multiplied by (YaRN's attention factor), else 1."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 def inverse_frequencies(rotated: int, theta: float, scaling: RotaryScaling) -> Tensor:
@@ -55,9 +73,31 @@ def inverse_frequencies(rotated: int, theta: float, scaling: RotaryScaling) -> T
         scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
         middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(middle, between, scaled)
+    if scaling.kind == "yarn":
+        return _yarn(inv_freq, rotated, theta, scaling)
     if scaling.kind != "none":
         raise ValueError(f"rotary scaling must be one of {ROTARY_SCALINGS}, not {scaling.kind!r}")
     return inv_freq
+
+
+def _yarn(inv_freq: Tensor, rotated: int, theta: float, scaling: RotaryScaling) -> Tensor:
+    """YaRN's frequencies: pair i turns original_context * inv_freq[i] / 2 pi times over the
+    original context; the pair at which that count is r turns is (rotated / 2) * ln(C / (2 pi
+    r)) / ln(theta), fractional, which the ramp runs between for r = beta_fast .. beta_slow."""
+
+    def pair_turning(turns: float) -> float:
+        return (rotated * math.log(scaling.original_context / (turns * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotated - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step
+    ramp = ((torch.arange(rotated // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    # ramp 0: the pair turns often enough to keep its frequency; 1: divided by the factor.
+    return inv_freq * (1 - ramp) + inv_freq / scaling.factor * ramp
 
 
 class Rotary(nn.Module):
@@ -78,6 +118,7 @@ class Rotary(nn.Module):
         # bfloat16 position is exact only up to 256). The angles are formed in float32, as
         # the reference implementations form them, whatever the model's dtype.
         self._frequencies = inverse_frequencies(self.rotated, theta, scaling).float()
+        self._cos_sin_factor = scaling.cos_sin_factor
         self._last: tuple[Tensor, torch.dtype, Tensor, Tensor] | None = None
         """The positions of the latest call and their cos and sin: every layer's queries and
         keys of one forward pass are rotated by the same positions."""
@@ -93,7 +134,10 @@ class Rotary(nn.Module):
         angles = positions.float()[..., None] * self._frequencies
         if angles.dim() == 3:  # (B, T, r/2): one row of positions a sequence
             angles = angles[:, None]
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self._cos_sin_factor != 1.0:
+            cos, sin = cos * self._cos_sin_factor, sin * self._cos_sin_factor
+        cos, sin = cos.to(dtype), sin.to(dtype)
         self._last = (positions, dtype, cos, sin)
         return cos, sin
 

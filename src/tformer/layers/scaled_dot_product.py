@@ -40,7 +40,7 @@ SDPA's flash path, which forms no (T, S) matrix at all."""
 def scaled_dot_product(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, *,
     dropout_p: float, recorded: list[Tensor] | None, scale: float | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
     """q (B, H, T, d), k (B, H_kv, S, d), v (B, H_kv, S, d_value) -> (B, H, T, d_value).
 
@@ -49,7 +49,12 @@ def scaled_dot_product(
     dropout_p: dropout on the probabilities (0 outside training).
     recorded: a list to append the (B, H, T, S) probabilities to, or None.
     scale: the factor on q . k (None: 1 / sqrt(d)); softcap: the scores' bound, or None.
+    sinks: (H,) a logit per head that joins every query's softmax with no value behind it
+        (attention sinks: gpt-oss), so a head may attend to nothing; None: none.
     """
+    if sinks is not None:
+        return _with_sinks(q, k, v, mask, is_causal, sinks, dropout_p, recorded, scale,
+                           softcap)
     written = recorded is not None or runs_natively(q, dropout_p) or softcap is not None
     T = q.shape[2]
     # Capped scores are written out, (B, H, T, S) of them at once: a long prompt's are taken
@@ -83,6 +88,33 @@ def scaled_dot_product(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
     )
+
+
+def _with_sinks(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, sinks: Tensor,
+    dropout_p: float, recorded: list[Tensor] | None, scale: float | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Attention with a sink logit per head: one more key, of zeros (so q . k = 0) with a
+    value of zeros, whose score the bias sets to the head's sink. The softmax's denominator
+    gains exp(sink) and the output nothing else, which is the sink's definition. A scale or
+    soft cap leaves the zero score zero, so the sink's logit is uncapped and unscaled."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    if mask is None:
+        mask = causal_mask(T, S, q.device) if is_causal else torch.ones(
+            T, S, dtype=torch.bool, device=q.device)
+    bias = attention_bias(mask, q.dtype) if mask.dtype == torch.bool else mask.to(q.dtype)
+    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    bias = bias.expand(bias.shape[0], H, T, S)
+    sink = sinks.to(q.dtype).view(1, H, 1, 1).expand(bias.shape[0], H, T, 1)
+    k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
+    kept: list[Tensor] | None = [] if recorded is not None else None
+    out = scaled_dot_product(q, k, v, torch.cat([bias, sink], dim=-1), False,
+                             dropout_p=dropout_p, recorded=kept, scale=scale, softcap=softcap)
+    if recorded is not None:
+        recorded.append(kept[0][..., :S])  # the keys' probabilities, not the sink's
+    return out
 
 
 def _grouped(

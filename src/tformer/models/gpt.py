@@ -18,31 +18,45 @@ from tformer.checks import check_choice, check_range
 from tformer.errors import TformerError
 from tformer.evaluation.loss import Targets
 from tformer.layers import (
+    EXPERT_GLUS,
     POSITIONS,
     ROTARY_LAYOUTS,
     ROTARY_SCALINGS,
+    ROUTER_SOFTMAX,
     DecoderCache,
     Dropout,
+    Experts,
+    GatedFeedForward,
     KVCache,
+    MixtureOfExperts,
     MultiHeadAttention,
     Residual,
     Rotary,
     RotaryScaling,
+    Router,
     lm_mask,
     make_feedforward,
+    make_glu,
     make_norm,
     window_mask,
 )
 from tformer.models.base import Model, StackConfig
 
-ROPE_SCALED = frozenset({"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                         "rope_original_context"})
-"""The fields of rotary scalings: linear reads the factor alone, llama3 all four."""
+ROPE_LLAMA3 = frozenset({"rope_low_freq_factor", "rope_high_freq_factor"})
+ROPE_YARN = frozenset({"rope_beta_fast", "rope_beta_slow", "rope_truncate",
+                       "rope_attention_factor"})
+ROPE_SCALED = frozenset({"rope_factor", "rope_original_context", *ROPE_LLAMA3, *ROPE_YARN})
+"""The fields of rotary scalings: linear reads the factor alone, llama3 and yarn the factor,
+the original context and their own."""
+EXPERT_FIELDS = ("n_expert_active", "router_softmax", "router_renormalise", "d_shared_expert",
+                 "expert_glu", "glu_limit", "glu_alpha", "expert_bias", "router_bias",
+                 "router_balance")
+"""The fields a mixture of experts reads, moot without experts."""
 
 
 @dataclass(frozen=True)
 class GPTConfig(StackConfig):
-    weight_free: ClassVar[frozenset[str]] = frozenset({"dropout"})
+    weight_free: ClassVar[frozenset[str]] = frozenset({"dropout", "router_balance"})
     """Fields a run that starts from a checkpoint's weights may change (train.init_from)."""
 
     context: int = 64
@@ -55,6 +69,8 @@ class GPTConfig(StackConfig):
     """Biases on the q/k/v projections alone (Qwen2); none means attn_bias."""
     qk_norm: bool = False
     """A norm (of norm_kind) over each query and key head before rotary (Qwen3)."""
+    attn_sinks: bool = False
+    """A learned logit per head in every attention softmax's denominator (gpt-oss)."""
     window: int | None = None
     """Sliding-window attention: each token sees itself and the window - 1 before it."""
     rotary: bool = False
@@ -84,6 +100,35 @@ class GPTConfig(StackConfig):
     """Attention scores bounded by cap * tanh(s / cap) before the mask (Gemma 2)."""
     logit_softcap: float | None = None
     """Logits bounded by cap * tanh(z / cap) (Gemma 2's final soft-capping)."""
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None
+    """yarn's (see layers.rotary.RotaryScaling); none: 0.1 ln(rope_factor) + 1."""
+    n_expert: int = 0
+    """Experts in each feed-forward layer, each a gated feed-forward of d_ff (a mixture of
+    experts, layers.experts); 0: one dense feed-forward of `feedforward`'s kind."""
+    n_expert_active: int = 2
+    """The experts each token goes through (the router's top k)."""
+    router_softmax: str = "before"
+    """before top-k, over every expert (Qwen), or after, over the k chosen (Mixtral)."""
+    router_renormalise: bool = False
+    """Scale the chosen experts' weights to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+    d_shared_expert: int = 0
+    """The width of an expert every token goes through, under a sigmoid gate (Qwen2-MoE);
+    0: none."""
+    expert_glu: str = "gated"
+    """An expert's gate: gated, activation(gate) * up; clamped, gpt-oss's
+    gate * sigmoid(glu_alpha * gate) * (up + 1) with both clamped by glu_limit."""
+    glu_limit: float = 7.0
+    glu_alpha: float = 1.702
+    expert_bias: bool = False
+    """Biases on the experts' projections (gpt-oss)."""
+    router_bias: bool = False
+    """A bias on the router's scores (gpt-oss)."""
+    router_balance: float = 0.0
+    """In training, the weight of Switch Transformer's load-balancing loss, added to what
+    the backward pass minimises (Qwen-MoE's router_aux_loss_coef, 0.001); 0: none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,6 +152,24 @@ class GPTConfig(StackConfig):
                 check_range(f"model.{key}", getattr(self, key), low=1e-9)
         if self.sandwich_norm and self.norm != "pre":
             raise TformerError("model.sandwich_norm = true needs model.norm = 'pre'")
+        if self.rope_attention_factor is not None:
+            check_range("model.rope_attention_factor", self.rope_attention_factor, low=0.0)
+        if self.rope_beta_fast <= self.rope_beta_slow or self.rope_beta_slow <= 0:
+            raise TformerError(f"model.rope_beta_fast = {self.rope_beta_fast} must exceed "
+                               f"model.rope_beta_slow = {self.rope_beta_slow} > 0")
+        check_range("model.n_expert", self.n_expert, low=0)
+        if self.n_expert:
+            check_range("model.n_expert_active", self.n_expert_active, low=1,
+                        high=self.n_expert)
+            check_choice("model.router_softmax", self.router_softmax, ROUTER_SOFTMAX)
+            check_range("model.d_shared_expert", self.d_shared_expert, low=0)
+            check_choice("model.expert_glu", self.expert_glu, EXPERT_GLUS)
+            check_range("model.glu_limit", self.glu_limit, low=0.0)
+            check_range("model.router_balance", self.router_balance, low=0.0)
+            if self.feedforward != "gated":
+                raise TformerError(f"model.n_expert = {self.n_expert} needs model.feedforward "
+                                   f"= 'gated' (experts are gated feed-forwards), not "
+                                   f"{self.feedforward!r}")
         if self.rotary and 2 * int(self.head_size * self.rope_fraction // 2) < 2:
             raise TformerError(f"model.rope_fraction = {self.rope_fraction} rotates nothing "
                                f"of a head of {self.head_size}")
@@ -117,7 +180,12 @@ class GPTConfig(StackConfig):
             unused.add("sinusoid_layout")
         if self.norm != "pre":
             unused.add("final_norm")
-        scaled = {"none": ROPE_SCALED, "linear": ROPE_SCALED - {"rope_factor"}}
+        scaled = {"none": ROPE_SCALED, "linear": ROPE_SCALED - {"rope_factor"},
+                  "llama3": ROPE_YARN, "yarn": ROPE_LLAMA3}
+        if not self.n_expert:
+            unused |= set(EXPERT_FIELDS)
+        elif self.expert_glu != "clamped":
+            unused |= {"glu_limit", "glu_alpha"}
         unused |= ({"rope_theta", "rope_fraction", "rope_layout", "rope_scaling", *ROPE_SCALED}
                    if not self.rotary else scaled.get(self.rope_scaling, set()))
         if self.window is None:
@@ -136,6 +204,26 @@ class GPTConfig(StackConfig):
         """The window behind which no layer reads the cache (every layer slides), or None."""
         return self.window if all(self.slides(i) for i in range(self.n_layer)) else None
 
+    def feedforward_module(self) -> nn.Module:
+        """A block's feed-forward: the mixture of experts where n_expert says so, else the
+        dense one `feedforward` names."""
+        if self.n_expert:
+            router = Router(self.d_model, self.n_expert, self.n_expert_active,
+                            softmax=self.router_softmax, renormalise=self.router_renormalise,
+                            bias=self.router_bias)
+            glu = make_glu(self.expert_glu, self.activation, self.glu_limit, self.glu_alpha)
+            experts = Experts(self.d_model, self.ff_width, self.n_expert, glu=glu,
+                              dropout=self.dropout, bias=self.expert_bias)
+            shared = None
+            if self.d_shared_expert:
+                shared = GatedFeedForward(self.d_model, self.d_shared_expert,
+                                          activation=self.activation, dropout=self.dropout,
+                                          bias=False)
+            return MixtureOfExperts(router, experts, shared, balance=self.router_balance)
+        return make_feedforward(self.feedforward, self.d_model, self.ff_width,
+                                activation=self.activation, dropout=self.dropout,
+                                bias=self.bias)
+
     def rotary_module(self, *, local: bool = False) -> Rotary | None:
         """The rotary embeddings of the global layers, or of the sliding ones (`local`)."""
         if not self.rotary:
@@ -144,7 +232,9 @@ class GPTConfig(StackConfig):
             return Rotary(self.head_size, theta=self.rope_local_theta,
                           fraction=self.rope_fraction, layout=self.rope_layout)
         scaling = RotaryScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
-                                self.rope_high_freq_factor, self.rope_original_context)
+                                self.rope_high_freq_factor, self.rope_original_context,
+                                self.rope_beta_fast, self.rope_beta_slow, self.rope_truncate,
+                                self.rope_attention_factor)
         return Rotary(self.head_size, theta=self.rope_theta, fraction=self.rope_fraction,
                       layout=self.rope_layout, scaling=scaling)
 
@@ -189,12 +279,9 @@ class GPTBlock(nn.Module):
             cfg.d_model, cfg.n_head, d_head=cfg.d_head, d_value=cfg.d_value,
             n_kv_head=cfg.n_kv_head, dropout=cfg.dropout, bias=qkv_bias,
             out_bias=cfg.attention_bias, qk_norm=head_norm if cfg.qk_norm else None,
-            rotary=rotary, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+            rotary=rotary, scale=cfg.attn_scale, softcap=cfg.attn_softcap, sinks=cfg.attn_sinks,
         )
-        self.ff = make_feedforward(
-            cfg.feedforward, cfg.d_model, cfg.ff_width, activation=cfg.activation,
-            dropout=cfg.dropout, bias=cfg.bias,
-        )
+        self.ff = cfg.feedforward_module()
         self.attn_residual, self.ff_residual = (
             Residual(cfg.d_model, norm=cfg.norm, dropout=cfg.dropout, bias=cfg.bias,
                      kind=cfg.norm_kind, eps=cfg.norm_eps, out_norm=cfg.sandwich_norm)
@@ -250,7 +337,12 @@ class GPT(Model):
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for block in self.blocks:
             nn.init.normal_(block.attn.out_proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.ff.down.weight, mean=0.0, std=residual_std)
+            ff = block.ff
+            if isinstance(ff, MixtureOfExperts):
+                ff.experts.reset_parameters(std=0.02, down_std=residual_std)
+                ff = ff.shared
+            if ff is not None:
+                nn.init.normal_(ff.down.weight, mean=0.0, std=residual_std)
 
     def make_cache(
         self, batch: int, max_len: int | None = None, *, padded: bool = False

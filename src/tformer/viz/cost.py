@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.layers import MultiHeadAttention
+from tformer.layers import MixtureOfExperts, MultiHeadAttention
 from tformer.models.gpt import GPT
 from tformer.models.seq2seq import Seq2Seq
 from tformer.models.transformer_xl import Memory, RelativeAttention, TransformerXL
@@ -74,6 +74,23 @@ def linear_flops(module: nn.Module) -> int:
     """Forward FLOPs per token of the linear layers in `module`, each once: 2 * in * out.
     (An output layer tied to the embedding is still a product of its own.)"""
     return sum(2 * m.in_features * m.out_features for m in module.modules() if is_linear(m))
+
+
+def mixture_flops(module: nn.Module) -> int:
+    """Forward FLOPs per token of the mixtures of experts in `module` beyond their linear
+    layers (a shared expert's are): the router's scores over every expert, the shared
+    expert's gate, and the products of the k experts a token goes through, not of all E
+    (their weights are stacked tensors, no linear layers)."""
+    total = 0
+    for m in module.modules():
+        if isinstance(m, MixtureOfExperts):
+            n_expert, d_model = m.router.weight.shape
+            one_expert = sum(p[0].numel() for p in (m.experts.gate, m.experts.up,
+                                                    m.experts.down))
+            total += 2 * n_expert * d_model + 2 * m.router.k * one_expert
+            if m.shared_gate is not None:
+                total += 2 * d_model
+    return total
 
 
 def key_flops(attention: nn.Module) -> int:
@@ -124,7 +141,7 @@ def gpt_cost(cfg: Any) -> Cost:
     T = m.context
 
     def per_token(keys: float) -> float:
-        return linear_flops(model) + attention_flops(model, keys)
+        return linear_flops(model) + mixture_flops(model) + attention_flops(model, keys)
 
     def loss(model: nn.Module, tokens: Tensor) -> Tensor:
         logits = model(tokens[:, :-1])
