@@ -247,3 +247,55 @@ def test_experts_in_mxfp4_blocks_are_read_as_transformers_reads_them():
     tokens = torch.tensor([ROWS[0]])
     expected = hf(tokens).logits
     assert (ours(tokens) - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.fixture(scope="module")
+def exported(alternating, tmp_path_factory):
+    """The alternating model imported through the CLI's path and exported again."""
+    from tformer.interop.command import export_checkpoint, import_checkpoint
+
+    from .test_llama import bpe_tokenizer
+
+    path, hf, _ = alternating
+    source = tmp_path_factory.mktemp("gpt-oss-source")
+    hf.save_pretrained(source)
+    bpe_tokenizer().save_pretrained(source)
+    run = import_checkpoint(source, tmp_path_factory.mktemp("gpt-oss-run") / "run")
+    out = export_checkpoint(run, tmp_path_factory.mktemp("gpt-oss-out") / "hf")
+    return source, out
+
+
+@torch.no_grad()
+def test_export_writes_a_folder_transformers_loads_with_the_same_logits(exported):
+    """Chosen without --format (no Llama-layout family fits), loaded by transformers'
+    own GptOssForCausalLM: the same tensors, bit for bit, and the same logits."""
+    from safetensors.torch import load_file
+
+    source, out = exported
+    original = load_file(source / "model.safetensors")
+    written = load_file(out / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[k], original[k].float()) for k in original)
+    hf = transformers.GptOssForCausalLM.from_pretrained(source, attn_implementation="eager")
+    again = transformers.AutoModelForCausalLM.from_pretrained(out,
+                                                              attn_implementation="eager")
+    assert type(again).__name__ == "GptOssForCausalLM"
+    assert again.config.layer_types == ["sliding_attention", "full_attention"]
+    assert again.config.sliding_window == 4
+    tokens = torch.tensor([ROWS[0]])
+    expected = hf(tokens).logits
+    assert (again(tokens).logits - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert transformers.AutoTokenizer.from_pretrained(out).encode("Kalo mi")
+
+
+def test_export_names_what_gpt_oss_cannot_express(saved):
+    from dataclasses import replace
+
+    from tformer.interop.gpt_oss import hf_config
+
+    _, _, ours = saved
+    with pytest.raises(TformerError, match=r"gpt-oss cannot express this model: "
+                                           r"model.attn_sinks = False"):
+        hf_config(replace(ours.cfg, attn_sinks=False))
+    with pytest.raises(TformerError, match="model.global_every = 3"):
+        hf_config(replace(ours.cfg, window=8, global_every=3))

@@ -77,6 +77,11 @@ EXPORTERS: dict[str, Exporter] = {
     "phi3": Exporter("tformer.interop.phi3:export_phi3",
                      "Phi3ForCausalLM (Phi-3, Phi-4): fused q/k/v and gate/up projections",
                      fits="tformer.interop.phi3:exported_family", tokenizers=BYTE_LEVEL_BPE),
+    "gpt_oss": Exporter("tformer.interop.gpt_oss:export_gpt_oss",
+                        "GptOssForCausalLM: attention sinks, biased experts with the clamped "
+                        "gate, fp32 experts (not MXFP4)",
+                        fits="tformer.interop.gpt_oss:exported_family",
+                        tokenizers=BYTE_LEVEL_BPE),
     "tformer": Exporter("tformer.training.checkpoint:ship_checkpoint",
                         "this library's checkpoint as a model is shipped: config, weights, "
                         "tokenizer, without the trainer state only --resume needs"),

@@ -1,4 +1,4 @@
-"""OpenAI's gpt-oss from Hugging Face folders (GptOssForCausalLM) in.
+"""OpenAI's gpt-oss from Hugging Face folders (GptOssForCausalLM) in and out.
 
 Its layout is the Llama one's (pre-norm RMSNorm, rotary embeddings in the rotate-half
 layout with YaRN's scaling, grouped-query attention) with these GPTConfig choices on top:
@@ -13,7 +13,8 @@ columns interleaved (gate in the even ones), down_proj [E, F, D]; ours are nn.Li
 
 The released checkpoints hold the experts in MXFP4 (the OCP microscaling format: 32 values
 of 4 bits, E2M1, sharing a power-of-two scale), as `*_blocks` and `*_scales`; they are
-dequantized to fp32 here (`mxfp4`). Every released gpt-oss alternates sliding-window and
+dequantized to fp32 here (`mxfp4`); export writes them in fp32, the layout
+transformers' own save_pretrained writes. Every released gpt-oss alternates sliding-window and
 full layers (`layer_types`), which is `window` with `global_every = 2`; another pattern of
 the two is refused by name.
 """
@@ -27,9 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tformer.config import RunConfig
 from tformer.errors import TformerError
 from tformer.interop import take
-from tformer.interop.llama import read_tokenizer, rope_fields
+from tformer.interop.llama import read_tokenizer, rope_fields, rope_parameters, write_hf_gpt
+from tformer.layers.experts import stack_experts
 from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
@@ -184,7 +187,7 @@ def gpt_oss_from_hf(hf: dict[str, Any], weights: dict[str, Tensor],
 
 def import_gpt_oss(src: Path, dest: Path) -> Path:
     """A local gpt-oss directory -> a tformer GPT checkpoint."""
-    from tformer.config import RunConfig, TrainConfig
+    from tformer.config import TrainConfig
     from tformer.data.lm import LMDataConfig
     from tformer.interop import read_hf_config, read_hf_weights
     from tformer.training.checkpoint import save_checkpoint
@@ -199,3 +202,109 @@ def import_gpt_oss(src: Path, dest: Path) -> Path:
                     tokenizer)
     log.info("imported %s (gpt_oss) as a %d-layer GPT into %s", src, model.cfg.n_layer, dest)
     return dest
+
+
+# --- export -------------------------------------------------------------------------------
+
+
+def check_layout(cfg: GPTConfig) -> None:
+    """A TformerError listing every field in which `cfg` is not gpt-oss's layout: the parts
+    GptOssForCausalLM always has (sinks, biased router and experts, the clamped gate) are
+    required, since it has no switch to leave them out."""
+    wanted = {"position": "none", "rotary": True, "norm": "pre", "norm_kind": "rmsnorm",
+              "bias": False, "qk_norm": False, "final_norm": True, "output_bias": False,
+              "scale_embeddings": False, "embed_norm": False, "rope_layout": "halves",
+              "rope_fraction": 1.0, "d_value": None, "sandwich_norm": False,
+              "attn_scale": None, "attn_softcap": None, "logit_softcap": None,
+              "rope_local_theta": None, "attn_sinks": True, "router_softmax": "after",
+              "router_renormalise": False, "d_shared_expert": 0, "expert_glu": "clamped",
+              "expert_bias": True, "router_bias": True}
+    differ = [f"model.{key} = {getattr(cfg, key)!r} (gpt-oss: {value!r})"
+              for key, value in wanted.items() if getattr(cfg, key) != value]
+    if not cfg.n_expert:
+        differ.append("model.n_expert = 0 (gpt-oss: a mixture of experts in every layer)")
+    if cfg.qkv_bias is not None and cfg.qkv_bias != cfg.attention_bias:
+        differ.append(f"model.qkv_bias = {cfg.qkv_bias} apart from model.attn_bias = "
+                      f"{cfg.attention_bias} (gpt-oss: one attention_bias for all four)")
+    if cfg.window is not None and cfg.global_every not in (0, 2):
+        differ.append(f"model.global_every = {cfg.global_every} (gpt-oss's layer_types "
+                      f"here: 0 or 2)")
+    if differ:
+        raise TformerError("gpt-oss cannot express this model: " + "; ".join(differ))
+
+
+def exported_family(cfg: RunConfig) -> str:
+    if cfg.family != "gpt":
+        raise TformerError(f"gpt-oss models are gpt models; this is a {cfg.family} model")
+    check_layout(cfg.model)
+    return "gpt_oss"
+
+
+def layer_types(cfg: GPTConfig) -> list[str]:
+    return ["sliding_attention" if cfg.window is not None and cfg.slides(i)
+            else "full_attention" for i in range(cfg.n_layer)]
+
+
+def hf_config(cfg: GPTConfig) -> dict[str, Any]:
+    """GPTConfig -> a gpt_oss config.json in transformers 5's field names."""
+    check_layout(cfg)
+    rope = rope_parameters(cfg)
+    return {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head or cfg.n_head,
+        "head_dim": cfg.head_size, "hidden_act": "silu",
+        "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+        "attention_bias": cfg.attention_bias, "sliding_window": cfg.window,
+        "layer_types": layer_types(cfg), "num_local_experts": cfg.n_expert,
+        "num_experts_per_tok": cfg.n_expert_active, "swiglu_limit": cfg.glu_limit,
+        "swiglu_alpha": cfg.glu_alpha, "attention_dropout": 0.0, "torch_dtype": "float32",
+    }
+
+
+def hf_weights(model: GPT) -> dict[str, Tensor]:
+    """The model's tensors under transformers' names, the inverse of `_state`: q/k/v split,
+    the experts input-first with gate and up interleaved."""
+    cfg, state = model.cfg, model.state_dict()
+    tensors = {"model.embed_tokens.weight": state["embed.weight"],
+               "model.norm.weight": state["final_norm.weight"]}
+    if not cfg.tie_embeddings:
+        tensors["lm_head.weight"] = state["lm_head.weight"]
+    widths = model.blocks[0].attn.widths
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        attn, mlp = theirs + "self_attn.", theirs + "mlp."
+        tensors |= {theirs + "input_layernorm.weight": state[ours + "attn_residual.norm.weight"],
+                    theirs + "post_attention_layernorm.weight":
+                        state[ours + "ff_residual.norm.weight"],
+                    attn + "sinks": state[ours + "attn.sinks"],
+                    mlp + "router.weight": state[ours + "ff.router.weight"],
+                    mlp + "router.bias": state[ours + "ff.router.bias"]}
+        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+            parts = state[f"{ours}attn.qkv_proj.{kind}"].split(widths)
+            tensors |= {f"{attn}{p}_proj.{kind}": t for p, t in zip("qkv", parts, strict=True)}
+            tensors[f"{attn}o_proj.{kind}"] = state[f"{ours}attn.out_proj.{kind}"]
+        experts = ours + "ff.experts."
+        gate, up = state[experts + "gate"], state[experts + "up"]
+        tensors |= {  # ours [E, out, in] -> input-first, the gate in the even columns
+            mlp + "experts.gate_up_proj": torch.stack(
+                [gate.transpose(1, 2), up.transpose(1, 2)], -1).flatten(-2),
+            mlp + "experts.gate_up_proj_bias": torch.stack(
+                [state[experts + "gate_bias"], state[experts + "up_bias"]], -1).flatten(-2),
+            mlp + "experts.down_proj": state[experts + "down"].transpose(1, 2),
+            mlp + "experts.down_proj_bias": state[experts + "down_bias"],
+        }
+    return {name: t.contiguous().clone() for name, t in tensors.items()}
+
+
+def export_gpt_oss(checkpoint: Path, dest: Path) -> Path:
+    """A tformer GPT checkpoint of gpt-oss's layout -> a directory GptOssForCausalLM and
+    AutoTokenizer load."""
+    from tformer.loading import load_checkpoint
+
+    loaded = load_checkpoint(checkpoint, family="gpt", weights="fp32")
+    stack_experts(loaded.model)  # a GGUF file's expert blocks are held one expert a layer
+    return write_hf_gpt(loaded, hf_config(loaded.model.cfg), hf_weights(loaded.model), dest)

@@ -321,20 +321,7 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     """GPTConfig -> the config.json of its Hugging Face family (transformers 5.x form, which
     4.x reads too through its rope_theta and rope_scaling keys, written as well)."""
     model_type = model_type_of(cfg)
-    rope: dict[str, Any] = {"rope_type": {"none": "default"}.get(cfg.rope_scaling,
-                                                                  cfg.rope_scaling)}
-    if cfg.rope_scaling != "none":
-        rope["factor"] = cfg.rope_factor
-    if cfg.rope_scaling == "llama3":
-        rope |= {"low_freq_factor": cfg.rope_low_freq_factor,
-                 "high_freq_factor": cfg.rope_high_freq_factor,
-                 "original_max_position_embeddings": cfg.rope_original_context}
-    if cfg.rope_scaling == "yarn":
-        rope |= {"original_max_position_embeddings": cfg.rope_original_context,
-                 "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
-                 "truncate": cfg.rope_truncate}
-        if cfg.rope_attention_factor is not None:
-            rope["attention_factor"] = cfg.rope_attention_factor
+    rope = rope_parameters(cfg)
     hf = {
         "model_type": model_type, "architectures": [ARCHITECTURES[model_type]],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -355,6 +342,26 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     if cfg.n_expert:
         hf |= mixture_config(cfg, model_type)
     return hf
+
+
+def rope_parameters(cfg: GPTConfig) -> dict[str, Any]:
+    """The rotary scaling as transformers' rope_parameters hold it (without rope_theta), the
+    inverse of rope_fields."""
+    rope: dict[str, Any] = {"rope_type": {"none": "default"}.get(cfg.rope_scaling,
+                                                                  cfg.rope_scaling)}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        rope |= {"low_freq_factor": cfg.rope_low_freq_factor,
+                 "high_freq_factor": cfg.rope_high_freq_factor,
+                 "original_max_position_embeddings": cfg.rope_original_context}
+    if cfg.rope_scaling == "yarn":
+        rope |= {"original_max_position_embeddings": cfg.rope_original_context,
+                 "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                 "truncate": cfg.rope_truncate}
+        if cfg.rope_attention_factor is not None:
+            rope["attention_factor"] = cfg.rope_attention_factor
+    return rope
 
 
 def hf_weights(model: GPT) -> dict[str, Tensor]:
