@@ -370,7 +370,7 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(add_bos, tmp_path
 
 
 @pytest.mark.parametrize("key, value, words", [
-    ("llama.rope.scaling.type", "yarn", "rope scaling 'yarn' cannot be expressed"),
+    ("llama.rope.scaling.type", "longrope", "rope scaling 'longrope' cannot be expressed"),
     # a llama file with experts is Mixtral's, and needs how many a token uses
     ("llama.expert_count", 8, "the metadata has no llama.expert_used_count"),
     ("llama.attention.head_count_kv", [2, 1], "key/value heads per layer"),

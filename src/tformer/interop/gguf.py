@@ -32,7 +32,7 @@ from tformer.errors import TformerError
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3", "phi3", "gpt-oss")
 MIXTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 """The mixture-of-experts architectures read, and their Hugging Face model types."""
 GEMMA = ("gemma2", "gemma3")
@@ -80,6 +80,13 @@ EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                  "ffn_down_exps": "down_proj"}
 """A mixture's experts, one [E, rows, columns] tensor a projection; Hugging Face's files
 hold them one by one (`mlp.experts.{e}.gate_proj.weight`)."""
+GPT_OSS_BLOCK = {  # the experts, with their biases: gpt_oss_experts
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate_inp": "mlp.router",
+}
+GPT_OSS_GLU = {"glu_limit": 7.0, "glu_alpha": 1.702}
+"""The clamped gate's constants, which llama.cpp's gpt-oss graph fixes rather than reads."""
 GPT2_NAMES = {
     "token_embd": "wte", "position_embd": "wpe", "output_norm": "ln_f", "output": "lm_head",
 }
@@ -303,7 +310,9 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         if "rope_factors_long.weight" in file.tensors:
             raise TformerError(f"{file.path}: LongRoPE (rope_factors_long) cannot be expressed")
         hf["sliding_window"] = file.get("attention.sliding_window")
-    if arch in MIXTURES:
+    if arch == "gpt-oss":
+        hf |= _gpt_oss_config(file, hf)
+    elif arch in MIXTURES:
         hf |= _mixture_config(file)
     elif arch == "llama" and file.get("expert_count"):  # Mixtral, as llama.cpp writes it
         hf |= {"model_type": "mixtral", "num_local_experts": int(file.need("expert_count")),
@@ -329,6 +338,49 @@ def _mixture_config(file: GGUFFile) -> dict[str, Any]:
         hf["shared_expert_intermediate_size"] = int(
             file.need("expert_shared_feed_forward_length"))
     return hf
+
+
+def _gpt_oss_config(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any]:
+    """A gpt-oss file's config.json fields: llama.cpp's graph for it fixes what the
+    metadata does not say (layers sliding and full in turn, sliding first; the clamped gate's
+    GPT_OSS_GLU constants)."""
+    n_layer = hf["num_hidden_layers"]
+    return {"model_type": "gpt_oss", "num_local_experts": int(file.need("expert_count")),
+            "num_experts_per_tok": int(file.need("expert_used_count")),
+            "intermediate_size": int(file.get("expert_feed_forward_length")
+                                     or hf["intermediate_size"]),
+            "sliding_window": int(file.need("attention.sliding_window")),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(n_layer)],
+            "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+            "swiglu_limit": GPT_OSS_GLU["glu_limit"], "swiglu_alpha": GPT_OSS_GLU["glu_alpha"]}
+
+
+def gpt_oss_experts(file: GGUFFile, n_layer: int) -> dict[str, Tensor]:
+    """A gpt-oss file's expert stacks (gate, up, down: [E, out, in], their biases [E, out])
+    -> transformers' tensors, input-first with the gate and up columns interleaved."""
+    experts = {}
+    for i in range(n_layer):
+        def stack(name: str, kind: str, i: int = i) -> Tensor:
+            return _need_tensor(file, f"blk.{i}.ffn_{name}_exps.{kind}").dequantize()
+
+        theirs = f"model.layers.{i}.mlp.experts."
+        experts |= {
+            theirs + "gate_up_proj": torch.stack([stack("gate", "weight").transpose(1, 2),
+                                                  stack("up", "weight").transpose(1, 2)],
+                                                 -1).flatten(-2),
+            theirs + "gate_up_proj_bias": torch.stack([stack("gate", "bias"),
+                                                       stack("up", "bias")], -1).flatten(-2),
+            theirs + "down_proj": stack("down", "weight").transpose(1, 2).contiguous(),
+            theirs + "down_proj_bias": stack("down", "bias"),
+        }
+    return experts
+
+
+def _need_tensor(file: GGUFFile, name: str) -> GGUFTensor:
+    if name not in file.tensors:
+        raise TformerError(f"{file.path}: a {file.architecture} file without {name}")
+    return file.tensors[name]
 
 
 def _gemma_config(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any]:
@@ -377,8 +429,32 @@ def _rope_scaling(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(file.need("rope.scaling.factor"))}
+    if kind == "yarn":
+        return _yarn_scaling(file)
     raise TformerError(f"{file.path}: rope scaling {kind!r} cannot be expressed; tformer has "
-                       f"none, linear and llama3")
+                       f"none, linear, llama3 and yarn")
+
+
+def _yarn_scaling(file: GGUFFile) -> dict[str, Any]:
+    """YaRN as llama.cpp computes it from the file: its correction range rounded out to
+    whole dimensions (transformers' truncate), the attention factor 0.1 ln(factor) + 1 unless
+    the file gives one; a log multiplier or an extrapolation mix (DeepSeek's, LongRoPE's
+    forms) has no field here and is refused."""
+    for key in ("rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor"):
+        if file.get(key) not in (None, 0.0, 1.0 if key.endswith("ext_factor") else 0.0):
+            raise TformerError(f"{file.path}: yarn's {key} = {file.get(key)} cannot be "
+                               f"expressed")
+    scaling = {"rope_type": "yarn", "factor": float(file.need("rope.scaling.factor")),
+               "original_max_position_embeddings":
+                   int(file.need("rope.scaling.original_context_length")),
+               "beta_fast": float(file.get("rope.scaling.yarn_beta_fast", 32.0)),
+               "beta_slow": float(file.get("rope.scaling.yarn_beta_slow", 1.0)),
+               "truncate": True}
+    factor = file.get("rope.scaling.yarn_attn_factor") or file.get("rope.scaling.attn_factor")
+    if factor is not None and factor != 1.0:
+        raise TformerError(f"{file.path}: yarn's attention factor scaled by {factor} cannot "
+                           f"be expressed")
+    return scaling
 
 
 def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
@@ -448,7 +524,7 @@ def expert_names(name: str, n_expert: int) -> list[str] | None:
 def hf_names(file: GGUFFile, n_layer: int) -> dict[str, str]:
     """llama.cpp's tensor names -> Hugging Face's, for every name the layout has."""
     blocks = {"gpt2": GPT2_BLOCK, "gemma2": GEMMA_BLOCK, "gemma3": GEMMA_BLOCK,
-              "phi3": PHI3_BLOCK}
+              "phi3": PHI3_BLOCK, "gpt-oss": GPT_OSS_BLOCK}
     block = blocks.get(file.architecture, LLAMA_BLOCK)
     top = GPT2_NAMES if file.architecture == "gpt2" else LLAMA_NAMES
     prefix = "transformer." if file.architecture == "gpt2" else ""
@@ -461,6 +537,8 @@ def hf_names(file: GGUFFile, n_layer: int) -> dict[str, str]:
         for ours, theirs in block.items():
             for kind in ("weight", "bias"):
                 names[f"blk.{i}.{ours}.{kind}"] = f"{layer}.{i}.{theirs}.{kind}"
+        if file.architecture == "gpt-oss":  # a parameter of attention itself, not a layer's
+            names[f"blk.{i}.attn_sinks.weight"] = f"{layer}.{i}.self_attn.sinks"
     return names
 
 
@@ -496,6 +574,9 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
     n_layer = hf["n_layer"] if arch == "gpt2" else hf["num_hidden_layers"]
     names = hf_names(file, n_layer)
     n_expert = hf.get("num_experts") or hf.get("num_local_experts", 0)
+    if arch == "gpt-oss":  # stacks with biases, which transformers keeps stacked too
+        names |= {f"blk.{i}.ffn_{p}_exps.{kind}": "" for i in range(n_layer)
+                  for p in ("gate", "up", "down") for kind in ("weight", "bias")}
     unknown = [n for n in file.tensors if n not in names and n != "rope_freqs.weight"
                and expert_names(n, n_expert) is None]
     if unknown:
@@ -503,7 +584,7 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
                            f"{', '.join(unknown[:5])}")
     weights: dict[str, Deferred] = {}
     for name, tensor in file.tensors.items():
-        if name == "rope_freqs.weight":
+        if name == "rope_freqs.weight" or names.get(name) == "":
             continue
         experts = expert_names(name, n_expert)
         if experts is not None:
@@ -644,13 +725,17 @@ def keep_expert_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
 
 def model_from_gguf(file: GGUFFile):
     """A GPT holding the file's weights in fp32, and the config.json it was built from."""
-    from tformer.interop import gemma, gpt2, llama, phi3
+    from tformer.interop import gemma, gpt2, gpt_oss, llama, phi3
 
     hf = hf_config(file)
     builders = {"gpt2": gpt2.gpt_from_hf, "gemma2": gemma.gemma_from_hf,
-                "gemma3": gemma.gemma_from_hf, "phi3": phi3.phi3_from_hf}
+                "gemma3": gemma.gemma_from_hf, "phi3": phi3.phi3_from_hf,
+                "gpt-oss": gpt_oss.gpt_oss_from_hf}
     build = builders.get(file.architecture, llama.llama_from_hf)
-    return build(hf, hf_weights(file, hf), file.path), hf
+    weights: dict[str, Any] = hf_weights(file, hf)
+    if file.architecture == "gpt-oss":
+        weights |= gpt_oss_experts(file, hf["num_hidden_layers"])
+    return build(hf, weights, file.path), hf
 
 
 def import_gguf(src: Path, dest: Path) -> Path:

@@ -31,6 +31,7 @@ from tformer.errors import TformerError
 from tformer.interop.gguf import (
     EXPERT_STACKS,
     GEMMA,
+    GPT_OSS_GLU,
     MIXTURES,
     hf_names,
     llama3_factors,
@@ -63,7 +64,7 @@ def _layout(cfg: Any) -> str:
         model_type = llama.model_type_of(cfg)
     except TformerError as llama_error:
         others = {"gpt2": gpt2.gpt2_config, "gemma": gemma.model_type_of,
-                  "phi3": phi3.check_layout}
+                  "phi3": phi3.check_layout, "gpt-oss": _gpt_oss_layout}
         errors = [str(llama_error)]
         for name, check in others.items():
             try:
@@ -72,7 +73,8 @@ def _layout(cfg: Any) -> str:
                 errors.append(str(e))
                 continue
             # llama.cpp names Gemma 3's text model gemma3
-            return {"gpt2": "gpt2", "phi3": "phi3"}.get(name) or found.removesuffix("_text")
+            return ({"gpt2": "gpt2", "phi3": "phi3", "gpt-oss": "gpt-oss"}.get(name)
+                    or found.removesuffix("_text"))
         raise TformerError("no GGUF architecture expresses this model: "
                            + "; ".join(errors)) from None
     if cfg.rope_scaling == "yarn":
@@ -96,6 +98,34 @@ def _layout(cfg: Any) -> str:
     if model_type == "llama" and cfg.attention_bias:
         raise TformerError("GGUF's llama architecture has no attention biases")
     return model_type
+
+
+def _gpt_oss_layout(cfg: Any) -> None:
+    """gpt-oss's Hugging Face layout, narrowed to what llama.cpp's gpt-oss graph computes:
+    biased attention, layers sliding and full in turn (sliding first), the clamped gate's
+    fixed constants, and YaRN (if any) in the form its metadata can say."""
+    from tformer.interop import gpt_oss
+
+    gpt_oss.check_layout(cfg)
+    differ = [f"model.{key} = {getattr(cfg, key)} (GGUF gpt-oss: {value})"
+              for key, value in GPT_OSS_GLU.items() if getattr(cfg, key) != value]
+    if cfg.window is None or cfg.global_every != 2:
+        differ.append(f"model.window = {cfg.window}, model.global_every = {cfg.global_every} "
+                      f"(GGUF gpt-oss: a window on every other layer, global_every = 2)")
+    if not cfg.attention_bias:
+        differ.append("model.attn_bias = false (GGUF gpt-oss: biased attention)")
+    if cfg.rope_scaling not in ("none", "yarn"):
+        differ.append(f"model.rope_scaling = {cfg.rope_scaling!r} (GGUF gpt-oss: none or "
+                      f"yarn)")
+    if cfg.rope_scaling == "yarn":
+        if not cfg.rope_truncate:  # llama.cpp rounds the correction range to whole dims
+            differ.append("model.rope_truncate = false (GGUF: yarn's range in whole "
+                          "dimensions)")
+        if cfg.rope_attention_factor is not None:
+            differ.append(f"model.rope_attention_factor = {cfg.rope_attention_factor} "
+                          f"(GGUF: 0.1 ln(factor) + 1)")
+    if differ:
+        raise TformerError("GGUF's gpt-oss cannot express this model: " + "; ".join(differ))
 
 
 def exported_family(cfg: Any) -> str:
@@ -124,6 +154,11 @@ def _metadata(arch: str, cfg: Any) -> dict[str, Any]:
     }
     if cfg.rope_scaling == "linear":
         keys |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(cfg.rope_factor)}
+    if cfg.rope_scaling == "yarn":  # only gpt-oss passes _layout with it
+        keys |= {"rope.scaling.type": "yarn", "rope.scaling.factor": float(cfg.rope_factor),
+                 "rope.scaling.original_context_length": cfg.rope_original_context,
+                 "rope.scaling.yarn_beta_fast": float(cfg.rope_beta_fast),
+                 "rope.scaling.yarn_beta_slow": float(cfg.rope_beta_slow)}
     if arch == "phi3":  # its rotary dimensions are part of a head
         keys["rope.dimension_count"] = 2 * int(cfg.head_size * cfg.rope_fraction // 2)
     if cfg.window is not None and arch != "llama":  # a Mixtral's window covers the context
@@ -163,15 +198,16 @@ def _gemma_metadata(arch: str, cfg: Any) -> dict[str, Any]:
 
 def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
     """The model's tensors under llama.cpp's names, in the layout a GGUF file has them."""
-    from tformer.interop import gemma, gpt2, llama, llama_moe, phi3
+    from tformer.interop import gemma, gpt2, gpt_oss, llama, llama_moe, phi3
 
     cfg = model.cfg
     if arch == "gpt2":
         state = model.state_dict()
         hf = {("" if theirs == "lm_head.weight" else "transformer.") + theirs: state[ours]
               for ours, theirs in gpt2._names(cfg.n_layer, cfg.tie_embeddings).items()}
-    elif arch in ("gemma2", "gemma3", "phi3"):
-        hf = (phi3.hf_weights if arch == "phi3" else gemma.hf_weights)(model)
+    elif arch in ("gemma2", "gemma3", "phi3", "gpt-oss"):
+        hf = {"phi3": phi3.hf_weights, "gpt-oss": gpt_oss.hf_weights}.get(
+            arch, gemma.hf_weights)(model)
     else:  # Mixtral's mixture under Qwen-MoE's names, which hf_names maps
         hf = llama_moe.rename_weights(llama.hf_weights(model), llama_moe.MIXTRAL_NAMES)
     back = {theirs: ours for ours, theirs in hf_names_for(arch, cfg.n_layer).items()}
@@ -179,8 +215,10 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, Tensor]:
     state = model.state_dict()
     for i in range(cfg.n_layer if cfg.n_expert else 0):  # the experts as the model stacks them
         for stack, projection in EXPERT_STACKS.items():
-            tensors[f"blk.{i}.{stack}.weight"] = state[
-                f"blocks.{i}.ff.experts.{projection.removesuffix('_proj')}"].detach().float()
+            ours = f"blocks.{i}.ff.experts.{projection.removesuffix('_proj')}"
+            tensors[f"blk.{i}.{stack}.weight"] = state[ours].detach().float()
+            if cfg.expert_bias:
+                tensors[f"blk.{i}.{stack}.bias"] = state[ours + "_bias"].detach().float()
     for name, value in hf.items():
         if ".mlp.experts." in name:
             continue
@@ -235,7 +273,7 @@ def _stored(name: str, value: Tensor, kind: str) -> tuple[np.ndarray, Any]:
     # a router's scores stay f32, as llama.cpp's quantizer keeps them: rounded, they can
     # change which experts a token goes to.
     if (value.dim() not in (2, 3) or kind == "f32" or name == "rope_freqs.weight"
-            or ".ffn_gate_inp" in name):
+            or ".ffn_gate_inp" in name or name.endswith(".bias")):
         return array.astype(np.float32), None
     fmt = None if kind == "f16" else blocks.fitting(kind, value.shape[-1])
     if fmt is None:

@@ -160,13 +160,14 @@ def mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
     return values.flatten(-2)
 
 
-def gpt_oss_from_hf(hf: dict[str, Any], weights: dict[str, Tensor],
+def gpt_oss_from_hf(hf: dict[str, Any], weights: dict[str, Any],
                     source: Path | str) -> GPT:
     """A GPT with the weights of a gpt-oss model, from its config and its tensors. `source`
     names it in errors."""
     source = Path(source)
     cfg = gpt_oss_config(hf, source)
-    weights = dict(weights)
+    # A GGUF file's tensors (interop.gguf.Deferred) are read when first needed, here.
+    weights = {name: t if isinstance(t, Tensor) else t.float() for name, t in weights.items()}
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight", None)
     for name in [k for k in weights if k.endswith("_blocks")]:
