@@ -86,8 +86,8 @@ EXPORTERS: dict[str, Exporter] = {
                         "this library's checkpoint as a model is shipped: config, weights, "
                         "tokenizer, without the trainer state only --resume needs"),
     "gguf": Exporter("tformer.interop.gguf_export:export_gguf",
-                     "one GGUF file for llama.cpp, Ollama and LM Studio (Llama-layout or "
-                     "GPT-2 models; --type sets its matrices' type)",
+                     "one GGUF file for llama.cpp, Ollama and LM Studio (Llama-layout, "
+                     "GPT-2, Gemma, Phi-3 or gpt-oss models; --type sets its matrices' type)",
                      fits="tformer.interop.gguf_export:exported_family", suffix=".gguf",
                      tokenizers=BYTE_LEVEL_BPE),
 }
@@ -151,9 +151,9 @@ def export_checkpoint(checkpoint: str | Path, dest: str | Path,
 def import_command(
     source: Annotated[
         str, Help("directory with config.json and the weights (GPT-2, Marian, Llama, Qwen2, "
-                  "Qwen3, Mistral, Gemma 2, Gemma 3 (its text model), Phi-3/Phi-4), a .gguf "
-                  "file (llama, qwen2, qwen3, gpt2, gemma2, gemma3, phi3), or a PEFT LoRA "
-                  "adapter directory (with --base)")
+                  "Qwen3, Mistral, Gemma 2, Gemma 3 (its text model), Phi-3/Phi-4, gpt-oss), "
+                  "a .gguf file (llama, qwen2, qwen3, gpt2, gemma2, gemma3, phi3, gpt-oss), "
+                  "or a PEFT LoRA adapter directory (with --base)")
     ],
     *,
     out: Annotated[str, Help("the new checkpoint's directory")],
