@@ -18,6 +18,7 @@ from tformer.interop.command import export_checkpoint, import_checkpoint
 from tformer.interop.gguf import read_gguf
 from tformer.loading import load_checkpoint
 
+from .test_gpt_oss import HARMONY
 from .test_llama import bpe_tokenizer, randomise
 
 transformers = pytest.importorskip("transformers")
@@ -47,7 +48,9 @@ def source(tmp_path_factory):
             layer.mlp.router.weight.mul_(8.0)
     root = tmp_path_factory.mktemp("gpt-oss-gguf")
     hf.save_pretrained(root / "hf")
-    bpe_tokenizer().save_pretrained(root / "hf")
+    tokenizer = bpe_tokenizer()
+    tokenizer.chat_template = HARMONY
+    tokenizer.save_pretrained(root / "hf")
     return hf, import_checkpoint(root / "hf", root / "run")
 
 
@@ -72,6 +75,8 @@ def test_f32_file_round_trips_to_the_same_tensors_and_transformers_logits(source
     assert file.get("attention.sliding_window") == 4 and file.get("expert_count") == 6
     assert file.get("rope.scaling.type") == "yarn"
     assert "blk.0.attn_sinks.weight" in file.tensors
+    assert file.metadata["tokenizer.chat_template"] == HARMONY
+    assert load_checkpoint(back).tokenizer.chat_template == HARMONY
     assert file.tensors["blk.1.ffn_gate_exps.bias"].shape == (6, 32)
     original, again = load_checkpoint(run).model, load_checkpoint(back).model
     # The file holds the epsilon as float32; everything else comes back as it was.

@@ -249,6 +249,11 @@ def test_experts_in_mxfp4_blocks_are_read_as_transformers_reads_them():
     assert (ours(tokens) - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+HARMONY = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}"
+           "<|end|>{% endfor %}<|start|>assistant")
+"""A template in the shape of gpt-oss's harmony format: the files carry it, and it travels."""
+
+
 @pytest.fixture(scope="module")
 def exported(alternating, tmp_path_factory):
     """The alternating model imported through the CLI's path and exported again."""
@@ -259,7 +264,9 @@ def exported(alternating, tmp_path_factory):
     path, hf, _ = alternating
     source = tmp_path_factory.mktemp("gpt-oss-source")
     hf.save_pretrained(source)
-    bpe_tokenizer().save_pretrained(source)
+    tokenizer = bpe_tokenizer()
+    tokenizer.chat_template = HARMONY
+    tokenizer.save_pretrained(source)
     run = import_checkpoint(source, tmp_path_factory.mktemp("gpt-oss-run") / "run")
     out = export_checkpoint(run, tmp_path_factory.mktemp("gpt-oss-out") / "hf")
     return source, out
@@ -285,7 +292,8 @@ def test_export_writes_a_folder_transformers_loads_with_the_same_logits(exported
     tokens = torch.tensor([ROWS[0]])
     expected = hf(tokens).logits
     assert (again(tokens).logits - expected).abs().max() <= 1e-5 * expected.abs().max()
-    assert transformers.AutoTokenizer.from_pretrained(out).encode("Kalo mi")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.encode("Kalo mi") and tokenizer.chat_template == HARMONY
 
 
 def test_export_names_what_gpt_oss_cannot_express(saved):
