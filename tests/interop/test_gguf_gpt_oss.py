@@ -2,8 +2,9 @@
 GptOssForCausalLM with YaRN and sliding and full layers in turn, imported, written as GGUF
 by tformer and read back. transformers' own GGUF loader is no reference here: 5.25 fails on
 the yarn keys of a gpt-oss file (it takes a field's first part, the key's length, for its
-value), so the file is checked against transformers' forward pass of the original folder,
-and its q8_0 blocks against gguf's own quantizer."""
+value), and without YaRN it places no sinks nor expert stacks and takes no head_dim from
+the file; so the file is checked against transformers' forward pass of the original
+folder, and its q8_0 blocks against gguf's own quantizer."""
 
 from __future__ import annotations
 
