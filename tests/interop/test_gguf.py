@@ -371,6 +371,8 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(add_bos, tmp_path
 
 @pytest.mark.parametrize("key, value, words", [
     ("llama.rope.scaling.type", "longrope", "rope scaling 'longrope' cannot be expressed"),
+    # yarn is read, but only with the factor it scales by
+    ("llama.rope.scaling.type", "yarn", "the metadata has no llama.rope.scaling.factor"),
     # a llama file with experts is Mixtral's, and needs how many a token uses
     ("llama.expert_count", 8, "the metadata has no llama.expert_used_count"),
     ("llama.attention.head_count_kv", [2, 1], "key/value heads per layer"),

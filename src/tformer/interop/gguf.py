@@ -437,13 +437,13 @@ def _rope_scaling(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Any] | None:
 
 def _yarn_scaling(file: GGUFFile) -> dict[str, Any]:
     """YaRN as llama.cpp computes it from the file: its correction range rounded out to
-    whole dimensions (transformers' truncate), the attention factor 0.1 ln(factor) + 1 unless
-    the file gives one; a log multiplier or an extrapolation mix (DeepSeek's, LongRoPE's
-    forms) has no field here and is refused."""
-    for key in ("rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor"):
-        if file.get(key) not in (None, 0.0, 1.0 if key.endswith("ext_factor") else 0.0):
-            raise TformerError(f"{file.path}: yarn's {key} = {file.get(key)} cannot be "
-                               f"expressed")
+    whole dimensions (transformers' truncate), the attention factor 0.1 ln(factor) + 1; a
+    log multiplier or a further attention factor (DeepSeek's mscale forms) has no field here
+    and is refused."""
+    log_multiplier = file.get("rope.scaling.yarn_log_multiplier")
+    if log_multiplier not in (None, 0.0):
+        raise TformerError(f"{file.path}: yarn's log multiplier {log_multiplier} cannot be "
+                           f"expressed")
     scaling = {"rope_type": "yarn", "factor": float(file.need("rope.scaling.factor")),
                "original_max_position_embeddings":
                    int(file.need("rope.scaling.original_context_length")),
