@@ -142,3 +142,34 @@ def test_what_llama_cpp_cannot_compute_is_refused_by_name(source, tmp_path):
         _layout(replace(cfg, rope_truncate=False))
     with pytest.raises(TformerError, match="global_every = 2"):
         _layout(replace(cfg, window=None))
+
+
+@torch.no_grad()
+def test_experts_in_mxfp4_as_llama_cpp_converts_the_released_models(source, tmp_path,
+                                                                      monkeypatch):
+    """llama.cpp's converter keeps gpt-oss's experts in MXFP4, which tformer does not
+    write: the expert stacks of an f32 file are put in MXFP4 by gguf's quantizer here. They
+    come back dequantized as gguf's own dequantizer gives them, the model intact."""
+    from tformer.interop import gguf_export
+
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    stored = gguf_export._stored
+
+    def experts_in_mxfp4(name, value, kind):
+        if name.endswith("_exps.weight"):
+            return gguf.quants.quantize(value.numpy(), mxfp4), mxfp4
+        return stored(name, value, kind)
+
+    monkeypatch.setattr(gguf_export, "_stored", experts_in_mxfp4)
+    _, run = source
+    path = export_checkpoint(run, tmp_path / "mxfp4.gguf", type="f32")
+    assert read_gguf(path).tensors["blk.0.ffn_down_exps.weight"].ggml_type == mxfp4
+    original = load_checkpoint(run).model
+    back = load_checkpoint(import_checkpoint(path, tmp_path / "back")).model
+    for i, block in enumerate(original.blocks):
+        for projection in ("gate", "up", "down"):
+            weight = getattr(block.ff.experts, projection).numpy()
+            expected = gguf.quants.dequantize(gguf.quants.quantize(weight, mxfp4), mxfp4)
+            got = getattr(back.blocks[i].ff.experts, projection)
+            assert torch.equal(got, torch.from_numpy(expected))
+    assert torch.equal(back.blocks[1].attn.sinks, original.blocks[1].attn.sinks)

@@ -38,8 +38,10 @@ MIXTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 GEMMA = ("gemma2", "gemma3")
 """llama.cpp's converter stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the
 weight itself); they come back as Gemma's offsets from 1."""
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-"""The tensor types read; every one is dequantized to fp32 unless kept (see `kept_types`)."""
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+         "MXFP4")
+"""The tensor types read; every one is dequantized to fp32 unless kept (see `kept_types`).
+MXFP4 is how llama.cpp's converter keeps gpt-oss's released experts."""
 LLAMA_LINEARS = {  # our linear layers -> the file's tensors they are made of, in order
     "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "attn.out_proj": ("attn_output",),
     "ff.gate": ("ffn_gate",), "ff.up": ("ffn_up",), "ff.down": ("ffn_down",),
