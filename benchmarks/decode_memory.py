@@ -1,8 +1,9 @@
 """Peak resident memory while decoding the real SmolLM2-135M-Instruct's GGUF file: tformer
-on its own Q4_1 blocks (`tformer import`ed), llama.cpp (llama-cpp-python, `make bench`) on
-the file, and the share that is the torch runtime alone (a process that imports torch and
-tformer and allocates nothing). Each in a process of its own, greedy, batch 1, the same
---prompt and --new token counts; VmHWM from /proc.
+on its own Q4_1 blocks (`tformer import`ed), llama.cpp on the file (its llama-bench reading
+the prompt and generating after it, `-pg P,N`, one run; `make bench` builds the tool), and
+the share that is the torch runtime alone (a process that imports torch and tformer and
+allocates nothing). Each in a process of its own, greedy, batch 1, the same --prompt and
+--new token counts; VmHWM from /proc, and llama-bench's peak RSS from wait4().
 
     cd benchmarks && python decode_memory.py [--prompt 512 --new 128]
 """
@@ -10,6 +11,7 @@ tformer and allocates nothing). Each in a process of its own, greedy, batch 1, t
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,15 +27,6 @@ with torch.no_grad():
     for _ in generate(model.module, ids, max_new_tokens=int(sys.argv[3]), temperature=0.0):
         pass
 """
-LLAMA_CPP = """
-import sys, torch
-from llama_cpp import Llama
-llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]) + int(sys.argv[3]), verbose=False)
-ids = torch.randint(100, 1000, (int(sys.argv[2]),), generator=torch.Generator().manual_seed(0))
-for n, _ in enumerate(llm.generate(ids.tolist(), temp=0.0, top_k=1)):
-    if n + 1 == int(sys.argv[3]):
-        break
-"""
 PEAK = "\nprint(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"
 
 
@@ -45,8 +38,22 @@ def peak_mb(code: str, *args: str) -> float:
     return int(done.stdout.split()[-1]) / 1024
 
 
+def tool_peak_mb(args: list[str]) -> float:
+    """Peak resident memory of a native tool's process, as the kernel accounts it."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode(errors="replace").strip().splitlines()
+    proc.stderr.close()
+    if proc.returncode != 0:
+        raise SystemExit(f"{args[0]} failed ({proc.returncode}): {err[-1] if err else ''}")
+    return usage.ru_maxrss / 1024  # KiB on Linux
+
+
 def main() -> None:
-    from blocks_quality import gguf_path  # a sibling script: run from benchmarks/
+    # (sibling scripts: importable where this one runs as a script)
+    import llama_cpp
+    from blocks_quality import gguf_path
 
     from tformer.interop.gguf import import_gguf
 
@@ -60,11 +67,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = import_gguf(path, Path(tmp) / "run")
         rows["tformer, the file's blocks"] = peak_mb(TFORMER, str(run), *sizes)
-    try:
-        import llama_cpp  # noqa: F401
-        rows["llama.cpp, the file"] = peak_mb(LLAMA_CPP, str(path), *sizes)
-    except ImportError:
-        print("(llama.cpp's row needs `pip install llama-cpp-python`; not installed here)")
+    if llama_cpp.available():
+        threads = str(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        rows[f"llama.cpp, the file ({llama_cpp.isa_summary()})"] = tool_peak_mb(
+            [str(llama_cpp.binary("llama-bench")), "-m", str(path), "-p", "0", "-n", "0",
+             "-pg", f"{args.prompt},{args.new}", "-r", "1", "--no-warmup", "-t", threads])
+    else:
+        print("(llama.cpp's row needs its tools: `make bench` or "
+              "`python benchmarks/llama_cpp.py build`)")
     print(f"peak resident memory, greedy decoding at batch 1: a {args.prompt}-token prompt, "
           f"{args.new} new tokens, {path.name}")
     print("| process | peak RSS (MB) |")

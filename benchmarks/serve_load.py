@@ -36,6 +36,14 @@ With --chat CKPT, a client holds a 10-turn chat, sending the whole conversation 
 --no-prefix-cache: the time to first token of each turn.
 
     python benchmarks/serve_load.py --chat CKPT
+
+With --gguf FILE the first scenario's clients (--clients levels, --requests each, prompts of
+--prompt-tokens random token ids, --max-tokens greedy tokens over /v1/completions) run
+against `tformer serve` on the file (`tformer import`ed, its own blocks) and against
+llama.cpp's llama-server on the same file (one slot per client, continuous batching; `make
+bench` builds it, benchmarks/llama_cpp.py), both on --threads threads, in alternation.
+
+    python benchmarks/serve_load.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --clients 1 4 16
 """
 
 from __future__ import annotations
@@ -82,6 +90,11 @@ def build_checkpoint(dest: Path, *, layers: int, d_model: int, heads: int, vocab
     return save_checkpoint(dest, cfg, model, tokenizer), model, tokenizer
 
 
+def prompt_ids(i: int, length: int) -> list[int]:
+    """Random token ids away from a real vocabulary's special and byte tokens."""
+    return torch.randint(100, 1000, (length,), generator=torch.Generator().manual_seed(i)).tolist()
+
+
 def prompt_text(i: int, length: int, vocab: int, motif: int = 0) -> str:
     """Random tokens; with `motif`, a random motif of that many tokens repeated."""
     g = torch.Generator().manual_seed(i)
@@ -99,7 +112,9 @@ def offline_tokens_per_s(model, tokenizer, batch: int, prompt_tokens: int, max_t
 
 
 async def load(url: str, clients: int, requests: int, prompt_tokens: int, max_tokens: int,
-               vocab: int, motif: int = 0) -> dict[str, float]:
+               vocab: int, motif: int = 0, ids: bool = False) -> dict[str, float]:
+    """`clients` clients, each sending `requests` completions one after another: prompts of
+    text for the char tokenizer, or with `ids` of token ids (a real model's vocabulary)."""
     latencies: list[float] = []
     failed = 0
     tokens = 0
@@ -109,7 +124,10 @@ async def load(url: str, clients: int, requests: int, prompt_tokens: int, max_to
         async def client(c: int) -> None:
             nonlocal failed, tokens
             for r in range(requests):
-                body = {"prompt": prompt_text(c * requests + r, prompt_tokens, vocab, motif),
+                i = c * requests + r
+                prompt = (prompt_ids(i, prompt_tokens) if ids
+                          else prompt_text(i, prompt_tokens, vocab, motif))
+                body = {"prompt": prompt,
                         "max_tokens": max_tokens, "temperature": 0}
                 t0 = time.perf_counter()
                 try:
@@ -336,6 +354,51 @@ def budget_scenario(args: argparse.Namespace) -> None:
           f"{limit:.0f} ({'within' if peak <= limit else 'OVER'}) |", flush=True)
 
 
+def gguf_scenario(args: argparse.Namespace) -> None:
+    """The same client load on `tformer serve` and llama-server, one GGUF file (module doc)."""
+    import llama_cpp  # a sibling script
+
+    from tformer.interop.gguf import import_gguf
+
+    path = Path(args.gguf)
+    if not path.is_file():
+        raise SystemExit(f"no GGUF file {path}")
+    threads = args.threads or os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the tformer server inherits it
+    shape = (args.prompt_tokens, args.max_tokens, 0)
+    context = args.prompt_tokens + args.max_tokens + 16
+    print(f"{path.name}: {args.requests} requests per client of {args.prompt_tokens} random "
+          f"token ids + {args.max_tokens} greedy tokens; {threads} thread(s) each side; "
+          f"llama.cpp: {llama_cpp.isa_summary()}")
+    print("| clients | tformer tok/s | llama.cpp tok/s | ratio | tformer p50 / p99 s | "
+          "llama.cpp p50 / p99 s | failed |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        run = import_gguf(path, Path(tmp) / "run")
+        for clients in args.clients:
+            ours, url = start_server(run, clients)
+            try:
+                with llama_cpp.server(path, threads, parallel=clients, context=context) as peer:
+                    for each in (url, peer):  # warm both up
+                        asyncio.run(load(each, 1, 1, args.prompt_tokens, 4, 0, ids=True))
+                    sides: dict[str, list[dict]] = {"tformer": [], "llama.cpp": []}
+                    for _ in range(args.repeats):
+                        for name, each in (("tformer", url), ("llama.cpp", peer)):
+                            sides[name].append(asyncio.run(
+                                load(each, clients, args.requests, *shape, ids=True)))
+            finally:
+                ours.terminate()
+                ours.wait(120)
+            med = {name: {key: statistics.median(r[key] for r in runs)
+                          for key in ("tokens_per_s", "p50", "p99")}
+                   for name, runs in sides.items()}
+            failed = sum(r["failed"] for runs in sides.values() for r in runs)
+            t, c = med["tformer"], med["llama.cpp"]
+            print(f"| {clients} | {t['tokens_per_s']:.1f} | {c['tokens_per_s']:.1f} | "
+                  f"{t['tokens_per_s'] / c['tokens_per_s']:.2f} | {t['p50']:.2f} / "
+                  f"{t['p99']:.2f} | {c['p50']:.2f} / {c['p99']:.2f} | {failed} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chat", metavar="CKPT", help="the multi-turn chat scenario instead")
@@ -355,6 +418,10 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=7314)
     parser.add_argument("--short-tokens", type=int, default=115)
     parser.add_argument("--shorts", type=int, default=7)
+    parser.add_argument("--gguf", metavar="FILE",
+                        help="tformer serve beside llama-server on this GGUF file instead")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="--gguf: each server's threads (default: every core)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests", type=int, default=2, help="per client")
     parser.add_argument("--prompt-tokens", type=int, default=16)
@@ -380,6 +447,9 @@ def main() -> None:
         return
     if args.chat:
         chat_scenario(args)
+        return
+    if args.gguf:
+        gguf_scenario(args)
         return
     motif = 4 if args.repetitive else 0
     shape = (args.prompt_tokens, args.max_tokens, args.vocab, motif)

@@ -60,13 +60,15 @@ log_every = 1
 class Smoke:
     """A script's smallest run: its arguments, a string its output must hold, the optional
     packages it needs (skipped without them: ctranslate2 is only in the `bench` extra),
-    whether it needs the compiled kernel, whether it takes longer than a default test
-    should (over ~5 s), and whether it is known broken (a strict xfail)."""
+    whether it needs the compiled kernel or llama.cpp's tools (`make bench` builds them),
+    whether it takes longer than a default test should (over ~5 s), and whether it is known
+    broken (a strict xfail)."""
 
     args: tuple[str, ...]
     expect: str
     needs: tuple[str, ...] = ()
     kernel: bool = False
+    llama_tools: bool = False
     slow: bool = False
     broken: bool = False
 
@@ -96,7 +98,7 @@ SMOKES = {
     "decode_memory": Smoke(("--prompt", "8", "--new", "2"), "| process | peak RSS (MB) |",
                            needs=("gguf",), slow=True),
     "greedy_llama_cpp": Smoke(("--tokens", "4", "--prompts", "1"), "| the same for |",
-                              needs=("llama_cpp", "gguf"), slow=True),
+                              needs=("gguf",), llama_tools=True, slow=True),
     "int8_rows": Smoke(("--tiny", "--repeats", "1"), "tiny (40 -> 72)", kernel=True),
     "moe_speed": Smoke(("--tiny", "--repeats", "1", "--new", "2", "--threads", "1",
                         "--weights", "fp32", "q4_0"), "| 8 experts, 2 active | q4_0 |",
@@ -133,8 +135,10 @@ SMOKES = {
     "txl_speed": Smoke(("--rounds", "1", "--train-steps", "1", "--new-tokens", "2"),
                        "relative attention", slow=True),
 }
-OWN_TESTS = {"draft_data", "kernel_ab", "kquant_model", "multi30k", "translation_speed",
-             "txl_memory"}
+# llama_cpp.py builds llama.cpp's tools (minutes): tests/benchmarks/test_llama_cpp.py checks
+# its flag choice and parsers without building.
+OWN_TESTS = {"draft_data", "kernel_ab", "kquant_model", "llama_cpp", "multi30k",
+             "translation_speed", "txl_memory"}
 
 
 def run_script(name: str, *args: str) -> str:
@@ -151,6 +155,15 @@ def run_script(name: str, *args: str) -> str:
 def needs_kernel() -> None:
     if library.load() is None:
         pytest.skip("the compiled kernel is not available here")
+
+
+def needs_llama_tools() -> None:
+    spec = importlib.util.spec_from_file_location("benchmark_llama_cpp_tools",
+                                                  BENCHMARKS / "llama_cpp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not module.available():
+        pytest.skip("llama.cpp's tools are not built here (make bench)")
 
 
 def test_every_script_has_a_smoke_run():
@@ -185,6 +198,8 @@ def test_smallest_run(name):
         pytest.importorskip(package)
     if smoke.kernel:
         needs_kernel()
+    if smoke.llama_tools:
+        needs_llama_tools()
     assert smoke.expect in run_script(name, *smoke.args)
 
 
