@@ -34,8 +34,8 @@ import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
-# llama-cpp-python's release whose vendored llama.cpp the tools are built from; the same pin
-# as the bench extra's llama-cpp-python, so the Python binding and the tools agree.
+# llama-cpp-python's release whose vendored llama.cpp the tools are built from: its sdist is
+# a pinned, checksummed copy of llama.cpp's sources that pip can fetch from PyPI.
 VERSION = "0.3.36"
 TOOLS = ("llama-bench", "llama-perplexity", "llama-server", "llama-quantize")
 
@@ -230,7 +230,7 @@ def llama_commit(llama: Path) -> str:
 def cmake_args(chosen: dict[str, bool]) -> list[str]:
     args = [
         "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=OFF",  # the point of the exercise: every ISA switch below is explicit
+        "-DGGML_NATIVE=OFF",  # every instruction-set switch is named below instead
         "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries, nothing to find at run time
         "-DGGML_CCACHE=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
