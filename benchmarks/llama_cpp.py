@@ -322,7 +322,6 @@ def build(version: str = VERSION, jobs: int | None = None, force: bool = False,
     out.mkdir(exist_ok=True)
     for tool in TOOLS:
         shutil.copy2(build_dir / "bin" / tool, out / tool)
-    shutil.copy2(llama / "convert_hf_to_gguf.py", out / "convert_hf_to_gguf.py")
     commit = llama_commit(llama)
     record = {
         "llama_cpp_python": version,
@@ -334,6 +333,8 @@ def build(version: str = VERSION, jobs: int | None = None, force: bool = False,
         "amx_check": amx_check,
         "summary": f"llama.cpp {commit[:7]} (llama-cpp-python {version}), {describe(chosen)}",
         "source": str(llama),
+        # It imports the packages beside it (conversion/, gguf-py/), so it stays there.
+        "convert_hf_to_gguf": str(llama / "convert_hf_to_gguf.py"),
     }
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"built {', '.join(TOOLS)} in {out}: {record['summary']}")
@@ -358,11 +359,13 @@ def available() -> bool:
 
 
 def binary(name: str) -> Path:
-    """The path of a built llama.cpp tool (or of convert_hf_to_gguf.py)."""
+    """The path of a built llama.cpp tool (or of convert_hf_to_gguf.py in the sources)."""
     if name not in TOOLS and name != "convert_hf_to_gguf.py":
         raise SystemExit(f"no llama.cpp tool {name!r}; built: {', '.join(TOOLS)}, "
                          "convert_hf_to_gguf.py")
     path = bin_dir() / name
+    if name == "convert_hf_to_gguf.py" and (bin_dir() / "build.json").exists():
+        path = Path(json.loads((bin_dir() / "build.json").read_text())["convert_hf_to_gguf"])
     if not path.exists():
         raise SystemExit(f"{path} is missing: run `make bench` (or `python "
                          "benchmarks/llama_cpp.py build`) to build llama.cpp's tools")
@@ -504,6 +507,19 @@ def quantize(src: Path, dst: Path, type: str, threads: int | None = None,
     if threads is not None:
         args.append(threads)
     _run(args, timeout)
+    return Path(dst)
+
+
+def convert_hf(model_dir: Path, dst: Path, outtype: str = "f32",
+               timeout: float = 3600) -> Path:
+    """convert_hf_to_gguf.py: a Hugging Face model directory -> one GGUF file (f32, f16,
+    bf16 or q8_0), with the gguf package of the same llama.cpp sources."""
+    if outtype not in ("f32", "f16", "bf16", "q8_0"):
+        raise SystemExit(f"outtype must be f32, f16, bf16 or q8_0, not {outtype!r}")
+    if not (Path(model_dir) / "config.json").exists():
+        raise SystemExit(f"{model_dir} is not a Hugging Face model directory (no config.json)")
+    _run([sys.executable, binary("convert_hf_to_gguf.py"), model_dir, "--outfile", dst,
+          "--outtype", outtype], timeout)
     return Path(dst)
 
 
