@@ -3,7 +3,8 @@ on its own Q4_1 blocks (`tformer import`ed), llama.cpp on the file (its llama-be
 the prompt and generating after it, `-pg P,N`, one run; `make bench` builds the tool), and
 the share that is the torch runtime alone (a process that imports torch and tformer and
 allocates nothing). Each in a process of its own, greedy, batch 1, the same --prompt and
---new token counts; VmHWM from /proc, and llama-bench's peak RSS from wait4().
+--new token counts; VmHWM from /proc, and llama-bench's peak RSS from wait4() in a small
+launcher.
 
     cd benchmarks && python decode_memory.py [--prompt 512 --new 128]
 """
@@ -38,16 +39,33 @@ def peak_mb(code: str, *args: str) -> float:
     return int(done.stdout.split()[-1]) / 1024
 
 
+# A native tool's peak RSS is its rusage's ru_maxrss, but that counts the memory of the
+# process it was forked from before exec (a fork copies the page mappings): forked from this
+# Python, which holds torch, it would read ~1.5 GB too many. So a bare Python (no site, a few
+# MB) forks and execs the tool, and reports the tool's ru_maxrss.
+LAUNCH = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+code = os.waitstatus_to_exitcode(status)
+if code != 0:
+    sys.exit(f"{sys.argv[1]} failed ({code})")
+print(usage.ru_maxrss)
+"""
+
+
 def tool_peak_mb(args: list[str]) -> float:
-    """Peak resident memory of a native tool's process, as the kernel accounts it."""
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace").strip().splitlines()
-    proc.stderr.close()
-    if proc.returncode != 0:
-        raise SystemExit(f"{args[0]} failed ({proc.returncode}): {err[-1] if err else ''}")
-    return usage.ru_maxrss / 1024  # KiB on Linux
+    """Peak resident memory of a native tool's process (KiB from the kernel, as MB)."""
+    done = subprocess.run([sys.executable, "-S", "-c", LAUNCH, *args], capture_output=True,
+                          text=True, timeout=1800)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise SystemExit(lines[-1] if lines else f"{args[0]} failed")
+    return int(done.stdout.split()[-1]) / 1024
 
 
 def main() -> None:
