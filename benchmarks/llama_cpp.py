@@ -3,9 +3,10 @@
 llama.cpp sources that llama-cpp-python's sdist carries (vendor/llama.cpp).
 
 The build names its instruction sets explicitly instead of -march=native: on a Xeon whose
-CPU flags list AMX inside a virtual machine that does not grant the tile registers, a native
-build dies with SIGILL on its first evaluation. Each ISA extension comes from /proc/cpuinfo;
-AMX only where a probe shows a tile instruction really runs. The flags and llama.cpp's commit
+CPU flags list AMX, a native build (llama-cpp-python's included) can die with SIGILL on its
+first evaluation. Each ISA extension comes from /proc/cpuinfo; AMX only where a probe shows
+the tiles run, and then only if the built llama-bench runs ggml's AMX kernels (GCC 12 builds
+them without their tile configuration; see amx_build_runs). The flags and llama.cpp's commit
 go to build.json beside the binaries, and `isa_summary()` names them in the tables.
 
     python benchmarks/llama_cpp.py build [--jobs 2]   # `make bench` runs this
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 # llama-cpp-python's release whose vendored llama.cpp the tools are built from: its sdist is
-# a pinned, checksummed copy of llama.cpp's sources that pip can fetch from PyPI.
+# a pinned copy of llama.cpp's sources that pip can fetch from PyPI.
 VERSION = "0.3.36"
 TOOLS = ("llama-bench", "llama-perplexity", "llama-server", "llama-quantize")
 
@@ -214,7 +215,11 @@ def fetch_source(version: str, dest: Path) -> Path:
         unpack = dest / "src.partial"
         shutil.rmtree(unpack, ignore_errors=True)
         with tarfile.open(archives[0]) as archive:
-            archive.extractall(unpack, filter="data")
+            # The "data" filter refuses links and paths out of `unpack` (Pythons that have it).
+            if hasattr(tarfile, "data_filter"):
+                archive.extractall(unpack, filter="data")
+            else:
+                archive.extractall(unpack)
         (top,) = unpack.iterdir()
         shutil.rmtree(source, ignore_errors=True)
         top.rename(source)
