@@ -12,8 +12,8 @@ go to build.json beside the binaries, and `isa_summary()` names them in the tabl
     python benchmarks/llama_cpp.py build [--jobs 2]   # `make bench` runs this
     python benchmarks/llama_cpp.py info               # where the tools are, and their flags
 
-The cache lives in $TFORMER_CACHE/llama.cpp-<version> (else $XDG_CACHE_HOME/tformer, else
-~/.cache/tformer), outside the repository; nothing of llama.cpp is committed here.
+The tools live in $XDG_CACHE_HOME/tformer/llama.cpp-<version> (default ~/.cache), beside
+tformer's compiled kernels, outside the repository; nothing of llama.cpp is committed here.
 """
 
 from __future__ import annotations
@@ -116,12 +116,11 @@ int main(void) {
 
 
 def cache_dir(version: str = VERSION) -> Path:
-    """Where tformer keeps its other caches: $TFORMER_CACHE, else $XDG_CACHE_HOME/tformer,
-    else ~/.cache/tformer."""
-    base = os.environ.get("TFORMER_CACHE")
-    if not base:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tformer"
-    return Path(base) / f"llama.cpp-{version}"
+    """Beside tformer's compiled kernels (kernels/library.py): built code, kept per machine,
+    in $XDG_CACHE_HOME/tformer, else ~/.cache/tformer. ($TFORMER_CACHE is for token caches;
+    the tests point it at a fresh directory, where nothing is built.)"""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "tformer" / f"llama.cpp-{version}"
 
 
 def bin_dir(version: str = VERSION) -> Path:

@@ -206,7 +206,6 @@ def test_perplexity_output_without_an_estimate_is_one_error():
 
 
 def test_a_missing_tool_tells_to_run_make_bench(tmp_path, monkeypatch):
-    monkeypatch.delenv("TFORMER_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert tools.cache_dir() == tmp_path / "tformer" / f"llama.cpp-{tools.VERSION}"
     assert not tools.available()
@@ -217,7 +216,7 @@ def test_a_missing_tool_tells_to_run_make_bench(tmp_path, monkeypatch):
 
 
 def test_the_summary_comes_from_build_json(tmp_path, monkeypatch):
-    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     out = tools.bin_dir()
     out.mkdir(parents=True)
     for tool in tools.TOOLS:

