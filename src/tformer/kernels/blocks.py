@@ -310,14 +310,40 @@ def available() -> bool:
     return _lib() is not None
 
 
+REPACK_MIN_ROWS = 5
+"""Products of this many rows and more (a prompt, a batch of more than four, a speculative
+round's verification) go through W repacked (repack), where a layer has it: up to four, the
+product is a stream through the file's blocks, each read once whatever the layout."""
+
+
+def repackable(fmt: str) -> bool:
+    """Whether blocks.c repacks `fmt` for products of many rows (the 32-value formats)."""
+    return LAYOUTS[fmt].values == 32
+
+
+def repack(lib: ctypes.CDLL, fmt: str, blocks: Tensor, k: int) -> Tensor:
+    """W's blocks [N, K / values * bytes] -> uint8, blocks.c's struct repacked: W's rows
+    eight at a time side by side, each block's values a byte each and its scales fp32, for
+    products of REPACK_MIN_ROWS rows and more (40 bytes for every 32 weights, beside the
+    file's 18 to 34)."""
+    n = blocks.shape[0]
+    out = torch.empty(lib.tformer_blocks_repacked_size(KINDS[fmt], n, k), dtype=torch.uint8)
+    if lib.tformer_blocks_repack(KINDS[fmt], blocks.data_ptr(), n, k, out.data_ptr()):
+        raise TformerError(f"blocks.c does not repack {fmt}")
+    return out
+
+
 def call(lib: ctypes.CDLL, fmt: str, x: Tensor, blocks: Tensor, n: int, k: int,
-         bias: Tensor | None) -> Tensor:
+         bias: Tensor | None, repacked: Tensor | None = None) -> Tensor:
     """y = x W^T + b through kinds.c's table (blocks.c's or kquants.c's product), W as
-    blocks; x (M, K) fp32 contiguous, all checked."""
+    blocks (and, for REPACK_MIN_ROWS rows and more, `repacked`, repack's, where given); x
+    (M, K) fp32 contiguous, all checked."""
     m = x.shape[0]
     y = x.new_empty(m, n)
     struct = library.Linear(KINDS[fmt], n, k, blocks.data_ptr(), None,
-                            None if bias is None else bias.data_ptr(), None, None, 0, 1 << 30)
+                            None if bias is None else bias.data_ptr(),
+                            None if repacked is None else repacked.data_ptr(), None, 0,
+                            REPACK_MIN_ROWS)
     if lib.tformer_linear(ctypes.byref(struct), x.data_ptr(), y.data_ptr(), m,
                           torch.get_num_threads()):
         raise MemoryError(f"no memory for {m} x {k} activation blocks")
@@ -338,7 +364,8 @@ def quantize_activations(x: Tensor, values: int = 32) -> tuple[Tensor, Tensor]:
 
 def computes_right(lib: ctypes.CDLL) -> bool:
     """A check that the block products compute what they should on the path chosen: every
-    format, 1 to 9 rows (so the few-row and many-row products), weight rows not a multiple
+    format, 1 to 9 rows (so the few-row products and the many-row ones, over repacked
+    weights where the format has them), weight rows not a multiple
     of the kernels' step, against the block arithmetic in float64 (the activations rounded
     by quantize_activations, one block rounded to zero), within fp32 rounding."""
     g = torch.Generator().manual_seed(0)
@@ -351,7 +378,8 @@ def computes_right(lib: ctypes.CDLL) -> bool:
         for m in (1, 2, 3, 4, 5, 9):
             x = torch.randn(m, k, generator=g)
             x[0, :values] = 0.0
-            got = call(lib, fmt, x, blocks, n, k, bias if m % 2 else None)
+            repacked = repack(lib, fmt, blocks, k) if repackable(fmt) else None
+            got = call(lib, fmt, x, blocks, n, k, bias if m % 2 else None, repacked)
             q, d = quantize_activations(x, values)
             want = (dequantize(blocks, fmt).double() @ (q.double() * d.double()).reshape(m, k).t()
                     ).t()
@@ -486,6 +514,7 @@ class BlockLinear(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = bias
         self._dense: Tensor | None = None
+        self.__dict__["_repacked"] = None  # repacked(): made at the first many-row use
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> BlockLinear:
@@ -494,7 +523,21 @@ class BlockLinear(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's)
         super()._apply(fn, recurse)
         self._dense = None
+        self.__dict__["_repacked"] = None
         return self
+
+    def repacked(self) -> Tensor | None:
+        """The blocks repacked for products of REPACK_MIN_ROWS rows and more (repack), made
+        at the first call and kept beside the file's blocks, which export, checkpoints and
+        the few-row products read; None where blocks.c has no repacked form of the format."""
+        lib = _lib()
+        if lib is None or not repackable(self.fmt) or self.blocks.device.type != "cpu":
+            return None
+        made = self.__dict__["_repacked"]
+        if made is None or made[0] != self.blocks.data_ptr():
+            made = (self.blocks.data_ptr(), repack(lib, self.fmt, self.blocks, self.in_features))
+            self.__dict__["_repacked"] = made
+        return made[1]
 
     @property
     def weight(self) -> Tensor:
@@ -513,6 +556,7 @@ class BlockLinear(nn.Module):
         if prefix + "weight" in state_dict:
             state_dict[prefix + "blocks"] = state_dict.pop(prefix + "weight")
         super()._load_from_state_dict(state_dict, prefix, *args)
+        self.__dict__["_repacked"] = None  # the blocks were copied in: repack them anew
 
     def _fits(self, x: Tensor) -> bool:
         b = self.bias
@@ -527,12 +571,14 @@ class BlockLinear(nn.Module):
         if _lib() is None or not self._fits(torch.empty(0)):
             return None
         bias = None if self.bias is None else self.bias.detach()
+        repacked = self.repacked()
         struct = library.Linear(KINDS[self.fmt], self.out_features, self.in_features,
                                 self.blocks.data_ptr(), None,
-                                None if bias is None else bias.data_ptr(), None, None, 0,
-                                1 << 30)
-        return library.BoundLinear(struct, 1 << 30,
-                                   (self.blocks, *([] if bias is None else [bias])))
+                                None if bias is None else bias.data_ptr(),
+                                None if repacked is None else repacked.data_ptr(), None, 0,
+                                REPACK_MIN_ROWS)
+        held = [t for t in (self.blocks, bias, repacked) if t is not None]
+        return library.BoundLinear(struct, 1 << 30, tuple(held))
 
     def forward(self, x: Tensor) -> Tensor:
         lib = _lib()
@@ -544,8 +590,9 @@ class BlockLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self._dense.to(x.dtype), bias)
         rows = x.reshape(-1, self.in_features).contiguous()
+        repacked = self.repacked() if rows.shape[0] >= REPACK_MIN_ROWS else None
         y = call(lib, self.fmt, rows, self.blocks, self.out_features, self.in_features,
-                 None if self.bias is None else self.bias.detach())
+                 None if self.bias is None else self.bias.detach(), repacked)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -261,6 +261,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_blocks_linear": (_int, [_int, _p, _long, _p, _long, _long, _p, _p, _int]),
     "tformer_blocks_kind_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     "tformer_quantize_blocks": (_int, [_int, _p, _long, _p, _int]),
+    "tformer_blocks_repacked_size": (_long, [_int, _long, _long]),
+    "tformer_blocks_repack": (_int, [_int, _p, _long, _long, _p]),
+    "tformer_blocks_repacked_linear": (_int, [_int, _p, _long, _p, _long, _long, _p, _p, _int]),
     # llama.cpp's K super-blocks (kquants.c)
     "tformer_kquants_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     "tformer_quantize_k": (_int, [_int, _p, _long, _p, _int]),

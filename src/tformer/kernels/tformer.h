@@ -32,7 +32,8 @@ struct tformer_linear {
     const void *data;
     const float *scales; /* NULL where the format keeps no scales apart from data */
     const float *bias; /* or NULL */
-    const void *packed; /* int8: data packed for many rows (tformer_pack_int8), or NULL */
+    const void *packed; /* int8: data packed for many rows (tformer_pack_int8); q8_0 .. q5_1:
+                         * data repacked (tformer_blocks_repack); or NULL */
     const int32_t *packed_sums; /* int8: the sum of each row of data */
     int32_t layout; /* of packed: TFORMER_ISA_AVX2, TFORMER_ISA_AVX512_VNNI, TFORMER_AVX2_BYTES */
     int32_t packed_min_rows; /* products of this many rows and more use packed */
@@ -105,6 +106,10 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
 int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                                int threads);
 int tformer_quantize_blocks(int kind, const float *x, long n, uint8_t *out, int threads);
+long tformer_blocks_repacked_size(int kind, long n, long k);
+int tformer_blocks_repack(int kind, const uint8_t *w, long n, long k, uint8_t *out);
+int tformer_blocks_repacked_linear(int kind, const float *x, long m, const uint8_t *packed,
+                                   long n, long k, const float *b, float *y, int threads);
 
 /* --- llama.cpp's K super-blocks: q4_k, q5_k, q6_k (kquants.c, kquants_isa.h; the path is
  * tformer_blocks_isa's) --------------------------------------------------------------------- */
