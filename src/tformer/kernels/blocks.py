@@ -316,20 +316,19 @@ round's verification) go through W repacked (repack), where a layer has it: up t
 product is a stream through the file's blocks, each read once whatever the layout."""
 
 
-def repackable(fmt: str) -> bool:
-    """Whether blocks.c repacks `fmt` for products of many rows (the 32-value formats)."""
-    return LAYOUTS[fmt].values == 32
-
-
-def repack(lib: ctypes.CDLL, fmt: str, blocks: Tensor, k: int) -> Tensor:
-    """W's blocks [N, K / values * bytes] -> uint8, blocks.c's struct repacked: W's rows
-    eight at a time side by side, each block's values a byte each and its scales fp32, for
-    products of REPACK_MIN_ROWS rows and more (40 bytes for every 32 weights, beside the
-    file's 18 to 34)."""
+def repack(lib: ctypes.CDLL, fmt: str, blocks: Tensor, k: int) -> Tensor | None:
+    """W's blocks [N, K / values * bytes] -> uint8, repacked through kinds.c's table for
+    products of REPACK_MIN_ROWS rows and more (blocks.c's struct repacked, kquants.c's
+    struct krepacked: W's rows eight at a time side by side, the values a byte each, the
+    scales unpacked; 40 bytes for every 32 weights beside the file's 18 to 34, 360 for 256
+    beside the K formats' 144 to 210), or None where the kind has no repacked form."""
     n = blocks.shape[0]
-    out = torch.empty(lib.tformer_blocks_repacked_size(KINDS[fmt], n, k), dtype=torch.uint8)
-    if lib.tformer_blocks_repack(KINDS[fmt], blocks.data_ptr(), n, k, out.data_ptr()):
-        raise TformerError(f"blocks.c does not repack {fmt}")
+    size = lib.tformer_repacked_size(KINDS[fmt], n, k)
+    if size == 0:
+        return None
+    out = torch.empty(size, dtype=torch.uint8)
+    if lib.tformer_repack(KINDS[fmt], blocks.data_ptr(), n, k, out.data_ptr()):
+        raise TformerError(f"kinds.c's table repacks no {fmt}")
     return out
 
 
@@ -378,7 +377,7 @@ def computes_right(lib: ctypes.CDLL) -> bool:
         for m in (1, 2, 3, 4, 5, 9):
             x = torch.randn(m, k, generator=g)
             x[0, :values] = 0.0
-            repacked = repack(lib, fmt, blocks, k) if repackable(fmt) else None
+            repacked = repack(lib, fmt, blocks, k)
             got = call(lib, fmt, x, blocks, n, k, bias if m % 2 else None, repacked)
             q, d = quantize_activations(x, values)
             want = (dequantize(blocks, fmt).double() @ (q.double() * d.double()).reshape(m, k).t()
@@ -529,9 +528,9 @@ class BlockLinear(nn.Module):
     def repacked(self) -> Tensor | None:
         """The blocks repacked for products of REPACK_MIN_ROWS rows and more (repack), made
         at the first call and kept beside the file's blocks, which export, checkpoints and
-        the few-row products read; None where blocks.c has no repacked form of the format."""
+        the few-row products read; None where the format has no repacked form here."""
         lib = _lib()
-        if lib is None or not repackable(self.fmt) or self.blocks.device.type != "cpu":
+        if lib is None or self.blocks.device.type != "cpu":
             return None
         made = self.__dict__["_repacked"]
         if made is None or made[0] != self.blocks.data_ptr():
