@@ -31,6 +31,22 @@ through kinds.c's table, on x86-64 with AVX2 (and AVX-VNNI or AVX-512 VNNI where
 has them). Elsewhere (library.py's
 TFORMER_ISA=torch, no compiler) it multiplies fp32 rows by the weight dequantized once and
 kept: the same weights, the activations unrounded.
+
+Products of REPACK_MIN_ROWS rows and more (a prompt, a batch, a speculative round's
+verification) read the weight repacked (repack, llama.cpp's repack.cpp's idea): eight
+rows side by side, each block's values a byte each and its scales unpacked, so that eight
+outputs share every instruction. A layer repacks at its first such product (or when
+step.c is given it) and keeps the copy beside the file's blocks, which checkpoints,
+export and products of up to four rows read: 40 bytes for 32 weights beside the 32-value
+formats' 18 to 34, 360 for 256 beside the K formats' 144 to 210, so a model that has read
+a prompt holds its block weights in 2.2 (q8_0) to 3.5 (q4_k) times their file's bytes.
+The file's blocks stay because one row, decoding's product, is a stream through the
+weights, where the file's 4.5 bits a weight are read faster than the repacked 10. The
+repacked product's results: the K
+formats' the few-row product's bit for bit; the 32-value formats' the plain C product's
+bit for bit, and on the SIMD paths within fp32 rounding of their few-row product's (which
+adds each block's products in eight lanes): a row's result is the same in any batch of
+REPACK_MIN_ROWS or more, and may differ in its last bits alone or in a batch of four.
 """
 
 from __future__ import annotations
