@@ -10,7 +10,8 @@
  * at a time through a tile of W's rows, which stays in the cache while x's rows pass. With
  * up to four rows the tile is a few rows of W and the product a stream through the weights,
  * as matvec.c's; with more, a tile is 16 rows of W (a few KB) and x's rows pass in chunks
- * of 64 (at most some 100 KB, in L2). Threads (OpenMP) take tiles of W.
+ * of 64 (at most some 100 KB, in L2). Threads (OpenMP) take tiles of W. A layer that has
+ * W repacked (struct repacked, below) gives products of many rows that instead.
  *
  * Paths (tformer_blocks_isa): plain C; AVX2 (byte multiply-adds); AVX-VNNI and AVX-512 VNNI
  * (vpdpbusd on 256-bit registers), each the same integer sums (blocks_isa.h).

@@ -42,11 +42,11 @@ formats' 18 to 34, 360 for 256 beside the K formats' 144 to 210, so a model that
 a prompt holds its block weights in 2.2 (q8_0) to 3.5 (q4_k) times their file's bytes.
 The file's blocks stay because one row, decoding's product, is a stream through the
 weights, where the file's 4.5 bits a weight are read faster than the repacked 10. The
-repacked product's results: the K
-formats' the few-row product's bit for bit; the 32-value formats' the plain C product's
-bit for bit, and on the SIMD paths within fp32 rounding of their few-row product's (which
-adds each block's products in eight lanes): a row's result is the same in any batch of
-REPACK_MIN_ROWS or more, and may differ in its last bits alone or in a batch of four.
+repacked product's results: the K formats' the few-row product's bit for bit; the
+32-value formats' the plain C product's bit for bit, and on the SIMD paths within fp32
+rounding of their few-row product's (which adds each block's products in eight lanes): a
+row's result is the same in any batch of REPACK_MIN_ROWS or more, and may differ in its
+last bits alone or in a batch of four.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@
  * table below; the integer sum of u q weighted by sc is one function per path (plain C,
  * AVX2's byte multiply-adds, AVX-VNNI's and AVX-512 VNNI's vpdpbusd), chosen by
  * tformer_blocks_isa. Threads (OpenMP) take rows of W; x's rows pass in chunks of 64, each
- * super-block of W unpacked once per chunk.
+ * super-block of W unpacked once per chunk. Products of many rows read W unpacked once and
+ * for all instead, eight rows side by side (struct krepacked, kquants_isa.h).
  *
  * The file ends with the quantizers (tformer_quantize_k, kinds.c's row for each K kind).
  */
@@ -398,6 +399,8 @@ int tformer_kquants_repack(int kind, const uint8_t *w, long n, long k, uint8_t *
     return 0;
 }
 
+/* x (m x k) rounded to Q8_K into xb. Returns 0, or -1 where it could not allocate (xb then
+ * holds nothing to free). */
 static int kx_make(struct kx *xb, const float *x, long m, long k, int threads)
 {
     const long nb = k / QK;
@@ -466,44 +469,37 @@ int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float
                        : isa == TFORMER_BLOCKS_AVX512_VNNI ? dot_vnni512
                                                            : dot_avx2;
     struct kx xb;
-    xb.q = malloc((size_t)(m * k));
-    xb.d = malloc((size_t)(m * nb) * sizeof(float));
-    xb.bsums = malloc((size_t)(m * nb) * GROUPS * sizeof(int32_t));
-    const int ok = xb.q && xb.d && xb.bsums;
-    if (ok) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * nb > 512)
-        for (long t = 0; t < m * nb; t++)
-            quantize_superblock(x + t * QK, xb.q + t * QK, xb.d + t, xb.bsums + t * GROUPS);
-        const uint8_t *w = l->data;
-        for (long c = 0; c < m; c += X_CHUNK) {
-            const long rows = m - c < X_CHUNK ? m - c : X_CHUNK;
+    if (kx_make(&xb, x, m, k, threads))
+        return -1;
+    const uint8_t *w = l->data;
+    for (long c = 0; c < m; c += X_CHUNK) {
+        const long rows = m - c < X_CHUNK ? m - c : X_CHUNK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-            for (long r = 0; r < n; r++) {
-                float acc[X_CHUNK];
-                struct unpacked p;
-                for (long i = 0; i < rows; i++)
-                    acc[i] = 0.0f;
-                for (long b = 0; b < nb; b++) {
-                    unpack(w + r * row + b * size, &p);
-                    for (long i = 0; i < rows; i++) {
-                        const long at = (c + i) * nb + b;
-                        const int32_t *bs = xb.bsums + at * GROUPS;
-                        int32_t mins = 0;
-                        for (int g = 0; g < GROUPS; g++)
-                            mins += p.mn[g] * bs[g];
-                        const int32_t s = dot(p.u, xb.q + at * QK, p.sc);
-                        acc[i] += (float)s * (p.d * xb.d[at]) - (float)mins * (p.dmin * xb.d[at]);
-                    }
+        for (long r = 0; r < n; r++) {
+            float acc[X_CHUNK];
+            struct unpacked p;
+            for (long i = 0; i < rows; i++)
+                acc[i] = 0.0f;
+            for (long b = 0; b < nb; b++) {
+                unpack(w + r * row + b * size, &p);
+                for (long i = 0; i < rows; i++) {
+                    const long at = (c + i) * nb + b;
+                    const int32_t *bs = xb.bsums + at * GROUPS;
+                    int32_t mins = 0;
+                    for (int g = 0; g < GROUPS; g++)
+                        mins += p.mn[g] * bs[g];
+                    const int32_t s = dot(p.u, xb.q + at * QK, p.sc);
+                    acc[i] += (float)s * (p.d * xb.d[at]) - (float)mins * (p.dmin * xb.d[at]);
                 }
-                for (long i = 0; i < rows; i++)
-                    y[(c + i) * n + r] = l->bias ? acc[i] + l->bias[r] : acc[i];
             }
+            for (long i = 0; i < rows; i++)
+                y[(c + i) * n + r] = l->bias ? acc[i] + l->bias[r] : acc[i];
         }
     }
     free(xb.q);
     free(xb.d);
     free(xb.bsums);
-    return ok ? 0 : -1;
+    return 0;
 }
 
 /* --- Quantizing: fp32 rows to K super-blocks (kquants.py's quantize_*, which this computes
