@@ -9,7 +9,8 @@ Formats are timed in alternation, the median of --repeats runs each, so a busy m
 slows them alike; compare the ratios within a run (each row also gives them to fp32 and
 to int8).
 
-    python benchmarks/block_rows.py [--repeats 3] [--threads 2] [--formats fp32 int8 q4_1 ...]
+    python benchmarks/block_rows.py [--repeats 3] [--threads 2] [--prompts 512 2048]
+                                    [--formats fp32 int8 q4_1 ...]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=32, help="tokens each of batch 8's rows decodes")
+    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--formats", nargs="+", default=list(DEFAULT))
     ap.add_argument("--tiny", action="store_true",
                     help="a random tiny model and short prompts, to try the script")
@@ -51,7 +53,7 @@ def main() -> None:
         args.formats = [f for f in args.formats if not f.startswith("file")]
     else:
         model, _ = smollm2()
-        prompts = (512, 2048)
+        prompts = args.prompts
     models = {fmt: (unrepacked(in_format(model, fmt.removesuffix(":file")))
                     if fmt.endswith(":file") else in_format(model, fmt))
               for fmt in args.formats}
