@@ -56,10 +56,17 @@ struct xblocks {
  * u[t][o] holds values 4t .. 4t + 3 of output o, so that one 32-byte load is one group of
  * four for all eight outputs, lane o output o's (blocks_isa.h's group). The values are the
  * file's: q8_0's signed bytes, the 4- and 5-bit kinds' 0 .. 15 and 0 .. 31 with their
- * offsets still in them (q4_0's 8, q5_0's 16), m 0 where the kind has no minimum. A block
+ * offsets still in them (q4_0's 8, q5_0's 16), m 0 where the kind has no minimum (q8_0's
+ * slot holds start instead). A block
  * of eight rows is 320 bytes, 40 a row where the file's q4_0 takes 18, q8_0 34. */
 struct repacked {
-    float d[8], m[8];
+    float d[8];
+    union {
+        float m[8];
+        /* q8_0, which has no minimum: -128 times the sum of each row's block, which the
+         * VNNI paths start from where they take x + 128 unsigned (blocks_isa.h) */
+        int32_t start[8];
+    };
     uint8_t u[8][8][4];
 };
 
@@ -454,8 +461,13 @@ int tformer_blocks_repack(int kind, const uint8_t *w, long n, long k, uint8_t *o
             const int o = (int)(row % 8);
             uint8_t v[BLOCK];
             block_values(kind, w + row * nb * size + q * size, v, &blk->d[o], &blk->m[o]);
-            for (int j = 0; j < BLOCK; j++)
+            int32_t sum = 0;
+            for (int j = 0; j < BLOCK; j++) {
                 blk->u[j / 4][o][j % 4] = v[j];
+                sum += (int8_t)v[j];
+            }
+            if (kind == KIND_Q8_0)
+                blk->start[o] = -128 * sum;
         }
     return 0;
 }

@@ -167,12 +167,22 @@ BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(group)(
             const long at = (i0 + i) * nb + q;
             const uint8_t *xq = (const uint8_t *)(xb->qx + at * BLOCK);
             __m256i sum = _mm256_set1_epi32(-offset_of(kind) * xb->isum[at]);
+#ifdef BLK_DOT
+            /* q8_0's signed weights: x + 128 (x ^ 0x80, unsigned) times w, from -128 sum(w) */
+            if (kind == KIND_Q8_0)
+                sum = _mm256_loadu_si256((const __m256i *)blk->start);
+#endif
 #pragma GCC unroll 8
             for (int t = 0; t < 8; t++) {
                 const __m256i xs = _mm256_set1_epi32((int)load_u32(xq + 4 * t));
                 const __m256i v = _mm256_loadu_si256((const __m256i *)blk->u[t]);
+#ifdef BLK_DOT
+                if (kind == KIND_Q8_0)
+                    sum = BLK_SUM(sum, _mm256_xor_si256(xs, _mm256_set1_epi8(-128)), v);
+#else
                 if (kind == KIND_Q8_0) /* signed weights: |w| times x with w's sign */
                     sum = BLK_SUM(sum, _mm256_sign_epi8(v, v), _mm256_sign_epi8(xs, v));
+#endif
                 else
                     sum = BLK_SUM(sum, v, xs);
             }
