@@ -77,6 +77,8 @@ class Smoke:
 # trained run, a config or a second kernel source) have their own tests below.
 SMOKES = {
     "blocks_quality": Smoke(("--tiny",), "| q4_1 |"),
+    "block_rows": Smoke(("--tiny", "--repeats", "1", "--threads", "1", "--formats", "fp32",
+                         "q4_1", "q4_1:file"), "| prompt 32 | q4_1:file |", kernel=True),
     "blocks_speed": Smoke(("--tiny", "--repeats", "1", "--threads", "1"),
                           "| prompt 16, 1 thread |"),
     "compile_decoding": Smoke(("--size", "small", "--new-tokens", "2", "--rounds", "1"),

@@ -154,6 +154,139 @@ def test_a_row_s_result_does_not_depend_on_its_batch_or_the_threads(fmt):
         torch.set_num_threads(threads)
 
 
+def plain_unrepack(packed: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
+    """blocks.c's struct repacked read back as written in its text, into W (n x k) in
+    float64: per group of eight rows and block, fp32 d[8], m[8] (q8_0: int32 start[8],
+    -128 times the sum of the block's values, checked here), then u[t][o][b], value 4t + b
+    of row o, a byte (q8_0's signed; the others less their offset)."""
+    nb, groups = k // 32, (n + 7) // 8
+    rec = packed.view(groups, nb, 320)
+    d = rec[..., :32].contiguous().view(torch.float32).double()  # [groups, nb, 8]
+    m = rec[..., 32:64].contiguous().view(torch.float32).double()
+    u = rec[..., 64:].reshape(groups, nb, 8, 8, 4)  # [group, block, t, o, b]
+    v = (u.view(torch.int8) if fmt == "q8_0" else u).double()
+    if fmt == "q8_0":
+        start = rec[..., 32:64].contiguous().view(torch.int32)
+        assert torch.equal(start.double(), -128 * v.sum(dim=(2, 4)))
+        m = torch.zeros_like(m)
+    v = v - {"q4_0": 8, "q5_0": 16}.get(fmt, 0)
+    values = v.permute(0, 3, 1, 2, 4).reshape(groups, 8, nb, 32)  # [group, o, block, j]
+    w = values * d.permute(0, 2, 1)[..., None] + m.permute(0, 2, 1)[..., None]
+    return w.reshape(groups * 8, k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repacking_keeps_every_value_and_fills_the_last_group_with_zeros(fmt):
+    lib = blocks._lib()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    n, k = 13, 96
+    raw = file_weight(fmt, n, k)
+    w = plain_unrepack(blocks.repack(lib, fmt, raw, k), fmt, n, k)
+    want = torch.tensor([plain_dequantize(bytes(r.numpy()), fmt, k) for r in raw])
+    assert torch.equal(w[:n], want)
+    assert not w[n:].any()
+
+
+def few_rows_bound(x: torch.Tensor, raw: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
+    """How far an fp32 product of the blocks' exact integer sums can be from the float64
+    value: each of the k / 32 blocks' terms rounded at most three times (d_w d_x, times the
+    sum, into the sum), the few-row paths' eight lanes added in three more steps, q4_1's and
+    q5_1's minimums and the bias in two: (k / 32 + 8) units of fp32 rounding (2^-24) of the
+    terms' sizes, with 1 for the bias. The sizes are |x| |d q|^T and |x| |m|^T apart where
+    the format has a minimum m: d q + m may cancel, the kernels' separate sums do not."""
+    if fmt not in ("q4_1", "q5_1"):
+        sizes = plain_product(x, raw, fmt, None, absolute=True)
+    else:
+        by_block = raw.view(raw.shape[0], -1, blocks.BLOCK_BYTES[fmt])
+        no_min, no_d = raw.clone(), raw.clone()
+        no_min.view_as(by_block)[..., 2:4] = 0
+        no_d.view_as(by_block)[..., 0:2] = 0
+        sizes = (plain_product(x, no_min, fmt, None, absolute=True)
+                 + plain_product(x, no_d, fmt, None, absolute=True))
+    return (k // 32 + 8) * 2.0**-24 * (sizes + 1)
+
+
+@pytest.mark.parametrize("path", list(PATHS), indirect=True)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repacked_products_are_the_plain_c_products_bit_for_bit(path, fmt):
+    """Over repacked weights, on every path: the block arithmetic in float64 within fp32
+    rounding, and the plain C product over the file's blocks exactly (the same integer sums,
+    the same fp32 operations in the same order); row counts not a multiple of the tile (4)
+    nor of the chunk of x (64), outputs not a multiple of the group (8), threads 1 and 2."""
+    n, k = 21, 160
+    raw = file_weight(fmt, n, k)
+    packed = blocks.repack(path, fmt, raw, k)
+    bias = torch.randn(n)
+    chosen = path.tformer_blocks_isa(-1)
+    threads = torch.get_num_threads()
+    rows = torch.randn(70, k) * torch.logspace(-2, 2, 70)[:, None]
+    rows[0, 32:64] = 0.0
+    rows[5, 7] = 30.0
+    exact, bound = plain_product(rows, raw, fmt, None), few_rows_bound(rows, raw, fmt, k)
+    try:
+        for m in (5, 7, 70):
+            x = rows[:m]
+            for b in (bias, None):
+                torch.set_num_threads(1)
+                got = blocks.call(path, fmt, x, raw, n, k, b, packed)
+                want = exact[:m] + (0 if b is None else b.double())
+                assert ((got.double() - want).abs() <= bound[:m]).all()
+                if m == 70 and b is None:
+                    torch.set_num_threads(2)
+                    assert torch.equal(blocks.call(path, fmt, x, raw, n, k, b, packed), got)
+                path.tformer_blocks_isa(blocks.ISA_GENERIC)
+                plain = blocks.call(path, fmt, x, raw, n, k, b)
+                path.tformer_blocks_isa(chosen)
+                assert torch.equal(got, plain), (fmt, m)
+    finally:
+        torch.set_num_threads(threads)
+        path.tformer_blocks_isa(chosen)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_layer_s_row_is_the_same_in_any_batch_of_five_rows_or_more(fmt):
+    """A BlockLinear sends REPACK_MIN_ROWS rows and more through its repacked weights: a
+    row's result is then the same in any such batch, whatever the threads. Alone (the
+    few-row product over the file's blocks, whose fp32 sums run in eight lanes on the SIMD
+    paths) it may differ in the last bits: by at most both products' fp32 rounding."""
+    if blocks._lib() is None:
+        pytest.skip("no C kernels here")
+    n, k = 37, 576
+    raw = file_weight(fmt, n, k)
+    layer = blocks.BlockLinear(raw, fmt, k, torch.randn(n))
+    x = torch.randn(70, k)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            batch = layer(x)
+            fives = torch.cat([layer(x[i:i + 5]) for i in range(0, 70, 5)])
+            torch.set_num_threads(2)
+            assert torch.equal(layer(x), batch)
+            alone = torch.cat([layer(x[i:i + 1]) for i in range(70)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(fives, batch)
+    bound = 2 * few_rows_bound(x, raw, fmt, k)
+    assert ((alone.double() - batch.double()).abs() <= bound).all()
+    # the repacked copy is the layer's own: the checkpoint holds the file's blocks alone
+    assert set(layer.state_dict()) == {"weight", "bias"}
+
+
+def test_a_layer_repacks_its_blocks_anew_when_a_checkpoint_loads():
+    if blocks._lib() is None:
+        pytest.skip("no C kernels here")
+    first, second = nn.Linear(64, 12), nn.Linear(64, 12)
+    layer = blocks.BlockLinear.from_linear(first, "q4_1")
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        layer(x)  # repacks the first weights
+        layer.load_state_dict(blocks.BlockLinear.from_linear(second, "q4_1").state_dict())
+        got = layer(x)
+        want = blocks.BlockLinear.from_linear(second, "q4_1")(x)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_block_linear_native_and_fallback(fmt, monkeypatch):
     linear = nn.Linear(64, 24)

@@ -135,6 +135,77 @@ def test_a_row_s_result_does_not_depend_on_its_batch_or_the_threads(fmt):
         torch.set_num_threads(threads)
 
 
+def plain_unrepack(packed: torch.Tensor, n: int, k: int) -> np.ndarray:
+    """kquants.c's struct krepacked read back as its text writes it, into W (n x k) in
+    float64: per group of eight rows and super-block, fp32 d[8], dmin[8], int32 sc[16][8],
+    int16 mn[8][8][2] (group g's minimum at [g / 2][o][g % 2]), then u[64][8][4], value
+    4t + b of row o; w = d sc u - dmin mn for each group of 16."""
+    nb, groups = k // 256, (n + 7) // 8
+    rec = packed.view(groups, nb, 2880).numpy()
+    d = rec[..., :32].copy().view(np.float32).astype(np.float64)  # [group, sb, o]
+    dmin = rec[..., 32:64].copy().view(np.float32).astype(np.float64)
+    sc = rec[..., 64:576].copy().view(np.int32).reshape(groups, nb, 16, 8)
+    mn = rec[..., 576:832].copy().view(np.int16).reshape(groups, nb, 8, 8, 2)
+    mn = mn.transpose(0, 1, 3, 2, 4).reshape(groups, nb, 8, 16)  # [group, sb, o, g]
+    u = rec[..., 832:].reshape(groups, nb, 64, 8, 4).transpose(0, 3, 1, 2, 4)
+    u = u.reshape(groups, 8, nb, 16, 16).astype(np.float64)  # [group, o, sb, g, j]
+    scale = (d[..., None] * sc.transpose(0, 1, 3, 2)).transpose(0, 2, 1, 3)  # [group, o, sb, g]
+    low = (dmin[..., None] * mn).transpose(0, 2, 1, 3)
+    w = u * scale[..., None] - low[..., None]
+    return w.reshape(groups * 8, k)
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_repacking_keeps_every_value_and_fills_the_last_group_with_zeros(fmt):
+    lib = blocks._lib()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    n, k = 11, 512
+    raw = blocks.quantize(awkward_weight(n, k, seed=3), fmt)
+    qtype = gguf.GGMLQuantizationType(blocks.GGML_TYPES[fmt])
+    want = gguf_quants.dequantize(raw.numpy(), qtype).astype(np.float64)
+    w = plain_unrepack(blocks.repack(lib, fmt, raw, k), n, k)
+    # d sc u - dmin mn in float64 against gguf's fp32 dequantization: fp32's rounding apart
+    assert np.allclose(w[:n], want, rtol=1e-6, atol=1e-7)
+    assert not w[n:].any()
+
+
+@pytest.mark.parametrize("path", list(PATHS), indirect=True)
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_repacked_products_are_the_few_row_products_bit_for_bit(path, fmt):
+    """Over repacked weights, on every path: the super-block arithmetic in float64 within
+    fp32 rounding, and the few-row product's results exactly (the same integer sums, the
+    same fp32 operations in the same order); 5 and 70 rows (not multiples of the tile of
+    4, more than a chunk of 64), 11 outputs (not a multiple of the group of 8), threads 1
+    and 2."""
+    n, k = 11, 512
+    raw = blocks.quantize(awkward_weight(n, k, seed=2), fmt)
+    packed = blocks.repack(path, fmt, raw, k)
+    qtype = gguf.GGMLQuantizationType(blocks.GGML_TYPES[fmt])
+    w = gguf_quants.dequantize(raw.numpy(), qtype).astype(np.float64)
+    bias = torch.randn(n)
+    x = torch.randn(70, k) * torch.logspace(-2, 2, 70)[:, None]
+    x[0, 256:512] = 0.0
+    x[5, 7] = 30.0
+    xq = q8_k(x)
+    want, scale = xq @ w.T, np.abs(xq) @ np.abs(w).T + 1
+    threads = torch.get_num_threads()
+    try:
+        for m in (5, 70):
+            for b in (bias, None):
+                torch.set_num_threads(1)
+                got = blocks.call(path, fmt, x[:m], raw, n, k, b, packed)
+                exact = want[:m] + (0 if b is None else b.double().numpy())
+                assert (np.abs(got.double().numpy() - exact) <= 1e-5 * scale[:m]).all()
+                alone = torch.cat([blocks.call(path, fmt, x[i:i + 1], raw, n, k, b)
+                                   for i in range(m)])
+                assert torch.equal(got, alone), (fmt, m)
+        torch.set_num_threads(2)
+        assert torch.equal(blocks.call(path, fmt, x, raw, n, k, None, packed), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_c_table_gives_each_kind_the_layout_s_geometry():
     lib = library.load()
     if lib is None:

@@ -10,7 +10,8 @@
  * at a time through a tile of W's rows, which stays in the cache while x's rows pass. With
  * up to four rows the tile is a few rows of W and the product a stream through the weights,
  * as matvec.c's; with more, a tile is 16 rows of W (a few KB) and x's rows pass in chunks
- * of 64 (at most some 100 KB, in L2). Threads (OpenMP) take tiles of W.
+ * of 64 (at most some 100 KB, in L2). Threads (OpenMP) take tiles of W. A layer that has
+ * W repacked (struct repacked, below) gives products of many rows that instead.
  *
  * Paths (tformer_blocks_isa): plain C; AVX2 (byte multiply-adds); AVX-VNNI and AVX-512 VNNI
  * (vpdpbusd on 256-bit registers), each the same integer sums (blocks_isa.h).
@@ -47,6 +48,26 @@ struct xblocks {
     int32_t *isum;
     float *sx;
     int32_t *lane8;
+};
+
+/* W repacked for products of many rows (tformer_blocks_repack): W's rows eight at a time
+ * (a group; the last one filled out with zero rows), and for each block of the group the
+ * eight rows' scales, as fp32, and values, one byte each, interleaved four bytes at a time:
+ * u[t][o] holds values 4t .. 4t + 3 of output o, so that one 32-byte load is one group of
+ * four for all eight outputs, lane o output o's (blocks_isa.h's group). The values are the
+ * file's: q8_0's signed bytes, the 4- and 5-bit kinds' 0 .. 15 and 0 .. 31 with their
+ * offsets still in them (q4_0's 8, q5_0's 16), m 0 where the kind has no minimum (q8_0's
+ * slot holds start instead). A block
+ * of eight rows is 320 bytes, 40 a row where the file's q4_0 takes 18, q8_0 34. */
+struct repacked {
+    float d[8];
+    union {
+        float m[8];
+        /* q8_0, which has no minimum: -128 times the sum of each row's block, which the
+         * VNNI paths start from where they take x + 128 unsigned (blocks_isa.h) */
+        int32_t start[8];
+    };
+    uint8_t u[8][8][4];
 };
 
 static inline void lane_sums(const int8_t *q, int32_t *lane8)
@@ -226,6 +247,48 @@ static void rows_generic(int kind, const struct xblocks *xb, long i0, int M, con
     }
 }
 
+/* The product over repacked W in plain C: for each output the same integer sum as
+ * rows_generic's, and the same fp32 operations in the same order. */
+static inline __attribute__((always_inline)) void groups_generic_kind(
+    const int kind, const struct xblocks *xb, long i0, int M, const struct repacked *w,
+    const float *b, float *y, long n, long nb, long g0, long g1)
+{
+    for (long g = g0; g < g1; g++)
+        for (int i = 0; i < M; i++)
+            for (int o = 0; o < 8 && g * 8 + o < n; o++) {
+                float acc = 0.0f, off = 0.0f;
+                for (long q = 0; q < nb; q++) {
+                    const struct repacked *blk = w + g * nb + q;
+                    const long at = (i0 + i) * nb + q;
+                    const int8_t *xq = xb->qx + at * BLOCK;
+                    int32_t s = 0;
+                    for (int j = 0; j < BLOCK; j++) {
+                        const uint8_t v = blk->u[j / 4][o][j % 4];
+                        s += (kind == KIND_Q8_0 ? (int32_t)(int8_t)v : (int32_t)v) * xq[j];
+                    }
+                    s -= offset_of(kind) * xb->isum[at];
+                    if (has_min(kind))
+                        off += blk->m[o] * xb->sx[at];
+                    acc += (float)s * (blk->d[o] * xb->dx[at]);
+                }
+                const float v = acc + off;
+                y[(i0 + i) * n + g * 8 + o] = b ? v + b[g * 8 + o] : v;
+            }
+}
+
+static void groups_generic(int kind, const struct xblocks *xb, long i0, int M,
+                           const struct repacked *w, const float *b, float *y, long n, long nb,
+                           long g0, long g1)
+{
+    switch (kind) {
+    case KIND_Q8_0: groups_generic_kind(KIND_Q8_0, xb, i0, M, w, b, y, n, nb, g0, g1); return;
+    case KIND_Q4_0: groups_generic_kind(KIND_Q4_0, xb, i0, M, w, b, y, n, nb, g0, g1); return;
+    case KIND_Q4_1: groups_generic_kind(KIND_Q4_1, xb, i0, M, w, b, y, n, nb, g0, g1); return;
+    case KIND_Q5_0: groups_generic_kind(KIND_Q5_0, xb, i0, M, w, b, y, n, nb, g0, g1); return;
+    default: groups_generic_kind(KIND_Q5_1, xb, i0, M, w, b, y, n, nb, g0, g1); return;
+    }
+}
+
 #define BLK_NAME(name) name##_avx2
 #define BLK_TARGET __attribute__((target("avx2,fma,f16c")))
 #include "blocks_isa.h"
@@ -269,6 +332,46 @@ int tformer_blocks_isa(int want)
     return blocks_isa;
 }
 
+typedef void (*groups_fn)(int, const struct xblocks *, long, int, const struct repacked *,
+                          const float *, float *, long, long, long, long);
+
+static void xblocks_free(struct xblocks *xb)
+{
+    free(xb->qx);
+    free(xb->dx);
+    free(xb->isum);
+    free(xb->sx);
+    free(xb->lane8);
+}
+
+/* x (m x k) rounded to blocks into xb, on the path set. Returns 0, or -1 where it could not
+ * allocate (xb then holds nothing to free). */
+static int xblocks_make(struct xblocks *xb, const float *x, long m, long k, int threads)
+{
+    const long nb = k / BLOCK;
+    xb->qx = malloc((size_t)(m * k));
+    xb->dx = malloc((size_t)(m * nb) * sizeof(float));
+    xb->isum = malloc((size_t)(m * nb) * sizeof(int32_t));
+    xb->sx = malloc((size_t)(m * nb) * sizeof(float));
+    xb->lane8 = malloc((size_t)(m * nb) * 8 * sizeof(int32_t));
+    if (!(xb->qx && xb->dx && xb->isum && xb->sx && xb->lane8)) {
+        xblocks_free(xb);
+        return -1;
+    }
+    const int isa = blocks_isa;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * nb > 4096)
+    for (long t = 0; t < m * nb; t++) {
+        if (isa == BISA_GENERIC)
+            quantize_block_c(x + t * BLOCK, xb->qx + t * BLOCK, xb->dx + t, xb->isum + t,
+                             xb->sx + t);
+        else
+            quantize_block_avx2(x + t * BLOCK, xb->qx + t * BLOCK, xb->dx + t, xb->isum + t,
+                                xb->sx + t);
+        lane_sums(xb->qx + t * BLOCK, xb->lane8 + 8 * t);
+    }
+    return 0;
+}
+
 /* y (m x n) = x (m x k) W^T + b, W (n x k) as blocks of `kind`, k a multiple of 32; b may
  * be NULL. Returns 0, or -1 where it could not allocate x's blocks. */
 int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, long n, long k,
@@ -278,61 +381,136 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
     if (m <= 0 || n <= 0)
         return 0;
     struct xblocks xb;
-    xb.qx = malloc((size_t)(m * k));
-    xb.dx = malloc((size_t)(m * nb) * sizeof(float));
-    xb.isum = malloc((size_t)(m * nb) * sizeof(int32_t));
-    xb.sx = malloc((size_t)(m * nb) * sizeof(float));
-    xb.lane8 = malloc((size_t)(m * nb) * 8 * sizeof(int32_t));
-    int ok = xb.qx && xb.dx && xb.isum && xb.sx && xb.lane8;
-    if (ok) {
-        const int isa = blocks_isa;
-        const rows_fn rows = isa == BISA_GENERIC      ? rows_generic
-                             : isa == BISA_AVX_VNNI    ? rows_avxvnni
-                             : isa == BISA_AVX512_VNNI ? rows_vnni512
-                                                       : rows_avx2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * nb > 4096)
-        for (long t = 0; t < m * nb; t++) {
-            if (isa == BISA_GENERIC)
-                quantize_block_c(x + t * BLOCK, xb.qx + t * BLOCK, xb.dx + t, xb.isum + t,
-                                 xb.sx + t);
-            else
-                quantize_block_avx2(x + t * BLOCK, xb.qx + t * BLOCK, xb.dx + t, xb.isum + t,
-                                    xb.sx + t);
-            lane_sums(xb.qx + t * BLOCK, xb.lane8 + 8 * t);
-        }
-        if (m <= 4) {
-            /* Tiles of 4 rows of W: a stream through the weights, split among threads. */
-            const long tiles = (n + 3) / 4;
+    if (xblocks_make(&xb, x, m, k, threads))
+        return -1;
+    const int isa = blocks_isa;
+    const rows_fn rows = isa == BISA_GENERIC      ? rows_generic
+                         : isa == BISA_AVX_VNNI    ? rows_avxvnni
+                         : isa == BISA_AVX512_VNNI ? rows_vnni512
+                                                   : rows_avx2;
+    if (m <= 4) {
+        /* Tiles of 4 rows of W: a stream through the weights, split among threads. */
+        const long tiles = (n + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-            for (long t = 0; t < tiles; t++)
-                rows(kind, &xb, 0, (int)m, w, b, y, n, nb, t * 4,
-                     t * 4 + 4 < n ? t * 4 + 4 : n);
-        } else {
-            const long tiles = (n + WIDE_TILE - 1) / WIDE_TILE;
-            for (long c = 0; c < m; c += X_CHUNK) {
-                const long end = c + X_CHUNK < m ? c + X_CHUNK : m;
+        for (long t = 0; t < tiles; t++)
+            rows(kind, &xb, 0, (int)m, w, b, y, n, nb, t * 4, t * 4 + 4 < n ? t * 4 + 4 : n);
+    } else {
+        const long tiles = (n + WIDE_TILE - 1) / WIDE_TILE;
+        for (long c = 0; c < m; c += X_CHUNK) {
+            const long end = c + X_CHUNK < m ? c + X_CHUNK : m;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-                for (long t = 0; t < tiles; t++) {
-                    const long r1 = t * WIDE_TILE + WIDE_TILE < n ? t * WIDE_TILE + WIDE_TILE : n;
-                    for (long i = c; i < end; i += 4)
-                        rows(kind, &xb, i, end - i < 4 ? (int)(end - i) : 4, w, b, y, n, nb,
-                             t * WIDE_TILE, r1);
-                }
+            for (long t = 0; t < tiles; t++) {
+                const long r1 = t * WIDE_TILE + WIDE_TILE < n ? t * WIDE_TILE + WIDE_TILE : n;
+                for (long i = c; i < end; i += 4)
+                    rows(kind, &xb, i, end - i < 4 ? (int)(end - i) : 4, w, b, y, n, nb,
+                         t * WIDE_TILE, r1);
             }
         }
     }
-    free(xb.qx);
-    free(xb.dx);
-    free(xb.isum);
-    free(xb.sx);
-    free(xb.lane8);
-    return ok ? 0 : -1;
+    xblocks_free(&xb);
+    return 0;
 }
 
-/* kinds.c's product for q8_0, q4_0, q4_1, q5_0 and q5_1: l->data holds the blocks. */
+/* --- Many rows: W repacked (struct repacked) ---------------------------------------------
+ *
+ * A prompt's or a batch's product reads each block of W once for many rows of x, so what
+ * counts is the work a block costs, not the bytes it takes. The file's layout spends it on
+ * unpacking nibbles once per tile and on a scale, a conversion and a sum of eight lanes for
+ * every pair of an x row and a W row. Repacked, the values are bytes already, and eight
+ * outputs share each instruction: one block of x costs eight byte products, a conversion
+ * and a scaling for eight outputs together. llama.cpp's ggml-cpu repacks Q4_0 into rows
+ * interleaved likewise (repack.cpp). */
+
+/* Bytes of W (n x k, `kind`) repacked: n rounded up to a group of eight. */
+long tformer_blocks_repacked_size(int kind, long n, long k)
+{
+    (void)kind;
+    return (n + 7) / 8 * (k / BLOCK) * (long)sizeof(struct repacked);
+}
+
+/* Block q of W's row r decoded to its 32 stored values (offsets kept) and scales. */
+static void block_values(int kind, const uint8_t *blk, uint8_t *v, float *d, float *m)
+{
+    const long size = block_bytes(kind);
+    *d = half_to_float(load_u16(blk));
+    *m = has_min(kind) ? half_to_float(load_u16(blk + 2)) : 0.0f;
+    if (kind == KIND_Q8_0) {
+        memcpy(v, blk + 2, BLOCK);
+        return;
+    }
+    const uint8_t *qs = blk + size - 16;
+    const uint32_t qh = five_bits(kind) ? load_u32(blk + size - 20) : 0;
+    for (int j = 0; j < 16; j++) {
+        v[j] = (uint8_t)((qs[j] & 15) | ((qh >> j & 1) << 4));
+        v[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16) & 1) << 4));
+    }
+}
+
+/* W (n rows of `kind`'s blocks, k values a row) into `out` (tformer_blocks_repacked_size
+ * bytes), as struct repacked says. Returns 0, or -3 for a kind not of this file. */
+int tformer_blocks_repack(int kind, const uint8_t *w, long n, long k, uint8_t *out)
+{
+    if (kind < KIND_Q8_0 || kind > KIND_Q5_1)
+        return -3;
+    const long nb = k / BLOCK, size = block_bytes(kind);
+    struct repacked *r = (struct repacked *)out;
+    memset(out, 0, (size_t)tformer_blocks_repacked_size(kind, n, k));
+    for (long row = 0; row < n; row++)
+        for (long q = 0; q < nb; q++) {
+            struct repacked *blk = r + (row / 8) * nb + q;
+            const int o = (int)(row % 8);
+            uint8_t v[BLOCK];
+            block_values(kind, w + row * nb * size + q * size, v, &blk->d[o], &blk->m[o]);
+            int32_t sum = 0;
+            for (int j = 0; j < BLOCK; j++) {
+                blk->u[j / 4][o][j % 4] = v[j];
+                sum += (int8_t)v[j];
+            }
+            if (kind == KIND_Q8_0)
+                blk->start[o] = -128 * sum;
+        }
+    return 0;
+}
+
+/* y (m x n) = x (m x k) W^T + b over W repacked (tformer_blocks_repack): the plain C
+ * product's results bit for bit on every path. Groups of W (2 KB or so a block of them)
+ * stay in the cache while x's rows pass in chunks of X_CHUNK; threads take groups. Returns
+ * 0, or -1 where it could not allocate x's blocks. */
+int tformer_blocks_repacked_linear(int kind, const float *x, long m, const uint8_t *packed,
+                                   long n, long k, const float *b, float *y, int threads)
+{
+    const long nb = k / BLOCK, groups = (n + 7) / 8;
+    if (m <= 0 || n <= 0)
+        return 0;
+    struct xblocks xb;
+    if (xblocks_make(&xb, x, m, k, threads))
+        return -1;
+    const int isa = blocks_isa;
+    const groups_fn run = isa == BISA_GENERIC      ? groups_generic
+                          : isa == BISA_AVX_VNNI    ? groups_avxvnni
+                          : isa == BISA_AVX512_VNNI ? groups_vnni512
+                                                    : groups_avx2;
+    const struct repacked *w = (const struct repacked *)packed;
+    for (long c = 0; c < m; c += X_CHUNK) {
+        const long end = c + X_CHUNK < m ? c + X_CHUNK : m;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (long g = 0; g < groups; g++)
+            for (long i = c; i < end; i += 4)
+                run(kind, &xb, i, end - i < 4 ? (int)(end - i) : 4, w, b, y, n, nb, g, g + 1);
+    }
+    xblocks_free(&xb);
+    return 0;
+}
+
+/* kinds.c's product for q8_0, q4_0, q4_1, q5_0 and q5_1: l->data holds the blocks, and
+ * l->packed, where not NULL, the same repacked, for products of l->packed_min_rows rows
+ * and more. */
 int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                                int threads)
 {
+    if (l->packed && m >= l->packed_min_rows)
+        return tformer_blocks_repacked_linear(l->kind, x, m, (const uint8_t *)l->packed,
+                                              l->n_out, l->n_in, l->bias, y, threads);
     return tformer_blocks_linear(l->kind, x, m, (const uint8_t *)l->data, l->n_out, l->n_in,
                                  l->bias, y, threads);
 }

@@ -31,6 +31,22 @@ through kinds.c's table, on x86-64 with AVX2 (and AVX-VNNI or AVX-512 VNNI where
 has them). Elsewhere (library.py's
 TFORMER_ISA=torch, no compiler) it multiplies fp32 rows by the weight dequantized once and
 kept: the same weights, the activations unrounded.
+
+Products of REPACK_MIN_ROWS rows and more (a prompt, a batch, a speculative round's
+verification) read the weight repacked (repack, llama.cpp's repack.cpp's idea): eight
+rows side by side, each block's values a byte each and its scales unpacked, so that eight
+outputs share every instruction. A layer repacks at its first such product (or when
+step.c is given it) and keeps the copy beside the file's blocks, which checkpoints,
+export and products of up to four rows read: 40 bytes for 32 weights beside the 32-value
+formats' 18 to 34, 360 for 256 beside the K formats' 144 to 210, so a model that has read
+a prompt holds its block weights in 2.2 (q8_0) to 3.5 (q4_k) times their file's bytes.
+The file's blocks stay because one row, decoding's product, is a stream through the
+weights, where the file's 4.5 bits a weight are read faster than the repacked 10. The
+repacked product's results: the K formats' the few-row product's bit for bit; the
+32-value formats' the plain C product's bit for bit, and on the SIMD paths within fp32
+rounding of their few-row product's (which adds each block's products in eight lanes): a
+row's result is the same in any batch of REPACK_MIN_ROWS or more, and may differ in its
+last bits alone or in a batch of four.
 """
 
 from __future__ import annotations
@@ -310,14 +326,39 @@ def available() -> bool:
     return _lib() is not None
 
 
+REPACK_MIN_ROWS = 5
+"""Products of this many rows and more (a prompt, a batch of more than four, a speculative
+round's verification) go through W repacked (repack), where a layer has it: up to four, the
+product is a stream through the file's blocks, each read once whatever the layout."""
+
+
+def repack(lib: ctypes.CDLL, fmt: str, blocks: Tensor, k: int) -> Tensor | None:
+    """W's blocks [N, K / values * bytes] -> uint8, repacked through kinds.c's table for
+    products of REPACK_MIN_ROWS rows and more (blocks.c's struct repacked, kquants.c's
+    struct krepacked: W's rows eight at a time side by side, the values a byte each, the
+    scales unpacked; 40 bytes for every 32 weights beside the file's 18 to 34, 360 for 256
+    beside the K formats' 144 to 210), or None where the kind has no repacked form."""
+    n = blocks.shape[0]
+    size = lib.tformer_repacked_size(KINDS[fmt], n, k)
+    if size == 0:
+        return None
+    out = torch.empty(size, dtype=torch.uint8)
+    if lib.tformer_repack(KINDS[fmt], blocks.data_ptr(), n, k, out.data_ptr()):
+        raise TformerError(f"kinds.c's table repacks no {fmt}")
+    return out
+
+
 def call(lib: ctypes.CDLL, fmt: str, x: Tensor, blocks: Tensor, n: int, k: int,
-         bias: Tensor | None) -> Tensor:
+         bias: Tensor | None, repacked: Tensor | None = None) -> Tensor:
     """y = x W^T + b through kinds.c's table (blocks.c's or kquants.c's product), W as
-    blocks; x (M, K) fp32 contiguous, all checked."""
+    blocks (and, for REPACK_MIN_ROWS rows and more, `repacked`, repack's, where given); x
+    (M, K) fp32 contiguous, all checked."""
     m = x.shape[0]
     y = x.new_empty(m, n)
     struct = library.Linear(KINDS[fmt], n, k, blocks.data_ptr(), None,
-                            None if bias is None else bias.data_ptr(), None, None, 0, 1 << 30)
+                            None if bias is None else bias.data_ptr(),
+                            None if repacked is None else repacked.data_ptr(), None, 0,
+                            REPACK_MIN_ROWS)
     if lib.tformer_linear(ctypes.byref(struct), x.data_ptr(), y.data_ptr(), m,
                           torch.get_num_threads()):
         raise MemoryError(f"no memory for {m} x {k} activation blocks")
@@ -338,7 +379,8 @@ def quantize_activations(x: Tensor, values: int = 32) -> tuple[Tensor, Tensor]:
 
 def computes_right(lib: ctypes.CDLL) -> bool:
     """A check that the block products compute what they should on the path chosen: every
-    format, 1 to 9 rows (so the few-row and many-row products), weight rows not a multiple
+    format, 1 to 9 rows (so the few-row products and the many-row ones, over repacked
+    weights where the format has them), weight rows not a multiple
     of the kernels' step, against the block arithmetic in float64 (the activations rounded
     by quantize_activations, one block rounded to zero), within fp32 rounding."""
     g = torch.Generator().manual_seed(0)
@@ -351,7 +393,8 @@ def computes_right(lib: ctypes.CDLL) -> bool:
         for m in (1, 2, 3, 4, 5, 9):
             x = torch.randn(m, k, generator=g)
             x[0, :values] = 0.0
-            got = call(lib, fmt, x, blocks, n, k, bias if m % 2 else None)
+            repacked = repack(lib, fmt, blocks, k)
+            got = call(lib, fmt, x, blocks, n, k, bias if m % 2 else None, repacked)
             q, d = quantize_activations(x, values)
             want = (dequantize(blocks, fmt).double() @ (q.double() * d.double()).reshape(m, k).t()
                     ).t()
@@ -508,6 +551,7 @@ class BlockLinear(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = bias
         self._dense: Tensor | None = None
+        self.__dict__["_repacked"] = None  # repacked(): made at the first many-row use
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> BlockLinear:
@@ -516,7 +560,21 @@ class BlockLinear(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's)
         super()._apply(fn, recurse)
         self._dense = None
+        self.__dict__["_repacked"] = None
         return self
+
+    def repacked(self) -> Tensor | None:
+        """The blocks repacked for products of REPACK_MIN_ROWS rows and more (repack), made
+        at the first call and kept beside the file's blocks, which export, checkpoints and
+        the few-row products read; None where the format has no repacked form here."""
+        lib = _lib()
+        if lib is None or self.blocks.device.type != "cpu":
+            return None
+        made = self.__dict__["_repacked"]
+        if made is None or made[0] != self.blocks.data_ptr():
+            made = (self.blocks.data_ptr(), repack(lib, self.fmt, self.blocks, self.in_features))
+            self.__dict__["_repacked"] = made
+        return made[1]
 
     @property
     def weight(self) -> Tensor:
@@ -535,6 +593,7 @@ class BlockLinear(nn.Module):
         if prefix + "weight" in state_dict:
             state_dict[prefix + "blocks"] = state_dict.pop(prefix + "weight")
         super()._load_from_state_dict(state_dict, prefix, *args)
+        self.__dict__["_repacked"] = None  # the blocks were copied in: repack them anew
 
     def _fits(self, x: Tensor) -> bool:
         b = self.bias
@@ -549,12 +608,14 @@ class BlockLinear(nn.Module):
         if _lib() is None or not self._fits(torch.empty(0)):
             return None
         bias = None if self.bias is None else self.bias.detach()
+        repacked = self.repacked()
         struct = library.Linear(KINDS[self.fmt], self.out_features, self.in_features,
                                 self.blocks.data_ptr(), None,
-                                None if bias is None else bias.data_ptr(), None, None, 0,
-                                1 << 30)
-        return library.BoundLinear(struct, 1 << 30,
-                                   (self.blocks, *([] if bias is None else [bias])))
+                                None if bias is None else bias.data_ptr(),
+                                None if repacked is None else repacked.data_ptr(), None, 0,
+                                REPACK_MIN_ROWS)
+        held = [t for t in (self.blocks, bias, repacked) if t is not None]
+        return library.BoundLinear(struct, 1 << 30, tuple(held))
 
     def forward(self, x: Tensor) -> Tensor:
         lib = _lib()
@@ -566,8 +627,9 @@ class BlockLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self._dense.to(x.dtype), bias)
         rows = x.reshape(-1, self.in_features).contiguous()
+        repacked = self.repacked() if rows.shape[0] >= REPACK_MIN_ROWS else None
         y = call(lib, self.fmt, rows, self.blocks, self.out_features, self.in_features,
-                 None if self.bias is None else self.bias.detach())
+                 None if self.bias is None else self.bias.detach(), repacked)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -141,4 +141,100 @@ BLK_TARGET static void BLK_NAME(rows)(int kind, const struct xblocks *xb, long i
 #undef BLK_STEP
 }
 
+/* The product over repacked weights (blocks.c's struct repacked: eight rows of W side by
+ * side, a block's values one byte each): rows [i0, i0 + M) of x against the eight outputs
+ * of one group. Lane o of a vector is output o: register t of a block holds the eight
+ * outputs' values 4t .. 4t + 3, so eight byte products with x's four bytes t, broadcast,
+ * sum each output's block exactly in its own lane, starting from -offset * sum(q_x). Then,
+ * as the plain C product: acc += (fp32) s * (d_w * d_x), off += m_w * (d_x sum(q_x)),
+ * each a rounding of its own (the build does not fuse), and acc + off (+ b) at the end, so
+ * the results are the plain C product's, bit for bit. */
+BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(group)(
+    const int kind, const struct xblocks *xb, long i0, const struct repacked *w,
+    const float *b, float *y, long n, long nb, long g, const int M)
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;
+    __m256 acc[4], off[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++)
+        acc[i] = off[i] = _mm256_setzero_ps();
+    const struct repacked *blk = w + g * nb;
+    for (long q = 0; q < nb; q++, blk++) {
+        const __m256 dw = _mm256_loadu_ps(blk->d);
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            const long at = (i0 + i) * nb + q;
+            const uint8_t *xq = (const uint8_t *)(xb->qx + at * BLOCK);
+            __m256i sum = _mm256_set1_epi32(-offset_of(kind) * xb->isum[at]);
+#ifdef BLK_DOT
+            /* q8_0's signed weights: x + 128 (x ^ 0x80, unsigned) times w, from -128 sum(w) */
+            if (kind == KIND_Q8_0)
+                sum = _mm256_loadu_si256((const __m256i *)blk->start);
+#endif
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) {
+                const __m256i xs = _mm256_set1_epi32((int)load_u32(xq + 4 * t));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)blk->u[t]);
+#ifdef BLK_DOT
+                if (kind == KIND_Q8_0)
+                    sum = BLK_SUM(sum, _mm256_xor_si256(xs, _mm256_set1_epi8(-128)), v);
+#else
+                if (kind == KIND_Q8_0) /* signed weights: |w| times x with w's sign */
+                    sum = BLK_SUM(sum, _mm256_sign_epi8(v, v), _mm256_sign_epi8(xs, v));
+#endif
+                else
+                    sum = BLK_SUM(sum, v, xs);
+            }
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb->dx[at]));
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
+            if (has_min(kind))
+                off[i] = _mm256_add_ps(
+                    off[i], _mm256_mul_ps(_mm256_loadu_ps(blk->m), _mm256_set1_ps(xb->sx[at])));
+        }
+    }
+    const long valid = n - g * 8 < 8 ? n - g * 8 : 8;
+    float bias[8] = {0};
+    if (b)
+        memcpy(bias, b + g * 8, (size_t)valid * sizeof(float));
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++) {
+        __m256 v = _mm256_add_ps(acc[i], off[i]);
+        if (b)
+            v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+        float out[8];
+        _mm256_storeu_ps(out, v);
+        memcpy(y + (i0 + i) * n + g * 8, out, (size_t)valid * sizeof(float));
+    }
+}
+
+/* Rows [i0, i0 + M) of x (M at most 4) times groups [g0, g1) of repacked W. */
+BLK_TARGET static void BLK_NAME(groups)(int kind, const struct xblocks *xb, long i0, int M,
+                                        const struct repacked *w, const float *b, float *y,
+                                        long n, long nb, long g0, long g1)
+{
+#define BLK_GROUPS(KIND, MM)                                                               \
+    {                                                                                      \
+        for (long g = g0; g < g1; g++)                                                     \
+            BLK_NAME(group)(KIND, xb, i0, w, b, y, n, nb, g, MM);                          \
+        return;                                                                            \
+    }
+#define BLK_KIND(KIND)                                                                     \
+    switch (M) {                                                                           \
+    case 1: BLK_GROUPS(KIND, 1)                                                            \
+    case 2: BLK_GROUPS(KIND, 2)                                                            \
+    case 3: BLK_GROUPS(KIND, 3)                                                            \
+    default: BLK_GROUPS(KIND, 4)                                                           \
+    }
+    switch (kind) {
+    case KIND_Q8_0: BLK_KIND(KIND_Q8_0)
+    case KIND_Q4_0: BLK_KIND(KIND_Q4_0)
+    case KIND_Q4_1: BLK_KIND(KIND_Q4_1)
+    case KIND_Q5_0: BLK_KIND(KIND_Q5_0)
+    default: BLK_KIND(KIND_Q5_1)
+    }
+#undef BLK_KIND
+#undef BLK_GROUPS
+}
+
 #undef BLK_SUM

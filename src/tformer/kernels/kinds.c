@@ -11,25 +11,33 @@
 #include "tformer.h"
 
 static const struct tformer_kind_traits kinds[TFORMER_KINDS] = {
-    [TFORMER_FP32] = {"fp32", tformer_fp32_linear, 1, 4, TFORMER_X_FP32, NULL},
-    [TFORMER_INT8] = {"int8", tformer_int8_linear, 1, 1, TFORMER_X_FP32, NULL},
+    [TFORMER_FP32] = {"fp32", tformer_fp32_linear, 1, 4, TFORMER_X_FP32, NULL, NULL, NULL},
+    [TFORMER_INT8] = {"int8", tformer_int8_linear, 1, 1, TFORMER_X_FP32, NULL, NULL, NULL},
     [TFORMER_Q8_0] = {"q8_0", tformer_blocks_kind_linear, 32, 34, TFORMER_X_Q8_0,
-                      tformer_quantize_blocks},
+                      tformer_quantize_blocks, tformer_blocks_repacked_size,
+                      tformer_blocks_repack},
     [TFORMER_Q4_0] = {"q4_0", tformer_blocks_kind_linear, 32, 18, TFORMER_X_Q8_0,
-                      tformer_quantize_blocks},
+                      tformer_quantize_blocks, tformer_blocks_repacked_size,
+                      tformer_blocks_repack},
     [TFORMER_Q4_1] = {"q4_1", tformer_blocks_kind_linear, 32, 20, TFORMER_X_Q8_0,
-                      tformer_quantize_blocks},
+                      tformer_quantize_blocks, tformer_blocks_repacked_size,
+                      tformer_blocks_repack},
     [TFORMER_Q5_0] = {"q5_0", tformer_blocks_kind_linear, 32, 22, TFORMER_X_Q8_0,
-                      tformer_quantize_blocks},
+                      tformer_quantize_blocks, tformer_blocks_repacked_size,
+                      tformer_blocks_repack},
     [TFORMER_Q5_1] = {"q5_1", tformer_blocks_kind_linear, 32, 24, TFORMER_X_Q8_0,
-                      tformer_quantize_blocks},
+                      tformer_quantize_blocks, tformer_blocks_repacked_size,
+                      tformer_blocks_repack},
     [TFORMER_Q4_K] = {"q4_k", tformer_kquants_linear, 256, 144, TFORMER_X_Q8_K,
-                      tformer_quantize_k},
+                      tformer_quantize_k, tformer_kquants_repacked_size,
+                      tformer_kquants_repack},
     [TFORMER_Q5_K] = {"q5_k", tformer_kquants_linear, 256, 176, TFORMER_X_Q8_K,
-                      tformer_quantize_k},
+                      tformer_quantize_k, tformer_kquants_repacked_size,
+                      tformer_kquants_repack},
     [TFORMER_Q6_K] = {"q6_k", tformer_kquants_linear, 256, 210, TFORMER_X_Q8_K,
-                      tformer_quantize_k},
-    [TFORMER_STACK] = {"stack", tformer_stack_linear, 1, 1, TFORMER_X_FP32, NULL},
+                      tformer_quantize_k, tformer_kquants_repacked_size,
+                      tformer_kquants_repack},
+    [TFORMER_STACK] = {"stack", tformer_stack_linear, 1, 1, TFORMER_X_FP32, NULL, NULL, NULL},
 };
 
 /* y (m x n_out) = x (m x n_in) W^T + b through the product of l's kind. Returns the
@@ -70,6 +78,24 @@ int tformer_quantize(int kind, const float *x, long n, uint8_t *out, int threads
     if (kind < 0 || kind >= TFORMER_KINDS || !kinds[kind].quantize)
         return -3;
     return kinds[kind].quantize(kind, x, n, out, threads);
+}
+
+/* The bytes W (n x k) of the kind takes repacked for products of many rows, or 0 where the
+ * kind has no repacked form. */
+long tformer_repacked_size(int kind, long n, long k)
+{
+    if (kind < 0 || kind >= TFORMER_KINDS || !kinds[kind].repacked_size)
+        return 0;
+    return kinds[kind].repacked_size(kind, n, k);
+}
+
+/* W (n rows of the kind's blocks, k values a row) repacked into out (tformer_repacked_size
+ * bytes). Returns 0, or -3 where the kind has no repacked form. */
+int tformer_repack(int kind, const uint8_t *w, long n, long k, uint8_t *out)
+{
+    if (kind < 0 || kind >= TFORMER_KINDS || !kinds[kind].repack)
+        return -3;
+    return kinds[kind].repack(kind, w, n, k, out);
 }
 
 /* A stack's product: l->data holds l->layout parts (no bias of their own), whose outputs

@@ -20,7 +20,8 @@
  * table below; the integer sum of u q weighted by sc is one function per path (plain C,
  * AVX2's byte multiply-adds, AVX-VNNI's and AVX-512 VNNI's vpdpbusd), chosen by
  * tformer_blocks_isa. Threads (OpenMP) take rows of W; x's rows pass in chunks of 64, each
- * super-block of W unpacked once per chunk.
+ * super-block of W unpacked once per chunk. Products of many rows read W unpacked once and
+ * for all instead, eight rows side by side (struct krepacked, kquants_isa.h).
  *
  * The file ends with the quantizers (tformer_quantize_k, kinds.c's row for each K kind).
  */
@@ -49,6 +50,20 @@ struct unpacked {
     uint8_t u[QK];
     int32_t sc[GROUPS], mn[GROUPS];
     float d, dmin;
+};
+
+/* W repacked for products of many rows (tformer_kquants_repack): W's rows eight at a time
+ * (a group; the last one filled out with zero rows), and for each super-block of the group
+ * the eight rows' unpackings side by side: d and dmin in fp32, each group of 16's scale
+ * (sc[g][o]) and minimum (mn[g / 2][o][g % 2], 16-bit pairs), and the values a byte each,
+ * interleaved four at a time: u[t][o] holds values 4t .. 4t + 3 of output o (kquants_isa.h
+ * says why). 2,880 bytes for eight rows' super-blocks, 360 a row where the file's q4_k
+ * takes 144, q6_k 210. */
+struct krepacked {
+    float d[8], dmin[8];
+    int32_t sc[GROUPS][8];
+    int16_t mn[GROUPS / 2][8][2];
+    uint8_t u[QK / 4][8][4];
 };
 
 static inline uint16_t load_u16(const uint8_t *p)
@@ -293,14 +308,158 @@ static void quantize_superblock(const float *x, int8_t *q, float *d, int32_t *bs
     *d = scale;
 }
 
+#define KQ_NAME(name) name##_avx2
+#define KQ_TARGET KQ_AVX2
+#include "kquants_isa.h"
+#undef KQ_NAME
+#undef KQ_TARGET
+
+#define KQ_VNNI
+#define KQ_NAME(name) name##_avxvnni
+#define KQ_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define KQ_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#include "kquants_isa.h"
+#undef KQ_NAME
+#undef KQ_TARGET
+#undef KQ_DPBUSD
+
+#define KQ_NAME(name) name##_vnni512
+#define KQ_TARGET __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl")))
+#define KQ_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#include "kquants_isa.h"
+#undef KQ_NAME
+#undef KQ_TARGET
+#undef KQ_DPBUSD
+#undef KQ_VNNI
+
+/* The product over repacked W in plain C: each output's integer sums as the few-row
+ * product's, and the same fp32 operations in the same order. */
+static void kgroups_generic(const struct kx *xb, long i0, int M, const struct krepacked *w,
+                            const float *b, float *y, long n, long nb, long gr)
+{
+    for (int i = 0; i < M; i++)
+        for (int o = 0; o < 8 && gr * 8 + o < n; o++) {
+            float acc = 0.0f;
+            for (long sb = 0; sb < nb; sb++) {
+                const struct krepacked *blk = w + gr * nb + sb;
+                const long at = (i0 + i) * nb + sb;
+                const int8_t *xq = xb->q + at * QK;
+                const int32_t *bs = xb->bsums + at * GROUPS;
+                int32_t s = 0, mins = 0;
+                for (int g = 0; g < GROUPS; g++) {
+                    int32_t p = 0;
+                    for (int j = 16 * g; j < 16 * g + 16; j++)
+                        p += blk->u[j / 4][o][j % 4] * xq[j];
+                    s += blk->sc[g][o] * p;
+                    mins += blk->mn[g / 2][o][g % 2] * bs[g];
+                }
+                acc += (float)s * (blk->d[o] * xb->d[at])
+                       - (float)mins * (blk->dmin[o] * xb->d[at]);
+            }
+            y[(i0 + i) * n + gr * 8 + o] = b ? acc + b[gr * 8 + o] : acc;
+        }
+}
+
+typedef void (*kgroups_fn)(const struct kx *, long, int, const struct krepacked *,
+                           const float *, float *, long, long, long);
+
+/* Bytes of W (n x k, a K kind) repacked: n rounded up to a group of eight. */
+long tformer_kquants_repacked_size(int kind, long n, long k)
+{
+    (void)kind;
+    return (n + 7) / 8 * (k / QK) * (long)sizeof(struct krepacked);
+}
+
+/* W (n rows of a K kind's super-blocks, k values a row) into `out`
+ * (tformer_kquants_repacked_size bytes), as struct krepacked says. Returns 0, or -3 for a
+ * kind not of this file. */
+int tformer_kquants_repack(int kind, const uint8_t *w, long n, long k, uint8_t *out)
+{
+    if (kind < TFORMER_Q4_K || kind > TFORMER_Q6_K)
+        return -3;
+    const long nb = k / QK, size = formats[kind - TFORMER_Q4_K].size;
+    const unpack_fn unpack = formats[kind - TFORMER_Q4_K].unpack_c;
+    struct krepacked *r = (struct krepacked *)out;
+    memset(out, 0, (size_t)tformer_kquants_repacked_size(kind, n, k));
+    for (long row = 0; row < n; row++)
+        for (long sb = 0; sb < nb; sb++) {
+            struct krepacked *blk = r + (row / 8) * nb + sb;
+            const int o = (int)(row % 8);
+            struct unpacked p;
+            unpack(w + (row * nb + sb) * size, &p);
+            blk->d[o] = p.d;
+            blk->dmin[o] = p.dmin;
+            for (int g = 0; g < GROUPS; g++) {
+                blk->sc[g][o] = p.sc[g];
+                blk->mn[g / 2][o][g % 2] = (int16_t)p.mn[g]; /* at most 32 * 128 in size */
+            }
+            for (int j = 0; j < QK; j++)
+                blk->u[j / 4][o][j % 4] = p.u[j];
+        }
+    return 0;
+}
+
+/* x (m x k) rounded to Q8_K into xb. Returns 0, or -1 where it could not allocate (xb then
+ * holds nothing to free). */
+static int kx_make(struct kx *xb, const float *x, long m, long k, int threads)
+{
+    const long nb = k / QK;
+    xb->q = malloc((size_t)(m * k));
+    xb->d = malloc((size_t)(m * nb) * sizeof(float));
+    xb->bsums = malloc((size_t)(m * nb) * GROUPS * sizeof(int32_t));
+    if (!(xb->q && xb->d && xb->bsums)) {
+        free(xb->q);
+        free(xb->d);
+        free(xb->bsums);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * nb > 512)
+    for (long t = 0; t < m * nb; t++)
+        quantize_superblock(x + t * QK, xb->q + t * QK, xb->d + t, xb->bsums + t * GROUPS);
+    return 0;
+}
+
+/* y (m x n) = x (m x k) W^T + b over l->packed, W repacked (tformer_kquants_repack): the
+ * few-row product's results bit for bit on every path. Threads take groups of eight rows of
+ * W, over which x's rows pass in chunks of X_CHUNK. */
+static int kquants_repacked_linear(const struct tformer_linear *l, const float *x, float *y,
+                                   long m, int threads)
+{
+    const long n = l->n_out, k = l->n_in, nb = k / QK, groups = (n + 7) / 8;
+    struct kx xb;
+    if (kx_make(&xb, x, m, k, threads))
+        return -1;
+    const int isa = tformer_blocks_isa(-1);
+    const kgroups_fn run = isa == TFORMER_BLOCKS_GENERIC      ? kgroups_generic
+                           : isa == TFORMER_BLOCKS_AVX_VNNI    ? kgroups_avxvnni
+                           : isa == TFORMER_BLOCKS_AVX512_VNNI ? kgroups_vnni512
+                                                               : kgroups_avx2;
+    const struct krepacked *w = l->packed;
+    for (long c = 0; c < m; c += X_CHUNK) {
+        const long end = c + X_CHUNK < m ? c + X_CHUNK : m;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (long gr = 0; gr < groups; gr++)
+            for (long i = c; i < end; i += 4)
+                run(&xb, i, end - i < 4 ? (int)(end - i) : 4, w, l->bias, y, n, nb, gr);
+    }
+    free(xb.q);
+    free(xb.d);
+    free(xb.bsums);
+    return 0;
+}
+
 /* kinds.c's product for q4_k, q5_k and q6_k: l->data holds n_out rows of n_in / 256
- * super-blocks. Returns 0, or -1 where it could not allocate x's blocks. */
+ * super-blocks, and l->packed, where not NULL, the same repacked, for products of
+ * l->packed_min_rows rows and more. Returns 0, or -1 where it could not allocate x's
+ * blocks. */
 int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                            int threads)
 {
     const long n = l->n_out, k = l->n_in, nb = k / QK;
     if (m <= 0 || n <= 0)
         return 0;
+    if (l->packed && m >= l->packed_min_rows)
+        return kquants_repacked_linear(l, x, y, m, threads);
     const int isa = tformer_blocks_isa(-1);
     const long size = formats[l->kind - TFORMER_Q4_K].size, row = nb * size;
     const unpack_fn unpack = isa == TFORMER_BLOCKS_GENERIC
@@ -310,44 +469,37 @@ int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float
                        : isa == TFORMER_BLOCKS_AVX512_VNNI ? dot_vnni512
                                                            : dot_avx2;
     struct kx xb;
-    xb.q = malloc((size_t)(m * k));
-    xb.d = malloc((size_t)(m * nb) * sizeof(float));
-    xb.bsums = malloc((size_t)(m * nb) * GROUPS * sizeof(int32_t));
-    const int ok = xb.q && xb.d && xb.bsums;
-    if (ok) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * nb > 512)
-        for (long t = 0; t < m * nb; t++)
-            quantize_superblock(x + t * QK, xb.q + t * QK, xb.d + t, xb.bsums + t * GROUPS);
-        const uint8_t *w = l->data;
-        for (long c = 0; c < m; c += X_CHUNK) {
-            const long rows = m - c < X_CHUNK ? m - c : X_CHUNK;
+    if (kx_make(&xb, x, m, k, threads))
+        return -1;
+    const uint8_t *w = l->data;
+    for (long c = 0; c < m; c += X_CHUNK) {
+        const long rows = m - c < X_CHUNK ? m - c : X_CHUNK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-            for (long r = 0; r < n; r++) {
-                float acc[X_CHUNK];
-                struct unpacked p;
-                for (long i = 0; i < rows; i++)
-                    acc[i] = 0.0f;
-                for (long b = 0; b < nb; b++) {
-                    unpack(w + r * row + b * size, &p);
-                    for (long i = 0; i < rows; i++) {
-                        const long at = (c + i) * nb + b;
-                        const int32_t *bs = xb.bsums + at * GROUPS;
-                        int32_t mins = 0;
-                        for (int g = 0; g < GROUPS; g++)
-                            mins += p.mn[g] * bs[g];
-                        const int32_t s = dot(p.u, xb.q + at * QK, p.sc);
-                        acc[i] += (float)s * (p.d * xb.d[at]) - (float)mins * (p.dmin * xb.d[at]);
-                    }
+        for (long r = 0; r < n; r++) {
+            float acc[X_CHUNK];
+            struct unpacked p;
+            for (long i = 0; i < rows; i++)
+                acc[i] = 0.0f;
+            for (long b = 0; b < nb; b++) {
+                unpack(w + r * row + b * size, &p);
+                for (long i = 0; i < rows; i++) {
+                    const long at = (c + i) * nb + b;
+                    const int32_t *bs = xb.bsums + at * GROUPS;
+                    int32_t mins = 0;
+                    for (int g = 0; g < GROUPS; g++)
+                        mins += p.mn[g] * bs[g];
+                    const int32_t s = dot(p.u, xb.q + at * QK, p.sc);
+                    acc[i] += (float)s * (p.d * xb.d[at]) - (float)mins * (p.dmin * xb.d[at]);
                 }
-                for (long i = 0; i < rows; i++)
-                    y[(c + i) * n + r] = l->bias ? acc[i] + l->bias[r] : acc[i];
             }
+            for (long i = 0; i < rows; i++)
+                y[(c + i) * n + r] = l->bias ? acc[i] + l->bias[r] : acc[i];
         }
     }
     free(xb.q);
     free(xb.d);
     free(xb.bsums);
-    return ok ? 0 : -1;
+    return 0;
 }
 
 /* --- Quantizing: fp32 rows to K super-blocks (kquants.py's quantize_*, which this computes

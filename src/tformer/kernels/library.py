@@ -77,7 +77,7 @@ decoder layer (step.py), and for training, dropout (dropout.py), the cross-entro
 (xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
 HEADERS = [Path(__file__).with_name(name)
            for name in ("tformer.h", "vecmath.h", "int8.h", "int8_bytes.h", "int8_bytes_rows.h",
-                        "int8_bytes_packed.h", "blocks_isa.h")]
+                        "int8_bytes_packed.h", "blocks_isa.h", "kquants_isa.h")]
 """Included by the sources: part of the key the built library is cached under."""
 PRIVATE_PREFIX = "tformer-kernel-"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
@@ -239,6 +239,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_kind_name": (ctypes.c_char_p, [_int]),
     "tformer_kind_geometry": (_int, [_int, _p]),
     "tformer_quantize": (_int, [_int, _p, _long, _p, _int]),
+    "tformer_repacked_size": (_long, [_int, _long, _long]),
+    "tformer_repack": (_int, [_int, _p, _long, _long, _p]),
     "tformer_stack_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     # fp32 (fp32.c)
     "tformer_matvec": (None, [_p] * 4 + [_long] * 3 + [_int]),
@@ -261,6 +263,11 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_blocks_linear": (_int, [_int, _p, _long, _p, _long, _long, _p, _p, _int]),
     "tformer_blocks_kind_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     "tformer_quantize_blocks": (_int, [_int, _p, _long, _p, _int]),
+    "tformer_blocks_repacked_size": (_long, [_int, _long, _long]),
+    "tformer_blocks_repack": (_int, [_int, _p, _long, _long, _p]),
+    "tformer_kquants_repacked_size": (_long, [_int, _long, _long]),
+    "tformer_kquants_repack": (_int, [_int, _p, _long, _long, _p]),
+    "tformer_blocks_repacked_linear": (_int, [_int, _p, _long, _p, _long, _long, _p, _p, _int]),
     # llama.cpp's K super-blocks (kquants.c)
     "tformer_kquants_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     "tformer_quantize_k": (_int, [_int, _p, _long, _p, _int]),

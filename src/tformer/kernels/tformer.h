@@ -32,7 +32,8 @@ struct tformer_linear {
     const void *data;
     const float *scales; /* NULL where the format keeps no scales apart from data */
     const float *bias; /* or NULL */
-    const void *packed; /* int8: data packed for many rows (tformer_pack_int8), or NULL */
+    const void *packed; /* int8: data packed for many rows (tformer_pack_int8); block kinds:
+                         * data repacked (tformer_repack); or NULL */
     const int32_t *packed_sums; /* int8: the sum of each row of data */
     int32_t layout; /* of packed: TFORMER_ISA_AVX2, TFORMER_ISA_AVX512_VNNI, TFORMER_AVX2_BYTES */
     int32_t packed_min_rows; /* products of this many rows and more use packed */
@@ -50,11 +51,18 @@ typedef int (*tformer_linear_fn)(const struct tformer_linear *l, const float *x,
 enum { TFORMER_X_FP32 = 0, TFORMER_X_Q8_0 = 1, TFORMER_X_Q8_K = 2 };
 /* A block kind's quantizer (llama.cpp's from_float): n blocks of x to their bytes. */
 typedef int (*tformer_quantize_fn)(int kind, const float *x, long n, uint8_t *out, int threads);
+/* A block kind's repacking for products of many rows (llama.cpp's repack): the bytes W
+ * (n x k) takes repacked, and W's blocks into them; its product reads them from
+ * tformer_linear's packed. */
+typedef long (*tformer_repacked_size_fn)(int kind, long n, long k);
+typedef int (*tformer_repack_fn)(int kind, const uint8_t *w, long n, long k, uint8_t *out);
 struct tformer_kind_traits {
     const char *name;
     tformer_linear_fn linear;
     int32_t block_values, block_bytes, activation;
     tformer_quantize_fn quantize; /* NULL: not a block kind */
+    tformer_repacked_size_fn repacked_size; /* NULL: no repacked form */
+    tformer_repack_fn repack;
 };
 
 int tformer_linear(const struct tformer_linear *l, const float *x, float *y, long m,
@@ -62,6 +70,8 @@ int tformer_linear(const struct tformer_linear *l, const float *x, float *y, lon
 const char *tformer_kind_name(int kind);
 int tformer_kind_geometry(int kind, int32_t *geometry);
 int tformer_quantize(int kind, const float *x, long n, uint8_t *out, int threads);
+long tformer_repacked_size(int kind, long n, long k);
+int tformer_repack(int kind, const uint8_t *w, long n, long k, uint8_t *out);
 
 /* --- fp32 (fp32.c) ----------------------------------------------------------------------- */
 void tformer_matvec(const float *x, const float *w, const float *b, float *y, long m, long n,
@@ -105,12 +115,18 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
 int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                                int threads);
 int tformer_quantize_blocks(int kind, const float *x, long n, uint8_t *out, int threads);
+long tformer_blocks_repacked_size(int kind, long n, long k);
+int tformer_blocks_repack(int kind, const uint8_t *w, long n, long k, uint8_t *out);
+int tformer_blocks_repacked_linear(int kind, const float *x, long m, const uint8_t *packed,
+                                   long n, long k, const float *b, float *y, int threads);
 
 /* --- llama.cpp's K super-blocks: q4_k, q5_k, q6_k (kquants.c, kquants_isa.h; the path is
  * tformer_blocks_isa's) --------------------------------------------------------------------- */
 int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                            int threads);
 int tformer_quantize_k(int kind, const float *x, long n, uint8_t *out, int threads);
+long tformer_kquants_repacked_size(int kind, long n, long k);
+int tformer_kquants_repack(int kind, const uint8_t *w, long n, long k, uint8_t *out);
 
 /* --- A layer of parts in different kinds (kinds.c): a fused projection whose rows come in
  * several block formats ------------------------------------------------------------------ */
