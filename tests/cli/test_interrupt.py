@@ -13,6 +13,15 @@ import pytest
 CONSOLE_SCRIPT = Path(sys.executable).with_name("tformer")
 
 
+def as_a_shell_starts_it() -> None:
+    """A terminal's foreground command starts with SIGINT neither ignored nor blocked. A
+    child inherits both from the process that starts it (here a pytest worker, which other
+    tests or libraries may have left otherwise), and a program rightly keeps an ignored
+    SIGINT ignored, as one started with `&` must."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_in_the_first_two_seconds_is_one_line(tmp_path, tiny_config):
     """Through the console script that pip installs (`python -m tformer` at moments after
     torch starts loading: tests/training/test_run_safety.py)."""
@@ -25,6 +34,7 @@ def test_ctrl_c_in_the_first_two_seconds_is_one_line(tmp_path, tiny_config):
         proc = subprocess.Popen(
             [*command, "train", str(config), "--out", str(tmp_path / f"run{n}")],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            preexec_fn=as_a_shell_starts_it,
         )
         time.sleep(moment)
         proc.send_signal(signal.SIGINT)
