@@ -159,3 +159,33 @@ def take(weights: dict[str, Tensor], name: str, source: Path) -> Tensor:
         return weights.pop(name)
     except KeyError:
         raise TformerError(f"{source}: the weights have no tensor {name!r}") from None
+
+
+def gpt_of_state(cfg: Any, state: dict[str, Tensor], leftover: dict[str, Tensor],
+                 source: Path | str) -> Any:
+    """A GPT of `cfg` holding `state` (tformer's names), in eval mode. `leftover`: the
+    source's tensors no name took, an error to report; a name the model has and `state`
+    lacks (but an untied output layer's) is a mistake in the mapping itself."""
+    from tformer.models.gpt import GPT
+
+    if leftover:
+        raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
+                           f"{', '.join(sorted(leftover)[:5])}")
+    model = GPT(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise AssertionError(f"mapping mismatch: {missing} {unexpected}")
+    return model.eval()
+
+
+DECODER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "max_position_embeddings")
+"""The config.json keys every Hugging Face decoder's import reads."""
+
+
+def require_ints(hf: dict[str, Any], keys: tuple[str, ...], source: Path | str) -> None:
+    """One error naming every key of `keys` that config.json lacks (or holds as no int)."""
+    missing = [key for key in keys if not isinstance(hf.get(key), int)]
+    if missing:
+        raise TformerError(f"{source}: config.json of a {hf.get('model_type')} model has no "
+                           f"{', '.join(missing)}")

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from tformer.config import RunConfig
 from tformer.errors import TformerError
-from tformer.interop import llama
+from tformer.interop import DECODER_KEYS, llama, require_ints
 from tformer.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
@@ -137,12 +137,7 @@ def gemma_config(hf: dict[str, Any], source: Path) -> GPTConfig:
         refused.append(f"hidden_activation = {activation}")
     if refused:
         raise TformerError(f"{source}: tformer cannot express {', '.join(refused)}")
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "max_position_embeddings")
-    missing = [key for key in required if not isinstance(hf.get(key), int)]
-    if missing:
-        raise TformerError(f"{source}: config.json of a {model_type} model has no "
-                           f"{', '.join(missing)}")
+    require_ints(hf, DECODER_KEYS, source)
     d_model, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or d_model // n_head)
     every = global_every(hf, source)

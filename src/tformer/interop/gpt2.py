@@ -24,6 +24,7 @@ from tformer.data.tokenizers import PretrainedBPETokenizer
 from tformer.errors import TformerError
 from tformer.interop import (
     export_token_ids,
+    gpt_of_state,
     read_chat_template,
     read_hf_config,
     read_hf_weights,
@@ -171,14 +172,7 @@ def gpt_from_hf(hf: dict[str, Any], weights: dict[str, Tensor], source: Path | s
     for ours, theirs in _names(cfg.n_layer, cfg.tie_embeddings).items():
         tensor = take(weights, theirs, Path(source)).float()
         state[ours] = tensor.t().contiguous() if _transposed(theirs) else tensor
-    if weights:
-        raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
-                           f"{', '.join(sorted(weights)[:5])}")
-    model = GPT(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise AssertionError(f"mapping mismatch: {missing} {unexpected}")
-    return model.eval()
+    return gpt_of_state(cfg, state, weights, source)
 
 
 def import_gpt2(src: Path, dest: Path) -> Path:

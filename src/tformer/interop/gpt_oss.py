@@ -30,7 +30,7 @@ from torch import Tensor
 
 from tformer.config import RunConfig
 from tformer.errors import TformerError
-from tformer.interop import take
+from tformer.interop import DECODER_KEYS, gpt_of_state, require_ints, take
 from tformer.interop.llama import read_tokenizer, rope_fields, rope_parameters, write_hf_gpt
 from tformer.layers.experts import stack_experts
 from tformer.models.gpt import GPT, GPTConfig
@@ -42,13 +42,7 @@ def gpt_oss_config(hf: dict[str, Any], source: Path) -> GPTConfig:
     """A gpt_oss config.json -> GPTConfig; what tformer cannot express is an error."""
     if hf.get("model_type") != "gpt_oss":
         raise TformerError(f"{source}: model_type {hf.get('model_type')!r} is not gpt_oss")
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "max_position_embeddings", "num_local_experts",
-                "num_experts_per_tok")
-    missing = [key for key in required if not isinstance(hf.get(key), int)]
-    if missing:
-        raise TformerError(f"{source}: config.json of a gpt_oss model has no "
-                           f"{', '.join(missing)}")
+    require_ints(hf, (*DECODER_KEYS, "num_local_experts", "num_experts_per_tok"), source)
     n_layer, context = int(hf["num_hidden_layers"]), int(hf["max_position_embeddings"])
     window, global_every = _layers(hf, n_layer, source)
     quantization = (hf.get("quantization_config") or {}).get("quant_method")
@@ -176,14 +170,7 @@ def gpt_oss_from_hf(hf: dict[str, Any], weights: dict[str, Any],
         weights[stem] = mxfp4(weights.pop(name), take(weights, stem + "_scales", source)
                               ).transpose(1, 2)
     state = _state(cfg, weights, source)
-    if weights:
-        raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
-                           f"{', '.join(sorted(weights)[:5])}")
-    model = GPT(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise AssertionError(f"mapping mismatch: {missing} {unexpected}")
-    return model.eval()
+    return gpt_of_state(cfg, state, weights, source)
 
 
 def import_gpt_oss(src: Path, dest: Path) -> Path:

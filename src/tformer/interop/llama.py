@@ -27,12 +27,15 @@ from tformer.data.lm import LMDataConfig
 from tformer.data.tokenizers import PretrainedBPETokenizer
 from tformer.errors import TformerError
 from tformer.interop import (
+    DECODER_KEYS,
     adds_bos,
     export_token_ids,
+    gpt_of_state,
     read_chat_template,
     read_hf_config,
     read_hf_weights,
     read_json,
+    require_ints,
     special_ids,
     take,
     with_bos_template,
@@ -113,12 +116,7 @@ def llama_config(hf: dict[str, Any], source: Path) -> GPTConfig:
         refused.append(f"hidden_act = {hf['hidden_act']}")
     if refused:
         raise TformerError(f"{source}: tformer cannot express {', '.join(refused)}")
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "max_position_embeddings")
-    missing = [key for key in required if not isinstance(hf.get(key), int)]
-    if missing:
-        raise TformerError(f"{source}: config.json of a {model_type} model has no "
-                           f"{', '.join(missing)}")
+    require_ints(hf, DECODER_KEYS, source)
     d_model, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or d_model // n_head
     window = None
@@ -197,14 +195,7 @@ def build_gpt(cfg: GPTConfig, names: dict[str, str | tuple[str, ...]],
         parts = (theirs,) if isinstance(theirs, str) else theirs
         join = torch.stack if isinstance(theirs, Stacked) else torch.cat
         state[ours] = join([take(weights, p, source).float() for p in parts])
-    if weights:
-        raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
-                           f"{', '.join(sorted(weights)[:5])}")
-    model = GPT(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise AssertionError(f"mapping mismatch: {missing} {unexpected}")
-    return model.eval()
+    return gpt_of_state(cfg, state, weights, source)
 
 
 def read_tokenizer(src: Path, hf: dict[str, Any]) -> PretrainedBPETokenizer:
