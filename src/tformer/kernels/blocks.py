@@ -529,7 +529,26 @@ def fitting(fmt: str, width: int) -> str | None:
     return fmt
 
 
-class BlockLinear(nn.Module):
+class HeldAsWeight(nn.Module):
+    """A layer whose `blocks` buffer a checkpoint holds under the parameter's own name,
+    `weight` (uint8), as an nn.Linear's weight would be: so a model saves and loads as its
+    file names it."""
+
+    blocks: Tensor
+    bias: Tensor | None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001, ANN202
+        destination[prefix + "weight"] = self.blocks if keep_vars else self.blocks.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # noqa: ANN001, ANN202
+        if prefix + "weight" in state_dict:
+            state_dict[prefix + "blocks"] = state_dict.pop(prefix + "weight")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class BlockLinear(HeldAsWeight):
     """y = x W^T + b with W held as blocks of one of LAYOUTS's formats (see the
     module's text), for inference.
 
@@ -582,16 +601,7 @@ class BlockLinear(nn.Module):
         (Transformer-XL projects its memory with a slice of it)."""
         return dequantize(self.blocks, self.fmt)
 
-    # A checkpoint holds the blocks under the parameter's own name, `weight` (uint8), as an
-    # nn.Linear's weight would be: so a model saves and loads as its file names it.
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001, ANN202
-        destination[prefix + "weight"] = self.blocks if keep_vars else self.blocks.detach()
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
-
     def _load_from_state_dict(self, state_dict, prefix, *args):  # noqa: ANN001, ANN202
-        if prefix + "weight" in state_dict:
-            state_dict[prefix + "blocks"] = state_dict.pop(prefix + "weight")
         super()._load_from_state_dict(state_dict, prefix, *args)
         self.__dict__["_repacked"] = None  # the blocks were copied in: repack them anew
 
@@ -636,7 +646,7 @@ class BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
 
 
-class StackedLinear(nn.Module):
+class StackedLinear(HeldAsWeight):
     """y = x W^T + b with W's rows held in parts of different block formats, one after the
     other: a fused projection whose file tensors differ in type (Q4_K_M's attn_q and attn_k
     in q4_k beside attn_v in q6_k, held as one qkv layer). Each part is a BlockLinear over
@@ -693,15 +703,6 @@ class StackedLinear(nn.Module):
     def weight(self) -> Tensor:
         return torch.cat([part.weight for part in self.parts])
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001, ANN202
-        destination[prefix + "weight"] = self.blocks if keep_vars else self.blocks.detach()
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args):  # noqa: ANN001, ANN202
-        if prefix + "weight" in state_dict:
-            state_dict[prefix + "blocks"] = state_dict.pop(prefix + "weight")
-        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def tformer_linear(self) -> library.BoundLinear | None:
         """The layer as step.c reads it: tformer.h's TFORMER_STACK, its parts' structures
