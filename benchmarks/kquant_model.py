@@ -17,6 +17,16 @@ kernels/blocks.py's C quantizers on every thread torch has.
 Writing the default shape quantizes 1.2 billion weights and holds the file's ~0.8 GB in
 memory until it is written; --layers 2 --d-model 256 --ff 512 --vocab 1024 makes a small
 one in a second.
+
+--arch qwen3 writes Qwen3's layout instead (q/k norms, --head-dim apart from d_model, rope
+theta 1,000,000, an output layer of its own), and --arch qwen3moe a mixture of experts in
+Qwen3-MoE's (--experts stacked experts of width --d-expert, --active chosen a token, the
+router's weights in f32 as llama.cpp's quantizer keeps them); e.g. Qwen3-30B-A3B's layer
+shape with two layers:
+
+    python benchmarks/kquant_model.py /tmp/moe.gguf --arch qwen3moe --type q4_0 --layers 2 \
+        --d-model 2048 --heads 32 --kv-heads 4 --head-dim 128 --experts 128 --active 8 \
+        --d-expert 768 --vocab 4096
 """
 
 from __future__ import annotations
@@ -74,16 +84,28 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", choices=("llama", "qwen3", "qwen3moe"), default="llama")
+    ap.add_argument("--head-dim", type=int, default=None, help="default d_model / heads")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--active", type=int, default=8)
+    ap.add_argument("--d-expert", type=int, default=768)
     args = ap.parse_args()
+    write(args)
+
+
+def write(args: argparse.Namespace) -> None:
+    """The file `args` describe (main's options)."""
 
     import gguf
 
     if args.out.exists():
         raise SystemExit(f"{args.out} exists")
-    d, head = args.d_model, args.d_model // args.heads
+    d, head = args.d_model, args.head_dim or args.d_model // args.heads
+    qwen, moe = args.arch != "llama", args.arch == "qwen3moe"
+    tied = not qwen
     tokens, types, merges = vocabulary(args.vocab)
-    writer = gguf.GGUFWriter(args.out, "llama")
-    writer.add_name("random Llama-3.2-1B-shaped model")
+    writer = gguf.GGUFWriter(args.out, args.arch)
+    writer.add_name(f"random {args.arch} model")
     writer.add_file_type(FILE_TYPES[args.type])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_block_count(args.layers)
@@ -92,8 +114,12 @@ def main() -> None:
     writer.add_feed_forward_length(args.ff)
     writer.add_head_count(args.heads)
     writer.add_head_count_kv(args.kv_heads)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(1e6 if qwen else 500000.0)
+    writer.add_layer_norm_rms_eps(1e-6 if qwen else 1e-5)
+    if moe:
+        writer.add_expert_count(args.experts)
+        writer.add_expert_used_count(args.active)
+        writer.add_expert_feed_forward_length(args.d_expert)
     writer.add_rope_dimension_count(head)
     writer.add_key_length(head)
     writer.add_value_length(head)
@@ -115,8 +141,8 @@ def main() -> None:
             value = 1 + 0.1 * torch.randn(shape, generator=g)
         else:
             value = torch.randn(shape, generator=g) * 0.02
-        # the embedding is also the output layer here (tied), as Llama 3.2 1B's is
-        kind = tensor_type(args.type, name, args.layers, tied=True)
+        # Llama's embedding is also its output layer (tied), as Llama 3.2 1B's is
+        kind = tensor_type(args.type, name, args.layers, tied=tied)
         array, raw = _stored(name, value, kind)
         writer.add_tensor(name, array, raw_dtype=raw)
         weights += value.numel()
@@ -129,11 +155,22 @@ def main() -> None:
         add(b + "attn_k.weight", args.kv_heads * head, d)
         add(b + "attn_v.weight", args.kv_heads * head, d)
         add(b + "attn_output.weight", d, args.heads * head)
+        if qwen:
+            add(b + "attn_q_norm.weight", head)
+            add(b + "attn_k_norm.weight", head)
         add(b + "ffn_norm.weight", d)
-        add(b + "ffn_gate.weight", args.ff, d)
-        add(b + "ffn_up.weight", args.ff, d)
-        add(b + "ffn_down.weight", d, args.ff)
+        if moe:
+            add(b + "ffn_gate_inp.weight", args.experts, d)
+            add(b + "ffn_gate_exps.weight", args.experts, args.d_expert, d)
+            add(b + "ffn_up_exps.weight", args.experts, args.d_expert, d)
+            add(b + "ffn_down_exps.weight", args.experts, d, args.d_expert)
+        else:
+            add(b + "ffn_gate.weight", args.ff, d)
+            add(b + "ffn_up.weight", args.ff, d)
+            add(b + "ffn_down.weight", d, args.ff)
     add("output_norm.weight", d)
+    if not tied:
+        add("output.weight", args.vocab, d)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

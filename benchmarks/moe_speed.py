@@ -13,13 +13,24 @@ output layer is the same for both models and would hide the difference.
 
     python benchmarks/moe_speed.py [--layers 2] [--weights fp32 q8_0] [--new 32]
     python benchmarks/moe_speed.py --tiny     # a check that it runs, in seconds
+
+With --gguf TYPE both models are GGUF files instead (benchmarks/kquant_model.py writes them
+in TYPE, Qwen3-MoE's and Qwen3's layouts), `tformer import`ed with their blocks kept and
+timed on each of --threads-list, beside llama.cpp's `llama-bench` on the same two files
+(`make bench` builds it): generation after a --prompt-token prompt, the median of its
+--repeats samples.
+
+    python benchmarks/moe_speed.py --gguf q4_0 [--threads-list 1 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -62,6 +73,71 @@ def active_params(model: GPT) -> int:
     return total
 
 
+def write_files(shape: dict, args: argparse.Namespace, folder: Path) -> dict[str, Path]:
+    """The mixture and its dense twin as GGUF files of type args.gguf (kquant_model.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kquant_model import write
+
+    common = {"type": args.gguf, "layers": args.layers, "d_model": shape["d_model"],
+              "heads": shape["n_head"], "kv_heads": shape["n_kv_head"],
+              "head_dim": shape["d_head"], "vocab": args.vocab, "context": 4096, "seed": 0,
+              "experts": shape["n_expert"], "active": shape["n_expert_active"],
+              "d_expert": shape["d_expert"]}
+    active = shape["n_expert_active"] * shape["d_expert"]
+    files = {f"{shape['n_expert']} experts, {shape['n_expert_active']} active":
+             {"arch": "qwen3moe", "ff": active},
+             f"dense, d_ff {active}": {"arch": "qwen3", "ff": active}}
+    paths = {}
+    for name, extra in files.items():
+        paths[name] = folder / f"{extra['arch']}-{args.gguf}.gguf"
+        write(argparse.Namespace(out=paths[name], **common, **extra))
+    return paths
+
+
+def gguf_rows(shape: dict, args: argparse.Namespace) -> None:
+    """--gguf: both files through tformer (alternating) and llama-bench, per thread count."""
+    import llama_cpp
+
+    import tformer
+    from tformer.interop.gguf import import_gguf
+
+    have_peer = llama_cpp.available() and not args.tiny
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_files(shape, args, Path(tmp))
+        models = {name: tformer.load(import_gguf(path, Path(tmp) / f"run{i}")).module
+                  for i, (name, path) in enumerate(paths.items())}
+        prompt = torch.randint(0, args.vocab, (1, args.prompt),
+                               generator=torch.Generator().manual_seed(0))
+        print(f"\nbatch 1, greedy, {args.new} tokens after a prompt of {args.prompt}, "
+              f"{args.layers} layers, vocabulary {args.vocab}, GGUF {args.gguf}"
+              + (f"; llama.cpp: {llama_cpp.isa_summary()}" if have_peer else ""))
+        print("| model | threads | file (MiB) | tformer tokens/s | llama.cpp tokens/s | "
+              "tformer ÷ llama.cpp |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for threads in args.threads_list:
+            torch.set_num_threads(threads)
+            times: dict[str, list[float]] = {name: [] for name in models}
+            for _ in range(args.repeats + 1):  # the first round warms up, untimed
+                for name, model in models.items():
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        list(generate(model, prompt, max_new_tokens=args.new,
+                                      temperature=0.0))
+                    times[name].append(time.perf_counter() - start)
+            for name, path in paths.items():
+                ours = args.new / statistics.median(times[name][1:])
+                peer = "-"
+                if have_peer:
+                    rows = llama_cpp.bench(path, threads, n_gen=args.new, depth=args.prompt,
+                                           repetitions=args.repeats)
+                    theirs = statistics.median(rows[0].samples or (rows[0].tokens_per_s,))
+                    peer = f"{theirs:,.1f} | {ours / theirs:.2f}"
+                else:
+                    peer = "- | -"
+                print(f"| {name} | {threads} | {path.stat().st_size / 2**20:,.0f} | "
+                      f"{ours:,.1f} | {peer} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
@@ -72,10 +148,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--tiny", action="store_true", help="a tiny shape, to check it runs")
+    parser.add_argument("--gguf", default=None, metavar="TYPE",
+                        help="GGUF files of this type (q4_0, q8_0, q4_k_m, ...) through tformer "
+                             "and llama.cpp instead")
+    parser.add_argument("--threads-list", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shape = TINY if args.tiny else QWEN3_30B_A3B
+    if args.gguf:
+        gguf_rows(shape, args)
+        return
     built = {name: GPT(cfg).eval() for name, cfg in configs(shape, args.layers,
                                                              args.vocab).items()}
     prompt = torch.randint(0, args.vocab, (1, args.prompt))

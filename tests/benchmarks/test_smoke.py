@@ -270,6 +270,37 @@ def test_kquant_model_writes_llama_cpp_s_mix(tmp_path):
     assert {kind for name, kind in types.items() if "norm" not in name} == {"Q4_K", "Q6_K"}
 
 
+def test_kquant_model_writes_a_qwen3_mixture(tmp_path):
+    """--arch qwen3moe: the router in f32, the stacked experts in the type asked, q/k norms
+    and an output layer of its own; tformer keeps the experts as blocks."""
+    gguf = pytest.importorskip("gguf")
+    from tformer.interop.gguf import import_gguf
+    from tformer.loading import load_checkpoint
+
+    out = tmp_path / "moe.gguf"
+    run_script("kquant_model", "--arch", "qwen3moe", "--type", "q8_0", "--layers", "1",
+               "--d-model", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+               "--experts", "4", "--active", "2", "--d-expert", "32", "--vocab", "934",
+               "--context", "32", str(out))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert types["blk.0.ffn_up_exps.weight"] == types["output.weight"] == "Q8_0"
+    assert "blk.0.attn_k_norm.weight" in types
+    model = load_checkpoint(import_gguf(out, tmp_path / "run")).model
+    assert model.cfg.n_expert == 4 and model.cfg.n_expert_active == 2
+    assert "q8_0" in repr(model.blocks[0].ff)
+
+
+@pytest.mark.slow
+def test_moe_speed_on_gguf_files():
+    """moe_speed.py --gguf: the mixture and its dense twin written as GGUF files, imported
+    and timed (and run by llama-bench where it is built)."""
+    pytest.importorskip("gguf")
+    out = run_script("moe_speed", "--tiny", "--gguf", "q4_0", "--repeats", "1", "--new", "2",
+                     "--threads-list", "1")
+    assert "| 8 experts, 2 active | 1 |" in out and "| dense, d_ff 64 | 1 |" in out
+
+
 def test_draft_data(tiny_corpus, tmp_path):
     from tests.conftest import TINY_GPT, toml_text
 
