@@ -84,7 +84,7 @@ def test_token_ids_equal_llama_cpp_smollm(ours, smollm2_file, llama_cpp_tokenize
 def test_q4_1_blocks_are_kept_byte_for_byte(smollm2_run, smollm2_file, ours):
     """The file's Q4_1 matrices are the checkpoint's weights as they are (the query and key
     rows back in rotate-half order, as whole rows), and decode by default; the Q8_0
-    embedding (not a linear layer) is fp32."""
+    embedding too, stored once for the lookup and the tied output layer."""
     import numpy as np
     from safetensors import safe_open
 
@@ -96,7 +96,11 @@ def test_q4_1_blocks_are_kept_byte_for_byte(smollm2_run, smollm2_file, ours):
         formats = json.loads(f.metadata()[blocks.FORMATS_KEY])
         down = f.get_tensor("blocks.7.ff.down.weight")
         qkv = f.get_tensor("blocks.7.attn.qkv_proj.weight")
-        assert f.get_tensor("embed.weight").dtype == torch.float32
+        embed = f.get_tensor("embed.weight")
+        assert "lm_head.weight" not in f.keys()
+    assert torch.equal(embed, torch.from_numpy(np.array(smollm2_file.tensors[
+        "token_embd.weight"].data)))
+    assert formats.pop("embed.weight") == formats.pop("lm_head.weight") == "q8_0"
     assert len(formats) == 30 * 5 and set(formats.values()) == {"q4_1"}
     raw = {n: torch.from_numpy(np.array(smollm2_file.tensors[f"blk.7.{n}.weight"].data))
            for n in ("ffn_down", "attn_q", "attn_k", "attn_v")}
@@ -104,7 +108,9 @@ def test_q4_1_blocks_are_kept_byte_for_byte(smollm2_run, smollm2_file, ours):
     assert torch.equal(qkv, torch.cat([unpermute(raw["attn_q"], 9), unpermute(raw["attn_k"], 3),
                                        raw["attn_v"]]))
     held = load_checkpoint(smollm2_run)
-    assert blocks.formats_of(held.model) == formats
+    assert blocks.formats_of(held.model) == formats | {"embed.weight": "q8_0",
+                                                       "lm_head.weight": "q8_0"}
+    assert held.model.lm_head.blocks is held.model.embed.blocks
     ids = torch.tensor([ours.tokenizer.encode(PASSAGE)])
     with torch.no_grad():
         fp32, kept = (torch.nn.functional.cross_entropy(m(ids)[0, :-1], ids[0, 1:]).item()

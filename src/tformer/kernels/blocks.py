@@ -286,8 +286,20 @@ def dequantize(blocks: Tensor, fmt: str) -> Tensor:
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
         raise TformerError(f"{fmt} blocks are uint8 [N, B * {size}]; got {blocks.dtype} "
                            f"{tuple(blocks.shape)}")
-    n = blocks.shape[0]
-    return DEQUANTIZE[fmt](blocks.contiguous().reshape(n, -1, size)).reshape(n, -1)
+    n, width = blocks.shape[0], blocks.shape[1] // size * layout.values
+    out = torch.empty(n, width, dtype=torch.float32, device=blocks.device)
+    # A few million values at a time: the decoders' integer intermediates take 8 bytes a
+    # value, which for a whole 128,256-row table would be gigabytes.
+    step = max(1, DEQUANTIZE_VALUES // max(width, 1))
+    for at in range(0, n, step):
+        part = blocks[at:at + step].contiguous()
+        out[at:at + step] = DEQUANTIZE[fmt](part.reshape(part.shape[0], -1, size)).reshape(
+            part.shape[0], -1)
+    return out
+
+
+DEQUANTIZE_VALUES = 1 << 22
+"""Values dequantize() decodes at a time."""
 
 
 # The C kernels (blocks.c, built into library.py's library).
@@ -412,9 +424,10 @@ blocks: a JSON object {parameter name: format}."""
 
 def formats_of(model: nn.Module) -> dict[str, str]:
     """{parameter name: format} of the model's weights held as blocks (FORMATS_KEY's; a
-    StackedLinear's format is its parts', stack_format's string)."""
+    StackedLinear's format is its parts', stack_format's string; an embedding table's and
+    the output layer tied to it both, over the same bytes)."""
     return {f"{name}.weight": m.fmt for name, m in model.named_modules()
-            if isinstance(m, (BlockLinear, StackedLinear))}
+            if isinstance(m, (BlockLinear, StackedLinear, BlockEmbedding))}
 
 
 def stack_format(parts: list[tuple[str, int]]) -> str:
@@ -442,26 +455,51 @@ def stack_parts(fmt: str) -> list[tuple[str, int]]:
 
 
 def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
-    """Make the linear layers whose weights `formats` names ({parameter name: format}, a
-    checkpoint's FORMATS_KEY) BlockLinears of those formats, in place, their blocks
-    uninitialised (untouched memory) until the checkpoint's are loaded into them. A name
-    that is not an nn.Linear's weight of a fitting shape is a TformerError."""
+    """Make the linear layers and embedding tables whose weights `formats` names
+    ({parameter name: format}, a checkpoint's FORMATS_KEY) BlockLinears and BlockEmbeddings
+    of those formats, in place, their blocks uninitialised (untouched memory) until the
+    checkpoint's are loaded into them. A linear layer whose weight is tied to an embedding
+    held as blocks (a GPT's lm_head with tie_embeddings) reads the embedding's bytes, where
+    `formats` gives it the same format: one tensor, as it was saved. A name that is neither
+    an nn.Linear's nor an nn.Embedding's weight of a fitting shape is a TformerError."""
     modules = dict(model.named_modules())
-    for param, fmt in formats.items():
+    tables: dict[int, BlockEmbedding] = {}  # id(the fp32 weight it replaces) -> the table
+    for param, fmt in sorted(formats.items(), key=lambda item: not _is_embedding(
+            modules.get(item[0].removesuffix(".weight")))):
         path = param.removesuffix(".weight")
         if path not in modules and _split_owner(model, path):
             modules = dict(model.named_modules())
-        linear = modules.get(path)
-        if not param.endswith(".weight") or not isinstance(linear, nn.Linear):
-            raise TformerError(f"{param} is held as {fmt} blocks, but the model has no linear "
-                               f"layer of that name")
+        layer = modules.get(path)
         parent, _, attr = path.rpartition(".")
+        owner = modules[parent] if parent else model
+        if param.endswith(".weight") and _is_embedding(layer):
+            layout = _check_format(fmt)  # (a stack is no embedding's format)
+            if layer.embedding_dim % layout.values:
+                raise TformerError(f"{param} is held as {fmt} blocks, but its "
+                                   f"{layer.embedding_dim} columns are not a multiple of "
+                                   f"{layout.values}")
+            empty = torch.empty(layer.num_embeddings,
+                                layer.embedding_dim // layout.values * layout.size,
+                                dtype=torch.uint8)
+            table = BlockEmbedding(empty, fmt, layer.embedding_dim)
+            tables[id(layer.weight)] = table
+            setattr(owner, attr, table)
+            continue
+        if not param.endswith(".weight") or not isinstance(layer, nn.Linear):
+            raise TformerError(f"{param} is held as {fmt} blocks, but the model has no linear "
+                               f"layer or embedding of that name")
+        linear = layer
+        table = tables.get(id(linear.weight))
+        if table is not None and table.fmt == fmt and tuple(linear.weight.shape) == (
+                table.num_embeddings, table.embedding_dim):
+            setattr(owner, attr, table.tied_output(linear.bias))
+            continue
         if "+" in fmt:
             stacked = StackedLinear.empty(stack_parts(fmt), linear.in_features, linear.bias)
             if stacked.out_features != linear.out_features:
                 raise TformerError(f"{param} is held as {fmt}, but the layer has "
                                    f"{linear.out_features} outputs")
-            setattr(modules[parent] if parent else model, attr, stacked)
+            setattr(owner, attr, stacked)
             continue
         layout = _check_format(fmt)
         if linear.in_features % layout.values:
@@ -469,8 +507,11 @@ def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
                                f"inputs are not a multiple of {layout.values}")
         n, k = linear.out_features, linear.in_features
         empty = torch.empty(n, k // layout.values * layout.size, dtype=torch.uint8)
-        setattr(modules[parent] if parent else model, attr,
-                BlockLinear(empty, fmt, k, linear.bias))
+        setattr(owner, attr, BlockLinear(empty, fmt, k, linear.bias))
+
+
+def _is_embedding(module: nn.Module | None) -> bool:
+    return isinstance(module, nn.Embedding) and module.weight is not None
 
 
 def _split_owner(model: nn.Module, path: str) -> bool:
@@ -495,14 +536,31 @@ def _split_owner(model: nn.Module, path: str) -> bool:
 
 def dequantize_model(model: nn.Module, keep: str | None = None) -> None:
     """Make every BlockLinear and StackedLinear of `model` (but BlockLinears in format
-    `keep`) an fp32 nn.Linear of the same weight, in place."""
+    `keep`) an fp32 nn.Linear of the same weight, and every BlockEmbedding (but those in
+    `keep`) an fp32 nn.Embedding, in place; an output layer tied to an embedding's blocks
+    stays tied to it (kept with it, or the fp32 embedding's weight itself)."""
+    tables = {id(m.blocks): m for m in model.modules() if isinstance(m, BlockEmbedding)}
+    made: dict[int, nn.Parameter] = {}  # id(blocks) -> the fp32 weight made of them
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if isinstance(child, BlockEmbedding) and child.fmt != keep:
+                table = nn.Embedding(child.num_embeddings, child.embedding_dim, device="meta")
+                if id(child.blocks) not in made:
+                    made[id(child.blocks)] = nn.Parameter(child.weight, requires_grad=False)
+                table.weight = made[id(child.blocks)]
+                setattr(parent, name, table)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            tied = isinstance(child, BlockLinear) and id(child.blocks) in tables
+            if tied and tables[id(child.blocks)].fmt == keep:
+                continue
             if isinstance(child, StackedLinear) or (isinstance(child, BlockLinear)
-                                                    and child.fmt != keep):
+                                                    and (child.fmt != keep or tied)):
                 linear = nn.Linear(child.in_features, child.out_features,
                                    bias=child.bias is not None, device="meta")
-                linear.weight = nn.Parameter(child.weight, requires_grad=False)
+                weight = made.get(id(child.blocks)) if tied else None
+                linear.weight = weight if weight is not None else nn.Parameter(
+                    child.weight, requires_grad=False)
                 linear.bias = child.bias
                 setattr(parent, name, linear)
 
@@ -644,6 +702,53 @@ class BlockLinear(HeldAsWeight):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+
+
+class BlockEmbedding(HeldAsWeight):
+    """An embedding table held as blocks of one of LAYOUTS's formats, for inference (a GGUF
+    file's token_embd, kept as the file holds it, as llama.cpp keeps it): a lookup decodes
+    the rows it selects, and only those, so that a 128,256-row table costs its blocks' bytes
+    (210 MB in q6_k for a width of 2,048) where fp32 took 1 GB. A row looked up is that row
+    of the whole table dequantized (`weight`), bit for bit. With tied embeddings the output
+    layer is a BlockLinear over the same `blocks` tensor (`tied_output`): one copy for both,
+    which a checkpoint saves once.
+
+    tokens (...) -> (..., embedding_dim) fp32.
+    """
+
+    def __init__(self, blocks: Tensor, fmt: str, embedding_dim: int) -> None:
+        super().__init__()
+        layout = _check_format(fmt)
+        rows = blocks.shape[0] if blocks.dim() == 2 else -1
+        want = (rows, embedding_dim // layout.values * layout.size)
+        if (blocks.dtype != torch.uint8 or tuple(blocks.shape) != want
+                or embedding_dim % layout.values):
+            raise TformerError(f"{fmt} blocks of a [N, {embedding_dim}] embedding are uint8 "
+                               f"{want}; got {blocks.dtype} {tuple(blocks.shape)}")
+        self.fmt, self.num_embeddings, self.embedding_dim = fmt, rows, embedding_dim
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None  # (HeldAsWeight saves a bias where a layer has one)
+
+    def tied_output(self, bias: Tensor | nn.Parameter | None = None) -> BlockLinear:
+        """The output layer onto the vocabulary over this table's bytes (tied embeddings):
+        logits = x E^T (+ bias), as BlockLinear computes it."""
+        return BlockLinear(self.blocks, self.fmt, self.embedding_dim, bias)
+
+    @property
+    def weight(self) -> Tensor:
+        """The whole table in fp32: for code that reads an embedding's weight (a copy, made
+        at each read)."""
+        return dequantize(self.blocks, self.fmt)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        rows = self.blocks.index_select(0, tokens.reshape(-1).to(self.blocks.device))
+        if rows.device.type != "cpu":  # the decoders' tables are made on the CPU
+            return dequantize(rows.cpu(), self.fmt).to(rows.device).view(
+                *tokens.shape, self.embedding_dim)
+        return dequantize(rows, self.fmt).view(*tokens.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
 
 
 class StackedLinear(HeldAsWeight):
