@@ -32,27 +32,36 @@ has them). Elsewhere (library.py's
 TFORMER_ISA=torch, no compiler) it multiplies fp32 rows by the weight dequantized once and
 kept: the same weights, the activations unrounded.
 
-Products of REPACK_MIN_ROWS rows and more (a prompt, a batch, a speculative round's
-verification) read the weight repacked (repack, llama.cpp's repack.cpp's idea): eight
-rows side by side, each block's values a byte each and its scales unpacked, so that eight
-outputs share every instruction. A layer repacks at its first such product (or when
-step.c is given it) and keeps the copy beside the file's blocks, which checkpoints,
-export and products of up to four rows read: 40 bytes for 32 weights beside the 32-value
-formats' 18 to 34, 360 for 256 beside the K formats' 144 to 210, so a model that has read
-a prompt holds its block weights in 2.2 (q8_0) to 3.5 (q4_k) times their file's bytes.
-The file's blocks stay because one row, decoding's product, is a stream through the
-weights, where the file's 4.5 bits a weight are read faster than the repacked 10. The
+Products of many rows (a prompt, a batch, a speculative round's verification) read the
+weight repacked (repack, llama.cpp's repack.cpp's idea): eight rows side by side, each
+block's values a byte each and its scales unpacked, so that eight outputs share every
+instruction: 40 bytes for 32 weights beside the 32-value formats' 18 to 34, 360 for 256
+beside the K formats' 144 to 210. Where that copy lives is a choice of memory against
+speed (`keep_repacked`):
+- by default a layer keeps none: a product of REPACK_CALL_ROWS (64) rows and more repacks
+  W for the call (kinds.c, a slice of rows at a time), which those rows pay for (at one
+  thread a 8192 x 2048 q4_k layer took 26 ms to repack, and 58 ms for 64 rows over its
+  blocks against 29 repacked, 545 against 425 for 512), and fewer rows read the file's
+  blocks. A model then holds its weights in their file's bytes, as llama.cpp does.
+- a layer that keeps it (keep_repacked(model), or TFORMER_KEEP_REPACKED=1 for every
+  layer) makes it at its first product of REPACK_MIN_ROWS (5) rows and more (or when
+  step.c is given it) and reads it for every such product: 1.4x faster at 8 rows, 2x at
+  16, but its weights take 2.2 (q8_0) to 3.5 (q4_k) times their file's bytes. Batched
+  serving and speculative decoding, whose every step has many rows, keep it.
+The file's blocks stay either way because one row, decoding's product, is a stream through
+the weights, where the file's 4.5 bits a weight are read faster than the repacked 10. The
 repacked product's results: the K formats' the few-row product's bit for bit; the
 32-value formats' the plain C product's bit for bit, and on the SIMD paths within fp32
 rounding of their few-row product's (which adds each block's products in eight lanes): a
-row's result is the same in any batch of REPACK_MIN_ROWS or more, and may differ in its
-last bits alone or in a batch of four.
+row's result is the same in any product over repacked W, and may differ in its last bits
+alone or in a few-row one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -340,8 +349,28 @@ def available() -> bool:
 
 REPACK_MIN_ROWS = 5
 """Products of this many rows and more (a prompt, a batch of more than four, a speculative
-round's verification) go through W repacked (repack), where a layer has it: up to four, the
+round's verification) go through W repacked (repack), where a layer keeps it: up to four, the
 product is a stream through the file's blocks, each read once whatever the layout."""
+REPACK_CALL_ROWS = 64
+"""Products of this many rows and more over a layer that keeps no repacked copy repack W for
+the call (kinds.c's tformer_linear; tformer.h's TFORMER_REPACK_CALL_ROWS, which a test
+compares)."""
+KEEP_REPACKED = os.environ.get("TFORMER_KEEP_REPACKED", "0") not in ("", "0")
+"""Whether a new block layer keeps W repacked beside its blocks (see the module's text);
+keep_repacked sets it for a model's layers."""
+
+
+def keep_repacked(model: nn.Module, keep: bool = True) -> None:
+    """Make the block layers of `model` keep W repacked beside their blocks (or not), for
+    decoding whose every step multiplies REPACK_MIN_ROWS rows or more (batched serving,
+    speculative decoding): 1.4x to 2x faster products of 5 to 63 rows, for 1.2 (q8_0) to
+    2.5 (q4_k) times the blocks' bytes more. Set before a decoding step reads the layers
+    (step.c's structures are made at the first cache)."""
+    for module in model.modules():
+        if isinstance(module, (BlockLinear, StackedLinear)):
+            module.keep_repacked = keep
+            if isinstance(module, StackedLinear):
+                module._split()
 
 
 def repack(lib: ctypes.CDLL, fmt: str, blocks: Tensor, k: int) -> Tensor | None:
@@ -360,17 +389,23 @@ def repack(lib: ctypes.CDLL, fmt: str, blocks: Tensor, k: int) -> Tensor | None:
     return out
 
 
+NEVER = 1 << 30
+"""call's repack_rows for the product over the file's blocks alone, at any number of rows."""
+
+
 def call(lib: ctypes.CDLL, fmt: str, x: Tensor, blocks: Tensor, n: int, k: int,
-         bias: Tensor | None, repacked: Tensor | None = None) -> Tensor:
+         bias: Tensor | None, repacked: Tensor | None = None,
+         repack_rows: int = REPACK_MIN_ROWS) -> Tensor:
     """y = x W^T + b through kinds.c's table (blocks.c's or kquants.c's product), W as
-    blocks (and, for REPACK_MIN_ROWS rows and more, `repacked`, repack's, where given); x
+    blocks, and for repack_rows rows and more repacked: `repacked`, repack's, where given,
+    else repacked for the call from REPACK_CALL_ROWS rows (NEVER: the blocks alone); x
     (M, K) fp32 contiguous, all checked."""
     m = x.shape[0]
     y = x.new_empty(m, n)
     struct = library.Linear(KINDS[fmt], n, k, blocks.data_ptr(), None,
                             None if bias is None else bias.data_ptr(),
                             None if repacked is None else repacked.data_ptr(), None, 0,
-                            REPACK_MIN_ROWS)
+                            repack_rows)
     if lib.tformer_linear(ctypes.byref(struct), x.data_ptr(), y.data_ptr(), m,
                           torch.get_num_threads()):
         raise MemoryError(f"no memory for {m} x {k} activation blocks")
@@ -629,6 +664,8 @@ class BlockLinear(HeldAsWeight):
         self.bias = bias
         self._dense: Tensor | None = None
         self.__dict__["_repacked"] = None  # repacked(): made at the first many-row use
+        self.keep_repacked = KEEP_REPACKED
+        """Whether the layer keeps W repacked (the module's text, keep_repacked)."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> BlockLinear:
@@ -640,12 +677,19 @@ class BlockLinear(HeldAsWeight):
         self.__dict__["_repacked"] = None
         return self
 
+    def __getstate__(self) -> dict:
+        # What the layer made of its blocks is not copied with it (swap_linears' deepcopy
+        # shares the blocks): a copy makes its own when it needs them.
+        return dict(self.__dict__) | {"_dense": None, "_repacked": None}
+
     def repacked(self) -> Tensor | None:
         """The blocks repacked for products of REPACK_MIN_ROWS rows and more (repack), made
         at the first call and kept beside the file's blocks, which export, checkpoints and
-        the few-row products read; None where the format has no repacked form here."""
+        the few-row products read; None where the layer keeps no such copy
+        (keep_repacked) or the format has no repacked form here."""
         lib = _lib()
-        if lib is None or self.blocks.device.type != "cpu":
+        if lib is None or self.blocks.device.type != "cpu" or not self.keep_repacked:
+            self.__dict__["_repacked"] = None
             return None
         made = self.__dict__["_repacked"]
         if made is None or made[0] != self.blocks.data_ptr():
@@ -672,7 +716,8 @@ class BlockLinear(HeldAsWeight):
 
     def tformer_linear(self) -> library.BoundLinear | None:
         """The layer as step.c reads it (tformer.h's TFORMER_Q8_0, ... _Q6_K), or None
-        where blocks.c cannot read its tensors; any number of rows."""
+        where blocks.c cannot read its tensors; any number of rows (W repacked where the
+        layer keeps it, else for a call of REPACK_CALL_ROWS rows and more)."""
         if _lib() is None or not self._fits(torch.empty(0)):
             return None
         bias = None if self.bias is None else self.bias.detach()
@@ -770,6 +815,8 @@ class StackedLinear(HeldAsWeight):
         self.out_features = sum(rows for _, rows in self.layout)
         self.register_buffer("blocks", torch.cat([b.contiguous().reshape(-1) for _, b in parts]))
         self.bias = bias
+        self.keep_repacked = KEEP_REPACKED
+        """Whether the parts keep W repacked (keep_repacked)."""
         self._split()
 
     @classmethod
@@ -795,6 +842,7 @@ class StackedLinear(HeldAsWeight):
             n = rows * (self.in_features // size.values * size.size)
             view = self.blocks[at:at + n].view(rows, -1)
             parts.append(BlockLinear(view, fmt, self.in_features))
+            parts[-1].keep_repacked = self.keep_repacked
             at += n
         self.__dict__["parts"] = parts
         self.__dict__["bound"] = None  # tformer_linear's, made at the first product
@@ -803,6 +851,18 @@ class StackedLinear(HeldAsWeight):
         super()._apply(fn, recurse)
         self._split()
         return self
+
+    def __getstate__(self) -> dict:
+        # The parts are views of `blocks`: a copy (swap_linears' deepcopy, which shares
+        # the buffer) makes them anew over its own buffer rather than copying their bytes.
+        state = dict(self.__dict__)
+        state.pop("parts", None)
+        state.pop("bound", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._split()
 
     @property
     def weight(self) -> Tensor:
