@@ -415,8 +415,12 @@ def load_weights(
         except (RuntimeError, SafetensorError, OSError, ValueError) as e:
             raise TformerError(f"checkpoint file {path / WEIGHTS} does not load: {e}") from None
         if plain:
+            before = {id(p) for p in model.parameters()}
             blocks.dequantize_model(model)
             stack_experts(model)
+            for p in model.parameters():  # made of the blocks: trained as the rest are
+                if id(p) not in before:
+                    p.requires_grad_(True)
     lora = read_config(path).train.lora
     if adapters and lora is not None:
         from tformer.training.lora import merge_adapters
