@@ -666,6 +666,9 @@ class BlockLinear(HeldAsWeight):
         self.__dict__["_repacked"] = None  # repacked(): made at the first many-row use
         self.keep_repacked = KEEP_REPACKED
         """Whether the layer keeps W repacked (the module's text, keep_repacked)."""
+        self.repack_rows = REPACK_MIN_ROWS
+        """Its products of this many rows and more read W repacked (kept, or from
+        REPACK_CALL_ROWS rows repacked for the call); NEVER: the file's blocks alone."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> BlockLinear:
@@ -726,7 +729,7 @@ class BlockLinear(HeldAsWeight):
                                 self.blocks.data_ptr(), None,
                                 None if bias is None else bias.data_ptr(),
                                 None if repacked is None else repacked.data_ptr(), None, 0,
-                                REPACK_MIN_ROWS)
+                                self.repack_rows)
         held = [t for t in (self.blocks, bias, repacked) if t is not None]
         return library.BoundLinear(struct, 1 << 30, tuple(held))
 
@@ -740,9 +743,9 @@ class BlockLinear(HeldAsWeight):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self._dense.to(x.dtype), bias)
         rows = x.reshape(-1, self.in_features).contiguous()
-        repacked = self.repacked() if rows.shape[0] >= REPACK_MIN_ROWS else None
+        repacked = self.repacked() if rows.shape[0] >= self.repack_rows else None
         y = call(lib, self.fmt, rows, self.blocks, self.out_features, self.in_features,
-                 None if self.bias is None else self.bias.detach(), repacked)
+                 None if self.bias is None else self.bias.detach(), repacked, self.repack_rows)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
