@@ -12,7 +12,11 @@ its interleaved rotary; ours is rotate-half), and GPT-2's Conv1D weights (stored
 transposed, as nn.Linear has them).
 
 The file is read with the `gguf` package, llama.cpp's own Python reader, and quantized
-tensors are dequantized with its numpy dequantizers (gguf.quants).
+tensors are dequantized with its numpy dequantizers (gguf.quants), but those of the types
+tformer holds as blocks (kept_types): a linear layer whose tensors all are, and the
+embedding table, hold the file's bytes as they are (views of the file, mapped
+copy-on-write, which the checkpoint is written from), and the model is made around
+stand-ins for them, so that an import never holds them in fp32.
 """
 
 from __future__ import annotations
@@ -677,7 +681,7 @@ def held_embedding(file: GGUFFile) -> str | None:
 def held_tensors(file: GGUFFile, cfg: Any) -> frozenset[str]:
     """The file's tensors the import holds as blocks (keep_blocks, keep_expert_blocks): the
     ones never read into fp32. `cfg` needs n_layer, tie_embeddings and n_expert alone
-    (layout_of gives them before the model is made)."""
+    (held_config gives them before the model is made)."""
     kept = kept_types()
     names = {n for sources in held_linears(file, cfg).values() for n in sources}
     names |= {n for n in expert_sources(cfg).values()
@@ -688,7 +692,7 @@ def held_tensors(file: GGUFFile, cfg: Any) -> frozenset[str]:
 
 
 @dataclass(frozen=True)
-class Layout:
+class HeldConfig:
     """What held_tensors reads of a model's config, known from the file's config.json
     before the model is made."""
 
@@ -697,10 +701,11 @@ class Layout:
     n_expert: int
 
 
-def layout_of(file: GGUFFile, hf: dict[str, Any]) -> Layout:
+def held_config(file: GGUFFile, hf: dict[str, Any]) -> HeldConfig:
+    """held_tensors' view of the model the file's config.json (hf_config's) describes."""
     n_layer = hf["n_layer"] if file.architecture == "gpt2" else hf["num_hidden_layers"]
     n_expert = hf.get("num_experts") or hf.get("num_local_experts") or 0
-    return Layout(int(n_layer), bool(hf["tie_word_embeddings"]), int(n_expert))
+    return HeldConfig(int(n_layer), bool(hf["tie_word_embeddings"]), int(n_expert))
 
 
 def file_bytes(tensor: GGUFTensor) -> Tensor:
@@ -846,7 +851,7 @@ def save_imported(file: GGUFFile, dest: Path) -> tuple[Counter[str], Counter[str
     # The tensors held as blocks are never read into fp32: the model is made around
     # stand-ins for them, and keep_blocks puts the file's bytes (views of it) in their
     # place, which the checkpoint is written from.
-    model, _ = model_from_gguf(file, held_tensors(file, layout_of(file, hf_config(file))))
+    model, _ = model_from_gguf(file, held_tensors(file, held_config(file, hf_config(file))))
     tokenizer = tokenizer_from_gguf(file)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise TformerError(f"{src}: the tokenizer has {tokenizer.vocab_size} tokens, the model "
