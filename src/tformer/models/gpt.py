@@ -302,6 +302,10 @@ class GPTBlock(nn.Module):
 
 
 class GPT(Model):
+    tied_table: ClassVar[tuple[str, str]] = ("embed", "lm_head")
+    """The embedding table and the output layer tie_embeddings ties: a weight format that
+    makes the output layer blocks makes the table a lookup in them (kernels/formats.py)."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         cfg.require_vocab()
