@@ -156,6 +156,10 @@ def test_an_embedding_held_as_blocks_is_saved_once_and_loads_tied(tmp_path):
     dense = load_checkpoint(path, weights="fp32").model
     assert type(dense.embed) is torch.nn.Embedding and dense.lm_head.weight is dense.embed.weight
     assert torch.equal(dense.embed.weight, values)
+    import tformer
+
+    # the start-up line counts the table once, as the values its blocks hold
+    assert tformer.load(path, device="cpu", threads=1).parameters == fp32.num_params()
     plain = GPT(cfg.model)
     load_weights(plain, path)
     assert type(plain.embed) is torch.nn.Embedding and plain.lm_head.weight is plain.embed.weight

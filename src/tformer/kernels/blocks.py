@@ -465,6 +465,26 @@ def formats_of(model: nn.Module) -> dict[str, str]:
             if isinstance(m, (BlockLinear, StackedLinear, BlockEmbedding))}
 
 
+def held_weights(model: nn.Module) -> int:
+    """The weights `model` holds as blocks, counted as values (each tensor of blocks once: a
+    tied table and its output layer share theirs), for the parameter counts people read."""
+    seen, count = set(), 0
+    for module in model.modules():
+        if isinstance(module, StackedLinear):
+            layers = module.parts
+        elif isinstance(module, (BlockLinear, BlockEmbedding)):
+            layers = [module]
+        else:
+            continue
+        for layer in layers:
+            key = (layer.blocks.data_ptr(), tuple(layer.blocks.shape))
+            if key not in seen:
+                seen.add(key)
+                layout = LAYOUTS[layer.fmt]
+                count += layer.blocks.numel() // layout.size * layout.values
+    return count
+
+
 def stack_format(parts: list[tuple[str, int]]) -> str:
     """[(format, rows)] of a StackedLinear's parts -> its format in a checkpoint, e.g.
     "q4_k:2048+q4_k:512+q6_k:512"."""
