@@ -1,9 +1,11 @@
 """Many-row speed of the real SmolLM2-135M-Instruct with each weight format, side by side in
 one run: prompt processing of 512 and 2,048 tokens and greedy decoding at batch 8
-(tokens/s), for fp32, per-row int8 and the block formats, whose products of five rows and
-more run over their repacked weights (blocks.REPACK_MIN_ROWS); and, for comparison, the
-block formats named FORMAT:file with repacking turned off, their many-row products over
-the file's own layout as before.
+(tokens/s), for fp32, per-row int8 and the block formats as they run by default (no
+repacked copy kept: products of blocks.REPACK_CALL_ROWS rows and more repack the weights
+for the call, fewer read the file's layout); and, for comparison, the block formats named
+FORMAT:kept with the repacked copy kept (blocks.keep_repacked: products of five rows and
+more over it) and FORMAT:file with repacking turned off, every product over the file's own
+layout.
 
 Formats are timed in alternation, the median of --repeats runs each, so a busy machine
 slows them alike; compare the ratios within a run (each row also gives them to fp32 and
@@ -21,17 +23,32 @@ import torch
 
 from tformer.kernels import blocks
 
-DEFAULT = ("fp32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "file", "q4_1:file",
-           "file:file")
+DEFAULT = ("fp32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "file", "q4_1:kept",
+           "q4_1:file", "file:kept", "file:file")
 
 
 def unrepacked(model):
-    """`model` with every block layer's repacked weights turned off, in place: its products
-    of many rows go through the file's layout."""
+    """`model` with every block layer's repacking turned off, in place: its products of
+    many rows go through the file's layout."""
+    blocks.keep_repacked(model, False)
     for m in model.modules():
         if isinstance(m, blocks.BlockLinear):
-            m.repacked = lambda: None
+            m.repack_rows = blocks.NEVER
+        if isinstance(m, blocks.StackedLinear):
+            for part in m.parts:
+                part.repack_rows = blocks.NEVER
     return model
+
+
+def kept(model):
+    """`model` with every block layer keeping its weights repacked, in place."""
+    blocks.keep_repacked(model)
+    return model
+
+
+def variant(model, fmt: str):
+    base, _, how = fmt.partition(":")
+    return {"": lambda m: m, "kept": kept, "file": unrepacked}[how](model(base))
 
 
 def main() -> None:
@@ -54,14 +71,13 @@ def main() -> None:
     else:
         model, _ = smollm2()
         prompts = args.prompts
-    models = {fmt: (unrepacked(in_format(model, fmt.removesuffix(":file")))
-                    if fmt.endswith(":file") else in_format(model, fmt))
-              for fmt in args.formats}
+    models = {fmt: variant(lambda base: in_format(model, base), fmt) for fmt in args.formats}
     torch.set_num_threads(args.threads)
     name = "a random tiny model" if args.tiny else "SmolLM2-135M-Instruct"
     print(f"{name}, tokens/s (median of {args.repeats}), {args.threads} threads; "
-          f"block kernels: {blocks.path()}; X:file = X's many-row products over the file's "
-          f"layout (no repacking)")
+          f"block kernels: {blocks.path()}; X: no repacked copy (repacked for a call of "
+          f"{blocks.REPACK_CALL_ROWS} rows and more); X:kept = the copy kept; X:file = every "
+          f"product over the file's layout (no repacking)")
     cases = [*((f"prompt {n}", lambda m, n=n: prefill(m, n), n) for n in prompts),
              ("greedy b8", lambda m: decode(m, 8, args.new), 8 * args.new)]
     print("| case | format | tokens/s | x fp32 | x int8 |")

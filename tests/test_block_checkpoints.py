@@ -84,7 +84,10 @@ def rewrite(path, formats: dict) -> None:
 
 @pytest.mark.parametrize("formats, message", [
     (HELD | {"lm_head.weight": "q3_k"}, "unknown block format 'q3_k'"),
-    (HELD | {"embed.weight": "q8_0"}, "no linear layer of that name"),
+    (HELD | {"final_norm.weight": "q8_0"}, "no linear layer or embedding of that name"),
+    # an embedding may be held as blocks, but this one's stored tensor is fp32
+    (HELD | {"embed.weight": "q8_0"}, r"embed.weight has shape \[27, 64\], its config says "
+                                      r"\[27, 68\]"),
     (["lm_head.weight"], "not an object of parameter names and formats"),
 ])
 def test_a_wrong_header_is_a_one_line_error(checkpoint, formats, message):
@@ -120,3 +123,44 @@ def test_a_fp32_checkpoint_quantizes_at_load(tmp_path):
     assert model.weights == "q8_0"
     assert set(blocks.formats_of(model.module).values()) == {"q8_0"}
     assert tformer.load(path, device="cpu", threads=1).weights == "fp32"
+
+
+def test_an_embedding_held_as_blocks_is_saved_once_and_loads_tied(tmp_path):
+    """A tied embedding table held as blocks (a GGUF file's, kept) and the output layer over
+    the same bytes: the checkpoint holds the bytes once and names both in its header; they
+    load as they were, tied; --weights makes both fp32 (tied), and a model that trains from
+    the checkpoint gets the table as a trainable fp32 weight."""
+    from tformer.loading import load_weights
+
+    tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz ")
+    cfg = config_from_dict({"model": {"n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 96,
+                                      "context": 32, "vocab_size": tokenizer.vocab_size}})
+    torch.manual_seed(0)
+    fp32 = GPT(cfg.model).eval()
+    model = swap_linears(fp32, lambda name, linear: linear)
+    table = blocks.BlockEmbedding(blocks.quantize(fp32.embed.weight, "q4_0"), "q4_0", 64)
+    model.embed, model.lm_head = table, table.tied_output()
+    path = save_checkpoint(tmp_path / "ckpt", cfg, model, tokenizer)
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        assert json.loads(f.metadata()[blocks.FORMATS_KEY]) == {"embed.weight": "q4_0",
+                                                                 "lm_head.weight": "q4_0"}
+        assert "lm_head.weight" not in f.keys()
+        assert torch.equal(f.get_tensor("embed.weight"), table.blocks)
+    loaded = load_checkpoint(path).model
+    assert loaded.lm_head.blocks is loaded.embed.blocks
+    tokens = torch.randint(0, 27, (2, 9))
+    values = blocks.dequantize(table.blocks, "q4_0")
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
+        assert torch.equal(loaded.embed(tokens), values[tokens])
+    dense = load_checkpoint(path, weights="fp32").model
+    assert type(dense.embed) is torch.nn.Embedding and dense.lm_head.weight is dense.embed.weight
+    assert torch.equal(dense.embed.weight, values)
+    import tformer
+
+    # the start-up line counts the table once, as the values its blocks hold
+    assert tformer.load(path, device="cpu", threads=1).parameters == fp32.num_params()
+    plain = GPT(cfg.model)
+    load_weights(plain, path)
+    assert type(plain.embed) is torch.nn.Embedding and plain.lm_head.weight is plain.embed.weight
+    assert torch.equal(plain.embed.weight, values) and plain.embed.weight.requires_grad

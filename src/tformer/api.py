@@ -151,7 +151,7 @@ def load(
     """
     import torch
 
-    from tformer.kernels.blocks import format_names, formats_of
+    from tformer.kernels.blocks import format_names, formats_of, held_weights
     from tformer.kernels.formats import quantize_model
     from tformer.loading import load_checkpoint
     from tformer.registry import families_with, get_family
@@ -176,8 +176,9 @@ def load(
         join_ensemble(loaded, list(ensemble), dev)
     threads = decoding_threads(threads)
     torch.set_num_threads(threads)
-    # Counted before a weight format turns the weights into buffers.
-    parameters = sum(p.numel() for p in loaded.model.parameters())
+    # Counted before a weight format turns the weights into buffers (and those the
+    # checkpoint holds as blocks, counted as the values they hold).
+    parameters = sum(p.numel() for p in loaded.model.parameters()) + held_weights(loaded.model)
     loaded.model = quantize_model(loaded.model, weights)
     held = sorted({name for fmt in formats_of(loaded.model).values()
                    for name in format_names(fmt)})

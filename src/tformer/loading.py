@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model
 from torch import nn
 
 from tformer.config import RunConfig, config_from_dict
@@ -407,21 +406,74 @@ def load_weights(
         modules = dict(model.named_modules())
         plain = {param: fmt for param, fmt in stored_formats(path).items()
                  if not isinstance(modules.get(param.removesuffix(".weight")),
-                                   (blocks.BlockLinear, blocks.StackedLinear))}
+                                   (blocks.BlockLinear, blocks.StackedLinear,
+                                    blocks.BlockEmbedding))}
         blocks.hold_blocks(model, plain)
         check_weight_shapes(path, model)
         try:
-            load_model(model, str(path / WEIGHTS), device=str(device))
-        except (RuntimeError, SafetensorError, OSError) as e:
+            read_weights(model, path / WEIGHTS)
+        except (RuntimeError, SafetensorError, OSError, ValueError) as e:
             raise TformerError(f"checkpoint file {path / WEIGHTS} does not load: {e}") from None
         if plain:
+            before = {id(p) for p in model.parameters()}
             blocks.dequantize_model(model)
             stack_experts(model)
+            for p in model.parameters():  # made of the blocks: trained as the rest are
+                if id(p) not in before:
+                    p.requires_grad_(True)
     lora = read_config(path).train.lora
     if adapters and lora is not None:
         from tformer.training.lora import merge_adapters
 
         merge_adapters(model, path / ADAPTERS, lora)
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+"""safetensors' dtype names read_weights reads itself (any other through safetensors)."""
+
+
+def read_weights(model: nn.Module, file: Path) -> None:
+    """A safetensors file's tensors into the model's own, in place, one at a time: each
+    read from the file straight into the tensor's memory where it is a contiguous CPU
+    tensor of the stored dtype, else through a tensor of its own, copied. No state dict
+    of the whole model is made on the way (safetensors' load_model makes one, so that a
+    model of 800 MB of blocks peaked at twice that while it loaded). The names and shapes
+    are those check_weight_shapes has checked against the model; a tied tensor stored
+    once fills each of its names."""
+    targets = model.state_dict(keep_vars=True)
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        begin = 8 + size
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            target = targets[name].detach()
+            start, end = entry["data_offsets"]
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+            if dtype is None:  # a dtype of safetensors' own: its reader
+                with safe_open(str(file), framework="pt") as tensors:
+                    with torch.no_grad():
+                        target.copy_(tensors.get_tensor(name))
+                continue
+            into = target
+            if not (target.dtype == dtype and target.device.type == "cpu"
+                    and target.is_contiguous()):
+                into = torch.empty(entry["shape"], dtype=dtype)
+            if into.nbytes != end - start or list(into.shape) != entry["shape"]:
+                raise ValueError(f"{name} is stored as {entry['dtype']} {entry['shape']}, "
+                                 f"the model's is {target.dtype} {list(target.shape)}")
+            f.seek(begin + start)
+            if into.nbytes:
+                read = f.readinto(memoryview(into.view(-1).view(torch.uint8).numpy()))
+                if read != into.nbytes:
+                    raise ValueError(f"{name} ends past the end of the file (truncated?)")
+            if into is not target:
+                with torch.no_grad():
+                    target.copy_(into)
 
 
 def base_reference(base: Path) -> dict[str, str]:

@@ -61,21 +61,26 @@ def test_export_then_import_gives_the_same_tensors_and_transformers_logits(impor
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "f16"])
 def test_quantized_exports_hold_llama_cpp_blocks(kind, tiny_gguf, tmp_path):
-    run = import_gguf(tiny_gguf("llama"), tmp_path / "run")
+    from tformer.loading import load_checkpoint
+
+    source = tiny_gguf("llama")  # its embedding table Q8_0, kept as those blocks
+    run = import_gguf(source, tmp_path / "run")
     out = export_checkpoint(run, tmp_path / "m.gguf", "gguf", type=kind)
     file = read_gguf(out)
     matrices = {t.type for t in file.tensors.values() if len(t.shape) == 2}
     assert matrices == {kind.upper()}
     assert {t.type for t in file.tensors.values() if len(t.shape) == 1} == {"F32"}
     # a block type's values: each block's own scale times small integers (plus its min)
-    state = load_file(run / "model.safetensors")
+    held = load_checkpoint(run, weights="fp32").model.embed.weight
     embed = file.tensors["token_embd.weight"].dequantize()
     step = {"q8_0": 1 / 127, "q4_0": 1 / 7, "q4_1": 1 / 15, "f16": 1e-3}[kind]
-    error = (embed - state["embed.weight"]).abs().max()
-    assert error <= step * state["embed.weight"].abs().max()
-    if kind != "f16":  # quantized as llama.cpp does: gguf's own quantizer, byte for byte
-        want = gguf.quants.quantize(state["embed.weight"].numpy(),
-                                    gguf.GGMLQuantizationType[kind.upper()])
+    error = (embed - held).abs().max()
+    assert error <= step * held.abs().max()
+    if kind == "q8_0":  # the type it is held in: its bytes as they came
+        assert np.array_equal(file.tensors["token_embd.weight"].data,
+                              read_gguf(source).tensors["token_embd.weight"].data)
+    elif kind != "f16":  # quantized as llama.cpp does: gguf's own quantizer, byte for byte
+        want = gguf.quants.quantize(held.numpy(), gguf.GGMLQuantizationType[kind.upper()])
         assert np.array_equal(file.tensors["token_embd.weight"].data, want)
 
 
@@ -147,9 +152,8 @@ def test_blocks_brought_in_go_out_as_the_same_bytes(tiny_gguf, tmp_path):
     source = read_gguf(path)
     run = import_gguf(path, tmp_path / "run")
     out = read_gguf(export_checkpoint(run, tmp_path / "m.gguf", "gguf", type="q8_0"))
-    kept = [n for n, t in source.tensors.items()
-            if t.type == "Q8_0" and n != "token_embd.weight"]  # the embedding comes in fp32
-    assert len(kept) >= 7
+    kept = [n for n, t in source.tensors.items() if t.type == "Q8_0"]  # the embedding too
+    assert len(kept) >= 8 and "token_embd.weight" in kept
     for name in kept:
         raw = np.asarray(source.tensors[name].data)
         again = gguf.quants.quantize(source.tensors[name].dequantize().numpy(),

@@ -191,3 +191,64 @@ def test_a_layer_of_mixed_types_is_held_in_the_finer_or_as_a_stack(
     run = lambda cache: torch.stack(list(generate(  # noqa: E731
         model, tokens[:, :4], max_new_tokens=8, temperature=0.0, use_cache=cache)))
     assert torch.equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0", "Q4_0"])
+def test_a_tied_embedding_table_stays_blocks_for_the_lookup_and_the_output_layer(
+        kind, tiny_gguf, tmp_path):
+    """A tied token_embd (Q6_K as llama.cpp's Q4_K_M writes it, or a 32-value type) comes in
+    as its blocks, once: the lookup decodes the rows it selects, each the whole table's row
+    bit for bit; the output layer is a block product over the same bytes, the activations
+    rounded to 8 bits (Q8_K or Q8_0); and the bytes go out again as they came."""
+    from tformer.decoding.lm import generate
+    from tformer.loading import WEIGHTS, stored_formats
+
+    path = tiny_gguf("llama", types=(kind,) * 2, tied=True)
+    run = import_gguf(path, tmp_path / "run")
+    file, fmt = read_gguf(path), kind.lower()
+    table = file.tensors["token_embd.weight"]
+    state = load_file(run / WEIGHTS)
+    assert "lm_head.weight" not in state  # the bytes once, for both
+    assert np.array_equal(state["embed.weight"].numpy(), table.data)
+    formats = stored_formats(run)
+    assert formats["embed.weight"] == formats["lm_head.weight"] == fmt
+
+    model = load_checkpoint(run, family="gpt").model
+    assert isinstance(model.embed, blocks.BlockEmbedding)
+    assert isinstance(model.lm_head, blocks.BlockLinear)
+    assert model.lm_head.blocks is model.embed.blocks
+    whole = blocks.dequantize(model.embed.blocks, fmt)
+    torch.testing.assert_close(whole, decoded(table), rtol=0, atol=0)
+    tokens = torch.randint(0, 322, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model.embed(tokens), whole[tokens])
+
+        # the output layer: the block arithmetic in float64, x rounded as the kernels do
+        states = model.final_norm(model.stack(model.inputs(tokens)))
+        got = model.lm_head(states).reshape(-1, whole.shape[0]).double()
+    x = states.reshape(-1, whole.shape[1])
+    values = blocks.ACTIVATION_VALUES[blocks.LAYOUTS[fmt].activation]
+    q, d = blocks.quantize_activations(x, values)
+    rounded = (q.double() * d.double()).reshape(x.shape)
+    want = rounded @ whole.double().t()
+    bound = 1e-5 * (rounded.abs() @ whole.double().abs().t() + 1)
+    assert ((got - want).abs() <= bound).all()
+
+    dense = load_checkpoint(run, family="gpt", weights="fp32").model
+    assert type(dense.embed) is torch.nn.Embedding and dense.lm_head.weight is dense.embed.weight
+    assert torch.equal(dense.embed.weight, whole)
+    with torch.no_grad():
+        a, b = model(tokens), dense(tokens)
+        assert (a - b).abs().max() < 0.05 * b.abs().max()  # every layer's 8-bit activations
+        # decoding steps (step.c's, over the cache) look the table up as the full pass does
+        run_cache = lambda cache: torch.stack(list(generate(  # noqa: E731
+            model, tokens[:, :4], max_new_tokens=6, temperature=0.0, use_cache=cache)))
+        assert torch.equal(run_cache(True), run_cache(False))
+
+    out = tmp_path / "again.gguf"
+    assert main(["export", str(run), "--out", str(out), "--type", fmt]) == 0
+    again = read_gguf(out)
+    assert "output.weight" not in again.tensors
+    for name, tensor in file.tensors.items():
+        assert again.tensors[name].type == tensor.type, name
+        assert np.array_equal(again.tensors[name].data, tensor.data), name

@@ -84,7 +84,7 @@ def test_token_ids_equal_llama_cpp_smollm(ours, smollm2_file, llama_cpp_tokenize
 def test_q4_1_blocks_are_kept_byte_for_byte(smollm2_run, smollm2_file, ours):
     """The file's Q4_1 matrices are the checkpoint's weights as they are (the query and key
     rows back in rotate-half order, as whole rows), and decode by default; the Q8_0
-    embedding (not a linear layer) is fp32."""
+    embedding too, stored once for the lookup and the tied output layer."""
     import numpy as np
     from safetensors import safe_open
 
@@ -96,7 +96,11 @@ def test_q4_1_blocks_are_kept_byte_for_byte(smollm2_run, smollm2_file, ours):
         formats = json.loads(f.metadata()[blocks.FORMATS_KEY])
         down = f.get_tensor("blocks.7.ff.down.weight")
         qkv = f.get_tensor("blocks.7.attn.qkv_proj.weight")
-        assert f.get_tensor("embed.weight").dtype == torch.float32
+        embed = f.get_tensor("embed.weight")
+        assert "lm_head.weight" not in f.keys()
+    assert torch.equal(embed, torch.from_numpy(np.array(smollm2_file.tensors[
+        "token_embd.weight"].data)))
+    assert formats.pop("embed.weight") == formats.pop("lm_head.weight") == "q8_0"
     assert len(formats) == 30 * 5 and set(formats.values()) == {"q4_1"}
     raw = {n: torch.from_numpy(np.array(smollm2_file.tensors[f"blk.7.{n}.weight"].data))
            for n in ("ffn_down", "attn_q", "attn_k", "attn_v")}
@@ -104,7 +108,9 @@ def test_q4_1_blocks_are_kept_byte_for_byte(smollm2_run, smollm2_file, ours):
     assert torch.equal(qkv, torch.cat([unpermute(raw["attn_q"], 9), unpermute(raw["attn_k"], 3),
                                        raw["attn_v"]]))
     held = load_checkpoint(smollm2_run)
-    assert blocks.formats_of(held.model) == formats
+    assert blocks.formats_of(held.model) == formats | {"embed.weight": "q8_0",
+                                                       "lm_head.weight": "q8_0"}
+    assert held.model.lm_head.blocks is held.model.embed.blocks
     ids = torch.tensor([ours.tokenizer.encode(PASSAGE)])
     with torch.no_grad():
         fp32, kept = (torch.nn.functional.cross_entropy(m(ids)[0, :-1], ids[0, 1:]).item()
@@ -171,7 +177,9 @@ def test_a_q4_k_m_made_here_reads_the_passage_nearly_as_well(ours):
     """tformer's own Q4_K_M of the real weights, by llama.cpp's rule: SmolLM2's 576-wide
     rows are no whole super-blocks, so most layers take the fallback q5_0 (and q8_0 for
     q6_k), the down projections' 1536 inputs q4_k and, in the layers use_more_bits picks,
-    q6_k; the passage's loss stays within 0.05 nats of fp32's (it lost 0.012)."""
+    q6_k; the tied embedding table looks its rows up in the output layer's q8_0 blocks (one
+    copy, as llama.cpp writes a tied token_embd in the output's type); the passage's loss
+    stays within 0.05 nats of fp32's (it lost 0.012 with an fp32 table)."""
     from collections import Counter
 
     from tformer.kernels import blocks
@@ -179,7 +187,8 @@ def test_a_q4_k_m_made_here_reads_the_passage_nearly_as_well(ours):
 
     mixed = quantize_model(ours.model, "q4_k_m")
     formats = blocks.formats_of(mixed)
-    assert Counter(formats.values()) == {"q5_0": 106, "q8_0": 15, "q4_k": 16, "q6_k": 14}
+    assert Counter(formats.values()) == {"q5_0": 106, "q8_0": 16, "q4_k": 16, "q6_k": 14}
+    assert mixed.embed.blocks is mixed.lm_head.blocks
     assert formats["blocks.0.ff.down.weight"] == "q6_k"
     assert formats["blocks.3.ff.down.weight"] == "q4_k"
     ids = torch.tensor([ours.tokenizer.encode(PASSAGE)])

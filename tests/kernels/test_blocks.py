@@ -142,13 +142,14 @@ def test_a_row_s_result_does_not_depend_on_its_batch_or_the_threads(fmt):
         pytest.skip("no C kernels here")
     n, k = 37, 576
     raw, x = file_weight(fmt, n, k), torch.randn(70, k)
-    batch = blocks.call(lib, fmt, x, raw, n, k, None)
+    never = blocks.NEVER  # the product over the file's blocks alone, however many rows
+    batch = blocks.call(lib, fmt, x, raw, n, k, None, repack_rows=never)
     alone = torch.cat([blocks.call(lib, fmt, x[i:i + 1], raw, n, k, None) for i in range(70)])
     assert torch.equal(batch, alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert torch.equal(blocks.call(lib, fmt, x, raw, n, k, None), batch)
+        assert torch.equal(blocks.call(lib, fmt, x, raw, n, k, None, repack_rows=never), batch)
         assert torch.equal(blocks.call(lib, fmt, x[:3], raw, n, k, None), batch[:3])
     finally:
         torch.set_num_threads(threads)
@@ -236,7 +237,7 @@ def test_repacked_products_are_the_plain_c_products_bit_for_bit(path, fmt):
                     torch.set_num_threads(2)
                     assert torch.equal(blocks.call(path, fmt, x, raw, n, k, b, packed), got)
                 path.tformer_blocks_isa(blocks.ISA_GENERIC)
-                plain = blocks.call(path, fmt, x, raw, n, k, b)
+                plain = blocks.call(path, fmt, x, raw, n, k, b, repack_rows=blocks.NEVER)
                 path.tformer_blocks_isa(chosen)
                 assert torch.equal(got, plain), (fmt, m)
     finally:
@@ -246,15 +247,17 @@ def test_repacked_products_are_the_plain_c_products_bit_for_bit(path, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_layer_s_row_is_the_same_in_any_batch_of_five_rows_or_more(fmt):
-    """A BlockLinear sends REPACK_MIN_ROWS rows and more through its repacked weights: a
-    row's result is then the same in any such batch, whatever the threads. Alone (the
-    few-row product over the file's blocks, whose fp32 sums run in eight lanes on the SIMD
-    paths) it may differ in the last bits: by at most both products' fp32 rounding."""
+    """A BlockLinear that keeps its weights repacked sends REPACK_MIN_ROWS rows and more
+    through them: a row's result is then the same in any such batch, whatever the threads.
+    Alone (the few-row product over the file's blocks, whose fp32 sums run in eight lanes on
+    the SIMD paths) it may differ in the last bits: by at most both products' fp32
+    rounding."""
     if blocks._lib() is None:
         pytest.skip("no C kernels here")
     n, k = 37, 576
     raw = file_weight(fmt, n, k)
     layer = blocks.BlockLinear(raw, fmt, k, torch.randn(n))
+    layer.keep_repacked = True
     x = torch.randn(70, k)
     threads = torch.get_num_threads()
     try:
@@ -273,17 +276,53 @@ def test_a_layer_s_row_is_the_same_in_any_batch_of_five_rows_or_more(fmt):
     assert set(layer.state_dict()) == {"weight", "bias"}
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_layer_without_a_repacked_copy_repacks_many_rows_for_the_call(fmt):
+    """By default a layer keeps no repacked copy: from REPACK_CALL_ROWS rows kinds.c repacks
+    W for the call, a slice of rows at a time, and the product is the kept copy's bit for
+    bit (slices of 8 and of 16 rows here, the last one partial); fewer rows read the file's
+    blocks alone. Nothing is left behind on the layer."""
+    lib = blocks._lib()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    assert lib.tformer_repack_call_rows() == blocks.REPACK_CALL_ROWS
+    n, k = 37, 512
+    raw, bias = file_weight(fmt, n, k), torch.randn(n)
+    layer = blocks.BlockLinear(raw, fmt, k, bias)
+    assert not layer.keep_repacked  # (TFORMER_KEEP_REPACKED unset)
+    x = torch.randn(blocks.REPACK_CALL_ROWS + 3, k)
+    kept = blocks.call(lib, fmt, x, raw, n, k, bias, blocks.repack(lib, fmt, raw, k))
+    group = lib.tformer_repacked_size(blocks.KINDS[fmt], 8, k)
+    whole = lib.tformer_repack_slice_bytes(0)
+    try:
+        with torch.no_grad():
+            assert torch.equal(layer(x), kept)
+            for groups in (1, 2):
+                lib.tformer_repack_slice_bytes(groups * group)
+                assert torch.equal(layer(x), kept), groups
+    finally:
+        lib.tformer_repack_slice_bytes(whole)
+    few = x[:blocks.REPACK_CALL_ROWS - 1]
+    with torch.no_grad():
+        plain = blocks.call(lib, fmt, few, raw, n, k, bias, repack_rows=blocks.NEVER)
+        assert torch.equal(layer(few), plain)
+    assert layer.__dict__["_repacked"] is None
+
+
 def test_a_layer_repacks_its_blocks_anew_when_a_checkpoint_loads():
     if blocks._lib() is None:
         pytest.skip("no C kernels here")
     first, second = nn.Linear(64, 12), nn.Linear(64, 12)
     layer = blocks.BlockLinear.from_linear(first, "q4_1")
+    layer.keep_repacked = True
     x = torch.randn(9, 64)
     with torch.no_grad():
         layer(x)  # repacks the first weights
         layer.load_state_dict(blocks.BlockLinear.from_linear(second, "q4_1").state_dict())
         got = layer(x)
-        want = blocks.BlockLinear.from_linear(second, "q4_1")(x)
+        fresh = blocks.BlockLinear.from_linear(second, "q4_1")
+        fresh.keep_repacked = True
+        want = fresh(x)
     assert torch.equal(got, want)
 
 
@@ -365,7 +404,9 @@ def test_the_4_bit_formats_keep_the_output_layer_in_q8_0():
                                 d_ff=64))
     for fmt, output in (("q4_0", "q8_0"), ("q4_1", "q8_0"), ("q8_0", "q8_0"), ("q5_0", "q8_0")):
         held = blocks.formats_of(through_format(gpt, fmt))
-        assert held.pop("lm_head.weight") == output and set(held.values()) == {fmt}
+        # the tied table: a lookup in the output layer's blocks, one copy of them
+        assert held.pop("lm_head.weight") == held.pop("embed.weight") == output
+        assert set(held.values()) == {fmt}
         held = blocks.formats_of(through_format(s2s, fmt))
         assert held.pop("out_proj.weight") == output and set(held.values()) == {fmt}
 

@@ -38,6 +38,7 @@ from tformer.decoding.lm import EosIds, left_pad, stop_ids, window
 from tformer.decoding.pool import Rows, rows_for
 from tformer.decoding.sampling import next_token, sampling_probs
 from tformer.errors import TformerError
+from tformer.kernels.blocks import REPACK_MIN_ROWS, keep_repacked
 
 
 @dataclass
@@ -423,6 +424,13 @@ def speculative_generate(
     if draft_tokens < 1:
         raise TformerError(f"--draft-tokens {draft_tokens} must be at least 1")
     stats = stats if stats is not None else SpeculationStats()
+    # Every round verifies draft_tokens + 1 rows a sequence: the block layers' repacked
+    # copy pays for itself at each (kernels/blocks.py, keep_repacked).
+    if draft_tokens + 1 >= REPACK_MIN_ROWS:
+        for model in (target, draft):
+            model = getattr(model, "model", model)  # a decoding runner's model
+            if isinstance(model, nn.Module):
+                keep_repacked(model)
     device = next(target.parameters()).device
     context = target.cfg.context
     history = [list(p) for p in prompts]

@@ -163,18 +163,32 @@ def take(weights: dict[str, Tensor], name: str, source: Path) -> Tensor:
 
 def gpt_of_state(cfg: Any, state: dict[str, Tensor], leftover: dict[str, Tensor],
                  source: Path | str) -> Any:
-    """A GPT of `cfg` holding `state` (tformer's names), in eval mode. `leftover`: the
-    source's tensors no name took, an error to report; a name the model has and `state`
-    lacks (but an untied output layer's) is a mistake in the mapping itself."""
+    """A GPT of `cfg` holding `state` (tformer's names), in eval mode: the tensors
+    themselves, not copies, and no initial values drawn for weights they replace (an
+    import holds each weight once). `leftover`: the source's tensors no name took, an error
+    to report; a name the model has and `state` lacks (but a tied output layer's) is a
+    mistake in the mapping itself. A tensor of `state` on the meta device stays there: the
+    GGUF import's stand-in for a weight it then holds as the file's blocks."""
+    from tformer.loading import parameters_unmade
     from tformer.models.gpt import GPT
 
     if leftover:
         raise TformerError(f"{source}: tensors tformer's GPT has no place for: "
                            f"{', '.join(sorted(leftover)[:5])}")
-    model = GPT(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+    with parameters_unmade():
+        model = GPT(cfg)
+    owned = {}
+    for name, tensor in state.items():
+        if tensor.device.type != "meta" and (not tensor.is_contiguous() or
+                                             tensor.untyped_storage().nbytes() != tensor.nbytes):
+            tensor = tensor.clone(memory_format=torch.contiguous_format)  # a view: its own
+        owned[name] = tensor
+    missing, unexpected = model.load_state_dict(owned, strict=False, assign=True)
+    tied = cfg.tie_embeddings and "lm_head.weight" not in owned
+    if unexpected or [k for k in missing if not (k == "lm_head.weight" and tied)]:
         raise AssertionError(f"mapping mismatch: {missing} {unexpected}")
+    if tied:
+        model.lm_head.weight = model.embed.weight
     return model.eval()
 
 

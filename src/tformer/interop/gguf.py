@@ -12,7 +12,11 @@ its interleaved rotary; ours is rotate-half), and GPT-2's Conv1D weights (stored
 transposed, as nn.Linear has them).
 
 The file is read with the `gguf` package, llama.cpp's own Python reader, and quantized
-tensors are dequantized with its numpy dequantizers (gguf.quants).
+tensors are dequantized with its numpy dequantizers (gguf.quants), but those of the types
+tformer holds as blocks (kept_types): a linear layer whose tensors all are, and the
+embedding table, hold the file's bytes as they are (views of the file, mapped
+copy-on-write, which the checkpoint is written from), and the model is made around
+stand-ins for them, so that an import never holds them in fp32.
 """
 
 from __future__ import annotations
@@ -161,7 +165,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if f.read(4) != b"GGUF":
             raise TformerError(f"{path} is not a GGUF file (it does not begin with 'GGUF')")
     try:
-        reader = _naming_reader(gguf)(path)
+        # copy-on-write: the tensors' data are writable views of the file, so that blocks
+        # kept as they are become tensors without a copy (nothing writes to them)
+        reader = _naming_reader(gguf)(path, "c")
     except TformerError as e:
         raise TformerError(f"{path}: {e}") from None
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError, ...
@@ -559,9 +565,15 @@ class Deferred:
     """Subtracted from every value: 1 from a Gemma norm's weight (GEMMA)."""
     shape: tuple[int, ...] | None = None
     """Hugging Face's shape, where it differs (a shared expert's gate: a row, not a vector)."""
+    held: bool = False
+    """Held as the file's blocks (keep_blocks puts them in its place): read as a tensor of
+    its shape on the meta device, no values, so that the import never holds it in fp32."""
 
     def float(self) -> Tensor:
-        value = self.tensor.dequantize() - self.offset
+        if self.held:
+            value = torch.empty(self.tensor.shape, device="meta")
+        else:
+            value = self.tensor.dequantize() - self.offset
         if self.heads is not None:
             value = unpermute(value, self.heads)
         if self.shape is not None:
@@ -569,9 +581,11 @@ class Deferred:
         return value.t().contiguous() if self.transpose else value
 
 
-def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
+def hf_weights(file: GGUFFile, hf: dict[str, Any],
+               held: frozenset[str] = frozenset()) -> dict[str, Deferred]:
     """Every tensor under its Hugging Face name, in Hugging Face's layout once read; a
-    tensor the layout has no place for is an error naming it."""
+    tensor the layout has no place for is an error naming it. `held`: the file's tensors
+    the import holds as blocks (held_tensors), which read as stand-ins (Deferred.held)."""
     arch = file.architecture
     n_layer = hf["n_layer"] if arch == "gpt2" else hf["num_hidden_layers"]
     names = hf_names(file, n_layer)
@@ -597,7 +611,7 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
             for e, expert in enumerate(experts):
                 weights[expert] = Deferred(GGUFTensor(f"{name}[{e}]", tensor.type,
                                                       tensor.ggml_type, tensor.shape[1:],
-                                                      tensor.data[e]))
+                                                      tensor.data[e]), held=name in held)
             continue
         heads = None
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
@@ -607,7 +621,8 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any]) -> dict[str, Deferred]:
             and len(tensor.shape) == 2
         offset = 1.0 if arch in GEMMA and name.endswith("norm.weight") else 0.0
         shape = (1, -1) if ".ffn_gate_inp_shexp." in name else None
-        weights[names[name]] = Deferred(tensor, heads, transpose, offset, shape)
+        weights[names[name]] = Deferred(tensor, heads, transpose, offset, shape,
+                                        held=name in held)
     return weights
 
 
@@ -642,28 +657,88 @@ def held_format(formats: list[str]) -> str | None:
     return None
 
 
+def held_linears(file: GGUFFile, cfg: Any) -> dict[str, tuple[str, ...]]:
+    """linear_sources' layers whose file tensors are all of kept types: those keep_blocks
+    holds as blocks."""
+    kept = kept_types()
+    return {param: names for param, names in linear_sources(file, cfg).items()
+            if all(n in file.tensors and file.tensors[n].ggml_type in kept for n in names)}
+
+
+EMBEDDING = "token_embd.weight"
+"""The file's embedding table, every architecture's."""
+
+
+def held_embedding(file: GGUFFile) -> str | None:
+    """The format the file's embedding table is held in (a BlockEmbedding of its blocks, as
+    they are), or None where its type is not kept (it is read into fp32)."""
+    tensor = file.tensors.get(EMBEDDING)
+    if tensor is None or len(tensor.shape) != 2:
+        return None
+    return kept_types().get(tensor.ggml_type)
+
+
+def held_tensors(file: GGUFFile, cfg: Any) -> frozenset[str]:
+    """The file's tensors the import holds as blocks (keep_blocks, keep_expert_blocks): the
+    ones never read into fp32. `cfg` needs n_layer, tie_embeddings and n_expert alone
+    (held_config gives them before the model is made)."""
+    kept = kept_types()
+    names = {n for sources in held_linears(file, cfg).values() for n in sources}
+    names |= {n for n in expert_sources(cfg).values()
+              if n in file.tensors and file.tensors[n].ggml_type in kept}
+    if held_embedding(file) is not None:
+        names.add(EMBEDDING)
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class HeldConfig:
+    """What held_tensors reads of a model's config, known from the file's config.json
+    before the model is made."""
+
+    n_layer: int
+    tie_embeddings: bool
+    n_expert: int
+
+
+def held_config(file: GGUFFile, hf: dict[str, Any]) -> HeldConfig:
+    """held_tensors' view of the model the file's config.json (hf_config's) describes."""
+    n_layer = hf["n_layer"] if file.architecture == "gpt2" else hf["num_hidden_layers"]
+    n_expert = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    return HeldConfig(int(n_layer), bool(hf["tie_word_embeddings"]), int(n_expert))
+
+
+def file_bytes(tensor: GGUFTensor) -> Tensor:
+    """A file tensor's bytes as a uint8 tensor: a view of the file where read_gguf mapped it
+    writable (copy-on-write), else a copy."""
+    data = tensor.data
+    if not data.flags.writeable:
+        data = np.array(data, copy=True)
+    return torch.from_numpy(data.view(np.uint8))
+
+
 def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
     """Make the model's linear layers whose file tensors are all of kept types hold the
     file's blocks (query and key rows put back in rotate-half order, as whole rows): byte
     for byte where the tensors share a type; in held_format's where one type says the
     others' values exactly; else as a StackedLinear of the tensors' own blocks, byte for
-    byte (Q4_K_M's q4_k attn_q and attn_k beside a q6_k attn_v). Returns {parameter:
-    format} of those."""
+    byte (Q4_K_M's q4_k attn_q and attn_k beside a q6_k attn_v). The embedding table, where
+    its type is kept, becomes a BlockEmbedding of its blocks, and a tied output layer a
+    BlockLinear over the same bytes. The blocks are views of the file wherever they are
+    held as it stores them. Returns {parameter: format} of those."""
     kept = kept_types()
     if not kept:
         return {}
-    from tformer.kernels.blocks import BlockLinear, StackedLinear, reencode
+    from tformer.kernels.blocks import BlockEmbedding, BlockLinear, StackedLinear, reencode
 
     cfg, held = model.cfg, {}
-    for param, names in linear_sources(file, cfg).items():
-        tensors = [file.tensors.get(n) for n in names]
-        if any(t is None or t.ggml_type not in kept for t in tensors):
-            continue
+    for param, names in held_linears(file, cfg).items():
+        tensors = [file.tensors[n] for n in names]
         formats = [kept[t.ggml_type] for t in tensors]
         fmt = held_format(formats)
         parts: list[tuple[str, Tensor]] = []  # (format, rows), neighbours of a format joined
         for name, tensor, own in zip(names, tensors, formats, strict=True):
-            data = torch.from_numpy(np.array(tensor.data, copy=True))
+            data = file_bytes(tensor)
             if fmt is not None and own != fmt:
                 data = reencode(data, own, fmt)
             if file.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
@@ -682,6 +757,15 @@ def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
             if len(parts) == 1 else StackedLinear(parts, linear.in_features, linear.bias)
         setattr(owner, attr, layer)
         held[param] = layer.fmt
+    fmt = held_embedding(file)
+    if fmt is not None:
+        table = BlockEmbedding(file_bytes(file.tensors[EMBEDDING]), fmt,
+                               model.embed.embedding_dim)
+        model.embed = table
+        held["embed.weight"] = fmt
+        if cfg.tie_embeddings:  # the output layer reads the same bytes
+            model.lm_head = table.tied_output(model.lm_head.bias)
+            held["lm_head.weight"] = fmt
     return held | keep_expert_blocks(model, file)
 
 
@@ -719,14 +803,17 @@ def keep_expert_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
                                 layer.bias.copy_(getattr(stacked, f"{name}_bias")[e])
         layers = getattr(mixture.experts, projection)
         for e in range(len(layers)):
-            data = torch.from_numpy(np.array(tensor.data[e], copy=True))
+            data = file_bytes(GGUFTensor(name, tensor.type, tensor.ggml_type,
+                                         tensor.shape[1:], tensor.data[e]))
             layers[e] = BlockLinear(data, fmt, layers[e].in_features, layers[e].bias)
             held[f"{ours}.{e}.weight"] = fmt
     return held
 
 
-def model_from_gguf(file: GGUFFile):
-    """A GPT holding the file's weights in fp32, and the config.json it was built from."""
+def model_from_gguf(file: GGUFFile, held: frozenset[str] = frozenset()):
+    """A GPT holding the file's weights in fp32, and the config.json it was built from.
+    `held`: file tensors (held_tensors) left as stand-ins on the meta device, for
+    keep_blocks to put the file's blocks in their place."""
     from tformer.interop import gemma, gpt2, gpt_oss, llama, phi3
 
     hf = hf_config(file)
@@ -734,7 +821,7 @@ def model_from_gguf(file: GGUFFile):
                 "gemma3": gemma.gemma_from_hf, "phi3": phi3.phi3_from_hf,
                 "gpt-oss": gpt_oss.gpt_oss_from_hf}
     build = builders.get(file.architecture, llama.llama_from_hf)
-    weights: dict[str, Any] = hf_weights(file, hf)
+    weights: dict[str, Any] = hf_weights(file, hf, held)
     if file.architecture == "gpt-oss":
         weights |= gpt_oss_experts(file, hf["num_hidden_layers"])
     return build(hf, weights, file.path), hf
@@ -761,17 +848,26 @@ def save_imported(file: GGUFFile, dest: Path) -> tuple[Counter[str], Counter[str
     from tformer.training.checkpoint import save_checkpoint
 
     src = file.path
-    model, _ = model_from_gguf(file)
+    # The tensors held as blocks are never read into fp32: the model is made around
+    # stand-ins for them, and keep_blocks puts the file's bytes (views of it) in their
+    # place, which the checkpoint is written from.
+    model, _ = model_from_gguf(file, held_tensors(file, held_config(file, hf_config(file))))
     tokenizer = tokenizer_from_gguf(file)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise TformerError(f"{src}: the tokenizer has {tokenizer.vocab_size} tokens, the model "
                            f"only {model.cfg.vocab_size}")
     held = keep_blocks(model, file)
+    unread = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+              if t.device.type == "meta"]
+    if unread:
+        raise AssertionError(f"stand-ins left without the file's blocks: {unread[:5]}")
     save_checkpoint(dest, RunConfig("gpt", model.cfg, LMDataConfig(), TrainConfig()), model,
                     tokenizer)
     names = {n for p, names in linear_sources(file, model.cfg).items() if p in held
              for n in names}
     names |= {n for p, n in expert_sources(model.cfg).items() if f"{p}.0.weight" in held}
+    if "embed.weight" in held:
+        names.add(EMBEDDING)
     kept = Counter(file.tensors[n].type for n in names)
     return kept, Counter(t.type for t in file.tensors.values()
                          if t.type != "F32" and t.name not in names)

@@ -32,27 +32,36 @@ has them). Elsewhere (library.py's
 TFORMER_ISA=torch, no compiler) it multiplies fp32 rows by the weight dequantized once and
 kept: the same weights, the activations unrounded.
 
-Products of REPACK_MIN_ROWS rows and more (a prompt, a batch, a speculative round's
-verification) read the weight repacked (repack, llama.cpp's repack.cpp's idea): eight
-rows side by side, each block's values a byte each and its scales unpacked, so that eight
-outputs share every instruction. A layer repacks at its first such product (or when
-step.c is given it) and keeps the copy beside the file's blocks, which checkpoints,
-export and products of up to four rows read: 40 bytes for 32 weights beside the 32-value
-formats' 18 to 34, 360 for 256 beside the K formats' 144 to 210, so a model that has read
-a prompt holds its block weights in 2.2 (q8_0) to 3.5 (q4_k) times their file's bytes.
-The file's blocks stay because one row, decoding's product, is a stream through the
-weights, where the file's 4.5 bits a weight are read faster than the repacked 10. The
+Products of many rows (a prompt, a batch, a speculative round's verification) read the
+weight repacked (repack, llama.cpp's repack.cpp's idea): eight rows side by side, each
+block's values a byte each and its scales unpacked, so that eight outputs share every
+instruction: 40 bytes for 32 weights beside the 32-value formats' 18 to 34, 360 for 256
+beside the K formats' 144 to 210. Where that copy lives is a choice of memory against
+speed (`keep_repacked`):
+- by default a layer keeps none: a product of REPACK_CALL_ROWS (64) rows and more repacks
+  W for the call (kinds.c, a slice of rows at a time), which those rows pay for (at one
+  thread a 8192 x 2048 q4_k layer took 26 ms to repack, and 58 ms for 64 rows over its
+  blocks against 29 repacked, 545 against 425 for 512), and fewer rows read the file's
+  blocks. A model then holds its weights in their file's bytes, as llama.cpp does.
+- a layer that keeps it (keep_repacked(model), or TFORMER_KEEP_REPACKED=1 for every
+  layer) makes it at its first product of REPACK_MIN_ROWS (5) rows and more (or when
+  step.c is given it) and reads it for every such product: 1.4x faster at 8 rows, 2x at
+  16, but its weights take 2.2 (q8_0) to 3.5 (q4_k) times their file's bytes. Batched
+  serving and speculative decoding, whose every step has many rows, keep it.
+The file's blocks stay either way because one row, decoding's product, is a stream through
+the weights, where the file's 4.5 bits a weight are read faster than the repacked 10. The
 repacked product's results: the K formats' the few-row product's bit for bit; the
 32-value formats' the plain C product's bit for bit, and on the SIMD paths within fp32
 rounding of their few-row product's (which adds each block's products in eight lanes): a
-row's result is the same in any batch of REPACK_MIN_ROWS or more, and may differ in its
-last bits alone or in a batch of four.
+row's result is the same in any product over repacked W, and may differ in its last bits
+alone or in a few-row one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -286,8 +295,20 @@ def dequantize(blocks: Tensor, fmt: str) -> Tensor:
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
         raise TformerError(f"{fmt} blocks are uint8 [N, B * {size}]; got {blocks.dtype} "
                            f"{tuple(blocks.shape)}")
-    n = blocks.shape[0]
-    return DEQUANTIZE[fmt](blocks.contiguous().reshape(n, -1, size)).reshape(n, -1)
+    n, width = blocks.shape[0], blocks.shape[1] // size * layout.values
+    out = torch.empty(n, width, dtype=torch.float32, device=blocks.device)
+    # A few million values at a time: the decoders' integer intermediates take 8 bytes a
+    # value, which for a whole 128,256-row table would be gigabytes.
+    step = max(1, DEQUANTIZE_VALUES // max(width, 1))
+    for at in range(0, n, step):
+        part = blocks[at:at + step].contiguous()
+        out[at:at + step] = DEQUANTIZE[fmt](part.reshape(part.shape[0], -1, size)).reshape(
+            part.shape[0], -1)
+    return out
+
+
+DEQUANTIZE_VALUES = 1 << 22
+"""Values dequantize() decodes at a time."""
 
 
 # The C kernels (blocks.c, built into library.py's library).
@@ -328,8 +349,28 @@ def available() -> bool:
 
 REPACK_MIN_ROWS = 5
 """Products of this many rows and more (a prompt, a batch of more than four, a speculative
-round's verification) go through W repacked (repack), where a layer has it: up to four, the
+round's verification) go through W repacked (repack), where a layer keeps it: up to four, the
 product is a stream through the file's blocks, each read once whatever the layout."""
+REPACK_CALL_ROWS = 64
+"""Products of this many rows and more over a layer that keeps no repacked copy repack W for
+the call (kinds.c's tformer_linear; tformer.h's TFORMER_REPACK_CALL_ROWS, which a test
+compares)."""
+KEEP_REPACKED = os.environ.get("TFORMER_KEEP_REPACKED", "0") not in ("", "0")
+"""Whether a new block layer keeps W repacked beside its blocks (see the module's text);
+keep_repacked sets it for a model's layers."""
+
+
+def keep_repacked(model: nn.Module, keep: bool = True) -> None:
+    """Make the block layers of `model` keep W repacked beside their blocks (or not), for
+    decoding whose every step multiplies REPACK_MIN_ROWS rows or more (batched serving,
+    speculative decoding): 1.4x to 2x faster products of 5 to 63 rows, for 1.2 (q8_0) to
+    2.5 (q4_k) times the blocks' bytes more. Set before a decoding step reads the layers
+    (step.c's structures are made at the first cache)."""
+    for module in model.modules():
+        if isinstance(module, (BlockLinear, StackedLinear)):
+            module.keep_repacked = keep
+            if isinstance(module, StackedLinear):
+                module._split()
 
 
 def repack(lib: ctypes.CDLL, fmt: str, blocks: Tensor, k: int) -> Tensor | None:
@@ -348,17 +389,23 @@ def repack(lib: ctypes.CDLL, fmt: str, blocks: Tensor, k: int) -> Tensor | None:
     return out
 
 
+NEVER = 1 << 30
+"""call's repack_rows for the product over the file's blocks alone, at any number of rows."""
+
+
 def call(lib: ctypes.CDLL, fmt: str, x: Tensor, blocks: Tensor, n: int, k: int,
-         bias: Tensor | None, repacked: Tensor | None = None) -> Tensor:
+         bias: Tensor | None, repacked: Tensor | None = None,
+         repack_rows: int = REPACK_MIN_ROWS) -> Tensor:
     """y = x W^T + b through kinds.c's table (blocks.c's or kquants.c's product), W as
-    blocks (and, for REPACK_MIN_ROWS rows and more, `repacked`, repack's, where given); x
+    blocks, and for repack_rows rows and more repacked: `repacked`, repack's, where given,
+    else repacked for the call from REPACK_CALL_ROWS rows (NEVER: the blocks alone); x
     (M, K) fp32 contiguous, all checked."""
     m = x.shape[0]
     y = x.new_empty(m, n)
     struct = library.Linear(KINDS[fmt], n, k, blocks.data_ptr(), None,
                             None if bias is None else bias.data_ptr(),
                             None if repacked is None else repacked.data_ptr(), None, 0,
-                            REPACK_MIN_ROWS)
+                            repack_rows)
     if lib.tformer_linear(ctypes.byref(struct), x.data_ptr(), y.data_ptr(), m,
                           torch.get_num_threads()):
         raise MemoryError(f"no memory for {m} x {k} activation blocks")
@@ -412,9 +459,30 @@ blocks: a JSON object {parameter name: format}."""
 
 def formats_of(model: nn.Module) -> dict[str, str]:
     """{parameter name: format} of the model's weights held as blocks (FORMATS_KEY's; a
-    StackedLinear's format is its parts', stack_format's string)."""
+    StackedLinear's format is its parts', stack_format's string; an embedding table's and
+    the output layer tied to it both, over the same bytes)."""
     return {f"{name}.weight": m.fmt for name, m in model.named_modules()
-            if isinstance(m, (BlockLinear, StackedLinear))}
+            if isinstance(m, (BlockLinear, StackedLinear, BlockEmbedding))}
+
+
+def held_weights(model: nn.Module) -> int:
+    """The weights `model` holds as blocks, counted as values (each tensor of blocks once: a
+    tied table and its output layer share theirs), for the parameter counts people read."""
+    seen, count = set(), 0
+    for module in model.modules():
+        if isinstance(module, StackedLinear):
+            layers = module.parts
+        elif isinstance(module, (BlockLinear, BlockEmbedding)):
+            layers = [module]
+        else:
+            continue
+        for layer in layers:
+            key = (layer.blocks.data_ptr(), tuple(layer.blocks.shape))
+            if key not in seen:
+                seen.add(key)
+                layout = LAYOUTS[layer.fmt]
+                count += layer.blocks.numel() // layout.size * layout.values
+    return count
 
 
 def stack_format(parts: list[tuple[str, int]]) -> str:
@@ -442,26 +510,51 @@ def stack_parts(fmt: str) -> list[tuple[str, int]]:
 
 
 def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
-    """Make the linear layers whose weights `formats` names ({parameter name: format}, a
-    checkpoint's FORMATS_KEY) BlockLinears of those formats, in place, their blocks
-    uninitialised (untouched memory) until the checkpoint's are loaded into them. A name
-    that is not an nn.Linear's weight of a fitting shape is a TformerError."""
+    """Make the linear layers and embedding tables whose weights `formats` names
+    ({parameter name: format}, a checkpoint's FORMATS_KEY) BlockLinears and BlockEmbeddings
+    of those formats, in place, their blocks uninitialised (untouched memory) until the
+    checkpoint's are loaded into them. A linear layer whose weight is tied to an embedding
+    held as blocks (a GPT's lm_head with tie_embeddings) reads the embedding's bytes, where
+    `formats` gives it the same format: one tensor, as it was saved. A name that is neither
+    an nn.Linear's nor an nn.Embedding's weight of a fitting shape is a TformerError."""
     modules = dict(model.named_modules())
-    for param, fmt in formats.items():
+    tables: dict[int, BlockEmbedding] = {}  # id(the fp32 weight it replaces) -> the table
+    for param, fmt in sorted(formats.items(), key=lambda item: not _is_embedding(
+            modules.get(item[0].removesuffix(".weight")))):
         path = param.removesuffix(".weight")
         if path not in modules and _split_owner(model, path):
             modules = dict(model.named_modules())
-        linear = modules.get(path)
-        if not param.endswith(".weight") or not isinstance(linear, nn.Linear):
-            raise TformerError(f"{param} is held as {fmt} blocks, but the model has no linear "
-                               f"layer of that name")
+        layer = modules.get(path)
         parent, _, attr = path.rpartition(".")
+        owner = modules[parent] if parent else model
+        if param.endswith(".weight") and _is_embedding(layer):
+            layout = _check_format(fmt)  # (a stack is no embedding's format)
+            if layer.embedding_dim % layout.values:
+                raise TformerError(f"{param} is held as {fmt} blocks, but its "
+                                   f"{layer.embedding_dim} columns are not a multiple of "
+                                   f"{layout.values}")
+            empty = torch.empty(layer.num_embeddings,
+                                layer.embedding_dim // layout.values * layout.size,
+                                dtype=torch.uint8)
+            table = BlockEmbedding(empty, fmt, layer.embedding_dim)
+            tables[id(layer.weight)] = table
+            setattr(owner, attr, table)
+            continue
+        if not param.endswith(".weight") or not isinstance(layer, nn.Linear):
+            raise TformerError(f"{param} is held as {fmt} blocks, but the model has no linear "
+                               f"layer or embedding of that name")
+        linear = layer
+        table = tables.get(id(linear.weight))
+        if table is not None and table.fmt == fmt and tuple(linear.weight.shape) == (
+                table.num_embeddings, table.embedding_dim):
+            setattr(owner, attr, table.tied_output(linear.bias))
+            continue
         if "+" in fmt:
             stacked = StackedLinear.empty(stack_parts(fmt), linear.in_features, linear.bias)
             if stacked.out_features != linear.out_features:
                 raise TformerError(f"{param} is held as {fmt}, but the layer has "
                                    f"{linear.out_features} outputs")
-            setattr(modules[parent] if parent else model, attr, stacked)
+            setattr(owner, attr, stacked)
             continue
         layout = _check_format(fmt)
         if linear.in_features % layout.values:
@@ -469,8 +562,11 @@ def hold_blocks(model: nn.Module, formats: dict[str, str]) -> None:
                                f"inputs are not a multiple of {layout.values}")
         n, k = linear.out_features, linear.in_features
         empty = torch.empty(n, k // layout.values * layout.size, dtype=torch.uint8)
-        setattr(modules[parent] if parent else model, attr,
-                BlockLinear(empty, fmt, k, linear.bias))
+        setattr(owner, attr, BlockLinear(empty, fmt, k, linear.bias))
+
+
+def _is_embedding(module: nn.Module | None) -> bool:
+    return isinstance(module, nn.Embedding) and module.weight is not None
 
 
 def _split_owner(model: nn.Module, path: str) -> bool:
@@ -495,14 +591,31 @@ def _split_owner(model: nn.Module, path: str) -> bool:
 
 def dequantize_model(model: nn.Module, keep: str | None = None) -> None:
     """Make every BlockLinear and StackedLinear of `model` (but BlockLinears in format
-    `keep`) an fp32 nn.Linear of the same weight, in place."""
+    `keep`) an fp32 nn.Linear of the same weight, and every BlockEmbedding (but those in
+    `keep`) an fp32 nn.Embedding, in place; an output layer tied to an embedding's blocks
+    stays tied to it (kept with it, or the fp32 embedding's weight itself)."""
+    tables = {id(m.blocks): m for m in model.modules() if isinstance(m, BlockEmbedding)}
+    made: dict[int, nn.Parameter] = {}  # id(blocks) -> the fp32 weight made of them
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if isinstance(child, BlockEmbedding) and child.fmt != keep:
+                table = nn.Embedding(child.num_embeddings, child.embedding_dim, device="meta")
+                if id(child.blocks) not in made:
+                    made[id(child.blocks)] = nn.Parameter(child.weight, requires_grad=False)
+                table.weight = made[id(child.blocks)]
+                setattr(parent, name, table)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            tied = isinstance(child, BlockLinear) and id(child.blocks) in tables
+            if tied and tables[id(child.blocks)].fmt == keep:
+                continue
             if isinstance(child, StackedLinear) or (isinstance(child, BlockLinear)
-                                                    and child.fmt != keep):
+                                                    and (child.fmt != keep or tied)):
                 linear = nn.Linear(child.in_features, child.out_features,
                                    bias=child.bias is not None, device="meta")
-                linear.weight = nn.Parameter(child.weight, requires_grad=False)
+                weight = made.get(id(child.blocks)) if tied else None
+                linear.weight = weight if weight is not None else nn.Parameter(
+                    child.weight, requires_grad=False)
                 linear.bias = child.bias
                 setattr(parent, name, linear)
 
@@ -571,6 +684,11 @@ class BlockLinear(HeldAsWeight):
         self.bias = bias
         self._dense: Tensor | None = None
         self.__dict__["_repacked"] = None  # repacked(): made at the first many-row use
+        self.keep_repacked = KEEP_REPACKED
+        """Whether the layer keeps W repacked (the module's text, keep_repacked)."""
+        self.repack_rows = REPACK_MIN_ROWS
+        """Its products of this many rows and more read W repacked (kept, or from
+        REPACK_CALL_ROWS rows repacked for the call); NEVER: the file's blocks alone."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> BlockLinear:
@@ -582,12 +700,19 @@ class BlockLinear(HeldAsWeight):
         self.__dict__["_repacked"] = None
         return self
 
+    def __getstate__(self) -> dict:
+        # What the layer made of its blocks is not copied with it (swap_linears' deepcopy
+        # shares the blocks): a copy makes its own when it needs them.
+        return dict(self.__dict__) | {"_dense": None, "_repacked": None}
+
     def repacked(self) -> Tensor | None:
         """The blocks repacked for products of REPACK_MIN_ROWS rows and more (repack), made
         at the first call and kept beside the file's blocks, which export, checkpoints and
-        the few-row products read; None where the format has no repacked form here."""
+        the few-row products read; None where the layer keeps no such copy
+        (keep_repacked) or the format has no repacked form here."""
         lib = _lib()
-        if lib is None or self.blocks.device.type != "cpu":
+        if lib is None or self.blocks.device.type != "cpu" or not self.keep_repacked:
+            self.__dict__["_repacked"] = None
             return None
         made = self.__dict__["_repacked"]
         if made is None or made[0] != self.blocks.data_ptr():
@@ -614,7 +739,8 @@ class BlockLinear(HeldAsWeight):
 
     def tformer_linear(self) -> library.BoundLinear | None:
         """The layer as step.c reads it (tformer.h's TFORMER_Q8_0, ... _Q6_K), or None
-        where blocks.c cannot read its tensors; any number of rows."""
+        where blocks.c cannot read its tensors; any number of rows (W repacked where the
+        layer keeps it, else for a call of REPACK_CALL_ROWS rows and more)."""
         if _lib() is None or not self._fits(torch.empty(0)):
             return None
         bias = None if self.bias is None else self.bias.detach()
@@ -623,7 +749,7 @@ class BlockLinear(HeldAsWeight):
                                 self.blocks.data_ptr(), None,
                                 None if bias is None else bias.data_ptr(),
                                 None if repacked is None else repacked.data_ptr(), None, 0,
-                                REPACK_MIN_ROWS)
+                                self.repack_rows)
         held = [t for t in (self.blocks, bias, repacked) if t is not None]
         return library.BoundLinear(struct, 1 << 30, tuple(held))
 
@@ -637,13 +763,60 @@ class BlockLinear(HeldAsWeight):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self._dense.to(x.dtype), bias)
         rows = x.reshape(-1, self.in_features).contiguous()
-        repacked = self.repacked() if rows.shape[0] >= REPACK_MIN_ROWS else None
+        repacked = self.repacked() if rows.shape[0] >= self.repack_rows else None
         y = call(lib, self.fmt, rows, self.blocks, self.out_features, self.in_features,
-                 None if self.bias is None else self.bias.detach(), repacked)
+                 None if self.bias is None else self.bias.detach(), repacked, self.repack_rows)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+
+
+class BlockEmbedding(HeldAsWeight):
+    """An embedding table held as blocks of one of LAYOUTS's formats, for inference (a GGUF
+    file's token_embd, kept as the file holds it, as llama.cpp keeps it): a lookup decodes
+    the rows it selects, and only those, so that a 128,256-row table costs its blocks' bytes
+    (210 MB in q6_k for a width of 2,048) where fp32 took 1 GB. A row looked up is that row
+    of the whole table dequantized (`weight`), bit for bit. With tied embeddings the output
+    layer is a BlockLinear over the same `blocks` tensor (`tied_output`): one copy for both,
+    which a checkpoint saves once.
+
+    tokens (...) -> (..., embedding_dim) fp32.
+    """
+
+    def __init__(self, blocks: Tensor, fmt: str, embedding_dim: int) -> None:
+        super().__init__()
+        layout = _check_format(fmt)
+        rows = blocks.shape[0] if blocks.dim() == 2 else -1
+        want = (rows, embedding_dim // layout.values * layout.size)
+        if (blocks.dtype != torch.uint8 or tuple(blocks.shape) != want
+                or embedding_dim % layout.values):
+            raise TformerError(f"{fmt} blocks of a [N, {embedding_dim}] embedding are uint8 "
+                               f"{want}; got {blocks.dtype} {tuple(blocks.shape)}")
+        self.fmt, self.num_embeddings, self.embedding_dim = fmt, rows, embedding_dim
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None  # (HeldAsWeight saves a bias where a layer has one)
+
+    def tied_output(self, bias: Tensor | nn.Parameter | None = None) -> BlockLinear:
+        """The output layer onto the vocabulary over this table's bytes (tied embeddings):
+        logits = x E^T (+ bias), as BlockLinear computes it."""
+        return BlockLinear(self.blocks, self.fmt, self.embedding_dim, bias)
+
+    @property
+    def weight(self) -> Tensor:
+        """The whole table in fp32: for code that reads an embedding's weight (a copy, made
+        at each read)."""
+        return dequantize(self.blocks, self.fmt)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        rows = self.blocks.index_select(0, tokens.reshape(-1).to(self.blocks.device))
+        if rows.device.type != "cpu":  # the decoders' tables are made on the CPU
+            return dequantize(rows.cpu(), self.fmt).to(rows.device).view(
+                *tokens.shape, self.embedding_dim)
+        return dequantize(rows, self.fmt).view(*tokens.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
 
 
 class StackedLinear(HeldAsWeight):
@@ -665,6 +838,8 @@ class StackedLinear(HeldAsWeight):
         self.out_features = sum(rows for _, rows in self.layout)
         self.register_buffer("blocks", torch.cat([b.contiguous().reshape(-1) for _, b in parts]))
         self.bias = bias
+        self.keep_repacked = KEEP_REPACKED
+        """Whether the parts keep W repacked (keep_repacked)."""
         self._split()
 
     @classmethod
@@ -690,6 +865,7 @@ class StackedLinear(HeldAsWeight):
             n = rows * (self.in_features // size.values * size.size)
             view = self.blocks[at:at + n].view(rows, -1)
             parts.append(BlockLinear(view, fmt, self.in_features))
+            parts[-1].keep_repacked = self.keep_repacked
             at += n
         self.__dict__["parts"] = parts
         self.__dict__["bound"] = None  # tformer_linear's, made at the first product
@@ -698,6 +874,18 @@ class StackedLinear(HeldAsWeight):
         super()._apply(fn, recurse)
         self._split()
         return self
+
+    def __getstate__(self) -> dict:
+        # The parts are views of `blocks`: a copy (swap_linears' deepcopy, which shares
+        # the buffer) makes them anew over its own buffer rather than copying their bytes.
+        state = dict(self.__dict__)
+        state.pop("parts", None)
+        state.pop("bound", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._split()
 
     @property
     def weight(self) -> Tensor:

@@ -191,6 +191,24 @@ def quantize_model(model: nn.Module, weights: str | None) -> nn.Module:
             layer = getattr(model, attr, None)
             if type(layer) is nn.Linear and attr not in skip:
                 setattr(copy, attr, weight_format(fmt.output).quantize(layer))
+    return _tied_table(model, copy)
+
+
+def _tied_table(model: nn.Module, copy: nn.Module) -> nn.Module:
+    """Where `model` ties its embedding table to its output layer (the pair its class names
+    in `tied_table`: a GPT's embed and lm_head) and the copy's output layer now holds
+    blocks, the copy's table looks its rows up in those same blocks (blocks.BlockEmbedding):
+    one copy of the table, rounded as the output layer is, as llama.cpp's quantizer writes a
+    tied token_embd in the output's type; the fp32 table is not held on. `copy` itself."""
+    pair = getattr(model, "tied_table", None)
+    if pair is None:
+        return copy
+    table, output = (getattr(model, attr, None) for attr in pair)
+    held = getattr(copy, pair[1], None)
+    if (isinstance(table, nn.Embedding) and isinstance(output, nn.Linear)
+            and output.weight is table.weight and isinstance(held, blocks.BlockLinear)
+            and held.in_features == table.embedding_dim):
+        setattr(copy, pair[0], blocks.BlockEmbedding(held.blocks, held.fmt, held.in_features))
     return copy
 
 
@@ -212,4 +230,4 @@ def _mixed(model: nn.Module, mix: Mix) -> nn.Module:
             return keep(linear)
         return weight_format(mix.format_of(path, n_layer)).quantize(linear)
 
-    return swap_linears(model, swap)
+    return _tied_table(model, swap_linears(model, swap))

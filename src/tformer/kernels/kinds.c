@@ -40,14 +40,96 @@ static const struct tformer_kind_traits kinds[TFORMER_KINDS] = {
     [TFORMER_STACK] = {"stack", tformer_stack_linear, 1, 1, TFORMER_X_FP32, NULL, NULL, NULL},
 };
 
-/* y (m x n_out) = x (m x n_in) W^T + b through the product of l's kind. Returns the
- * product's status (0, or -1 where it could not allocate), or -3 where the kind has no
- * row in this build. */
+static int repacked_for_the_call(const struct tformer_linear *l, const float *x, float *y,
+                                 long m, int threads);
+
+/* y (m x n_out) = x (m x n_in) W^T + b through the product of l's kind. A block kind's
+ * layer that keeps no repacked copy (l->packed NULL) has W repacked for the call where it
+ * has TFORMER_REPACK_CALL_ROWS rows or more (repacked_for_the_call). Returns the product's
+ * status (0, or -1 where it could not allocate), or -3 where the kind has no row in this
+ * build. */
 int tformer_linear(const struct tformer_linear *l, const float *x, float *y, long m, int threads)
 {
     if (l->kind < 0 || l->kind >= TFORMER_KINDS || !kinds[l->kind].linear)
         return -3;
+    if (!l->packed && kinds[l->kind].repack && m >= TFORMER_REPACK_CALL_ROWS
+        && m >= l->packed_min_rows)
+        return repacked_for_the_call(l, x, y, m, threads);
     return kinds[l->kind].linear(l, x, y, m, threads);
+}
+
+/* The product of many rows over W repacked for this call alone, a slice of W's rows at a
+ * time (some repack_slice_bytes of them repacked, so that a 128,256-row output layer does
+ * not take its whole repacked size at once): where a layer keeps no repacked copy (that
+ * copy takes 1.2 to 2.5 times the blocks' bytes), a product of enough rows still reads W
+ * repacked, and pays for the repacking: at 1 thread, a 8192 x 2048 q4_k layer took 26 ms
+ * to repack, 58 ms for 64 rows over its blocks and 29 over them repacked, 545 and 425 for
+ * 512 rows. The results are the kept copy's product's, bit for bit (the same kernel over
+ * the same bytes); a slice's outputs go through a scratch into their columns of y.
+ * Returns the product's status, or -1 where it could not allocate. */
+static long repack_slice_bytes = 32L << 20;
+
+static int repacked_for_the_call(const struct tformer_linear *l, const float *x, float *y,
+                                 long m, int threads)
+{
+    const struct tformer_kind_traits *t = &kinds[l->kind];
+    const long n = l->n_out, k = l->n_in;
+    const long row_bytes = k / t->block_values * t->block_bytes;
+    const long group_bytes = t->repacked_size(l->kind, 8, k); /* eight rows repacked */
+    if (n <= 0 || m <= 0)
+        return 0;
+    long slice = group_bytes > 0 ? repack_slice_bytes / group_bytes * 8 : n;
+    if (slice < 8)
+        slice = 8;
+    if (slice > n)
+        slice = n;
+    uint8_t *packed = malloc((size_t)t->repacked_size(l->kind, slice, k));
+    float *part = slice < n ? malloc((size_t)(m * slice) * sizeof(float)) : NULL;
+    if (!packed || (slice < n && !part)) {
+        free(packed);
+        free(part);
+        return -1;
+    }
+    const uint8_t *w = l->data;
+    int status = 0;
+    for (long r0 = 0; r0 < n && !status; r0 += slice) {
+        const long rows = n - r0 < slice ? n - r0 : slice, groups = (rows + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (long g = 0; g < groups; g++) {
+            const long in_group = rows - g * 8 < 8 ? rows - g * 8 : 8;
+            t->repack(l->kind, w + (r0 + g * 8) * row_bytes, in_group, k,
+                      packed + g * group_bytes);
+        }
+        struct tformer_linear s = *l;
+        s.n_out = (int32_t)rows;
+        s.data = w + r0 * row_bytes;
+        s.bias = l->bias ? l->bias + r0 : NULL;
+        s.packed = packed;
+        s.packed_min_rows = 1;
+        status = t->linear(&s, x, part ? part : y, m, threads);
+        if (part && !status)
+            for (long i = 0; i < m; i++)
+                memcpy(y + i * n + r0, part + i * rows, (size_t)rows * sizeof(float));
+    }
+    free(packed);
+    free(part);
+    return status;
+}
+
+/* The rows from which a block kind's product over W without a kept repacked copy repacks
+ * W for the call (tformer_linear): blocks.py reads it. */
+long tformer_repack_call_rows(void)
+{
+    return TFORMER_REPACK_CALL_ROWS;
+}
+
+/* The bytes of W repacked at a time for a call (repacked_for_the_call): set where `bytes`
+ * is positive (the tests make slices of a few rows), returned either way. */
+long tformer_repack_slice_bytes(long bytes)
+{
+    if (bytes > 0)
+        repack_slice_bytes = bytes;
+    return repack_slice_bytes;
 }
 
 /* The kind's name in the table ("" for none): formats.py checks its registry against it. */

@@ -241,6 +241,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_quantize": (_int, [_int, _p, _long, _p, _int]),
     "tformer_repacked_size": (_long, [_int, _long, _long]),
     "tformer_repack": (_int, [_int, _p, _long, _long, _p]),
+    "tformer_repack_call_rows": (_long, []),
+    "tformer_repack_slice_bytes": (_long, [_long]),
     "tformer_stack_linear": (_int, [ctypes.POINTER(Linear), _p, _p, _long, _int]),
     # fp32 (fp32.c)
     "tformer_matvec": (None, [_p] * 4 + [_long] * 3 + [_int]),

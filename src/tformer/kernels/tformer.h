@@ -67,6 +67,11 @@ struct tformer_kind_traits {
 
 int tformer_linear(const struct tformer_linear *l, const float *x, float *y, long m,
                    int threads);
+/* A block kind's layer without a repacked copy has W repacked for a call of this many rows
+ * and more (kinds.c's tformer_linear). */
+#define TFORMER_REPACK_CALL_ROWS 64
+long tformer_repack_call_rows(void);
+long tformer_repack_slice_bytes(long bytes);
 const char *tformer_kind_name(int kind);
 int tformer_kind_geometry(int kind, int32_t *geometry);
 int tformer_quantize(int kind, const float *x, long n, uint8_t *out, int threads);

@@ -302,6 +302,10 @@ class GPTBlock(nn.Module):
 
 
 class GPT(Model):
+    tied_table: ClassVar[tuple[str, str]] = ("embed", "lm_head")
+    """The embedding table and the output layer tie_embeddings ties: a weight format that
+    makes the output layer blocks makes the table a lookup in them (kernels/formats.py)."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         cfg.require_vocab()
@@ -353,15 +357,24 @@ class GPT(Model):
         cfg = self.cfg
         max_len = min(max_len or cfg.context, cfg.context)
         attn = self.blocks[0].attn
-        param = self.embed.weight
+        dtype, device = self.state_kind()
         return DecoderCache(
             [
                 KVCache(batch, attn.n_kv_head, max_len, attn.d_head, attn.d_value,
-                        dtype=param.dtype, device=param.device, columns=CACHE_COLUMNS)
+                        dtype=dtype, device=device, columns=CACHE_COLUMNS)
                 for _ in range(cfg.n_layer)
             ],
             track_padding=padded,
         )
+
+    def state_kind(self) -> tuple[torch.dtype, torch.device]:
+        """The dtype and device of the states the blocks compute on: the embedding's, or,
+        for a table held as blocks (kernels.blocks.BlockEmbedding, which looks rows up in
+        fp32), fp32 on its blocks' device."""
+        held = getattr(self.embed, "blocks", None)
+        if held is not None:
+            return torch.float32, held.device
+        return self.embed.weight.dtype, self.embed.weight.device
 
     def forward(
         self,

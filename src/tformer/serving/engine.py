@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.decoding.lm import EosIds, stop_ids
+from tformer.kernels.blocks import REPACK_MIN_ROWS, keep_repacked
 from tformer.serving.apply import EngineStats, accept, draw
 from tformer.serving.sequence import Sequence
 
@@ -50,6 +51,11 @@ class LMEngine:
     def __init__(self, model: nn.Module, *, eos_id: EosIds, max_batch: int = 16,
                  max_waiting: int = 64, batched: bool) -> None:
         self.model = model
+        layers = getattr(model, "model", model)  # a decoding runner's model
+        if batched and max_batch >= REPACK_MIN_ROWS and isinstance(layers, nn.Module):
+            # A batch's every step multiplies a row a sequence: the block layers' repacked
+            # copy pays for itself at each (kernels/blocks.py, keep_repacked).
+            keep_repacked(layers)
         self.eos_ids = stop_ids(eos_id)
         """A sequence ends at any of them (Llama 3 has three)."""
         self.max_batch = max_batch
