@@ -27,6 +27,7 @@ from tformer.decoding.sampling import (
     next_token,
     penalize_repetition,
 )
+from tformer.kernels.blocks import REPACK_MIN_ROWS, keep_repacked
 
 EosIds = int | Sequence[int] | None
 """The ids that end a text: none, one, or several (Llama 3 ends one at <|end_of_text|>, at
@@ -95,6 +96,10 @@ def generate(
     """
     if constraint is not None and prompt.shape[0] != 1:
         raise ValueError("a constraint decodes one row")
+    if prompt.shape[0] >= REPACK_MIN_ROWS:
+        # Every step multiplies a row a sequence: the block layers' repacked copy pays for
+        # itself at each (kernels/blocks.py, keep_repacked), as in batched serving.
+        keep_repacked(model)
     model = runner(model)  # the one-call kernel step where it serves
     B = prompt.shape[0]
     context = model.cfg.context
