@@ -67,7 +67,7 @@ int main(void)
 """
 STRUCTURES = {"tformer_linear": library.Linear, "tformer_norm": library.Norm,
               "tformer_decoder_layer": library.DecoderLayer, "tformer_lm_layer": library.LMLayer,
-              "tformer_kv": library.KV}
+              "tformer_kv": library.KV, "tformer_experts": library.Experts}
 
 
 @compiler

@@ -69,12 +69,13 @@ ISA_NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2", "t
 SOURCES = [Path(__file__).with_name(name)
            for name in ("fp32.c", "int8.c", "int8_packed.c", "quantize.c", "kinds.c", "search.c",
                         "attend.c", "step.c", "dropout.c", "xent.c", "glu.c", "rmsnorm.c",
-                        "blocks.c", "kquants.c")]
+                        "blocks.c", "kquants.c", "experts.c")]
 """Built into one library: the weight formats' products (fp32.c, int8.c, int8_packed.c,
 quantize.c, blocks.c and kquants.c for llama.cpp's blocks, and kinds.c's table of them),
 beam search's candidates (search.py), a decoding step's attention (attend.py) and whole
 decoder layer (step.py), and for training, dropout (dropout.py), the cross-entropy
-(xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
+(xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py); a mixture of experts' feed-forward
+for a few rows (experts.py)."""
 HEADERS = [Path(__file__).with_name(name)
            for name in ("tformer.h", "vecmath.h", "int8.h", "int8_bytes.h", "int8_bytes_rows.h",
                         "int8_bytes_packed.h", "blocks_isa.h", "kquants_isa.h")]
@@ -223,6 +224,15 @@ class LMLayer(ctypes.Structure):
                 ("activation", _int)]
 
 
+class Experts(ctypes.Structure):
+    """struct tformer_experts: a mixture's experts, each projection a Linear of its own."""
+
+    _fields_ = [("gate", _p), ("up", _p), ("down", _p), ("n_expert", ctypes.c_int64),
+                ("glu", _i32), ("limit", _float), ("alpha", _float),
+                *((name, Linear) for name in ("shared_gate", "shared_up", "shared_down")),
+                ("shared_scale", _p)]
+
+
 class KV(ctypes.Structure):
     """struct tformer_kv: keys and values with their strides in floats."""
 
@@ -287,6 +297,18 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_lm_layer_step_paged": (_int, [ctypes.POINTER(LMLayer), _p, _long, _long,
                                            ctypes.POINTER(KV), _p, _long, _long, _p, _long,
                                            _p, _p, _p, _int]),
+    # row ranges over activations rounded once (kinds.c, blocks.c), a mixture's experts
+    # (experts.c)
+    "tformer_round_activations": (_int, [_p, _int, _p, _long, _long, _int]),
+    "tformer_free_activations": (None, [_p]),
+    "tformer_linear_rows": (_int, [ctypes.POINTER(Linear), _p] + [_long] * 2 + [_p]
+                            + [_long] * 3),
+    "tformer_blocks_round": (_p, [_p, _long, _long, _int]),
+    "tformer_blocks_round_free": (None, [_p]),
+    "tformer_blocks_rows": (_int, [ctypes.POINTER(Linear), _p] + [_long] * 2 + [_p]
+                            + [_long] * 3),
+    "tformer_experts_step": (_int, [ctypes.POINTER(Experts), _p, _long, _p, _p, _long, _p,
+                                    _int]),
     # training (dropout.c, xent.c, glu.c, rmsnorm.c)
     "tformer_philox4x32": (None, [_u32p] * 3),
     "tformer_dropout": (None, [_p] * 2 + [_long, ctypes.c_uint64, ctypes.c_uint32, _float,
