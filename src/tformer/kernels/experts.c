@@ -356,3 +356,67 @@ int tformer_experts_step(const struct tformer_experts *e, const float *x, long m
     free(hid), free(work), free(groups), free(slot), free(members), free(scale);
     return status;
 }
+
+/* The router's choices for m rows of x (m x d): ids (m x k), best first (of equal scores the
+ * lower id), and their weights (m x k), as layers/experts.py's Router computes them: scores
+ * x W^T + b in fp32 (kinds.c's product of W's kind); a softmax over all the scores, the k
+ * best's probabilities, renormalised to sum to 1 or not; or, `after`, a softmax over the k
+ * best scores. Returns 0, -1 where it could not allocate, or the product's failure. */
+int tformer_route(const struct tformer_router *r, const float *x, long m, int64_t *ids,
+                  float *weights, int threads)
+{
+    const long n = r->scores.n_out, k = r->k;
+    float *scores = malloc((size_t)(m * n) * sizeof(float));
+    unsigned char *taken = malloc((size_t)n);
+    int status = scores && taken ? tformer_linear(&r->scores, x, scores, m, threads) : -1;
+    for (long i = 0; i < m && !status; i++) {
+        const float *s = scores + i * n;
+        int64_t *id = ids + i * k;
+        float *w = weights + i * k;
+        memset(taken, 0, (size_t)n);
+        for (long j = 0; j < k; j++) {
+            long best = -1;
+            for (long e = 0; e < n; e++)
+                if (!taken[e] && (best < 0 || s[e] > s[best]))
+                    best = e;
+            taken[best] = 1;
+            id[j] = best;
+        }
+        /* exp of each score less the largest (the first chosen), over all or the chosen */
+        const float top = s[id[0]];
+        float total = 0.0f;
+        if (r->after)
+            for (long j = 0; j < k; j++)
+                total += expf(s[id[j]] - top);
+        else
+            for (long e = 0; e < n; e++)
+                total += expf(s[e] - top);
+        float chosen = 0.0f;
+        for (long j = 0; j < k; j++) {
+            w[j] = expf(s[id[j]] - top) / total;
+            chosen += w[j];
+        }
+        if (r->renormalise && !r->after)
+            for (long j = 0; j < k; j++)
+                w[j] /= chosen;
+    }
+    free(scores);
+    free(taken);
+    return status;
+}
+
+/* out (m x d) = the mixture's feed-forward on x (m x d): its router's choices, then
+ * tformer_experts_step. Returns 0, or tformer_route's or tformer_experts_step's failure. */
+int tformer_moe_step(const struct tformer_moe *moe, const float *x, long m, float *out,
+                     int threads)
+{
+    const long k = moe->router.k;
+    int64_t *ids = malloc((size_t)(m * k) * sizeof *ids);
+    float *weights = malloc((size_t)(m * k) * sizeof *weights);
+    int status = ids && weights ? tformer_route(&moe->router, x, m, ids, weights, threads) : -1;
+    if (!status)
+        status = tformer_experts_step(&moe->experts, x, m, ids, weights, k, out, threads);
+    free(ids);
+    free(weights);
+    return status;
+}

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from tformer.kernels import library
 from tformer.kernels.blocks import KINDS, BlockLinear
-from tformer.kernels.library import Experts, Linear
+from tformer.kernels.library import Experts, Linear, Moe, Router
 
 MAX_ROWS = 8
 """The most rows `run` is given (decoding's, a small batch's): beyond, the modules' grouped
@@ -124,6 +124,32 @@ def bind(gate: Sequence[Projection], up: Sequence[Projection], down: Sequence[Pr
     if shared_scale is not None:
         tensors[id(shared_scale)] = shared_scale
     return Binding(struct, (*tables, *tensors.values()))
+
+
+class MixtureBinding(NamedTuple):
+    """A mixture (router and experts) as step.c's layer step reads it: struct tformer_moe,
+    the most rows it is given, and what it points into."""
+
+    struct: Moe
+    max_rows: int
+    held: tuple[object, ...]
+
+
+def bind_mixture(experts: Binding, router: Tensor, bias: Tensor | None, k: int, *,
+                 after: bool, renormalise: bool) -> MixtureBinding | None:
+    """The experts behind a router of fp32 scores router [E, D] (+ bias [E]) that picks k
+    (layers/experts.py's Router: softmax over every score, or `after` over the k chosen,
+    `renormalise`d to sum to 1 or not); None where the router's tensors are not fp32 on
+    the CPU."""
+    router = router.detach()
+    bias = None if bias is None else bias.detach()
+    if not (_f32(router) and _f32(bias)):
+        return None
+    n_expert, d = router.shape
+    scores = Linear(library.KIND_FP32, n_expert, d, router.data_ptr(), None, _ptr(bias))
+    struct = Moe(Router(scores, k, int(after), int(renormalise)), experts.struct)
+    held = (*experts.held, *(t for t in (router, bias) if t is not None))
+    return MixtureBinding(struct, MAX_ROWS, held)
 
 
 def run(binding: Binding, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:

@@ -221,7 +221,7 @@ class LMLayer(ctypes.Structure):
                 *((name, _long) for name in ("heads", "kv_heads", "d_head", "d_value",
                                              "rotated")),
                 ("interleaved", _int), ("scale", _float), ("pre_norm", _int),
-                ("activation", _int)]
+                ("activation", _int), ("moe", _p)]
 
 
 class Experts(ctypes.Structure):
@@ -231,6 +231,18 @@ class Experts(ctypes.Structure):
                 ("glu", _i32), ("limit", _float), ("alpha", _float),
                 *((name, Linear) for name in ("shared_gate", "shared_up", "shared_down")),
                 ("shared_scale", _p)]
+
+
+class Router(ctypes.Structure):
+    """struct tformer_router: a mixture's fp32 scores and how it picks and weights k."""
+
+    _fields_ = [("scores", Linear), ("k", _i32), ("after", _i32), ("renormalise", _i32)]
+
+
+class Moe(ctypes.Structure):
+    """struct tformer_moe: a mixture's router and experts."""
+
+    _fields_ = [("router", Router), ("experts", Experts)]
 
 
 class KV(ctypes.Structure):
@@ -309,6 +321,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
                             + [_long] * 3),
     "tformer_experts_step": (_int, [ctypes.POINTER(Experts), _p, _long, _p, _p, _long, _p,
                                     _int]),
+    "tformer_route": (_int, [ctypes.POINTER(Router), _p, _long, _p, _p, _int]),
+    "tformer_moe_step": (_int, [ctypes.POINTER(Moe), _p, _long, _p, _int]),
     # training (dropout.c, xent.c, glu.c, rmsnorm.c)
     "tformer_philox4x32": (None, [_u32p] * 3),
     "tformer_dropout": (None, [_p] * 2 + [_long, ctypes.c_uint64, ctypes.c_uint32, _float,

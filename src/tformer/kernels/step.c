@@ -309,6 +309,12 @@ static int lm_feed_forward(const struct tformer_lm_layer *l, float *x, float *h,
     const long d = l->out.n_out, ff = l->up.n_out;
     int status = 0;
     const float *in = sublayer_input(l->pre_norm, &l->ff_norm, x, h, n, d);
+    if (l->moe) { /* a mixture of experts (experts.c) */
+        if ((status = tformer_moe_step(l->moe, in, n, out, threads)))
+            return status;
+        residual(l->pre_norm, &l->ff_norm, x, out, n, d);
+        return 0;
+    }
     if (l->gate.n_out) {
         float *up = wide + n * ff;
         if ((status = tformer_linear(&l->gate, in, wide, n, threads))

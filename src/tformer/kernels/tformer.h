@@ -169,6 +169,8 @@ struct tformer_decoder_layer {
     int pre_norm, activation;
 };
 
+struct tformer_moe; /* a mixture of experts' feed-forward (experts.c, below) */
+
 /* A language model's layer (models/gpt.py's GPTBlock): heads query heads sharing kv_heads
  * key/value heads (grouped-query attention). */
 struct tformer_lm_layer {
@@ -179,6 +181,8 @@ struct tformer_lm_layer {
     int interleaved; /* pairs (2i, 2i + 1), or else (i, i + rotated / 2) */
     float scale;
     int pre_norm, activation;
+    const struct tformer_moe *moe; /* a mixture of experts in place of gate, up and down
+                                    * (their n_out 0), or NULL */
 };
 
 /* Keys and values, (rows, heads, positions, d) with these strides in floats. */
@@ -265,5 +269,25 @@ struct tformer_experts {
 int tformer_experts_step(const struct tformer_experts *e, const float *x, long m,
                          const int64_t *ids, const float *weights, long k, float *out,
                          int threads);
+
+/* A mixture's router (layers/experts.py's Router): fp32 scores x W^T + b over the experts,
+ * the k best, weighted by a softmax over every expert (renormalised over the k or not) or,
+ * with `after`, over the k chosen scores alone. */
+struct tformer_router {
+    struct tformer_linear scores; /* fp32, n_expert x d */
+    int32_t k, after, renormalise;
+};
+
+/* A mixture of experts' feed-forward: its router and its experts (a language model's layer
+ * step runs it in place of a dense feed-forward: struct tformer_lm_layer's moe). */
+struct tformer_moe {
+    struct tformer_router router;
+    struct tformer_experts experts;
+};
+
+int tformer_route(const struct tformer_router *r, const float *x, long m, int64_t *ids,
+                  float *weights, int threads);
+int tformer_moe_step(const struct tformer_moe *moe, const float *x, long m, float *out,
+                     int threads);
 
 #endif

@@ -320,14 +320,30 @@ class MixtureOfExperts(nn.Module):
                 or h.dtype != torch.float32 or h.device.type != "cpu"
                 or torch.compiler.is_compiling()):
             return None
+        binding = self._binding()
+        return None if binding is None else expert_kernel.run(binding, h, experts, weights)
+
+    def tformer_moe(self) -> expert_kernel.MixtureBinding | None:
+        """The mixture, router and experts, as step.c's layer step reads it (struct
+        tformer_moe), for inference on up to MAX_ROWS rows; None where experts.c cannot run
+        it (as `one_call`)."""
+        binding = self._binding()
+        router = self.router
+        if binding is None:
+            return None
+        return expert_kernel.bind_mixture(binding, router.weight, router.bias, router.k,
+                                          after=router.softmax == "after",
+                                          renormalise=router.renormalise)
+
+    def _binding(self) -> expert_kernel.Binding | None:
+        """The experts' binding for experts.c, made again where the modules or the tensors
+        it was made from changed."""
         key = self._binding_key()
         made = _BINDINGS.get(self)
         if made is None or made[0] != key:
             made = (key, self._bind())
             _BINDINGS[self] = made
-        if made[1] is None:
-            return None
-        return expert_kernel.run(made[1], h, experts, weights)
+        return made[1]
 
     def _binding_key(self) -> tuple:
         """What a binding was made from: the modules, and the tensors a move replaces."""
