@@ -224,6 +224,12 @@ class LMLayer(ctypes.Structure):
                 ("activation", _int), ("moe", _p)]
 
 
+class Activations(ctypes.Structure):
+    """struct tformer_activations: rows rounded once for a kind's products of row ranges."""
+
+    _fields_ = [("x", _p), ("m", _long), ("k", _long), ("activation", _i32), ("data", _p)]
+
+
 class Experts(ctypes.Structure):
     """struct tformer_experts: a mixture's experts, each projection a Linear of its own."""
 
@@ -311,9 +317,11 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
                                            _p, _p, _p, _int]),
     # row ranges over activations rounded once (kinds.c, blocks.c), a mixture's experts
     # (experts.c)
-    "tformer_round_activations": (_int, [_p, _int, _p, _long, _long, _int]),
-    "tformer_free_activations": (None, [_p]),
-    "tformer_linear_rows": (_int, [ctypes.POINTER(Linear), _p] + [_long] * 2 + [_p]
+    "tformer_round_activations": (_int, [ctypes.POINTER(Activations), _int, _p, _long, _long,
+                                         _int]),
+    "tformer_free_activations": (None, [ctypes.POINTER(Activations)]),
+    "tformer_linear_rows": (_int, [ctypes.POINTER(Linear), ctypes.POINTER(Activations)]
+                            + [_long] * 2 + [_p]
                             + [_long] * 3),
     "tformer_blocks_round": (_p, [_p, _long, _long, _int]),
     "tformer_blocks_round_free": (None, [_p]),
