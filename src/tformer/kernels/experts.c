@@ -161,6 +161,8 @@ int tformer_experts_step(const struct tformer_experts *e, const float *x, long m
 {
     if (m <= 0)
         return 0;
+    if (k <= 0)
+        return -2;
     for (long c = 0; c < m * k; c++)
         if (ids[c] < 0 || ids[c] >= e->n_expert)
             return -2;

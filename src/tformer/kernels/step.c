@@ -242,7 +242,8 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
  *     x = x + Attn(Norm1(x));  x = x + FFN(Norm2(x))
  *     Attn:  q|k|v = h Wqkv^T + b;  q, k = Rotary(QKNorm(q)), Rotary(QKNorm(k)) per head;
  *            the step's k, v stored; softmax(q k^T * scale + bias) v over every position
- *     FFN:   down(act(up(h))), or gated: down(act(gate(h)) * up(h))
+ *     FFN:   down(act(up(h))), or gated: down(act(gate(h)) * up(h)), or a mixture of
+ *            experts' router and chosen experts (experts.c's tformer_moe_step)
  *
  * with heads query heads sharing kv_heads key/value heads (grouped-query attention). */
 
