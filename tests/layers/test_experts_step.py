@@ -44,7 +44,7 @@ OPTIONS = {"plain": {}, "shared": {"d_shared": 128},
            "clamped-bias": {"glu": "clamped", "bias": True, "softmax": "after"}}
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "q8_0", "q4_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "q8_0", "q4_0", "q4_k"])
 @pytest.mark.parametrize("kind", list(OPTIONS))
 def test_the_step_computes_what_the_modules_do(fmt, kind):
     """The same chosen experts, the same products: within float rounding of the modules,

@@ -63,8 +63,9 @@ def _ptr(t: Tensor | None) -> int | None:
 
 def projection(module: nn.Module) -> Projection | None:
     """A linear layer as experts.c reads it: a BlockLinear's blocks (no repacked copy: the
-    step's few rows stream the file's blocks), or an fp32 nn.Linear; None for anything
-    else."""
+    step's few rows stream the file's blocks), an fp32 nn.Linear, or another weight
+    format's layer as it describes itself (`tformer_linear()`: int8); None for anything
+    else (a StackedLinear, whose rows lie in parts)."""
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach()
     if not _f32(bias):
@@ -81,7 +82,11 @@ def projection(module: nn.Module) -> Projection | None:
         n, k = weight.shape
         struct = Linear(library.KIND_FP32, n, k, weight.data_ptr(), None, _ptr(bias))
         return Projection(struct, tuple(t for t in (weight, bias) if t is not None))
-    return None
+    own = getattr(module, "tformer_linear", None)
+    bound = own() if own is not None else None
+    if bound is None or bound.struct.kind == library.KIND_STACK:
+        return None
+    return Projection(bound.struct, bound.tensors)
 
 
 def stacked(weight: Tensor, bias: Tensor | None) -> list[Projection] | None:
