@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from tformer.kernels import experts as expert_kernel
 from tformer.kernels.dropout import Dropout
@@ -315,10 +316,12 @@ class MixtureOfExperts(nn.Module):
         where it applies: inference (eval mode, no gradient) on up to MAX_ROWS fp32 rows on
         the CPU, experts of a kind the kernel reads (fp32 stacks or nn.Linears, a weight
         format's blocks), a silu or gpt-oss's clamped gate, biases or not, and a shared
-        expert that is a silu-gated feed-forward of such layers; else None."""
+        expert that is a silu-gated feed-forward of such layers; else None. Under a mode
+        that watches torch's operations (FLOP counting, tracing) the modules run, for it to
+        see them."""
         if (h.shape[0] > expert_kernel.MAX_ROWS or self.training or torch.is_grad_enabled()
                 or h.dtype != torch.float32 or h.device.type != "cpu"
-                or torch.compiler.is_compiling()):
+                or torch.compiler.is_compiling() or is_in_torch_dispatch_mode()):
             return None
         binding = self._binding()
         return None if binding is None else expert_kernel.run(binding, h, experts, weights)
