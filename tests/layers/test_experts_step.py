@@ -169,3 +169,30 @@ def test_the_layer_step_decodes_a_mixture_as_the_full_pass(fields, fmt, monkeypa
         steps += [run(tokens[:, i:i + 1], cache=cache) for i in range(4, 9)]
         monkeypatch.setattr(MixtureOfExperts, "forward", forward)
     assert (torch.cat(steps, 1) - full).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_a_paged_pool_steps_a_mixture_in_place_as_the_full_pass(monkeypatch):
+    """Rows of different lengths decode together over the paged pool, each step one call a
+    block (step.c's paged step, the mixture in it): every row's logits the full pass's."""
+    from tformer.decoding.paged import PagedPool, Row
+
+    model = tiny_moe(d_shared_expert=32, router_renormalise=True)
+    pool = PagedPool(model, 32, block_size=4)
+    assert pool._step is not None
+    g = torch.Generator().manual_seed(1)
+    texts = [torch.randint(0, 40, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    for text in texts:
+        row = Row()
+        pool.read_chunk(row, text)
+        pool.seat(row)
+    for _ in range(4):
+        new = torch.randint(0, 40, (len(texts),), generator=g).tolist()
+        with monkeypatch.context() as patch:
+            patch.setattr(MixtureOfExperts, "forward",
+                          lambda *a: pytest.fail("a mixture ran as modules"))
+            logits = pool.step(new)
+        for i, token in enumerate(new):
+            texts[i].append(token)
+            want = model(torch.tensor([texts[i]]))[0, -1]
+            torch.testing.assert_close(logits[i], want, atol=1e-5, rtol=1e-5)
