@@ -355,14 +355,20 @@ class MixtureOfExperts(nn.Module):
             held = tuple(None if t is None else t.data_ptr()
                          for t in (experts.gate, experts.up, experts.down, experts.gate_bias,
                                    experts.up_bias, experts.down_bias))
+        elif isinstance(experts, ExpertLinears):
+            held = tuple((id(p), getattr(p, "changes", 0))
+                         for p in (experts.gate, experts.up, experts.down))
         else:
-            held = tuple((id(p), p.changes) for p in (experts.gate, experts.up, experts.down))
+            return (id(experts),)
         parts = () if shared is None else (self.shared_gate.data_ptr(), *(
             id(getattr(shared, name, None)) for name in ("gate", "up", "down")))
         return id(experts), id(experts.glu), held, id(shared), parts
 
     def _bind(self) -> expert_kernel.Binding | None:
-        experts, glu = self.experts, self.experts.glu
+        experts = self.experts
+        if not isinstance(experts, (Experts, ExpertLinears)):
+            return None
+        glu = experts.glu
         if isinstance(glu, ClampedGLU):
             clamped = (glu.limit, glu.alpha)
         elif isinstance(glu, GLU) and isinstance(glu.activation, nn.SiLU):
