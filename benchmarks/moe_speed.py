@@ -9,7 +9,11 @@ one large one).
 
 Models are timed in alternation, the median of --repeats runs each, so a busy machine slows
 them alike; compare ratios within a run. The vocabulary is small by default (--vocab): the
-output layer is the same for both models and would hide the difference.
+output layer is the same for both models and would hide the difference. Each run is timed
+twice over: its generation alone, from the first new token to the last (as llama-bench's
+generation test, which does not time the prompt it decodes after), and the whole run with
+the prompt's pass (`with prompt`): a mixture's prompt reads most of its experts, several
+times the bytes of its dense twin's, which a short run's figure then carries.
 
     python benchmarks/moe_speed.py [--layers 2] [--weights fp32 q8_0] [--new 32]
     python benchmarks/moe_speed.py --tiny     # a check that it runs, in seconds
@@ -94,6 +98,28 @@ def write_files(shape: dict, args: argparse.Namespace, folder: Path) -> dict[str
     return paths
 
 
+def timed_run(model: GPT, prompt: torch.Tensor, new: int) -> tuple[float, float]:
+    """One greedy run of `new` tokens: (seconds for all of it, seconds from the first new
+    token to the last)."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        tokens = generate(model, prompt, max_new_tokens=new, temperature=0.0)
+        next(tokens)
+        first = time.perf_counter()
+        for _ in tokens:
+            pass
+    end = time.perf_counter()
+    return end - start, end - first
+
+
+def rates(times: list[tuple[float, float]], new: int) -> tuple[float, float]:
+    """Tokens a second over the timed runs (the first, a warm-up, left out): generation
+    alone (new - 1 tokens after the first), and the whole run with its prompt."""
+    whole = statistics.median(t[0] for t in times[1:])
+    generation = statistics.median(t[1] for t in times[1:])
+    return (new - 1) / max(generation, 1e-9), new / whole
+
+
 def gguf_rows(shape: dict, args: argparse.Namespace) -> None:
     """--gguf: both files through tformer (alternating) and llama-bench, per thread count."""
     import llama_cpp
@@ -111,21 +137,17 @@ def gguf_rows(shape: dict, args: argparse.Namespace) -> None:
         print(f"\nbatch 1, greedy, {args.new} tokens after a prompt of {args.prompt}, "
               f"{args.layers} layers, vocabulary {args.vocab}, GGUF {args.gguf}"
               + (f"; llama.cpp: {llama_cpp.isa_summary()}" if have_peer else ""))
-        print("| model | threads | file (MiB) | tformer tokens/s | llama.cpp tokens/s | "
-              "tformer ÷ llama.cpp |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        print("| model | threads | file (MiB) | tformer tokens/s | with prompt | "
+              "llama.cpp tokens/s | tformer ÷ llama.cpp |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for threads in args.threads_list:
             torch.set_num_threads(threads)
-            times: dict[str, list[float]] = {name: [] for name in models}
+            times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
             for _ in range(args.repeats + 1):  # the first round warms up, untimed
                 for name, model in models.items():
-                    start = time.perf_counter()
-                    with torch.no_grad():
-                        list(generate(model, prompt, max_new_tokens=args.new,
-                                      temperature=0.0))
-                    times[name].append(time.perf_counter() - start)
+                    times[name].append(timed_run(model, prompt, args.new))
             for name, path in paths.items():
-                ours = args.new / statistics.median(times[name][1:])
+                ours, whole = rates(times[name], args.new)
                 peer = "-"
                 if have_peer:
                     rows = llama_cpp.bench(path, threads, n_gen=args.new, depth=args.prompt,
@@ -135,7 +157,7 @@ def gguf_rows(shape: dict, args: argparse.Namespace) -> None:
                 else:
                     peer = "- | -"
                 print(f"| {name} | {threads} | {path.stat().st_size / 2**20:,.0f} | "
-                      f"{ours:,.1f} | {peer} |", flush=True)
+                      f"{ours:,.1f} | {whole:,.1f} | {peer} |", flush=True)
 
 
 def main() -> None:
@@ -165,25 +187,22 @@ def main() -> None:
     rows = []
     for fmt in args.weights:
         models = {name: quantize_model(model, fmt) for name, model in built.items()}
-        times: dict[str, list[float]] = {name: [] for name in models}
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
         for _ in range(args.repeats + 1):  # the first round warms up, untimed
             for name, model in models.items():
-                start = time.perf_counter()
-                with torch.no_grad():
-                    list(generate(model, prompt, max_new_tokens=args.new, temperature=0.0))
-                times[name].append(time.perf_counter() - start)
+                times[name].append(timed_run(model, prompt, args.new))
         for name in models:
-            seconds = statistics.median(times[name][1:])
             rows.append((name, fmt, built[name].num_params() / 1e6,
-                         active_params(built[name]) / 1e6, args.new / seconds))
+                         active_params(built[name]) / 1e6, *rates(times[name], args.new)))
         del models
 
     print(f"\nbatch 1, greedy, {args.new} tokens after a prompt of {args.prompt}, "
           f"{args.layers} layers, vocabulary {args.vocab}, {args.threads} threads")
-    print("| model | weights | parameters (M) | active (M) | tokens/s |")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for name, fmt, params, read, speed in rows:
-        print(f"| {name} | {fmt} | {params:,.1f} | {read:,.1f} | {speed:,.1f} |")
+    print("| model | weights | parameters (M) | active (M) | tokens/s | with prompt |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for name, fmt, params, read, speed, whole in rows:
+        print(f"| {name} | {fmt} | {params:,.1f} | {read:,.1f} | {speed:,.1f} | "
+              f"{whole:,.1f} |")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,9 @@ int main(void)
 """
 STRUCTURES = {"tformer_linear": library.Linear, "tformer_norm": library.Norm,
               "tformer_decoder_layer": library.DecoderLayer, "tformer_lm_layer": library.LMLayer,
-              "tformer_kv": library.KV}
+              "tformer_kv": library.KV, "tformer_experts": library.Experts,
+              "tformer_router": library.Router, "tformer_moe": library.Moe,
+              "tformer_activations": library.Activations}
 
 
 @compiler

@@ -195,11 +195,13 @@ def test_weight_formats_give_each_expert_its_own_blocks(fmt):
     assert (one - expected[:1]).norm() / expected[:1].norm() < 0.02
 
 
-def test_the_one_call_step_kernel_declines_mixtures():
-    """step.c computes a dense feed-forward: a mixture's blocks run as modules instead."""
+def test_the_one_call_step_kernel_takes_mixtures_it_can_run():
+    """step.c runs a mixture's router and experts (experts.c) as well as a dense
+    feed-forward; one whose gate it does not compute runs as modules."""
     from tformer.kernels.step import LMStep
 
-    assert LMStep.of(tiny_moe().blocks) is None
+    assert LMStep.of(tiny_moe().blocks) is not None
+    assert LMStep.of(tiny_moe(activation="gelu").blocks) is None
 
 
 def test_lora_adapts_a_mixture_s_attention_and_leaves_the_experts_frozen():

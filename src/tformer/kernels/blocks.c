@@ -515,6 +515,57 @@ int tformer_blocks_kind_linear(const struct tformer_linear *l, const float *x, f
                                  l->bias, y, threads);
 }
 
+/* --- Rows of a product over x rounded once (kinds.c's tformer_linear_rows) -------------- */
+
+/* x (m x k) rounded to blocks as tformer_blocks_linear rounds it, for many products: a handle
+ * for tformer_blocks_rows, or NULL where it could not allocate. */
+void *tformer_blocks_round(const float *x, long m, long k, int threads)
+{
+    struct xblocks *xb = malloc(sizeof *xb);
+    if (xb && xblocks_make(xb, x, m, k, threads)) {
+        free(xb);
+        return NULL;
+    }
+    return xb;
+}
+
+void tformer_blocks_round_free(void *xb)
+{
+    if (xb) {
+        xblocks_free(xb);
+        free(xb);
+    }
+}
+
+/* y[i * ldy + r - r0] = (x_{i0 + i} W^T + b)_r for i < rows and r in [r0, r1), W l's blocks
+ * (a kind of this file's), x tformer_blocks_round's: the products tformer_blocks_linear
+ * computes for those outputs, bit for bit, on the calling thread. Returns 0, or -3 for a kind
+ * not of this file. */
+int tformer_blocks_rows(const struct tformer_linear *l, const void *xb, long i0, long rows,
+                        float *y, long ldy, long r0, long r1)
+{
+    if (l->kind < KIND_Q8_0 || l->kind > KIND_Q5_1)
+        return -3;
+    const struct xblocks *x = xb;
+    const long nb = l->n_in / BLOCK;
+    const int isa = blocks_isa;
+    const rows_fn run = isa == BISA_GENERIC      ? rows_generic
+                        : isa == BISA_AVX_VNNI    ? rows_avxvnni
+                        : isa == BISA_AVX512_VNNI ? rows_vnni512
+                                                  : rows_avx2;
+    /* W from row r0 on, and x from row i0 on, so that the products index y from 0 */
+    const uint8_t *w = (const uint8_t *)l->data + r0 * nb * block_bytes(l->kind);
+    const float *b = l->bias ? l->bias + r0 : NULL;
+    for (long i = 0; i < rows; i += 4) {
+        const long at = i0 + i;
+        const struct xblocks view = {x->qx + at * nb * BLOCK, x->dx + at * nb, x->isum + at * nb,
+                                     x->sx + at * nb, x->lane8 + at * nb * 8};
+        run(l->kind, &view, 0, rows - i < 4 ? (int)(rows - i) : 4, w, b, y + i * ldy, ldy, nb, 0,
+            r1 - r0);
+    }
+    return 0;
+}
+
 /* --- Quantizing: fp32 rows to blocks, as llama.cpp's reference quantizers (blocks.py's
  * quantize says the rules; it computes the same bytes in torch where this is not built) --- */
 

@@ -214,3 +214,79 @@ int tformer_stack_linear(const struct tformer_linear *l, const float *x, float *
                 y[i * l->n_out + r] += l->bias[r];
     return 0;
 }
+
+/* --- Row ranges over activations rounded once: a caller that runs several products of the
+ * same rows (a mixture's experts) rounds them once per activation kind and splits the
+ * products' output rows among its own threads. A kind with a product of row ranges over a
+ * rounding made apart (below) runs that; any other (fp32, int8, the K kinds) runs its
+ * table product over a view of W's rows [r0, r1) on the calling thread, rounding x itself. */
+
+typedef int (*rows_fn)(const struct tformer_linear *l, const void *rounded, long i0, long rows,
+                       float *y, long ldy, long r0, long r1);
+
+static const rows_fn row_products[TFORMER_KINDS] = {
+    [TFORMER_Q8_0] = tformer_blocks_rows, [TFORMER_Q4_0] = tformer_blocks_rows,
+    [TFORMER_Q4_1] = tformer_blocks_rows, [TFORMER_Q5_0] = tformer_blocks_rows,
+    [TFORMER_Q5_1] = tformer_blocks_rows,
+};
+
+/* x (m x k) for products of `activation`'s kinds into a (TFORMER_X_Q8_0: rounded once, with
+ * blocks.c's rounding; the others keep x alone). Returns 0, or -1 where it could not
+ * allocate (a then holds nothing to free). */
+int tformer_round_activations(struct tformer_activations *a, int activation, const float *x,
+                              long m, long k, int threads)
+{
+    a->x = x;
+    a->m = m;
+    a->k = k;
+    a->activation = activation;
+    a->data = NULL;
+    if (activation == TFORMER_X_Q8_0 && m > 0 && !(a->data = tformer_blocks_round(x, m, k,
+                                                                                  threads)))
+        return -1;
+    return 0;
+}
+
+void tformer_free_activations(struct tformer_activations *a)
+{
+    if (a->activation == TFORMER_X_Q8_0)
+        tformer_blocks_round_free(a->data);
+    a->data = NULL;
+}
+
+/* y[i * ldy + r - r0] = (x_{i0 + i} W^T + b)_r for i < rows, r in [r0, r1): outputs r0 ..
+ * r1 - 1 of l's product over rows i0 .. i0 + rows - 1 of a (made for l's kind's activation),
+ * as tformer_linear computes them, on the calling thread. Returns 0, -1 where it could not
+ * allocate, -3 where the kind has no product (or is a stack, whose rows lie in parts). */
+int tformer_linear_rows(const struct tformer_linear *l, const struct tformer_activations *a,
+                        long i0, long rows, float *y, long ldy, long r0, long r1)
+{
+    if (l->kind < 0 || l->kind >= TFORMER_KINDS || !kinds[l->kind].linear
+        || l->kind == TFORMER_STACK)
+        return -3;
+    if (rows <= 0 || r1 <= r0)
+        return 0;
+    const struct tformer_kind_traits *t = &kinds[l->kind];
+    if (row_products[l->kind] && a->data && a->activation == t->activation)
+        return row_products[l->kind](l, a->data, i0, rows, y, ldy, r0, r1);
+    /* W's rows r0 .. r1 - 1 as a layer of their own, with no repacked copy */
+    const long row_bytes = l->n_in / t->block_values * t->block_bytes;
+    struct tformer_linear part = *l;
+    part.n_out = (int32_t)(r1 - r0);
+    part.data = (const uint8_t *)l->data + r0 * row_bytes;
+    part.scales = l->scales ? l->scales + r0 : NULL;
+    part.bias = l->bias ? l->bias + r0 : NULL;
+    part.packed = NULL;
+    part.packed_sums = NULL;
+    const float *x = a->x + i0 * a->k;
+    if (rows == 1 || ldy == r1 - r0)
+        return t->linear(&part, x, y, rows, 1);
+    float *tmp = malloc((size_t)(rows * (r1 - r0)) * sizeof(float));
+    if (!tmp)
+        return -1;
+    const int status = t->linear(&part, x, tmp, rows, 1);
+    for (long i = 0; i < rows && !status; i++)
+        memcpy(y + i * ldy, tmp + i * (r1 - r0), (size_t)(r1 - r0) * sizeof(float));
+    free(tmp);
+    return status;
+}

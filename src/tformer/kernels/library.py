@@ -69,12 +69,13 @@ ISA_NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2", "t
 SOURCES = [Path(__file__).with_name(name)
            for name in ("fp32.c", "int8.c", "int8_packed.c", "quantize.c", "kinds.c", "search.c",
                         "attend.c", "step.c", "dropout.c", "xent.c", "glu.c", "rmsnorm.c",
-                        "blocks.c", "kquants.c")]
+                        "blocks.c", "kquants.c", "experts.c")]
 """Built into one library: the weight formats' products (fp32.c, int8.c, int8_packed.c,
 quantize.c, blocks.c and kquants.c for llama.cpp's blocks, and kinds.c's table of them),
 beam search's candidates (search.py), a decoding step's attention (attend.py) and whole
 decoder layer (step.py), and for training, dropout (dropout.py), the cross-entropy
-(xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py)."""
+(xent.py), SwiGLU's gate (glu.py) and RMSNorm (rmsnorm.py); a mixture of experts' feed-forward
+for a few rows (experts.py)."""
 HEADERS = [Path(__file__).with_name(name)
            for name in ("tformer.h", "vecmath.h", "int8.h", "int8_bytes.h", "int8_bytes_rows.h",
                         "int8_bytes_packed.h", "blocks_isa.h", "kquants_isa.h")]
@@ -220,7 +221,34 @@ class LMLayer(ctypes.Structure):
                 *((name, _long) for name in ("heads", "kv_heads", "d_head", "d_value",
                                              "rotated")),
                 ("interleaved", _int), ("scale", _float), ("pre_norm", _int),
-                ("activation", _int)]
+                ("activation", _int), ("moe", _p)]
+
+
+class Activations(ctypes.Structure):
+    """struct tformer_activations: rows rounded once for a kind's products of row ranges."""
+
+    _fields_ = [("x", _p), ("m", _long), ("k", _long), ("activation", _i32), ("data", _p)]
+
+
+class Experts(ctypes.Structure):
+    """struct tformer_experts: a mixture's experts, each projection a Linear of its own."""
+
+    _fields_ = [("gate", _p), ("up", _p), ("down", _p), ("n_expert", ctypes.c_int64),
+                ("glu", _i32), ("limit", _float), ("alpha", _float),
+                *((name, Linear) for name in ("shared_gate", "shared_up", "shared_down")),
+                ("shared_scale", _p)]
+
+
+class Router(ctypes.Structure):
+    """struct tformer_router: a mixture's fp32 scores and how it picks and weights k."""
+
+    _fields_ = [("scores", Linear), ("k", _i32), ("after", _i32), ("renormalise", _i32)]
+
+
+class Moe(ctypes.Structure):
+    """struct tformer_moe: a mixture's router and experts."""
+
+    _fields_ = [("router", Router), ("experts", Experts)]
 
 
 class KV(ctypes.Structure):
@@ -289,6 +317,22 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_lm_layer_step_paged": (_int, [ctypes.POINTER(LMLayer), _p, _long, _long,
                                            ctypes.POINTER(KV), _p, _long, _long, _p, _long,
                                            _p, _p, _p, _int]),
+    # row ranges over activations rounded once (kinds.c, blocks.c), a mixture's experts
+    # (experts.c)
+    "tformer_round_activations": (_int, [ctypes.POINTER(Activations), _int, _p, _long, _long,
+                                         _int]),
+    "tformer_free_activations": (None, [ctypes.POINTER(Activations)]),
+    "tformer_linear_rows": (_int, [ctypes.POINTER(Linear), ctypes.POINTER(Activations)]
+                            + [_long] * 2 + [_p]
+                            + [_long] * 3),
+    "tformer_blocks_round": (_p, [_p, _long, _long, _int]),
+    "tformer_blocks_round_free": (None, [_p]),
+    "tformer_blocks_rows": (_int, [ctypes.POINTER(Linear), _p] + [_long] * 2 + [_p]
+                            + [_long] * 3),
+    "tformer_experts_step": (_int, [ctypes.POINTER(Experts), _p, _long, _p, _p, _long, _p,
+                                    _int]),
+    "tformer_route": (_int, [ctypes.POINTER(Router), _p, _long, _p, _p, _int]),
+    "tformer_moe_step": (_int, [ctypes.POINTER(Moe), _p, _long, _p, _int]),
     # training (dropout.c, xent.c, glu.c, rmsnorm.c)
     "tformer_philox4x32": (None, [_u32p] * 3),
     "tformer_dropout": (None, [_p] * 2 + [_long, ctypes.c_uint64, ctypes.c_uint32, _float,

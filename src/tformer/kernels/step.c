@@ -242,7 +242,8 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
  *     x = x + Attn(Norm1(x));  x = x + FFN(Norm2(x))
  *     Attn:  q|k|v = h Wqkv^T + b;  q, k = Rotary(QKNorm(q)), Rotary(QKNorm(k)) per head;
  *            the step's k, v stored; softmax(q k^T * scale + bias) v over every position
- *     FFN:   down(act(up(h))), or gated: down(act(gate(h)) * up(h))
+ *     FFN:   down(act(up(h))), or gated: down(act(gate(h)) * up(h)), or a mixture of
+ *            experts' router and chosen experts (experts.c's tformer_moe_step)
  *
  * with heads query heads sharing kv_heads key/value heads (grouped-query attention). */
 
@@ -309,6 +310,12 @@ static int lm_feed_forward(const struct tformer_lm_layer *l, float *x, float *h,
     const long d = l->out.n_out, ff = l->up.n_out;
     int status = 0;
     const float *in = sublayer_input(l->pre_norm, &l->ff_norm, x, h, n, d);
+    if (l->moe) { /* a mixture of experts (experts.c) */
+        if ((status = tformer_moe_step(l->moe, in, n, out, threads)))
+            return status;
+        residual(l->pre_norm, &l->ff_norm, x, out, n, d);
+        return 0;
+    }
     if (l->gate.n_out) {
         float *up = wide + n * ff;
         if ((status = tformer_linear(&l->gate, in, wide, n, threads))

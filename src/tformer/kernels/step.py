@@ -248,18 +248,23 @@ class LMStep:
     def _layer(block: nn.Module) -> _BoundLayer | None:
         attn, ff = block.attn, block.ff
         gated = getattr(ff, "gated", None)  # layers.feedforward's two kinds
-        # step.c's attention has no sink logits; a mixture's feed-forward has no `gated`.
-        if attn.cross or gated is None or getattr(attn, "sinks", None) is not None:
+        # A mixture of experts (layers.experts) describes itself for experts.c, or cannot.
+        bind_mixture = getattr(ff, "tformer_moe", None)
+        mixture = bind_mixture() if bind_mixture is not None else None
+        # step.c's attention has no sink logits.
+        if attn.cross or (gated is None and mixture is None) or getattr(
+                attn, "sinks", None) is not None:
             return None
         absent = BoundLinear(Linear(), 1 << 30, ())
+        projections = (None, None, None) if mixture else (ff.gate if gated else None, ff.up,
+                                                          ff.down)
         linears = [_linear(m, LM_F32_ROWS) if m is not None else absent
-                   for m in (attn.qkv_proj, attn.out_proj, ff.gate if gated else None, ff.up,
-                             ff.down)]
+                   for m in (attn.qkv_proj, attn.out_proj, *projections)]
         norms = [_norm(block.attn_residual.norm), _norm(block.ff_residual.norm)]
         head_norms = [Norm(), Norm()]
         if attn.q_norm is not None:
             head_norms = [_norm(attn.q_norm), _norm(attn.k_norm)]
-        activation = _activation(ff.activation)
+        activation = _activation(ff.activation) if mixture is None else 0
         pre = {block.attn_residual.pre, block.ff_residual.pre}
         if (None in linears or None in norms or None in head_norms or activation is None
                 or len(pre) != 1):
@@ -275,6 +280,10 @@ class LMStep:
                          0 if rotary is None else rotary.rotated,
                          int(rotary is not None and rotary.interleaved), scale,
                          int(pre.pop()), activation)
+        if mixture is not None:  # its structure and tensors held as a part's, its rows too
+            struct.moe = ctypes.addressof(mixture.struct)
+            linears.append(BoundLinear(Linear(), mixture.max_rows, (mixture.struct,
+                                                                    *mixture.held)))
         return _BoundLayer.of(struct, block, linears)
 
     def serves(self, x: Tensor, cache: DecoderCache) -> bool:

@@ -174,6 +174,8 @@ struct tformer_decoder_layer {
     int pre_norm, activation;
 };
 
+struct tformer_moe; /* a mixture of experts' feed-forward (experts.c, below) */
+
 /* A language model's layer (models/gpt.py's GPTBlock): heads query heads sharing kv_heads
  * key/value heads (grouped-query attention). */
 struct tformer_lm_layer {
@@ -184,6 +186,8 @@ struct tformer_lm_layer {
     int interleaved; /* pairs (2i, 2i + 1), or else (i, i + rotated / 2) */
     float scale;
     int pre_norm, activation;
+    const struct tformer_moe *moe; /* a mixture of experts in place of gate, up and down
+                                    * (their n_out 0), or NULL */
 };
 
 /* Keys and values, (rows, heads, positions, d) with these strides in floats. */
@@ -226,5 +230,69 @@ void tformer_rms_norm_forward(const float *x, const float *w, long rows, long d,
                               float *y, float *r, int threads);
 void tformer_rms_norm_backward(const float *x, const float *w, const float *r, const float *dy,
                                long rows, long d, float *dx, float *dw, int threads);
+
+/* --- Products of row ranges over activations rounded once (kinds.c; blocks.c's rows): for
+ * a caller that runs many products of the same rows and splits their outputs among its own
+ * threads (experts.c) ------------------------------------------------------------------- */
+
+/* x (m x k) as the products of one activation kind (TFORMER_X_*) read it: the fp32 rows, and
+ * where this build rounds that kind apart from its products, the rounding (blocks.c's q8_0
+ * blocks for TFORMER_X_Q8_0); data NULL otherwise, and the products round x themselves. */
+struct tformer_activations {
+    const float *x;
+    long m, k;
+    int32_t activation;
+    void *data;
+};
+
+int tformer_round_activations(struct tformer_activations *a, int activation, const float *x,
+                              long m, long k, int threads);
+void tformer_free_activations(struct tformer_activations *a);
+int tformer_linear_rows(const struct tformer_linear *l, const struct tformer_activations *a,
+                        long i0, long rows, float *y, long ldy, long r0, long r1);
+void *tformer_blocks_round(const float *x, long m, long k, int threads);
+void tformer_blocks_round_free(void *xb);
+int tformer_blocks_rows(const struct tformer_linear *l, const void *xb, long i0, long rows,
+                        float *y, long ldy, long r0, long r1);
+
+/* --- A mixture of experts' feed-forward on a few rows in one call (experts.c) ------------ */
+enum { TFORMER_GLU_SILU = 0, TFORMER_GLU_CLAMPED = 1 };
+
+/* The experts of a mixture (layers/experts.py's Experts): n_expert gated feed-forwards, each
+ * projection a struct tformer_linear of its own (any kind with a product; biases in them),
+ * gate[e] and up[e] d_ff x d, down[e] d x d_ff; and Qwen2-MoE's shared expert, every row's,
+ * scaled by sigmoid(x . shared_scale) (shared_scale NULL: by 1; shared_up.n_out 0: none). */
+struct tformer_experts {
+    const struct tformer_linear *gate, *up, *down;
+    int64_t n_expert;
+    int32_t glu;        /* TFORMER_GLU_SILU: silu(gate) up; TFORMER_GLU_CLAMPED: gpt-oss's */
+    float limit, alpha; /* the clamped gate's: gate <= limit, |up| <= limit, sigmoid(alpha g) */
+    struct tformer_linear shared_gate, shared_up, shared_down; /* always silu(gate) up */
+    const float *shared_scale;
+};
+
+int tformer_experts_step(const struct tformer_experts *e, const float *x, long m,
+                         const int64_t *ids, const float *weights, long k, float *out,
+                         int threads);
+
+/* A mixture's router (layers/experts.py's Router): fp32 scores x W^T + b over the experts,
+ * the k best, weighted by a softmax over every expert (renormalised over the k or not) or,
+ * with `after`, over the k chosen scores alone. */
+struct tformer_router {
+    struct tformer_linear scores; /* fp32, n_expert x d */
+    int32_t k, after, renormalise;
+};
+
+/* A mixture of experts' feed-forward: its router and its experts (a language model's layer
+ * step runs it in place of a dense feed-forward: struct tformer_lm_layer's moe). */
+struct tformer_moe {
+    struct tformer_router router;
+    struct tformer_experts experts;
+};
+
+int tformer_route(const struct tformer_router *r, const float *x, long m, int64_t *ids,
+                  float *weights, int threads);
+int tformer_moe_step(const struct tformer_moe *moe, const float *x, long m, float *out,
+                     int threads);
 
 #endif

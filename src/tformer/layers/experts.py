@@ -15,12 +15,15 @@ speed of its active parameters, not of all of them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from tformer.kernels import experts as expert_kernel
 from tformer.kernels.dropout import Dropout
 from tformer.kernels.glu import silu_mul
 from tformer.layers.feedforward import ACTIVATIONS
@@ -212,6 +215,18 @@ class Experts(nn.Module):
         return ExpertLinears(self, share=share)
 
 
+class Projections(nn.ModuleList):
+    """ExpertLinears's E layers of one projection, counting the layers set in it
+    (`changes`): a binding of them for experts.c (MixtureOfExperts) is stale after one."""
+
+    changes = 0
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, nn.Module):  # ModuleList's item assignment comes here too
+            self.__dict__["changes"] = self.changes + 1
+        super().__setattr__(name, value)
+
+
 class ExpertLinears(nn.Module):
     """Experts whose projections are E modules each, `gate[e]`, `up[e]`, `down[e]`, of any
     kind that maps (n, in) -> (n, out): nn.Linear or a weight format's layer."""
@@ -224,7 +239,7 @@ class ExpertLinears(nn.Module):
                                 requires_grad=False)
 
         def layers(weights: Tensor, biases: Tensor | None) -> nn.ModuleList:
-            out = nn.ModuleList()
+            out = Projections()
             for e, w in enumerate(weights):
                 linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
                 linear.weight = own(w)
@@ -280,13 +295,114 @@ class MixtureOfExperts(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = x.reshape(-1, x.shape[-1])
         experts, weights = self.router(h)
+        out = self.one_call(h, experts, weights)
+        if out is None:
+            out = self.through_modules(h, experts, weights)
+        return out.view(x.shape)
+
+    def through_modules(self, h: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """(N, D) rows and the router's choices for them -> the experts' weighted outputs
+        (and the shared expert's), through the experts' modules."""
         out = self.experts(h, experts, weights)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * self.shared(h)
         if self.balance and self.training and torch.is_grad_enabled():
             probs = self.router.logits(h).softmax(-1)
             out = _WithAuxiliaryLoss.apply(out, self.balance * balance_loss(probs, experts))
-        return out.view(x.shape)
+        return out
+
+    def one_call(self, h: Tensor, experts: Tensor, weights: Tensor) -> Tensor | None:
+        """What `through_modules` computes, in one call into experts.c (kernels/experts.py)
+        where it applies: inference (eval mode, no gradient) on up to MAX_ROWS fp32 rows on
+        the CPU, experts of a kind the kernel reads (fp32 stacks or nn.Linears, a weight
+        format's blocks), a silu or gpt-oss's clamped gate, biases or not, and a shared
+        expert that is a silu-gated feed-forward of such layers; else None. Under a mode
+        that watches torch's operations (FLOP counting, tracing) the modules run, for it to
+        see them."""
+        if (h.shape[0] > expert_kernel.MAX_ROWS or self.training or torch.is_grad_enabled()
+                or h.dtype != torch.float32 or h.device.type != "cpu"
+                or torch.compiler.is_compiling() or is_in_torch_dispatch_mode()):
+            return None
+        binding = self._binding()
+        return None if binding is None else expert_kernel.run(binding, h, experts, weights)
+
+    def tformer_moe(self) -> expert_kernel.MixtureBinding | None:
+        """The mixture, router and experts, as step.c's layer step reads it (struct
+        tformer_moe), for inference on up to MAX_ROWS rows; None where experts.c cannot run
+        it (as `one_call`)."""
+        binding = self._binding()
+        router = self.router
+        if binding is None:
+            return None
+        return expert_kernel.bind_mixture(binding, router.weight, router.bias, router.k,
+                                          after=router.softmax == "after",
+                                          renormalise=router.renormalise)
+
+    def _binding(self) -> expert_kernel.Binding | None:
+        """The experts' binding for experts.c, made again where the modules or the tensors
+        it was made from changed."""
+        key = self._binding_key()
+        made = _BINDINGS.get(self)
+        if made is None or made[0] != key:
+            made = (key, self._bind())
+            _BINDINGS[self] = made
+        return made[1]
+
+    def _binding_key(self) -> tuple:
+        """What a binding was made from: the modules, and the tensors a move replaces."""
+        experts, shared = self.experts, self.shared
+        if isinstance(experts, Experts):
+            held = tuple(None if t is None else t.data_ptr()
+                         for t in (experts.gate, experts.up, experts.down, experts.gate_bias,
+                                   experts.up_bias, experts.down_bias))
+        elif isinstance(experts, ExpertLinears):
+            held = tuple((id(p), getattr(p, "changes", 0))
+                         for p in (experts.gate, experts.up, experts.down))
+        else:
+            return (id(experts),)
+        parts = () if shared is None else (self.shared_gate.data_ptr(), *(
+            id(getattr(shared, name, None)) for name in ("gate", "up", "down")))
+        return id(experts), id(experts.glu), held, id(shared), parts
+
+    def _bind(self) -> expert_kernel.Binding | None:
+        experts = self.experts
+        if not isinstance(experts, (Experts, ExpertLinears)):
+            return None
+        glu = experts.glu
+        if isinstance(glu, ClampedGLU):
+            clamped = (glu.limit, glu.alpha)
+        elif isinstance(glu, GLU) and isinstance(glu.activation, nn.SiLU):
+            clamped = None
+        else:
+            return None
+        if isinstance(experts, Experts):
+            parts = [expert_kernel.stacked(getattr(experts, name),
+                                           getattr(experts, f"{name}_bias"))
+                     for name in ("gate", "up", "down")]
+        else:
+            parts = [[expert_kernel.projection(m) for m in layers]
+                     for layers in (experts.gate, experts.up, experts.down)]
+        if any(p is None or None in p for p in parts):
+            return None
+        shared = None
+        if self.shared is not None:
+            ff = self.shared
+            if not (getattr(ff, "gated", False) and isinstance(ff.activation, nn.SiLU)):
+                return None
+            shared = [expert_kernel.projection(m) for m in (ff.gate, ff.up, ff.down)]
+            if None in shared:
+                return None
+        return expert_kernel.bind(*parts, clamped=clamped, shared=shared,
+                                  shared_scale=self.shared_gate)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's)
+        _BINDINGS.pop(self, None)  # its tensors may move
+        return super()._apply(fn, recurse)
+
+
+_BINDINGS: weakref.WeakKeyDictionary[MixtureOfExperts, tuple] = weakref.WeakKeyDictionary()
+"""Each mixture's binding for experts.c with the key it was made for (_binding_key), kept
+apart from the module so that copies and checkpoints of it never carry one."""
 
 
 def stack_experts(model: nn.Module) -> nn.Module:
