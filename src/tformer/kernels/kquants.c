@@ -37,6 +37,18 @@
 #define GROUPS 16    /* groups of 16 values in a super-block, each with its scale */
 #define X_CHUNK 64   /* rows of x that pass through W's rows at a time */
 #define KQ_TILE 16   /* rows of W a thread takes at a time in the few-row product */
+#ifndef KQ_AHEAD
+#define KQ_AHEAD 1   /* tiles of rows ahead the few-row product fetches W */
+#endif
+#ifndef KQ_R1 /* rows of W a tile of the few-row product takes, for 1 to 4 rows of x */
+#define KQ_R1 4
+#define KQ_R2 4
+#define KQ_R3 2
+#define KQ_R4 2
+#endif
+#ifndef KQ_HINT
+#define KQ_HINT _MM_HINT_T1
+#endif
 
 /* x as Q8_K: q (m x k int8), per super-block (m x nb) its scale d, and per group of 16 the
  * integer sum of its q (m x nb x 16); the few-row products' copy of the sums in 16 bits

@@ -286,25 +286,34 @@ KQ_INLINE void KQ_NAME(kblock)(const int kind, const uint8_t *blk, const struct 
 
 #endif /* KQ_512 */
 
-/* Rows [i0, i0 + M) of x (M at most 4) against W's rows [r0, r0 + R) (R at most 4). */
+/* Rows [i0, i0 + M) of x (M at most 4) against W's rows [r0, r0 + R) (R at most 8: two
+ * groups of four for the sums across lanes). */
 KQ_INLINE void KQ_NAME(ktile)(const int kind, const struct kx *xb, long i0, const uint8_t *w,
                               const float *b, float *y, long n, long nb, long r0, const int M,
                               const int R)
 {
     const long size = kq_size(kind), row = nb * size;
-    __m128 acc[4];
+    const int G = (R + 3) / 4;
+    __m128 acc[4][2];
 #pragma GCC unroll 4
     for (int i = 0; i < M; i++)
-        acc[i] = _mm_setzero_ps();
+        acc[i][0] = acc[i][1] = _mm_setzero_ps();
+    /* W's rows are short streams (1,152 bytes at k = 2048 in q4_k) that the hardware
+     * prefetcher picks up late: fetch the rows KQ_AHEAD tiles on, contiguous, at the pace
+     * this tile's are read (R super-blocks a step). */
+    const uint8_t *next = w + (r0 + KQ_AHEAD * R) * row;
     for (long sb = 0; sb < nb; sb++) {
-        const uint8_t *blk[4];
+#pragma GCC unroll 32
+        for (long line = 0; line < (R * size + 63) / 64; line++)
+            _mm_prefetch((const char *)(next + sb * R * size + 64 * line), KQ_HINT);
+        const uint8_t *blk[8];
         long at[4];
-        __m256i s[4][4];
-        __m128i m[4][4];
+        __m256i s[4][8];
+        __m128i m[4][8];
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++)
             at[i] = (i0 + i) * nb + sb;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             blk[r] = w + (r0 + r) * row + sb * size;
             __m256i sr[4];
@@ -316,16 +325,22 @@ KQ_INLINE void KQ_NAME(ktile)(const int kind, const struct kx *xb, long i0, cons
                 m[i][r] = mr[i];
             }
         }
-        const __m256 dd = KQ_NAME(kd)(kind, blk, R);
+#pragma GCC unroll 2
+        for (int g = 0; g < G; g++) {
+            const int RG = R - 4 * g < 4 ? R - 4 * g : 4;
+            const __m256 dd = KQ_NAME(kd)(kind, blk + 4 * g, RG);
 #pragma GCC unroll 4
-        for (int i = 0; i < M; i++)
-            acc[i] = KQ_NAME(kfinish)(kind, acc[i], s[i], m[i], dd, xb->d[at[i]], R);
+            for (int i = 0; i < M; i++)
+                acc[i][g] = KQ_NAME(kfinish)(kind, acc[i][g], s[i] + 4 * g, m[i] + 4 * g, dd,
+                                             xb->d[at[i]], RG);
+        }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < M; i++) {
-        float out[4];
-        _mm_storeu_ps(out, acc[i]);
-#pragma GCC unroll 4
+        float out[8];
+        _mm_storeu_ps(out, acc[i][0]);
+        _mm_storeu_ps(out + 4, acc[i][1]);
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++)
             y[(i0 + i) * n + r0 + r] = b ? out[r] + b[r0 + r] : out[r];
     }
@@ -347,10 +362,10 @@ KQ_TARGET static void KQ_NAME(krows)(int kind, const struct kx *xb, long i0, int
     }
 #define KQ_ROWS(KIND)                                                                      \
     switch (M) {                                                                           \
-    case 1: KQ_STEP(KIND, 1, 4)                                                            \
-    case 2: KQ_STEP(KIND, 2, 4)                                                            \
-    case 3: KQ_STEP(KIND, 3, 2)                                                            \
-    default: KQ_STEP(KIND, 4, 2)                                                           \
+    case 1: KQ_STEP(KIND, 1, KQ_R1)                                                        \
+    case 2: KQ_STEP(KIND, 2, KQ_R2)                                                        \
+    case 3: KQ_STEP(KIND, 3, KQ_R3)                                                        \
+    default: KQ_STEP(KIND, 4, KQ_R4)                                                       \
     }
     switch (kind) {
     case TFORMER_Q4_K: KQ_ROWS(TFORMER_Q4_K)
