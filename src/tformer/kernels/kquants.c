@@ -15,13 +15,17 @@
  *
  * two integer sums, exact (at most 16 groups of 16 * 63 * 127 times a scale of 128, some
  * 2.6e8, within int32), then scaled: the minimums come out of x's sums, as ggml's
- * vec_dot_q4_K_q8_K takes them. Each
- * format has an unpacking of a super-block to (u, sc, mn, d, dmin), plain C or AVX2, in the
- * table below; the integer sum of u q weighted by sc is one function per path (plain C,
- * AVX2's byte multiply-adds, AVX-VNNI's and AVX-512 VNNI's vpdpbusd), chosen by
- * tformer_blocks_isa. Threads (OpenMP) take rows of W; x's rows pass in chunks of 64, each
- * super-block of W unpacked once per chunk. Products of many rows read W unpacked once and
- * for all instead, eight rows side by side (struct krepacked, kquants_isa.h).
+ * vec_dot_q4_K_q8_K takes them; per super-block, acc += (float)s (d dx) - (float)mins
+ * (dmin dx), in fp32, in that order, on every path.
+ *
+ * Decoding's few rows (below l->packed_min_rows, or any number where W has no repacked
+ * copy) read the file's bytes: on the SIMD paths (kquants_rows.h, chosen by
+ * tformer_blocks_isa) each super-block of a tile of W's rows is unpacked in registers for
+ * up to four rows of x at a time, the scales applied with 16-bit multiply-adds; the plain C
+ * path unpacks each to a struct unpacked (u, sc, mn, d, dmin) and sums it, the reference
+ * the others equal bit for bit. Threads (OpenMP) take tiles of W's rows; x's rows pass in
+ * chunks of 64. Products of many rows read W unpacked once and for all instead, eight rows
+ * side by side (struct krepacked, kquants_isa.h), with the same sums and fp32 operations.
  *
  * The file ends with the quantizers (tformer_quantize_k, kinds.c's row for each K kind).
  */
