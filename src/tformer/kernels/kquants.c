@@ -42,7 +42,7 @@
 #define X_CHUNK 64   /* rows of x that pass through W's rows at a time */
 #define KQ_TILE 16   /* rows of W a thread takes at a time in the few-row product */
 #ifndef KQ_AHEAD
-#define KQ_AHEAD 1   /* tiles of rows ahead the few-row product fetches W */
+#define KQ_AHEAD 2   /* tiles of rows ahead the few-row product fetches W */
 #endif
 #ifndef KQ_R1 /* rows of W a tile of the few-row product takes, for 1 to 4 rows of x */
 #define KQ_R1 4
