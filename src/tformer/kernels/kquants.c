@@ -520,9 +520,7 @@ int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float
     struct kx xb;
     if (kx_make(&xb, x, m, k, threads))
         return -1;
-    int isa = tformer_blocks_isa(-1);
-    if (isa == TFORMER_BLOCKS_AVX512_VNNI && !__builtin_cpu_supports("avx512bw"))
-        isa = __builtin_cpu_supports("avxvnni") ? TFORMER_BLOCKS_AVX_VNNI : TFORMER_BLOCKS_AVX2;
+    const int isa = tformer_blocks_isa(-1); /* AVX-512 VNNI: with BW too */
     if (isa == TFORMER_BLOCKS_GENERIC) {
         kquants_linear_c(l, &xb, y, m, threads);
         kx_free(&xb);
