@@ -5,13 +5,15 @@ the flags tformer builds it with, both timed in alternation on decoding's shapes
     OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py c3e96b9~1 c3e96b9 [--repeats 7] [--tiny]
     OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py main HEAD --kinds q4_k q6_k q5_0
 
---kinds picks the products (fp32 and int8 by default, on OPUS-MT's and GPT-2's shapes; the
-block kinds, q4_k, q5_k, q6_k and the 32-value ones, on a Llama-3.2-1B's: d 2048, FF 8192,
-keys and values 512). A block kind's weights are random bytes with finite fp16 scales (the
-product's speed does not depend on the values), ~600 MB of them (the L3 cache of a server
-is some hundreds of MB), and the product goes through kinds.c's table with no repacked copy,
-so every row count runs the few-row product, as a decoding step's does; both versions must
-share struct tformer_linear's layout.
+--kinds picks the products (fp32 and int8 by default, on OPUS-MT's and GPT-2's shapes;
+the block kinds, q4_k, q5_k, q6_k and the 32-value ones, on a Llama-3.2-1B's: d 2048, FF
+8192, keys and values 512), --isa the block kinds' path (tformer_blocks_isa; a library
+loaded here starts on AVX2 where tformer picks the best the CPU has: avx512 by default,
+falling back as the CPU requires). A block kind's weights are random bytes with finite
+fp16 scales (the product's speed does not depend on the values), ~600 MB of them (a
+server's L3 cache holds some hundreds of MB), and the product goes through kinds.c's table
+with no repacked copy, so every row count runs the few-row product, as a decoding step's
+does; both versions must share struct tformer_linear's layout.
 
 A version is a git revision (every .c and .h file of its src/tformer/kernels, as matvec.c
 held the products before they were split by format) or a folder of such files. Each cell
@@ -56,6 +58,10 @@ KIND_NUMBERS = {"q8_0": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q5_1": 6, "q4_k": 7
 """tformer.h's enum tformer_kind (library.py's KIND_*)."""
 
 
+BLOCK_PATHS = {"avx512": 3, "avxvnni": 2, "avx2": 1, "generic": 0}
+"""tformer_blocks_isa's levels (blocks.py's ISA_*): the block kinds' path."""
+
+
 def build(version: str, out: Path) -> ctypes.CDLL:
     """The version's kernel, compiled into `out` as tformer compiles it."""
     path = Path(version)
@@ -84,6 +90,7 @@ def build(version: str, out: Path) -> ctypes.CDLL:
         [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int])
     lib.tformer_linear.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_long, ctypes.c_int]
+    lib.tformer_blocks_isa.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -163,6 +170,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--kinds", nargs="+", default=["fp32", "int8"],
                         choices=["fp32", "int8", *BLOCK_KINDS])
+    parser.add_argument("--isa", choices=list(BLOCK_PATHS), default="avx512",
+                        help="the block kinds' path (tformer_blocks_isa; the best the CPU has "
+                             "at most this one), as tformer picks it; avx512 by default")
     parser.add_argument("--tiny", action="store_true", help="one small matrix, to check the script")
     args = parser.parse_args()
     shapes, elements = (TINY_SHAPES, 10**4) if args.tiny else (SHAPES, 10**8)
@@ -170,6 +180,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         a, b = args.versions
         libs = {a: build(a, Path(tmp)), b: build(b, Path(tmp))}
+        paths = {name: lib.tformer_blocks_isa(BLOCK_PATHS[args.isa]) for name, lib in libs.items()}
+        names = {level: name for name, level in BLOCK_PATHS.items()}
+        print(f"block kinds' path: {', '.join(f'{n} {names[p]}' for n, p in paths.items())}")
         print(f"{torch.get_num_threads()} thread(s), median of {args.repeats}, GB/s of weights"
               f"\n\n| product | W (n x k) | rows | {a} | {b} | ratio |\n"
               "| --- | --- | ---: | ---: | ---: | ---: |")
