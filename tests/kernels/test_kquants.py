@@ -100,21 +100,57 @@ def path(request):
 @pytest.mark.parametrize("path", list(PATHS), indirect=True)
 @pytest.mark.parametrize("fmt", K_FORMATS)
 def test_products_match_the_super_block_arithmetic_in_float64(path, fmt):
-    n, k = 11, 768
+    """The few-row product (no repacked weight) on every path: 1 to 8 rows of x (tiles of
+    one to four rows, and two of them), 70 (more than a chunk of 64); 37 outputs (two
+    threads' tiles of 16 and a tail not a multiple of the four rows a tile of W takes);
+    three super-blocks a row."""
+    n, k = 37, 768
     raw = blocks.quantize(awkward_weight(n, k, seed=2), fmt)
     qtype = gguf.GGMLQuantizationType(blocks.GGML_TYPES[fmt])
     w = gguf_quants.dequantize(raw.numpy(), qtype).astype(np.float64)
     bias = torch.randn(n)
-    for m in (1, 3, 70):  # one row, a few, more than a chunk of 64
+    for m in (*range(1, 9), 70):
         x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
         x[0, 256:512] = 0.0
         x[-1, 7] = 30.0
-        for b in (bias, None):
+        for b in (bias, None) if m in (1, 4, 7, 70) else (bias if m % 2 else None,):
             got = blocks.call(path, fmt, x, raw, n, k, b).double().numpy()
             xq = q8_k(x)
             want = xq @ w.T + (0 if b is None else b.double().numpy())
             scale = np.abs(xq) @ np.abs(w).T + 1
             assert (np.abs(got - want) <= 1e-5 * scale).all(), (fmt, m)
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_every_path_gives_the_plain_c_results_bit_for_bit(fmt):
+    """The few-row products read the file's bytes in registers, 32 or 64 values at a time,
+    tiles of rows of x and W together; their integer sums are exact and their fp32
+    operations the plain C product's, so the results are the same bits on every path,
+    whatever the rows batched together (1 to 8, 70) or the threads."""
+    lib = blocks._lib()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    n, k = 37, 1280  # five super-blocks a row
+    raw = blocks.quantize(awkward_weight(n, k, seed=4), fmt)
+    x = torch.randn(70, k) * torch.logspace(-2, 2, 70)[:, None]
+    x[3, 256:512] = 0.0
+    bias = torch.randn(n)
+    chosen, threads = lib.tformer_blocks_isa(-1), torch.get_num_threads()
+    try:
+        lib.tformer_blocks_isa(blocks.ISA_GENERIC)
+        torch.set_num_threads(1)
+        want = blocks.call(lib, fmt, x, raw, n, k, bias)
+        for level in PATHS.values():
+            if lib.tformer_blocks_isa(level) != level:
+                continue
+            for m in range(1, 9):
+                torch.set_num_threads(1 + m % 2)
+                assert torch.equal(blocks.call(lib, fmt, x[:m], raw, n, k, bias), want[:m]), \
+                    (fmt, level, m)
+            assert torch.equal(blocks.call(lib, fmt, x, raw, n, k, bias), want), (fmt, level)
+    finally:
+        lib.tformer_blocks_isa(chosen)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("fmt", K_FORMATS)

@@ -14,7 +14,8 @@
  * W repacked (struct repacked, below) gives products of many rows that instead.
  *
  * Paths (tformer_blocks_isa): plain C; AVX2 (byte multiply-adds); AVX-VNNI and AVX-512 VNNI
- * (vpdpbusd on 256-bit registers), each the same integer sums (blocks_isa.h).
+ * (vpdpbusd on 256-bit registers; the latter with AVX-512 BW's byte masks, and so kquants.c's
+ * 512-bit products), each the same integer sums (blocks_isa.h).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -305,9 +306,11 @@ static void groups_generic(int kind, const struct xblocks *xb, long i0, int M,
 #undef BLK_DPBUSD
 
 #define BLK_NAME(name) name##_vnni512
-#define BLK_TARGET __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl")))
+#define BLK_TARGET __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")))
 #define BLK_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#define BLK_BYTE_MASKS
 #include "blocks_isa.h"
+#undef BLK_BYTE_MASKS
 #undef BLK_NAME
 #undef BLK_TARGET
 #undef BLK_DPBUSD
@@ -321,7 +324,8 @@ int tformer_blocks_isa(int want)
 {
     if (want >= 0) {
         if (want == BISA_AVX512_VNNI
-            && !(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")))
+            && !(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
+                 && __builtin_cpu_supports("avx512bw")))
             want = BISA_AVX2;
         if (want == BISA_AVX_VNNI && !__builtin_cpu_supports("avxvnni"))
             want = BISA_AVX2;

@@ -5,6 +5,7 @@
  *   BLK_TARGET      the function target
  *   BLK_DOT         defined: sums of four byte products with a VNNI instruction (BLK_DPBUSD,
  *                   AVX-VNNI's or AVX-512 VNNI's); else with AVX2's byte multiply-add
+ *   BLK_BYTE_MASKS  defined: AVX-512 BW's byte masks set the 5-bit kinds' fifth bits
  *
  * A block's 32 products are summed exactly, into eight 32-bit lanes, from unsigned bytes
  * u (the weights' nibbles, or |w| for q8_0) and signed bytes s (x's, with w's sign moved
@@ -72,10 +73,16 @@ BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(tile)(
                 u[r] = _mm256_and_si256(
                     _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
                 if (five_bits(kind)) {
+#ifdef BLK_BYTE_MASKS
+                    /* qh is a byte mask already: value j's fifth bit is its bit j */
+                    u[r] = _mm256_mask_add_epi8(u[r], (__mmask32)load_u32(blk + size - 20), u[r],
+                                                sixteen);
+#else
                     const __m256i h = _mm256_shuffle_epi8(
                         _mm256_set1_epi32((int)load_u32(blk + size - 20)), spread);
                     const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
                     u[r] = _mm256_or_si256(u[r], _mm256_and_si256(set, sixteen));
+#endif
                 }
                 mw[r] = has_min(kind) ? _cvtsh_ss(load_u16(blk + 2)) : 0.0f;
             }

@@ -15,13 +15,17 @@
  *
  * two integer sums, exact (at most 16 groups of 16 * 63 * 127 times a scale of 128, some
  * 2.6e8, within int32), then scaled: the minimums come out of x's sums, as ggml's
- * vec_dot_q4_K_q8_K takes them. Each
- * format has an unpacking of a super-block to (u, sc, mn, d, dmin), plain C or AVX2, in the
- * table below; the integer sum of u q weighted by sc is one function per path (plain C,
- * AVX2's byte multiply-adds, AVX-VNNI's and AVX-512 VNNI's vpdpbusd), chosen by
- * tformer_blocks_isa. Threads (OpenMP) take rows of W; x's rows pass in chunks of 64, each
- * super-block of W unpacked once per chunk. Products of many rows read W unpacked once and
- * for all instead, eight rows side by side (struct krepacked, kquants_isa.h).
+ * vec_dot_q4_K_q8_K takes them; per super-block, acc += (float)s (d dx) - (float)mins
+ * (dmin dx), in fp32, in that order, on every path.
+ *
+ * Decoding's few rows (below l->packed_min_rows, or any number where W has no repacked
+ * copy) read the file's bytes: on the SIMD paths (kquants_rows.h, chosen by
+ * tformer_blocks_isa) each super-block of a tile of W's rows is unpacked in registers for
+ * up to four rows of x at a time, the scales applied with 16-bit multiply-adds; the plain C
+ * path unpacks each to a struct unpacked (u, sc, mn, d, dmin) and sums it, the reference
+ * the others equal bit for bit. Threads (OpenMP) take tiles of W's rows; x's rows pass in
+ * chunks of 64. Products of many rows read W unpacked once and for all instead, eight rows
+ * side by side (struct krepacked, kquants_isa.h), with the same sums and fp32 operations.
  *
  * The file ends with the quantizers (tformer_quantize_k, kinds.c's row for each K kind).
  */
@@ -36,13 +40,30 @@
 #define QK 256       /* values in a super-block */
 #define GROUPS 16    /* groups of 16 values in a super-block, each with its scale */
 #define X_CHUNK 64   /* rows of x that pass through W's rows at a time */
+#define KQ_TILE 16   /* rows of W a thread takes at a time in the few-row product */
+#ifndef KQ_AHEAD
+#define KQ_AHEAD 2   /* tiles of rows ahead the few-row product fetches W */
+#endif
+#ifndef KQ_R1 /* rows of W a tile of the few-row product takes, for 1 to 4 rows of x */
+#define KQ_R1 4
+#define KQ_R2 4
+#define KQ_R3 2
+#define KQ_R4 2
+#endif
+#ifndef KQ_HINT
+#define KQ_HINT _MM_HINT_T1
+#endif
 
 /* x as Q8_K: q (m x k int8), per super-block (m x nb) its scale d, and per group of 16 the
- * integer sum of its q (m x nb x 16). */
+ * integer sum of its q (m x nb x 16); the few-row products' copy of the sums in 16 bits
+ * (at most 16 * 127 in size), per super-block the 16 groups' and then the eight pairs'
+ * (KX_S16 words). */
+#define KX_S16 24
 struct kx {
     int8_t *q;
     float *d;
     int32_t *bsums;
+    int16_t *s16;
 };
 
 /* A super-block of W unpacked (see the file's text). */
@@ -119,6 +140,21 @@ static void k_scales(const uint8_t *blk, struct unpacked *p)
     p->dmin = half_to_float(load_u16(blk + 2));
 }
 
+/* The same eight scales and minimums as bytes (scale j, minimum j in byte j of sc, mn), a
+ * word of four at a time: the low six bits of bytes 0-3 and 4-7, and for 4-7 bytes 8-11's
+ * halves with bytes 0-3's and 4-7's top two bits as bits 4 and 5 (shifted right by two,
+ * masked: what the shift brings in from the next byte falls outside the mask). */
+static inline void k_scale_bytes(const uint8_t *s, uint64_t *sc, uint64_t *mn)
+{
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, top = 0x30303030u;
+    *sc = (a & six) | (uint64_t)((c & four) | ((a >> 2) & top)) << 32;
+    *mn = (b & six) | (uint64_t)(((c >> 4) & four) | ((b >> 2) & top)) << 32;
+}
+
 /* q6_k: ql (128 bytes), qh (64), 16 int8 scales, d (fp16) at byte 208. */
 static void q6k_scales(const uint8_t *blk, struct unpacked *p)
 {
@@ -174,77 +210,25 @@ static void q6k_unpack_c(const uint8_t *blk, struct unpacked *p)
 
 #define KQ_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-KQ_AVX2 static void q4k_unpack_avx2(const uint8_t *blk, struct unpacked *p)
-{
-    k_scales(blk, p);
-    const __m256i low = _mm256_set1_epi8(15);
-    for (int j = 0; j < 4; j++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
-        _mm256_storeu_si256((__m256i *)(p->u + 64 * j), _mm256_and_si256(v, low));
-        _mm256_storeu_si256((__m256i *)(p->u + 64 * j + 32),
-                            _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-    }
-}
-
-KQ_AVX2 static void q5k_unpack_avx2(const uint8_t *blk, struct unpacked *p)
-{
-    k_scales(blk, p);
-    const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-    for (int j = 0; j < 4; j++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * j));
-        const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * j)));
-        const __m256i b1 = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
-        /* 16 in the bytes whose qh has the bit: compare the masked byte with the bit */
-        const __m256i h0 = _mm256_and_si256(
-            _mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen);
-        const __m256i h1 = _mm256_and_si256(
-            _mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen);
-        _mm256_storeu_si256((__m256i *)(p->u + 64 * j),
-                            _mm256_or_si256(_mm256_and_si256(v, low), h0));
-        _mm256_storeu_si256((__m256i *)(p->u + 64 * j + 32),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), h1));
-    }
-}
-
-KQ_AVX2 static void q6k_unpack_avx2(const uint8_t *blk, struct unpacked *p)
-{
-    q6k_scales(blk, p);
-    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; h++) {
-        const __m256i a = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-        const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-        /* Bits 2s, 2s + 1 of each qh byte moved to bits 4, 5: 16-bit shifts move bits across
-         * a pair of bytes, but the mask keeps only those that stayed in their own byte. */
-        const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(qh, 4), top);
-        const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(qh, 2), top);
-        const __m256i h2 = _mm256_and_si256(qh, top);
-        const __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(qh, 2), top);
-        uint8_t *u = p->u + 128 * h;
-        _mm256_storeu_si256((__m256i *)u, _mm256_or_si256(_mm256_and_si256(a, low), h0));
-        _mm256_storeu_si256((__m256i *)(u + 32), _mm256_or_si256(_mm256_and_si256(b, low), h1));
-        _mm256_storeu_si256((__m256i *)(u + 64),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), h2));
-        _mm256_storeu_si256((__m256i *)(u + 96),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), h3));
-    }
-}
-
 typedef void (*unpack_fn)(const uint8_t *blk, struct unpacked *p);
 
-/* Each K kind's super-block size and unpackings (plain C, AVX2), from TFORMER_Q4_K on. */
+/* Each K kind's super-block size and plain C unpacking, from TFORMER_Q4_K on. */
 static const struct {
     long size;
-    unpack_fn unpack_c, unpack_avx2;
+    unpack_fn unpack_c;
 } formats[] = {
-    {144, q4k_unpack_c, q4k_unpack_avx2},
-    {176, q5k_unpack_c, q5k_unpack_avx2},
-    {210, q6k_unpack_c, q6k_unpack_avx2},
+    {144, q4k_unpack_c},
+    {176, q5k_unpack_c},
+    {210, q6k_unpack_c},
 };
 
-/* --- The integer sum: sum_g sc_g sum_{j in g} u_j q_j, one per path ------------------------ */
+/* The kind's super-block size, a constant the compiler folds into each kind's product. */
+static inline long kq_size(int kind)
+{
+    return kind == TFORMER_Q4_K ? 144 : kind == TFORMER_Q5_K ? 176 : 210;
+}
 
+/* The plain C path's integer sum: sum_g sc_g sum_{j in g} u_j q_j. */
 static int32_t dot_c(const uint8_t *u, const int8_t *q, const int32_t *sc)
 {
     int32_t total = 0;
@@ -256,38 +240,6 @@ static int32_t dot_c(const uint8_t *u, const int8_t *q, const int32_t *sc)
     }
     return total;
 }
-
-/* 32 values at a time: eight 32-bit lanes of four products each (lanes 0-3 the first 16,
- * group 2c, lanes 4-7 group 2c + 1), times their group's scale, summed. AVX2's byte
- * multiply-add keeps pairs in 16 bits: at most 2 * 63 * 127, no saturation. */
-#define KQ_DOT(NAME, TARGET, PRODUCTS)                                                     \
-    TARGET static int32_t NAME(const uint8_t *u, const int8_t *q, const int32_t *sc)      \
-    {                                                                                      \
-        const __m256i ones = _mm256_set1_epi16(1);                                         \
-        (void)ones;                                                                        \
-        __m256i acc = _mm256_setzero_si256();                                              \
-        for (int c = 0; c < QK / 32; c++) {                                                \
-            const __m256i uv = _mm256_loadu_si256((const __m256i *)(u + 32 * c));          \
-            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * c));          \
-            const __m256i p = PRODUCTS;                                                    \
-            const __m256i s = _mm256_set_m128i(_mm_set1_epi32(sc[2 * c + 1]),              \
-                                               _mm_set1_epi32(sc[2 * c]));                 \
-            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, s));                         \
-        }                                                                                  \
-        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc),                            \
-                                  _mm256_extracti128_si256(acc, 1));                       \
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));               \
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));               \
-        return _mm_cvtsi128_si32(h);                                                       \
-    }
-
-KQ_DOT(dot_avx2, KQ_AVX2, _mm256_madd_epi16(_mm256_maddubs_epi16(uv, qv), ones))
-KQ_DOT(dot_avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))),
-       _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), uv, qv))
-KQ_DOT(dot_vnni512, __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl"))),
-       _mm256_dpbusd_epi32(_mm256_setzero_si256(), uv, qv))
-
-typedef int32_t (*dot_fn)(const uint8_t *u, const int8_t *q, const int32_t *sc);
 
 /* --- x to Q8_K, and the product ------------------------------------------------------------ */
 
@@ -308,9 +260,51 @@ static void quantize_superblock(const float *x, int8_t *q, float *d, int32_t *bs
     *d = scale;
 }
 
+/* The same in AVX2, the same bytes: roundf as trunc(v) plus v's sign where |v - trunc(v)| is
+ * at least 1/2 (v - trunc(v) is exact), so halves round away from zero. */
+KQ_AVX2 static void quantize_superblock_avx2(const float *x, int8_t *q, float *d, int32_t *bsums)
+{
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int t = 0; t < QK / 8; t++)
+        m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + 8 * t), abs_mask));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f);
+    const __m256 one = _mm256_set1_ps(1.0f), sign_mask = _mm256_set1_ps(-0.0f);
+    for (int c = 0; c < QK / 32; c++) {
+        __m256i r[4];
+        for (int t = 0; t < 4; t++) {
+            const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + 32 * c + 8 * t), vinv);
+            const __m256 tr = _mm256_round_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m256 frac = _mm256_and_ps(_mm256_sub_ps(a, tr), abs_mask);
+            const __m256 step = _mm256_or_ps(_mm256_and_ps(a, sign_mask), one);
+            const __m256 up = _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step);
+            r[t] = _mm256_cvtps_epi32(_mm256_add_ps(tr, up));
+        }
+        /* 4 x 8 int32 to 32 bytes in order (the packs work within 128-bit lanes) */
+        const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                              _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * c),
+                            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        /* the sums of the two groups of 16: [r0 + r1 | r2 + r3] summed within halves */
+        const __m256i a = _mm256_add_epi32(r[0], r[1]), b = _mm256_add_epi32(r[2], r[3]);
+        __m256i s = _mm256_hadd_epi32(a, b); /* [a01 a23 b01 b23 | a45 a67 b45 b67] */
+        s = _mm256_hadd_epi32(s, s);         /* [a0-3 b0-3 .. | a4-7 b4-7 ..] */
+        const __m128i g = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        bsums[2 * c] = _mm_cvtsi128_si32(g);
+        bsums[2 * c + 1] = _mm_extract_epi32(g, 1);
+    }
+    *d = scale;
+}
+
 #define KQ_NAME(name) name##_avx2
 #define KQ_TARGET KQ_AVX2
 #include "kquants_isa.h"
+#include "kquants_rows.h"
 #undef KQ_NAME
 #undef KQ_TARGET
 
@@ -319,6 +313,9 @@ static void quantize_superblock(const float *x, int8_t *q, float *d, int32_t *bs
 #define KQ_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define KQ_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #include "kquants_isa.h"
+#define KQ_DPWSSD(acc, p, s) _mm256_dpwssd_avx_epi32(acc, p, s)
+#include "kquants_rows.h"
+#undef KQ_DPWSSD
 #undef KQ_NAME
 #undef KQ_TARGET
 #undef KQ_DPBUSD
@@ -327,6 +324,11 @@ static void quantize_superblock(const float *x, int8_t *q, float *d, int32_t *bs
 #define KQ_TARGET __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl")))
 #define KQ_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #include "kquants_isa.h"
+#undef KQ_TARGET
+#define KQ_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define KQ_512
+#include "kquants_rows.h"
+#undef KQ_512
 #undef KQ_NAME
 #undef KQ_TARGET
 #undef KQ_DPBUSD
@@ -399,23 +401,39 @@ int tformer_kquants_repack(int kind, const uint8_t *w, long n, long k, uint8_t *
     return 0;
 }
 
+static void kx_free(struct kx *xb)
+{
+    free(xb->q);
+    free(xb->d);
+    free(xb->bsums);
+    free(xb->s16);
+}
+
 /* x (m x k) rounded to Q8_K into xb. Returns 0, or -1 where it could not allocate (xb then
  * holds nothing to free). */
 static int kx_make(struct kx *xb, const float *x, long m, long k, int threads)
 {
+    const int generic = tformer_blocks_isa(-1) == TFORMER_BLOCKS_GENERIC;
     const long nb = k / QK;
     xb->q = malloc((size_t)(m * k));
     xb->d = malloc((size_t)(m * nb) * sizeof(float));
     xb->bsums = malloc((size_t)(m * nb) * GROUPS * sizeof(int32_t));
-    if (!(xb->q && xb->d && xb->bsums)) {
-        free(xb->q);
-        free(xb->d);
-        free(xb->bsums);
+    xb->s16 = malloc((size_t)(m * nb) * KX_S16 * sizeof(int16_t));
+    if (!(xb->q && xb->d && xb->bsums && xb->s16)) {
+        kx_free(xb);
         return -1;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * nb > 512)
-    for (long t = 0; t < m * nb; t++)
-        quantize_superblock(x + t * QK, xb->q + t * QK, xb->d + t, xb->bsums + t * GROUPS);
+    for (long t = 0; t < m * nb; t++) {
+        const int32_t *bs = xb->bsums + t * GROUPS;
+        int16_t *s16 = xb->s16 + t * KX_S16;
+        (generic ? quantize_superblock : quantize_superblock_avx2)(
+            x + t * QK, xb->q + t * QK, xb->d + t, xb->bsums + t * GROUPS);
+        for (int g = 0; g < GROUPS; g++)
+            s16[g] = (int16_t)bs[g];
+        for (int h = 0; h < GROUPS / 2; h++)
+            s16[GROUPS + h] = (int16_t)(bs[2 * h] + bs[2 * h + 1]);
+    }
     return 0;
 }
 
@@ -442,35 +460,19 @@ static int kquants_repacked_linear(const struct tformer_linear *l, const float *
             for (long i = c; i < end; i += 4)
                 run(&xb, i, end - i < 4 ? (int)(end - i) : 4, w, l->bias, y, n, nb, gr);
     }
-    free(xb.q);
-    free(xb.d);
-    free(xb.bsums);
+    kx_free(&xb);
     return 0;
 }
 
-/* kinds.c's product for q4_k, q5_k and q6_k: l->data holds n_out rows of n_in / 256
- * super-blocks, and l->packed, where not NULL, the same repacked, for products of
- * l->packed_min_rows rows and more. Returns 0, or -1 where it could not allocate x's
- * blocks. */
-int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float *y, long m,
-                           int threads)
+/* The plain C few-row product: each super-block unpacked (struct unpacked) once for a chunk
+ * of x's rows, then its integer sums; the reference the other paths equal bit for bit.
+ * Threads take rows of W. */
+static void kquants_linear_c(const struct tformer_linear *l, const struct kx *xb, float *y,
+                             long m, int threads)
 {
-    const long n = l->n_out, k = l->n_in, nb = k / QK;
-    if (m <= 0 || n <= 0)
-        return 0;
-    if (l->packed && m >= l->packed_min_rows)
-        return kquants_repacked_linear(l, x, y, m, threads);
-    const int isa = tformer_blocks_isa(-1);
+    const long n = l->n_out, nb = l->n_in / QK;
     const long size = formats[l->kind - TFORMER_Q4_K].size, row = nb * size;
-    const unpack_fn unpack = isa == TFORMER_BLOCKS_GENERIC
-        ? formats[l->kind - TFORMER_Q4_K].unpack_c : formats[l->kind - TFORMER_Q4_K].unpack_avx2;
-    const dot_fn dot = isa == TFORMER_BLOCKS_GENERIC      ? dot_c
-                       : isa == TFORMER_BLOCKS_AVX_VNNI    ? dot_avxvnni
-                       : isa == TFORMER_BLOCKS_AVX512_VNNI ? dot_vnni512
-                                                           : dot_avx2;
-    struct kx xb;
-    if (kx_make(&xb, x, m, k, threads))
-        return -1;
+    const unpack_fn unpack = formats[l->kind - TFORMER_Q4_K].unpack_c;
     const uint8_t *w = l->data;
     for (long c = 0; c < m; c += X_CHUNK) {
         const long rows = m - c < X_CHUNK ? m - c : X_CHUNK;
@@ -484,21 +486,61 @@ int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float
                 unpack(w + r * row + b * size, &p);
                 for (long i = 0; i < rows; i++) {
                     const long at = (c + i) * nb + b;
-                    const int32_t *bs = xb.bsums + at * GROUPS;
+                    const int32_t *bs = xb->bsums + at * GROUPS;
                     int32_t mins = 0;
                     for (int g = 0; g < GROUPS; g++)
                         mins += p.mn[g] * bs[g];
-                    const int32_t s = dot(p.u, xb.q + at * QK, p.sc);
-                    acc[i] += (float)s * (p.d * xb.d[at]) - (float)mins * (p.dmin * xb.d[at]);
+                    const int32_t s = dot_c(p.u, xb->q + at * QK, p.sc);
+                    acc[i] += (float)s * (p.d * xb->d[at]) - (float)mins * (p.dmin * xb->d[at]);
                 }
             }
             for (long i = 0; i < rows; i++)
                 y[(c + i) * n + r] = l->bias ? acc[i] + l->bias[r] : acc[i];
         }
     }
-    free(xb.q);
-    free(xb.d);
-    free(xb.bsums);
+}
+
+typedef void (*krows_fn)(int, const struct kx *, long, int, const uint8_t *, const float *,
+                         float *, long, long, long, long);
+
+/* kinds.c's product for q4_k, q5_k and q6_k: l->data holds n_out rows of n_in / 256
+ * super-blocks, and l->packed, where not NULL, the same repacked, for products of
+ * l->packed_min_rows rows and more. Below that (decoding's rows) the SIMD paths read the
+ * file's bytes (kquants_rows.h): threads take tiles of KQ_TILE rows of W, over which x's
+ * rows pass four at a time, in chunks of X_CHUNK. Returns 0, or -1 where it could not
+ * allocate x's blocks. */
+int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float *y, long m,
+                           int threads)
+{
+    const long n = l->n_out, k = l->n_in, nb = k / QK;
+    if (m <= 0 || n <= 0)
+        return 0;
+    if (l->packed && m >= l->packed_min_rows)
+        return kquants_repacked_linear(l, x, y, m, threads);
+    struct kx xb;
+    if (kx_make(&xb, x, m, k, threads))
+        return -1;
+    const int isa = tformer_blocks_isa(-1); /* AVX-512 VNNI: with BW too */
+    if (isa == TFORMER_BLOCKS_GENERIC) {
+        kquants_linear_c(l, &xb, y, m, threads);
+        kx_free(&xb);
+        return 0;
+    }
+    const krows_fn rows = isa == TFORMER_BLOCKS_AVX_VNNI    ? krows_avxvnni
+                          : isa == TFORMER_BLOCKS_AVX512_VNNI ? krows_vnni512
+                                                              : krows_avx2;
+    const long tiles = (n + KQ_TILE - 1) / KQ_TILE;
+    for (long c = 0; c < m; c += X_CHUNK) {
+        const long end = c + X_CHUNK < m ? c + X_CHUNK : m;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (long t = 0; t < tiles; t++) {
+            const long r1 = (t + 1) * KQ_TILE < n ? (t + 1) * KQ_TILE : n;
+            for (long i = c; i < end; i += 4)
+                rows(l->kind, &xb, i, end - i < 4 ? (int)(end - i) : 4, l->data, l->bias, y, n,
+                     nb, t * KQ_TILE, r1);
+        }
+    }
+    kx_free(&xb);
     return 0;
 }
 

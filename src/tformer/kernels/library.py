@@ -78,7 +78,8 @@ decoder layer (step.py), and for training, dropout (dropout.py), the cross-entro
 for a few rows (experts.py)."""
 HEADERS = [Path(__file__).with_name(name)
            for name in ("tformer.h", "vecmath.h", "int8.h", "int8_bytes.h", "int8_bytes_rows.h",
-                        "int8_bytes_packed.h", "blocks_isa.h", "kquants_isa.h")]
+                        "int8_bytes_packed.h", "blocks_isa.h", "kquants_isa.h",
+                        "kquants_rows.h")]
 """Included by the sources: part of the key the built library is cached under."""
 PRIVATE_PREFIX = "tformer-kernel-"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
