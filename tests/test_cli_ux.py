@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tformer.cli import build_parser, main
-from tformer.training.device import decoding_threads
+from tformer.training.device import busy_cores, decoding_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ2SEQ = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.d_ff=32",
@@ -141,6 +141,21 @@ def test_thread_rule(monkeypatch):
     assert decoding_threads(3) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert decoding_threads() == 2
+
+
+def test_busy_cores_leaves_out_this_process_s_own_running_threads(tmp_path):
+    """An OpenMP worker still spinning after the loading's last parallel operation is this
+    process's, not another's: it must not make the default one thread fewer."""
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("2.00 1.50 1.00 3/120 4567\n")
+    tasks = tmp_path / "task"
+    for tid, state in ((10, "R"), (11, "S"), (12, "R")):
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "stat").write_text(f"{tid} (py (x) y) {state} 1 2 3\n")
+    assert busy_cores(str(loadavg), str(tasks)) == 1  # 3 running, 2 of them ours
+    assert busy_cores(str(loadavg), str(tmp_path / "none")) == 2  # the caller alone
+    assert busy_cores(str(tmp_path / "none"), str(tasks)) == 0
+    assert busy_cores() >= 0  # the real files
 
 
 def test_translation_streams_through_a_pipe(s2s):

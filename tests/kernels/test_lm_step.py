@@ -199,6 +199,46 @@ def test_int8_tokens_a_few_at_a_time_match_the_int8_blocks(chunk, kernel_isa, mo
     assert gap.max() < 3e-2 and gap.mean() < 1e-3, (gap.max(), gap.mean())
 
 
+def stack_qkv(model: GPT) -> GPT:
+    """Every qkv projection as a GGUF import of Q4_K_M holds it: q and k in q4_k, v in q6_k."""
+    from tformer.kernels import blocks
+
+    for block in model.blocks:
+        w, v = block.attn.qkv_proj.weight.detach(), block.attn.n_kv_head * block.attn.d_value
+        parts = [("q4_k", blocks.quantize(w[:-v], "q4_k")),
+                 ("q6_k", blocks.quantize(w[-v:], "q6_k"))]
+        block.attn.qkv_proj = blocks.StackedLinear(parts, w.shape[1])
+    return model
+
+
+@native
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "q4_1", "q4_k_m", "stacked"])
+def test_any_number_of_threads_gives_the_bits_of_one(fmt):
+    # With several threads step.c runs every layer in one parallel region, each product cut
+    # into pieces of W's rows (a stack's in each of its parts) and the attention into heads,
+    # each piece on whichever thread takes it: the same kernel on the same data, so the
+    # logits and the cache have one thread's bits, for one row or three.
+    shape = LAYOUTS["llama, grouped-query"] | dict(d_model=256, d_ff=512, n_head=4)
+    model = make_model(shape)
+    model = quantize_model(stack_qkv(model) if fmt == "stacked" else model,
+                           "q4_k_m" if fmt == "stacked" else fmt)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 3):
+            tokens, is_real = prompts(rows, length=8)
+            got = {}
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                logits, cache = decode(model, tokens, is_real, prefill=4)
+                assert isinstance(cache.step, LMStep)
+                got[n] = [logits, *(t[:, :, : c.length] for c in cache.self_attn
+                                    for t in (c.k, c.v))]
+            for n in (2, 3):
+                assert all(torch.equal(a, b) for a, b in zip(got[n], got[1], strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @native
 def test_greedy_generation_gives_the_modules_tokens():
     from tformer.decoding.lm import generate

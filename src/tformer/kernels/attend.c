@@ -210,14 +210,24 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
                     return -1;
     const struct places w = {rows, rows_row, group, 0};
     const long work = n * heads * length * (d + dv);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 65536)
-    for (long ih = 0; ih < n * heads; ih++) {
-        const long i = ih / heads, h = ih % heads;
-        const long T = length - own + 1 + i % own; /* the positions this row reads */
-        attend_one(q + i * q_row + h * d, k, k_row, k_head, k_pos, v, v_row, v_head, v_pos, &w,
-                   rows ? rows + i * rows_row : 0, i, h / kv_group, bias, bias_row, 0, T, d,
-                   dv, scale, out + ih * dv);
-    }
+    /* One thread runs the loop itself (an OpenMP region of one thread still costs ~0.4 us;
+     * step.c's team calls this for a few heads at a time). */
+#define ATTEND_STEP(ih)                                                                          \
+    do {                                                                                       \
+        const long i = (ih) / heads, h = (ih) % heads;                                         \
+        const long T = length - own + 1 + i % own; /* the positions this row reads */          \
+        attend_one(q + i * q_row + h * d, k, k_row, k_head, k_pos, v, v_row, v_head, v_pos, &w, \
+                   rows ? rows + i * rows_row : 0, i, h / kv_group, bias, bias_row, 0, T, d,   \
+                   dv, scale, out + (ih) * dv);                                                \
+    } while (0)
+    if (threads > 1 && work > 65536) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (long ih = 0; ih < n * heads; ih++)
+            ATTEND_STEP(ih);
+    } else
+        for (long ih = 0; ih < n * heads; ih++)
+            ATTEND_STEP(ih);
+#undef ATTEND_STEP
     return 0;
 }
 
@@ -249,14 +259,22 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
         work += tokens * heads * (T - first) * (d + dv);
     }
     const struct places w = {table, table_row, 1, block};
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 65536)
-    for (long ih = 0; ih < n * heads; ih++) {
-        const long i = ih / heads, h = ih % heads, b = i / tokens;
-        const long T = lengths[b] - tokens + 1 + i % tokens; /* the positions this row reads */
-        const long first = window > 0 && T > window ? T - window : 0;
-        attend_one(q + i * q_row + h * d, k, k_block, k_head, k_pos, v, v_block, v_head, v_pos,
-                   &w, table + b * table_row, i, h / kv_group, NULL, 0, first, T, d, dv, scale,
-                   out + ih * dv);
-    }
+#define ATTEND_PAGED(ih)                                                                         \
+    do {                                                                                       \
+        const long i = (ih) / heads, h = (ih) % heads, b = i / tokens;                         \
+        const long T = lengths[b] - tokens + 1 + i % tokens; /* the positions this row reads */ \
+        const long first = window > 0 && T > window ? T - window : 0;                          \
+        attend_one(q + i * q_row + h * d, k, k_block, k_head, k_pos, v, v_block, v_head, v_pos, \
+                   &w, table + b * table_row, i, h / kv_group, NULL, 0, first, T, d, dv, scale, \
+                   out + (ih) * dv);                                                           \
+    } while (0)
+    if (threads > 1 && work > 65536) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (long ih = 0; ih < n * heads; ih++)
+            ATTEND_PAGED(ih);
+    } else
+        for (long ih = 0; ih < n * heads; ih++)
+            ATTEND_PAGED(ih);
+#undef ATTEND_PAGED
     return 0;
 }

@@ -348,6 +348,18 @@ static void xblocks_free(struct xblocks *xb)
     free(xb->lane8);
 }
 
+/* Block t of x rounded into xb. */
+static inline void xblock_make(struct xblocks *xb, const float *x, long t, int isa)
+{
+    if (isa == BISA_GENERIC)
+        quantize_block_c(x + t * BLOCK, xb->qx + t * BLOCK, xb->dx + t, xb->isum + t,
+                         xb->sx + t);
+    else
+        quantize_block_avx2(x + t * BLOCK, xb->qx + t * BLOCK, xb->dx + t, xb->isum + t,
+                            xb->sx + t);
+    lane_sums(xb->qx + t * BLOCK, xb->lane8 + 8 * t);
+}
+
 /* x (m x k) rounded to blocks into xb, on the path set. Returns 0, or -1 where it could not
  * allocate (xb then holds nothing to free). */
 static int xblocks_make(struct xblocks *xb, const float *x, long m, long k, int threads)
@@ -363,16 +375,16 @@ static int xblocks_make(struct xblocks *xb, const float *x, long m, long k, int 
         return -1;
     }
     const int isa = blocks_isa;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * nb > 4096)
-    for (long t = 0; t < m * nb; t++) {
-        if (isa == BISA_GENERIC)
-            quantize_block_c(x + t * BLOCK, xb->qx + t * BLOCK, xb->dx + t, xb->isum + t,
-                             xb->sx + t);
-        else
-            quantize_block_avx2(x + t * BLOCK, xb->qx + t * BLOCK, xb->dx + t, xb->isum + t,
-                                xb->sx + t);
-        lane_sums(xb->qx + t * BLOCK, xb->lane8 + 8 * t);
-    }
+    /* One thread runs the loop itself: an OpenMP region of one thread still costs ~0.4 us
+     * (~0.9 inside another region, as step.c's team calls this), a tenth of a small
+     * product's piece. */
+    if (threads > 1 && m * nb > 4096) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (long t = 0; t < m * nb; t++)
+            xblock_make(xb, x, t, isa);
+    } else
+        for (long t = 0; t < m * nb; t++)
+            xblock_make(xb, x, t, isa);
     return 0;
 }
 
@@ -393,11 +405,17 @@ int tformer_blocks_linear(int kind, const float *x, long m, const uint8_t *w, lo
                          : isa == BISA_AVX512_VNNI ? rows_vnni512
                                                    : rows_avx2;
     if (m <= 4) {
-        /* Tiles of 4 rows of W: a stream through the weights, split among threads. */
-        const long tiles = (n + 3) / 4;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (long t = 0; t < tiles; t++)
-            rows(kind, &xb, 0, (int)m, w, b, y, n, nb, t * 4, t * 4 + 4 < n ? t * 4 + 4 : n);
+        /* Tiles of 4 rows of W: a stream through the weights, split among threads, which
+         * take a sixteenth of their share at a time as they come: where the system holds
+         * one back (another process on its core), the others take its share. */
+        const long tiles = (n + 3) / 4, chunk = tiles / (16L * threads) + 1;
+        if (threads > 1) {
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
+            for (long t = 0; t < tiles; t++)
+                rows(kind, &xb, 0, (int)m, w, b, y, n, nb, t * 4, t * 4 + 4 < n ? t * 4 + 4 : n);
+        } else
+            for (long t = 0; t < tiles; t++)
+                rows(kind, &xb, 0, (int)m, w, b, y, n, nb, t * 4, t * 4 + 4 < n ? t * 4 + 4 : n);
     } else {
         const long tiles = (n + WIDE_TILE - 1) / WIDE_TILE;
         for (long c = 0; c < m; c += X_CHUNK) {

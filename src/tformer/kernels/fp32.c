@@ -64,6 +64,16 @@ static inline __attribute__((always_inline)) void f32_rows_of_w(
         }
 }
 
+/* The blocks of rows of W a thread takes at a time: a sixteenth of its share. Threads take
+ * them as they come (schedule dynamic), so where the system holds one back (another process
+ * on its core), the others take its share rather than wait for it; each output's sum is the
+ * same whichever thread computes it. */
+static long share(long blocks, int threads)
+{
+    const long chunk = blocks / (16L * (threads > 1 ? threads : 1));
+    return chunk > 0 ? chunk : 1;
+}
+
 /* R rows of W per step: 4 keep four streams of weights in flight for one or two rows of x;
  * with three or four rows of x, 3 is the most that fits the registers. Measured on a
  * 768 x 50257 matrix, wider blocks than these ran slower. The int8 product of four rows
@@ -73,8 +83,8 @@ static inline __attribute__((always_inline)) void f32_rows_of_w(
     static void NAME(const float *x, const float *w, const float *b, float *y, long n,     \
                      long k, int threads)                                                  \
     {                                                                                      \
-        const long blocks = n / R;                                                         \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")  \
+        const long blocks = n / R, chunk = share(blocks, threads);                        \
+        _Pragma("omp parallel for schedule(dynamic, chunk) num_threads(threads) if (threads > 1)") \
         for (long q = 0; q < blocks; q++)                                                  \
             f32_rows_of_w(x, w, b, y, n, k, q * R, M, R);                                  \
         for (long r0 = blocks * R; r0 < n; r0++)                                           \
@@ -107,8 +117,8 @@ static inline __attribute__((always_inline)) void f32_groups_of_x(
 static void f32_many(const float *x, const float *w, const float *b, float *y, long m, long n,
                      long k, int threads)
 {
-    const long blocks = n / 3;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    const long blocks = n / 3, chunk = share(blocks, threads);
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads) if (threads > 1)
     for (long q = 0; q < blocks; q++)
         f32_groups_of_x(x, w, b, y, m, n, k, q * 3, 3);
     for (long r0 = blocks * 3; r0 < n; r0++)

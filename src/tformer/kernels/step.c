@@ -23,7 +23,10 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
+#include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tformer.h"
@@ -237,6 +240,299 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
     return 0;
 }
 
+/* --- A step's threads: one parallel region, its work taken in chunks ----------------------
+ *
+ * A batch-1 step of a 16-layer model makes ~100 products and attentions of tens of
+ * microseconds to a millisecond each. Threaded one at a time, each is an OpenMP region whose
+ * end waits for every thread of the team. Where another process wants a core, the system
+ * sets one of them aside for its time slice (milliseconds) at any such end, while the others
+ * spin in libgomp (GOMP_SPINCOUNT, ~10 ms here) on the core it could have had: on two cores
+ * beside two busy processes, SmolLM2-135M decoded at 0.7-12 tokens/s on two threads against
+ * 30-50 on one.
+ *
+ * So a step opens one region for all its layers (`team_step`). Thread 0 runs the layers; a
+ * product or an attention is a job of chunks (rows of W, or a query row's head), which every
+ * thread of the team takes from one counter as it comes, thread 0
+ * too. Thread 0 waits only for the chunks taken, never for a thread that has not come: a
+ * thread held back costs at most the chunk it holds, and the step goes at least at one
+ * thread's pace. A waiting thread spins TEAM_SPIN pauses (~70 us) and then yields its core.
+ *
+ * A chunk is the same kernel on the same data, on one thread: a product's rows of W (a
+ * multiple of PIECE_ROWS, so its tiles are the whole product's) through the kinds' table,
+ * a head through attend.c. Every output has the bits it has from the whole call, on any
+ * number of threads (tests/kernels/test_lm_step.py). */
+
+#define TEAM_CLOSED 0xffffffffu /* a ticket's chunk while thread 0 writes the next job */
+#define TEAM_SPIN 2000 /* pauses (~35 ns each on a Xeon of 2023) before a waiting thread yields */
+#define PIECE_ROWS 16 /* a product's chunks start at multiples of these rows of W */
+#define PIECE_BYTES (256L << 10) /* a thread's share of a product is cut into chunks of W's
+                                  * bytes this size at least, four at most: each chunk rounds
+                                  * x to blocks again (a microsecond) */
+#define MAX_PIECES 512
+
+typedef int (*chunk_fn)(const void *job, long chunk);
+
+/* A product's chunk: rows r0 .. r1 of l (a kind's product, or a stack's part), written to
+ * y's columns r0 .. r1 (rows y_row apart), `bias` (a stack's) added after where not NULL. */
+struct piece {
+    const struct tformer_linear *l;
+    long r0, r1, y_row;
+    float *y;
+    const float *bias;
+};
+
+struct products {
+    const float *x;
+    long m;
+    struct piece pieces[MAX_PIECES];
+};
+
+struct team {
+    uint64_t ticket; /* the job's generation << 32 | its next chunk to take (TEAM_CLOSED) */
+    long chunks, done; /* the job's chunks, those finished */
+    int stop, status; /* the step is over; a chunk's first failure */
+    chunk_fn run; /* the job, valid for a thread that took one of its chunks */
+    const void *job;
+    struct products products; /* the current product job's pieces */
+};
+
+/* How a step runs its products and attentions: each threaded on its own (team NULL), or
+ * in chunks taken by the team's threads. */
+struct exec {
+    struct team *team;
+    int threads;
+};
+
+static void team_wait(const uint64_t *ticket, uint64_t seen)
+{
+    for (long spin = 0; __atomic_load_n(ticket, __ATOMIC_ACQUIRE) == seen; spin++)
+        if (spin < TEAM_SPIN)
+            _mm_pause();
+        else
+            sched_yield();
+}
+
+/* Take and run the job's chunks until none is left; *seen: the ticket last read. A chunk is
+ * taken by moving the ticket from (generation, i) to (generation, i + 1), so a thread that
+ * read an earlier job's ticket takes nothing of the next: thread 0 closes the ticket (a new
+ * generation) before it writes a job, and the count of chunks after. */
+static void team_chunks(struct team *tm, uint64_t *seen)
+{
+    for (;;) {
+        uint64_t t = __atomic_load_n(&tm->ticket, __ATOMIC_ACQUIRE);
+        uint32_t i;
+        do {
+            i = (uint32_t)t;
+            if (i == TEAM_CLOSED || (long)i >= __atomic_load_n(&tm->chunks, __ATOMIC_ACQUIRE)) {
+                *seen = t;
+                return;
+            }
+        } while (!__atomic_compare_exchange_n(&tm->ticket, &t, t + 1, 0, __ATOMIC_ACQUIRE,
+                                              __ATOMIC_ACQUIRE));
+        const int status = tm->run(tm->job, i);
+        if (status) {
+            int none = 0;
+            __atomic_compare_exchange_n(&tm->status, &none, status, 0, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED);
+        }
+        __atomic_add_fetch(&tm->done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+/* A thread other than 0: the jobs' chunks until the step is over. */
+static void team_worker(struct team *tm)
+{
+    uint64_t seen;
+    for (;;) {
+        team_chunks(tm, &seen);
+        if (__atomic_load_n(&tm->stop, __ATOMIC_ACQUIRE))
+            return;
+        team_wait(&tm->ticket, seen);
+    }
+}
+
+/* Thread 0: a new generation of the ticket, no chunk to take; the job may be written. */
+static void team_close(struct team *tm)
+{
+    const uint64_t generation = (__atomic_load_n(&tm->ticket, __ATOMIC_RELAXED) >> 32) + 1;
+    __atomic_store_n(&tm->ticket, generation << 32 | TEAM_CLOSED, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+/* Thread 0: run the job written since team_close, `chunks` chunks of run(job, i), with
+ * whichever threads come; returns the first failure of one, or 0. */
+static int team_run(struct team *tm, chunk_fn run, const void *job, long chunks)
+{
+    tm->run = run;
+    tm->job = job;
+    __atomic_store_n(&tm->done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&tm->status, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&tm->chunks, chunks, __ATOMIC_RELAXED);
+    const uint64_t t = __atomic_load_n(&tm->ticket, __ATOMIC_RELAXED);
+    __atomic_store_n(&tm->ticket, t & ~(uint64_t)TEAM_CLOSED, __ATOMIC_RELEASE);
+    uint64_t seen;
+    team_chunks(tm, &seen);
+    for (long spin = 0; __atomic_load_n(&tm->done, __ATOMIC_ACQUIRE) < chunks; spin++)
+        if (spin < TEAM_SPIN)
+            _mm_pause();
+        else
+            sched_yield();
+    return __atomic_load_n(&tm->status, __ATOMIC_RELAXED);
+}
+
+/* Thread 0, at the end: the others leave. */
+static void team_stop(struct team *tm)
+{
+    __atomic_store_n(&tm->stop, 1, __ATOMIC_RELEASE);
+    team_close(tm);
+}
+
+/* body(exec, arg) in one parallel region of `threads` threads, thread 0 running it and the
+ * others taking its jobs' chunks; run plainly where the team cannot be had. */
+static int team_step(int threads, int (*body)(const struct exec *, void *), void *arg)
+{
+    struct team *tm = threads > 1 ? calloc(1, sizeof *tm) : NULL;
+    if (!tm) {
+        const struct exec plain = {NULL, threads};
+        return body(&plain, arg);
+    }
+    int status = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        if (omp_get_thread_num() == 0) {
+            const int size = omp_get_num_threads();
+            const struct exec e = {size > 1 ? tm : NULL, size};
+            status = body(&e, arg);
+            team_stop(tm);
+        } else
+            team_worker(tm);
+    }
+    free(tm);
+    return status;
+}
+
+/* Whether a team's chunks can compute l's product of m rows: a kind whose rows of W lie one
+ * after another (not the repacked copy of W a product of packed_min_rows rows takes), or a
+ * stack of such parts. */
+static int splits(const struct tformer_linear *l, long m)
+{
+    if (l->n_out == 0)
+        return 1;
+    if (l->kind == TFORMER_STACK) {
+        const struct tformer_linear *parts = l->data;
+        for (int p = 0; p < l->layout; p++)
+            if (!splits(&parts[p], m))
+                return 0;
+        return 1;
+    }
+    if (l->kind < TFORMER_FP32 || l->kind > TFORMER_Q6_K)
+        return 0;
+    return !(l->packed && m >= l->packed_min_rows);
+}
+
+/* Bytes a row of W takes in l's kind. */
+static long row_bytes(const struct tformer_linear *l)
+{
+    int32_t geometry[3];
+    if (tformer_kind_geometry(l->kind, geometry))
+        return 0;
+    return l->n_in / geometry[0] * geometry[1];
+}
+
+/* One piece: rows r0 .. r1 of W through the kind's product, on this thread. */
+static int run_piece(const void *job, long chunk)
+{
+    const struct products *pr = job;
+    const struct piece *p = &pr->pieces[chunk];
+    const long rows = p->r1 - p->r0, m = pr->m;
+    struct tformer_linear sub = *p->l;
+    sub.n_out = (int32_t)rows;
+    sub.data = (const uint8_t *)p->l->data + p->r0 * row_bytes(p->l);
+    sub.scales = p->l->scales ? p->l->scales + p->r0 : NULL;
+    sub.bias = p->l->bias ? p->l->bias + p->r0 : NULL;
+    sub.packed = NULL;
+    sub.packed_sums = NULL;
+    int status;
+    if (m == 1) {
+        float *y = p->y + p->r0;
+        if ((status = tformer_linear(&sub, pr->x, y, 1, 1)))
+            return status;
+        if (p->bias)
+            for (long r = 0; r < rows; r++)
+                y[r] += p->bias[p->r0 + r];
+        return 0;
+    }
+    float *part = malloc((size_t)(m * rows) * sizeof(float));
+    if (!part)
+        return -1;
+    if (!(status = tformer_linear(&sub, pr->x, part, m, 1)))
+        for (long i = 0; i < m; i++) {
+            float *y = p->y + i * p->y_row + p->r0;
+            for (long r = 0; r < rows; r++)
+                y[r] = p->bias ? part[i * rows + r] + p->bias[p->r0 + r] : part[i * rows + r];
+        }
+    free(part);
+    return status;
+}
+
+/* l's rows cut into pieces (after pr->pieces[*count]) for a team of `threads`: each thread's
+ * share in 1 to 4 pieces of PIECE_BYTES at least. Returns 0, or -1 where they do not fit. */
+static int cut(struct products *pr, long *count, const struct tformer_linear *l, float *y,
+               long y_row, const float *bias, int threads)
+{
+    if (l->kind == TFORMER_STACK) {
+        const struct tformer_linear *parts = l->data;
+        long col = 0;
+        for (int p = 0; p < l->layout; p++) {
+            if (cut(pr, count, &parts[p], y + col, y_row, l->bias ? l->bias + col : NULL,
+                    threads))
+                return -1;
+            col += parts[p].n_out;
+        }
+        return 0;
+    }
+    const long n = l->n_out, share = row_bytes(l) * n / threads;
+    const long each = share / PIECE_BYTES, pieces = threads * (each < 1 ? 1 : each > 4 ? 4 : each);
+    const long rows = ((n + pieces - 1) / pieces + PIECE_ROWS - 1) / PIECE_ROWS * PIECE_ROWS;
+    for (long r0 = 0; r0 < n; r0 += rows) {
+        if (*count == MAX_PIECES)
+            return -1;
+        pr->pieces[(*count)++] = (struct piece){l, r0, r0 + rows < n ? r0 + rows : n, y_row, y,
+                                                bias};
+    }
+    return 0;
+}
+
+/* ys[j] (m x ls[j]->n_out) = x ls[j]'s product, for `count` linears of the same input. */
+static int exec_linears(const struct exec *e, const struct tformer_linear *const *ls,
+                        float *const *ys, int count, const float *x, long m)
+{
+    struct team *tm = e->team;
+    int status = 0;
+    if (tm) {
+        team_close(tm);
+        struct products *pr = &tm->products;
+        long pieces = 0;
+        pr->x = x;
+        pr->m = m;
+        for (int j = 0; j < count && !status; j++)
+            status = cut(pr, &pieces, ls[j], ys[j], ls[j]->n_out, NULL, e->threads);
+        if (!status)
+            return team_run(tm, run_piece, pr, pieces);
+    }
+    /* no team, or more pieces than it holds: each product threaded on its own */
+    for (int j = 0; j < count; j++)
+        if ((status = tformer_linear(ls[j], x, ys[j], m, tm ? 1 : e->threads)))
+            return status;
+    return 0;
+}
+
+static int exec_linear(const struct exec *e, const struct tformer_linear *l, const float *x,
+                       float *y, long m)
+{
+    return exec_linears(e, &l, &y, 1, x, m);
+}
+
 /* A language model's layer (models/gpt.py's GPTBlock), pre- or post-norm:
  *
  *     x = x + Attn(Norm1(x));  x = x + FFN(Norm2(x))
@@ -303,36 +599,223 @@ static void place_qkv(const struct tformer_lm_layer *l, float *qkv, long r, long
     }
 }
 
-/* The layer's feed-forward sublayer on n rows of x (in place), over the caller's scratch. */
-static int lm_feed_forward(const struct tformer_lm_layer *l, float *x, float *h, float *wide,
-                           float *out, long n, int threads)
+/* The layer's attention for n rows (`tokens` new tokens of each of n / tokens sequences)
+ * over kv's buffer rows in query order: tformer_attend_step's, or in a team one chunk per
+ * query row and head, through the same kernel on one thread. */
+struct lm_attention {
+    const struct tformer_lm_layer *l;
+    const float *q; /* q|k|v rows, q_row apart */
+    long q_row;
+    const struct tformer_kv *kv;
+    const float *bias; /* per sequence, bias_row apart, or NULL */
+    long bias_row;
+    float *out; /* (n, heads, d_value) */
+    long n, tokens, length;
+    /* a paged cache (tformer_attend_paged's): table != NULL */
+    const int64_t *table, *lengths;
+    long table_row, block, window;
+};
+
+static int lm_attention_chunk(const void *job, long chunk)
+{
+    const struct lm_attention *a = job;
+    const struct tformer_lm_layer *l = a->l;
+    const struct tformer_kv *kv = a->kv;
+    const long H = l->heads, dk = l->d_head, dv = l->d_value;
+    const long i = chunk / H, h = chunk % H, g = h / (H / l->kv_heads), b = i / a->tokens;
+    const float *q = a->q + i * a->q_row + h * dk;
+    float *out = a->out + (i * H + h) * dv;
+    if (a->table) {
+        /* the positions row i reads, as tformer_attend_paged counts them for it */
+        const int64_t length = a->lengths[b] - a->tokens + 1 + i % a->tokens;
+        return tformer_attend_paged(q, a->q_row, kv->k + g * kv->k_head, kv->k_row, kv->k_head,
+                                    kv->k_pos, kv->v + g * kv->v_head, kv->v_row, kv->v_head,
+                                    kv->v_pos, a->table + b * a->table_row, a->table_row,
+                                    a->block, &length, a->window, out, 1, 1, kv->rows, 1, 1, dk,
+                                    dv, l->scale, 1);
+    }
+    return tformer_attend_step(q, a->q_row, kv->k + b * kv->k_row + g * kv->k_head, kv->k_row,
+                               kv->k_head, kv->k_pos, kv->v + b * kv->v_row + g * kv->v_head,
+                               kv->v_row, kv->v_head, kv->v_pos, NULL, 0, 1,
+                               a->bias ? a->bias + b * a->bias_row : NULL, a->bias_row, out, 1,
+                               kv->rows, 1, 1, a->length - a->tokens + 1 + i % a->tokens, 1, dk,
+                               dv, l->scale, 1);
+}
+
+static int exec_attention(const struct exec *e, const struct lm_attention *a)
+{
+    const struct tformer_lm_layer *l = a->l;
+    const struct tformer_kv *kv = a->kv;
+    if (e->team) {
+        team_close(e->team);
+        return team_run(e->team, lm_attention_chunk, a, a->n * l->heads);
+    }
+    if (a->table)
+        return tformer_attend_paged(a->q, a->q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos,
+                                    kv->v, kv->v_row, kv->v_head, kv->v_pos, a->table,
+                                    a->table_row, a->block, a->lengths, a->window, a->out, a->n,
+                                    a->tokens, kv->rows, l->heads, l->heads / l->kv_heads,
+                                    l->d_head, l->d_value, l->scale, e->threads);
+    return tformer_attend_step(a->q, a->q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v,
+                               kv->v_row, kv->v_head, kv->v_pos, NULL, 0, a->tokens, a->bias,
+                               a->bias_row, a->out, a->n, kv->rows, l->heads,
+                               l->heads / l->kv_heads, a->length, a->tokens, l->d_head,
+                               l->d_value, l->scale, e->threads);
+}
+
+/* Where a layer's step works: h, the normed input; wide, q|k|v or the FFN's hidden layers;
+ * att, the attention's output; out, a sublayer's output (tformer_lm_layer_scratch). */
+struct lm_scratch {
+    float *h, *wide, *att, *out;
+};
+
+static struct lm_scratch lm_scratch(const struct tformer_lm_layer *l, float *scratch, long n)
+{
+    const long d = l->out.n_out, width = l->qkv.n_out;
+    const long hidden = (l->gate.n_out ? 2 : 1) * l->up.n_out;
+    const long widest = width > hidden ? width : hidden;
+    struct lm_scratch s = {scratch, scratch + n * d, NULL, NULL};
+    s.att = s.wide + n * widest;
+    s.out = s.att + n * l->heads * l->d_value;
+    return s;
+}
+
+/* The layer's attention sublayer on n rows of x (in place): q|k|v, `place` (normed, rotated
+ * and stored keys and values), the attention `a` (its q, out and l filled in here), the
+ * output projection and the residual. */
+static int lm_self_attention(const struct exec *e, const struct tformer_lm_layer *l, float *x,
+                             long n, const struct lm_scratch *s, struct lm_attention *a,
+                             void (*place)(const struct tformer_lm_layer *, float *, long,
+                                           const void *),
+                             const void *where)
+{
+    const long d = l->out.n_out, width = l->qkv.n_out;
+    int status;
+    const float *in = sublayer_input(l->pre_norm, &l->attn_norm, x, s->h, n, d);
+    if ((status = exec_linear(e, &l->qkv, in, s->wide, n)))
+        return status;
+    for (long i = 0; i < n; i++)
+        place(l, s->wide + i * width, i, where);
+    a->l = l;
+    a->q = s->wide;
+    a->q_row = width;
+    a->out = s->att;
+    a->n = n;
+    if (exec_attention(e, a))
+        return -2;
+    if ((status = exec_linear(e, &l->out, s->att, s->out, n)))
+        return status;
+    residual(l->pre_norm, &l->attn_norm, x, s->out, n, d);
+    return 0;
+}
+
+/* The layer's feed-forward sublayer on n rows of x (in place); gated, its gate and up
+ * products are one job. */
+static int lm_feed_forward(const struct exec *e, const struct tformer_lm_layer *l, float *x,
+                           long n, const struct lm_scratch *s)
 {
     const long d = l->out.n_out, ff = l->up.n_out;
+    float *wide = s->wide;
     int status = 0;
-    const float *in = sublayer_input(l->pre_norm, &l->ff_norm, x, h, n, d);
-    if (l->moe) { /* a mixture of experts (experts.c) */
-        if ((status = tformer_moe_step(l->moe, in, n, out, threads)))
+    const float *in = sublayer_input(l->pre_norm, &l->ff_norm, x, s->h, n, d);
+    if (l->moe) { /* a mixture of experts (experts.c, its own threads: no team runs it) */
+        if ((status = tformer_moe_step(l->moe, in, n, s->out, e->threads)))
             return status;
-        residual(l->pre_norm, &l->ff_norm, x, out, n, d);
+        residual(l->pre_norm, &l->ff_norm, x, s->out, n, d);
         return 0;
     }
     if (l->gate.n_out) {
         float *up = wide + n * ff;
-        if ((status = tformer_linear(&l->gate, in, wide, n, threads))
-            || (status = tformer_linear(&l->up, in, up, n, threads)))
+        const struct tformer_linear *both[2] = {&l->gate, &l->up};
+        float *const ys[2] = {wide, up};
+        if ((status = exec_linears(e, both, ys, 2, in, n)))
             return status;
         activate(l->activation, wide, n * ff);
         for (long j = 0; j < n * ff; j++)
             wide[j] *= up[j];
     } else {
-        if ((status = tformer_linear(&l->up, in, wide, n, threads)))
+        if ((status = exec_linear(e, &l->up, in, wide, n)))
             return status;
         activate(l->activation, wide, n * ff);
     }
-    if ((status = tformer_linear(&l->down, wide, out, n, threads)))
+    if ((status = exec_linear(e, &l->down, wide, s->out, n)))
         return status;
-    residual(l->pre_norm, &l->ff_norm, x, out, n, d);
+    residual(l->pre_norm, &l->ff_norm, x, s->out, n, d);
     return 0;
+}
+
+/* Where tformer_lm_step's rows store their keys and values: row i is token i % tokens of
+ * sequence i / tokens, at position length - tokens + i % tokens of buffer row i / tokens. */
+struct lm_places {
+    const struct tformer_kv *kv;
+    long tokens, length;
+    const float *cos, *sin;
+};
+
+static void lm_place(const struct tformer_lm_layer *l, float *qkv, long i, const void *where)
+{
+    const struct lm_places *p = where;
+    const long half = l->rotated / 2;
+    place_qkv(l, qkv, i / p->tokens, p->length - p->tokens + i % p->tokens, p->kv,
+              p->cos ? p->cos + i * half : NULL, p->sin ? p->sin + i * half : NULL);
+}
+
+/* tformer_lm_step's arguments, for its body on a team. */
+struct lm_step {
+    const struct tformer_lm_layer *const *layers;
+    const struct tformer_kv *const *kvs;
+    long count;
+    float *x;
+    long n, tokens, length;
+    const float *cos, *sin, *bias;
+    long bias_row;
+    float *scratch;
+};
+
+static int lm_step_body(const struct exec *e, void *arg)
+{
+    const struct lm_step *st = arg;
+    int status = 0;
+    for (long j = 0; j < st->count && !status; j++) {
+        const struct tformer_lm_layer *l = st->layers[j];
+        const struct lm_scratch s = lm_scratch(l, st->scratch, st->n);
+        const struct lm_places places = {st->kvs[j], st->tokens, st->length, st->cos, st->sin};
+        struct lm_attention a = {.kv = st->kvs[j], .bias = st->bias, .bias_row = st->bias_row,
+                                 .tokens = st->tokens, .length = st->length};
+        status = lm_self_attention(e, l, st->x, st->n, &s, &a, lm_place, &places);
+        if (!status)
+            status = lm_feed_forward(e, l, st->x, st->n, &s);
+    }
+    return status;
+}
+
+/* Whether a team's chunks can compute every product of the layer for n rows. */
+static int lm_splits(const struct tformer_lm_layer *l, long n)
+{
+    return !l->moe && splits(&l->qkv, n) && splits(&l->out, n) && splits(&l->gate, n) && splits(&l->up, n)
+           && splits(&l->down, n);
+}
+
+/* `count` layers' steps, one after another, on n rows of x (n x d_model, updated in place):
+ * layer j over its cache kvs[j], each as tformer_lm_layer_step takes it (scratch: n *
+ * the largest tformer_lm_layer_scratch). With threads > 1 and products that a team can cut
+ * (every kind's, below the rows from which a kind reads its repacked copy), the steps run in
+ * one parallel region (team_step). Returns 0, or -1 where a product could not allocate. */
+int tformer_lm_step(const struct tformer_lm_layer *const *layers,
+                    const struct tformer_kv *const *kvs, long count, float *x, long n, long tokens,
+                    long length, const float *cos, const float *sin, const float *bias,
+                    long bias_row, float *scratch, int threads)
+{
+    struct lm_step st = {layers, kvs, count, x, n, tokens, length, cos, sin, bias, bias_row,
+                         scratch};
+    int team = threads > 1;
+    for (long j = 0; j < count && team; j++)
+        team = lm_splits(layers[j], n);
+    if (!team) {
+        const struct exec plain = {NULL, threads};
+        return lm_step_body(&plain, &st);
+    }
+    return team_step(threads, lm_step_body, &st);
 }
 
 /* One step of layer `l` for n rows of x (n x d_model, updated in place): `tokens` new
@@ -350,28 +833,43 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, lo
                           const float *sin, const float *bias, long bias_row, float *scratch,
                           int threads)
 {
-    const long d = l->out.n_out, H = l->heads, dv = l->d_value, half = l->rotated / 2;
-    const long width = l->qkv.n_out, ff = l->up.n_out;
-    const long hidden = (l->gate.n_out ? 2 : 1) * ff;
-    const long widest = width > hidden ? width : hidden;
-    float *h = scratch, *wide = h + n * d, *att = wide + n * widest, *out = att + n * H * dv;
-    int status = 0;
+    return tformer_lm_step(&l, &kv, 1, x, n, tokens, length, cos, sin, bias, bias_row, scratch,
+                           threads);
+}
 
-    /* self-attention */
-    const float *in = sublayer_input(l->pre_norm, &l->attn_norm, x, h, n, d);
-    if ((status = tformer_linear(&l->qkv, in, wide, n, threads)))
-        return status;
-    for (long i = 0; i < n; i++)
-        place_qkv(l, wide + i * width, i / tokens, length - tokens + i % tokens, kv,
-                  cos ? cos + i * half : NULL, sin ? sin + i * half : NULL);
-    tformer_attend_step(wide, width, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v, kv->v_row,
-                        kv->v_head, kv->v_pos, NULL, 0, tokens, bias, bias_row, att, n,
-                        kv->rows, H, H / l->kv_heads, length, tokens, l->d_head, dv, l->scale,
-                        threads);
-    if ((status = tformer_linear(&l->out, att, out, n, threads)))
-        return status;
-    residual(l->pre_norm, &l->attn_norm, x, out, n, d);
-    return lm_feed_forward(l, x, h, wide, out, n, threads);
+/* Where tformer_lm_layer_step_paged's rows store their keys and values. */
+struct paged_places {
+    const struct tformer_kv *kv;
+    const int64_t *table, *lengths;
+    long table_row, block, tokens;
+    const float *cos, *sin;
+};
+
+static void paged_place(const struct tformer_lm_layer *l, float *qkv, long i, const void *where)
+{
+    const struct paged_places *p = where;
+    const long half = l->rotated / 2, b = i / p->tokens;
+    const long s = p->lengths[b] - p->tokens + i % p->tokens;
+    place_qkv(l, qkv, p->table[b * p->table_row + s / p->block], s % p->block, p->kv,
+              p->cos ? p->cos + i * half : NULL, p->sin ? p->sin + i * half : NULL);
+}
+
+struct paged_step {
+    const struct tformer_lm_layer *l;
+    float *x;
+    long n;
+    const struct paged_places *places;
+    struct lm_attention *a;
+    float *scratch;
+};
+
+static int paged_body(const struct exec *e, void *arg)
+{
+    const struct paged_step *st = arg;
+    const struct lm_scratch s = lm_scratch(st->l, st->scratch, st->n);
+    const int status = lm_self_attention(e, st->l, st->x, st->n, &s, st->a, paged_place,
+                                         st->places);
+    return status ? status : lm_feed_forward(e, st->l, st->x, st->n, &s);
 }
 
 /* One step of layer `l` over a paged cache: `tokens` new tokens of each of n / tokens
@@ -381,7 +879,7 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, lo
  * sequence b's positions with the new ones, which are stored at positions lengths[b] -
  * tokens .. lengths[b] - 1 (their blocks given); each reads the positions up to its own,
  * with window > 0 only the last `window`. cos, sin (per row) and scratch as
- * tformer_lm_layer_step takes them.
+ * tformer_lm_layer_step takes them; with threads > 1, one parallel region as there.
  * Returns 0; -1 where a product could not allocate; -2 where a table names a block outside
  * the pool or a sequence has fewer positions than new tokens (nothing is stored then). */
 int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long n, long tokens,
@@ -390,35 +888,18 @@ int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long
                                 long window, const float *cos, const float *sin,
                                 float *scratch, int threads)
 {
-    const long d = l->out.n_out, H = l->heads, dv = l->d_value, half = l->rotated / 2;
-    const long width = l->qkv.n_out, ff = l->up.n_out;
-    const long hidden = (l->gate.n_out ? 2 : 1) * ff;
-    const long widest = width > hidden ? width : hidden;
-    float *h = scratch, *wide = h + n * d, *att = wide + n * widest, *out = att + n * H * dv;
-    int status = 0;
-
     for (long i = 0; i < n; i++) {
         const long b = i / tokens, s = lengths[b] - tokens + i % tokens;
         if (s < 0 || table[b * table_row + s / block] < 0
             || table[b * table_row + s / block] >= kv->rows)
             return -2;
     }
-    /* self-attention */
-    const float *in = sublayer_input(l->pre_norm, &l->attn_norm, x, h, n, d);
-    if ((status = tformer_linear(&l->qkv, in, wide, n, threads)))
-        return status;
-    for (long i = 0; i < n; i++) {
-        const long b = i / tokens, s = lengths[b] - tokens + i % tokens;
-        place_qkv(l, wide + i * width, table[b * table_row + s / block], s % block, kv,
-                  cos ? cos + i * half : NULL, sin ? sin + i * half : NULL);
-    }
-    if (tformer_attend_paged(wide, width, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v,
-                             kv->v_row, kv->v_head, kv->v_pos, table, table_row, block,
-                             lengths, window, att, n, tokens, kv->rows, H, H / l->kv_heads,
-                             l->d_head, dv, l->scale, threads))
-        return -2;
-    if ((status = tformer_linear(&l->out, att, out, n, threads)))
-        return status;
-    residual(l->pre_norm, &l->attn_norm, x, out, n, d);
-    return lm_feed_forward(l, x, h, wide, out, n, threads);
+    const struct paged_places places = {kv, table, lengths, table_row, block, tokens, cos, sin};
+    struct lm_attention a = {.kv = kv, .tokens = tokens, .table = table, .lengths = lengths,
+                             .table_row = table_row, .block = block, .window = window};
+    struct paged_step st = {l, x, n, &places, &a, scratch};
+    if (threads > 1 && lm_splits(l, n))
+        return team_step(threads, paged_body, &st);
+    const struct exec plain = {NULL, threads};
+    return paged_body(&plain, &st);
 }

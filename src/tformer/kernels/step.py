@@ -227,6 +227,9 @@ class LMStep:
         self.max_rows = rows
         self.rotary = self.blocks[0].attn.rotary
         self._kv: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
+        # tformer_lm_step's arrays: every layer, and every layer's cache (made anew with it)
+        self._layers = (ctypes.POINTER(LMLayer) * len(structs))(*self.pointers)
+        self._kvs = (ctypes.POINTER(KV) * len(structs))()
         self._scratch_row = max(_library().tformer_lm_layer_scratch(p) for p in self.pointers)
         self._scratch = torch.empty(0)
 
@@ -333,17 +336,16 @@ class LMStep:
             bias = bias.expand(batch, -1)
         if self._scratch.numel() < n * self._scratch_row:
             self._scratch = torch.empty(n * self._scratch_row)
-        threads = torch.get_num_threads()
         for i, c in enumerate(cache.self_attn):
             if self._kv[i][0] is not c.k:  # a new cache, or new views of the same buffers
                 self._kv[i] = (c.k, ctypes.pointer(_kv(c.k, c.v)))
-            if lib.tformer_lm_layer_step(
-                self.pointers[i], x.data_ptr(), n, tokens, self._kv[i][1], length, _ptr(cos),
-                _ptr(sin),
-                _ptr(bias), 0 if bias is None else bias.stride(0), self._scratch.data_ptr(),
-                threads,
-            ):
-                raise MemoryError(f"no memory for a decoding step of {n} rows")
+                self._kvs[i] = self._kv[i][1]
+        # Every layer in one call: with several threads, one parallel region (step.c's team).
+        if lib.tformer_lm_step(self._layers, self._kvs, len(self.pointers), x.data_ptr(), n,
+                               tokens, length, _ptr(cos), _ptr(sin), _ptr(bias),
+                               0 if bias is None else bias.stride(0), self._scratch.data_ptr(),
+                               torch.get_num_threads()):
+            raise MemoryError(f"no memory for a decoding step of {n} rows")
         for c in cache.self_attn:
             c.length = length
         return x

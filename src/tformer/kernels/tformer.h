@@ -203,6 +203,10 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
                                const struct tformer_kv *cross_kv, long source_len,
                                const float *bias, long bias_row, float *scratch, int threads);
 long tformer_lm_layer_scratch(const struct tformer_lm_layer *l);
+int tformer_lm_step(const struct tformer_lm_layer *const *layers,
+                    const struct tformer_kv *const *kvs, long count, float *x, long n, long tokens,
+                    long length, const float *cos, const float *sin, const float *bias,
+                    long bias_row, float *scratch, int threads);
 int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, long tokens,
                           const struct tformer_kv *kv, long length, const float *cos,
                           const float *sin, const float *bias, long bias_row, float *scratch,

@@ -38,16 +38,40 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-def busy_cores() -> int:
-    """Processes running or waiting for a CPU right now, this one not counted: the fourth
-    field of /proc/loadavg ("running/total"), an instantaneous count, where the load
-    averages lag by a minute. 0 where it cannot be read."""
+def busy_cores(loadavg: str = "/proc/loadavg", tasks: str = "/proc/self/task") -> int:
+    """Threads of other processes running or waiting for a CPU right now: the fourth field
+    of /proc/loadavg ("running/total"), an instantaneous count where the load averages lag
+    by a minute, less this process's own running threads (their states in /proc/self/task).
+
+    The count is of threads, not processes. Right after a parallel operation, this
+    process's OpenMP workers spin for a while (GOMP_SPINCOUNT) before they sleep: counted,
+    they made a model loaded after `torch.set_num_threads(2)` on two free cores decode with
+    one thread, at half the speed of the same load after `torch.set_num_threads(1)`.
+    0 where /proc/loadavg cannot be read."""
     try:
-        with open("/proc/loadavg") as f:
+        with open(loadavg) as f:
             running = int(f.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return 0
-    return max(running - 1, 0)
+    return max(running - own_running_threads(tasks), 0)
+
+
+def own_running_threads(tasks: str = "/proc/self/task") -> int:
+    """This process's threads that are running or runnable (state R), the caller's among
+    them; 1 (the caller) where /proc/self/task cannot be read."""
+    running = 0
+    try:
+        for tid in os.listdir(tasks):
+            try:
+                with open(os.path.join(tasks, tid, "stat")) as f:
+                    # "pid (comm) state ...": comm may hold spaces and parentheses.
+                    state = f.read().rpartition(")")[2].split()[:1]
+            except OSError:  # the thread ended meanwhile
+                continue
+            running += state == ["R"]
+    except OSError:
+        return 1
+    return max(running, 1)
 
 
 def decoding_threads(requested: int | None = None) -> int:
