@@ -3,7 +3,7 @@
 its own so that the two slow tests run on different workers).
 
 Each line runs with the same words; only the sizes are shrunk by overrides appended to
-`train` (train.steps=10 and a tiny model; three steps of the real pretrained model),
+`train` (train.steps=10 and a tiny model; one step of the real pretrained model),
 replies to 24 tokens, and the run directories and files it names are made in a temporary
 directory first (`make_workdir`).
 """
@@ -124,8 +124,11 @@ def run_line(line: str, tmp: Path, monkeypatch, capsys) -> int:
         given = {w.split("=", 1)[0] for w in words if "=" in w}  # the line's own data
         small = SMALL + [w.format(tmp=tmp) for w in config if w.split("=", 1)[0] not in given]
         if not (ROOT / words[1]).is_file() and "init_from" in config_text(words[1], tmp):
-            # a config the README writes for a pretrained model: its model is the checkpoint's
-            small = [w for w in small if not w.startswith("model.")] + ["train.steps=3"]
+            # a config the README writes for a pretrained model: its model is the checkpoint's.
+            # One step of the real model (about 1.3 s with its checkpoint): more would repeat
+            # it, and a LoRA run from init_from over several steps, evaluations and
+            # checkpoints is tests/interop/test_llama.py::test_readme_llama_example's.
+            small = [w for w in small if not w.startswith("model.")] + ["train.steps=1"]
         words += small
     if words[0] == "chat":
         words += ["--max-new-tokens", "24"]
