@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -184,24 +186,51 @@ def smollm2_file(smollm2):
 
 
 @pytest.fixture(scope="session")
-def smollm2_run(smollm2_file, tmp_path_factory) -> Path:
-    """The real model imported once for every test that needs it."""
+def smollm2_run(request, smollm2, tmp_path_factory) -> Path:
+    """The real model imported once for every test that needs it: once a session, also
+    under xdist, where three modules that use it (test_gguf_real.py,
+    test_gguf_real_strict.py, test_real_model_apis.py) may run on different workers and
+    each worker imported it again (reading the file, 5 s, and the import, 4 s). The first
+    worker to need it imports it into the folder the session's workers share, the others
+    wait for it under a lock, and a worker that finds it there reads it without reading
+    the file. Nothing writes to a checkpoint that is loaded."""
+    from filelock import FileLock
+
     from tformer.interop.gguf import save_imported
 
-    dest = tmp_path_factory.mktemp("smollm2") / "run"
-    save_imported(smollm2_file, dest)
-    return dest
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's, beside each worker's own
+    folder = root / "smollm2-shared"
+    with FileLock(str(root / "smollm2-shared.lock")):
+        if not (root / "smollm2-shared.done").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker stopped part way
+            save_imported(request.getfixturevalue("smollm2_file"), folder / "run")
+            (root / "smollm2-shared.done").touch()
+    return folder / "run"
 
 
 @pytest.fixture(scope="session")
 def smollm2_reference(smollm2):
-    """transformers' own reading of the same file, in fp32."""
-    pytest.importorskip("gguf")
+    """transformers' own reading of the same file, in fp32.
+
+    transformers reads the file's metadata twice (for the config, then for the weights),
+    each time through a new gguf.GGUFReader (about 6 s for its 49,152-token vocabulary),
+    and makes the same gguf.get_tensor_name_map(arch, layers) anew for each of the model's
+    397 modules (6.5 s): both read-only, so each is made once here (while it loads) and
+    shared. The model is the same, logits bit for bit; its load takes 6.4 s instead of
+    14-18 s (nice'd on a busy machine)."""
+    gguf = pytest.importorskip("gguf")
+    import functools
     import os
 
     os.environ.setdefault("TQDM_DISABLE", "1")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("GGUFReader", "get_tensor_name_map"):
+            if hasattr(gguf, name):
+                patch.setattr(gguf, name, functools.cache(getattr(gguf, name)))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32)
     return model.eval()
 
 
