@@ -13,7 +13,11 @@ falling back as the CPU requires). A block kind's weights are random bytes with 
 fp16 scales (the product's speed does not depend on the values), ~600 MB of them (a
 server's L3 cache holds some hundreds of MB), and the product goes through kinds.c's table
 with no repacked copy, so every row count runs the few-row product, as a decoding step's
-does; both versions must share struct tformer_linear's layout.
+does; both versions must share struct tformer_linear's layout. --many times the products of
+many rows instead (a prompt's, a batch's), as a model runs them by default: each version's
+own kinds.c decides how (over W repacked for the call, or anything else it does), one copy
+of W (the product is bound by arithmetic, not by memory), and each cell is in billions of
+multiply-adds a second (rows x n x k / time).
 
 A version is a git revision (every .c and .h file of its src/tformer/kernels, as matvec.c
 held the products before they were split by format) or a folder of such files. Each cell
@@ -109,18 +113,20 @@ def block_weights(kind: str, n: int, k: int, nbytes: int) -> torch.Tensor:
     return weights.view(copies, n, row)
 
 
-def block_rates(libs: dict, kind: str, weights: torch.Tensor, rows: int, repeats: int
-                ) -> dict[str, float]:
+def block_rates(libs: dict, kind: str, weights: torch.Tensor, rows: int, repeats: int,
+                many: bool = False) -> dict[str, float]:
     """GB/s of `kind`'s blocks read by each version's product of `rows` rows, in
-    alternation, through every copy of W in `weights` (block_weights')."""
+    alternation, through every copy of W in `weights` (block_weights'); `many`: billions of
+    multiply-adds a second instead, the product free to repack W for the call."""
     _, n, row = weights.shape
     k = row // BLOCK_KINDS[kind][1] * BLOCK_KINDS[kind][0]
     g = torch.Generator().manual_seed(1)
+    repack_rows = 5 if many else 1 << 30  # blocks.py's REPACK_MIN_ROWS, or never
     structs = [Linear(KIND_NUMBERS[kind], n, k, w.data_ptr(), None, None, None, None, 0,
-                      1 << 30) for w in weights]
+                      repack_rows) for w in weights]
     x = torch.randn(rows, k, generator=g)
     y = torch.empty(rows, n)
-    gigabytes = weights.numel() / 1e9
+    gigabytes = rows * n * k * len(structs) / 1e9 if many else weights.numel() / 1e9
     measured: dict[str, list[float]] = {name: [] for name in libs}
     for _ in range(repeats):
         for name, lib in libs.items():
@@ -173,6 +179,9 @@ def main() -> None:
     parser.add_argument("--isa", choices=list(BLOCK_PATHS), default="avx512",
                         help="the block kinds' path (tformer_blocks_isa; the best the CPU has "
                              "at most this one), as tformer picks it; avx512 by default")
+    parser.add_argument("--many", action="store_true",
+                        help="the block kinds' products of many rows, as a model runs them "
+                             "(repacked for the call where the version does): G multiply-adds/s")
     parser.add_argument("--tiny", action="store_true", help="one small matrix, to check the script")
     args = parser.parse_args()
     shapes, elements = (TINY_SHAPES, 10**4) if args.tiny else (SHAPES, 10**8)
@@ -183,17 +192,19 @@ def main() -> None:
         paths = {name: lib.tformer_blocks_isa(BLOCK_PATHS[args.isa]) for name, lib in libs.items()}
         names = {level: name for name, level in BLOCK_PATHS.items()}
         print(f"block kinds' path: {', '.join(f'{n} {names[p]}' for n, p in paths.items())}")
-        print(f"{torch.get_num_threads()} thread(s), median of {args.repeats}, GB/s of weights"
+        unit = "G multiply-adds/s" if args.many else "GB/s of weights"
+        print(f"{torch.get_num_threads()} thread(s), median of {args.repeats}, {unit} (blocks)"
               f"\n\n| product | W (n x k) | rows | {a} | {b} | ratio |\n"
               "| --- | --- | ---: | ---: | ---: | ---: |")
         for kind in args.kinds:
             for n, k in (shapes if kind in ("fp32", "int8") else block_shapes):
-                weights = None if kind in ("fp32", "int8") else block_weights(kind, n, k, nbytes)
+                weights = None if kind in ("fp32", "int8") else block_weights(
+                    kind, n, k, 1 if args.many else nbytes)
                 for rows in args.rows:
                     if weights is None:
                         r = rates(libs, n, k, rows, kind == "int8", args.repeats, elements)
                     else:
-                        r = block_rates(libs, kind, weights, rows, args.repeats)
+                        r = block_rates(libs, kind, weights, rows, args.repeats, args.many)
                     print(f"| {kind} | {n} x {k} | {rows} | {r[a]:.1f} | {r[b]:.1f} | "
                           f"{r[b] / r[a]:.2f}x |", flush=True)
 

@@ -158,13 +158,14 @@ def test_a_row_s_result_does_not_depend_on_its_batch_or_the_threads(fmt):
 def plain_unrepack(packed: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
     """blocks.c's struct repacked read back as written in its text, into W (n x k) in
     float64: per group of eight rows and block, fp32 d[8], m[8] (q8_0: int32 start[8],
-    -128 times the sum of the block's values, checked here), then u[t][o][b], value 4t + b
-    of row o, a byte (q8_0's signed; the others less their offset)."""
+    -128 times the sum of the block's values, checked here), then u[c][o][h][b], value
+    8c + 4h + b of row o, a byte (q8_0's signed; the others less their offset)."""
     nb, groups = k // 32, (n + 7) // 8
     rec = packed.view(groups, nb, 320)
     d = rec[..., :32].contiguous().view(torch.float32).double()  # [groups, nb, 8]
     m = rec[..., 32:64].contiguous().view(torch.float32).double()
-    u = rec[..., 64:].reshape(groups, nb, 8, 8, 4)  # [group, block, t, o, b]
+    u = rec[..., 64:].reshape(groups, nb, 4, 8, 2, 4).transpose(3, 4)  # [group, block, c, h, o, b]
+    u = u.reshape(groups, nb, 8, 8, 4)  # [group, block, t = 2c + h, o, b]
     v = (u.view(torch.int8) if fmt == "q8_0" else u).double()
     if fmt == "q8_0":
         start = rec[..., 32:64].contiguous().view(torch.int32)

@@ -173,17 +173,20 @@ def test_a_row_s_result_does_not_depend_on_its_batch_or_the_threads(fmt):
 
 def plain_unrepack(packed: torch.Tensor, n: int, k: int) -> np.ndarray:
     """kquants.c's struct krepacked read back as its text writes it, into W (n x k) in
-    float64: per group of eight rows and super-block, fp32 d[8], dmin[8], int32 sc[16][8],
-    int16 mn[8][8][2] (group g's minimum at [g / 2][o][g % 2]), then u[64][8][4], value
-    4t + b of row o; w = d sc u - dmin mn for each group of 16."""
+    float64: per group of eight rows and super-block, fp32 d[8], dmin[8], int16 sc[16][8][2]
+    (the scale twice), int16 mn[8][8][2] (group g's minimum at [g / 2][o][g % 2]), then
+    u[32][8][2][4], value 8c + 4h + b of row o at [c][o][h][b]; w = d sc u - dmin mn for each
+    group of 16."""
     nb, groups = k // 256, (n + 7) // 8
     rec = packed.view(groups, nb, 2880).numpy()
     d = rec[..., :32].copy().view(np.float32).astype(np.float64)  # [group, sb, o]
     dmin = rec[..., 32:64].copy().view(np.float32).astype(np.float64)
-    sc = rec[..., 64:576].copy().view(np.int32).reshape(groups, nb, 16, 8)
+    sc2 = rec[..., 64:576].copy().view(np.int16).reshape(groups, nb, 16, 8, 2)
+    assert (sc2[..., 0] == sc2[..., 1]).all()
+    sc = sc2[..., 0]
     mn = rec[..., 576:832].copy().view(np.int16).reshape(groups, nb, 8, 8, 2)
     mn = mn.transpose(0, 1, 3, 2, 4).reshape(groups, nb, 8, 16)  # [group, sb, o, g]
-    u = rec[..., 832:].reshape(groups, nb, 64, 8, 4).transpose(0, 3, 1, 2, 4)
+    u = rec[..., 832:].reshape(groups, nb, 32, 8, 2, 4).transpose(0, 3, 1, 2, 4, 5)
     u = u.reshape(groups, 8, nb, 16, 16).astype(np.float64)  # [group, o, sb, g, j]
     scale = (d[..., None] * sc.transpose(0, 1, 3, 2)).transpose(0, 2, 1, 3)  # [group, o, sb, g]
     low = (dmin[..., None] * mn).transpose(0, 2, 1, 3)
@@ -211,8 +214,8 @@ def test_repacking_keeps_every_value_and_fills_the_last_group_with_zeros(fmt):
 def test_repacked_products_are_the_few_row_products_bit_for_bit(path, fmt):
     """Over repacked weights, on every path: the super-block arithmetic in float64 within
     fp32 rounding, and the few-row product's results exactly (the same integer sums, the
-    same fp32 operations in the same order); 5 and 70 rows (not multiples of the tile of
-    4, more than a chunk of 64), 11 outputs (not a multiple of the group of 8), threads 1
+    same fp32 operations in the same order); 5, 7 and 70 rows (not multiples of the tiles of
+    2 and 4, more than a chunk of 64), 11 outputs (not a multiple of the group of 8), threads 1
     and 2."""
     n, k = 11, 512
     raw = blocks.quantize(awkward_weight(n, k, seed=2), fmt)
@@ -227,7 +230,7 @@ def test_repacked_products_are_the_few_row_products_bit_for_bit(path, fmt):
     want, scale = xq @ w.T, np.abs(xq) @ np.abs(w).T + 1
     threads = torch.get_num_threads()
     try:
-        for m in (5, 70):
+        for m in (5, 7, 70):
             for b in (bias, None):
                 torch.set_num_threads(1)
                 got = blocks.call(path, fmt, x[:m], raw, n, k, b, packed)
@@ -240,6 +243,39 @@ def test_repacked_products_are_the_few_row_products_bit_for_bit(path, fmt):
         assert torch.equal(blocks.call(path, fmt, x, raw, n, k, None, packed), got)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("path", list(PATHS), indirect=True)
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_the_largest_sums_a_super_block_can_hold_are_exact(path, fmt):
+    """Every value at its kind's top (q4_k 15, q5_k 31, q6_k 63), every scale and minimum at
+    its largest (q6_k's +127 and -128), and x at +-127 in every place: the sums the repacked
+    product keeps in 16 bits before scaling reach their bounds (8 * 31 * 127 and
+    4 * 63 * 127) and stay exact, over repacked W and the file's bytes alike."""
+    n, k = 8, 512
+    size = blocks.LAYOUTS[fmt].size
+    raw = torch.full((n, k // 256, size), 0xFF, dtype=torch.uint8)
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    at = [0, 2] if fmt != "q6_k" else [208]  # d (and dmin): 1.0, where fp16's 0xFFFF is NaN
+    for a in at:
+        raw[..., a:a + 2] = one
+    if fmt == "q6_k":
+        raw[::2, :, 192:208] = 0x80  # scale -128 in every other row
+    raw = raw.reshape(n, -1)
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, 256:] = -1.0
+    qtype = gguf.GGMLQuantizationType(blocks.GGML_TYPES[fmt])
+    w = gguf_quants.dequantize(raw.numpy(), qtype).astype(np.float64)
+    want = q8_k(x) @ w.T
+    packed = blocks.repack(path, fmt, raw, k)
+    few = blocks.call(path, fmt, x, raw, n, k, None)
+    assert np.allclose(few.double().numpy(), want, rtol=1e-6, atol=0)
+    for m in (5, 6, 7, 8):  # the kernels' last tile of x 1 to 4 rows
+        rows = torch.arange(m) % 4
+        got = blocks.call(path, fmt, x[rows], raw, n, k, None, packed)
+        assert torch.equal(got, few[rows]), (fmt, m)
 
 
 def test_the_c_table_gives_each_kind_the_layout_s_geometry():

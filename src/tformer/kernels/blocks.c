@@ -53,13 +53,14 @@ struct xblocks {
 
 /* W repacked for products of many rows (tformer_blocks_repack): W's rows eight at a time
  * (a group; the last one filled out with zero rows), and for each block of the group the
- * eight rows' scales, as fp32, and values, one byte each, interleaved four bytes at a time:
- * u[t][o] holds values 4t .. 4t + 3 of output o, so that one 32-byte load is one group of
- * four for all eight outputs, lane o output o's (blocks_isa.h's group). The values are the
- * file's: q8_0's signed bytes, the 4- and 5-bit kinds' 0 .. 15 and 0 .. 31 with their
- * offsets still in them (q4_0's 8, q5_0's 16), m 0 where the kind has no minimum (q8_0's
- * slot holds start instead). A block
- * of eight rows is 320 bytes, 40 a row where the file's q4_0 takes 18, q8_0 34. */
+ * eight rows' scales, as fp32, and values, one byte each, eight of an output at a time in
+ * two fours: u[c][o][h] holds values 8c + 4h .. 8c + 4h + 3 of output o, so that a 32-byte
+ * load is four outputs' eight values and a 64-byte one eight outputs', each 32-bit lane
+ * (o, h) four values that x's eight bytes 8c .. 8c + 7, broadcast as one word, meet in the
+ * same lane (blocks_isa.h's group). The values are the file's: q8_0's signed bytes, the 4-
+ * and 5-bit kinds' 0 .. 15 and 0 .. 31 with their offsets still in them (q4_0's 8, q5_0's
+ * 16), m 0 where the kind has no minimum (q8_0's slot holds start instead). A block of
+ * eight rows is 320 bytes, 40 a row where the file's q4_0 takes 18, q8_0 34. */
 struct repacked {
     float d[8];
     union {
@@ -68,7 +69,7 @@ struct repacked {
          * VNNI paths start from where they take x + 128 unsigned (blocks_isa.h) */
         int32_t start[8];
     };
-    uint8_t u[8][8][4];
+    uint8_t u[4][8][2][4];
 };
 
 static inline void lane_sums(const int8_t *q, int32_t *lane8)
@@ -264,7 +265,7 @@ static inline __attribute__((always_inline)) void groups_generic_kind(
                     const int8_t *xq = xb->qx + at * BLOCK;
                     int32_t s = 0;
                     for (int j = 0; j < BLOCK; j++) {
-                        const uint8_t v = blk->u[j / 4][o][j % 4];
+                        const uint8_t v = blk->u[j / 8][o][j / 4 % 2][j % 4];
                         s += (kind == KIND_Q8_0 ? (int32_t)(int8_t)v : (int32_t)v) * xq[j];
                     }
                     s -= offset_of(kind) * xb->isum[at];
@@ -306,10 +307,12 @@ static void groups_generic(int kind, const struct xblocks *xb, long i0, int M,
 #undef BLK_DPBUSD
 
 #define BLK_NAME(name) name##_vnni512
-#define BLK_TARGET __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")))
+#define BLK_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vnni,avx512vl,avx512bw")))
 #define BLK_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #define BLK_BYTE_MASKS
+#define BLK_512
 #include "blocks_isa.h"
+#undef BLK_512
 #undef BLK_BYTE_MASKS
 #undef BLK_NAME
 #undef BLK_TARGET
@@ -485,7 +488,7 @@ int tformer_blocks_repack(int kind, const uint8_t *w, long n, long k, uint8_t *o
             block_values(kind, w + row * nb * size + q * size, v, &blk->d[o], &blk->m[o]);
             int32_t sum = 0;
             for (int j = 0; j < BLOCK; j++) {
-                blk->u[j / 4][o][j % 4] = v[j];
+                blk->u[j / 8][o][j / 4 % 2][j % 4] = v[j];
                 sum += (int8_t)v[j];
             }
             if (kind == KIND_Q8_0)
@@ -513,12 +516,14 @@ int tformer_blocks_repacked_linear(int kind, const float *x, long m, const uint8
                           : isa == BISA_AVX512_VNNI ? groups_vnni512
                                                     : groups_avx2;
     const struct repacked *w = (const struct repacked *)packed;
+    const int step = isa == BISA_AVX512_VNNI ? 4 : 2; /* rows of x at a time (BLK_NAME(groups)) */
     for (long c = 0; c < m; c += X_CHUNK) {
         const long end = c + X_CHUNK < m ? c + X_CHUNK : m;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (long g = 0; g < groups; g++)
-            for (long i = c; i < end; i += 4)
-                run(kind, &xb, i, end - i < 4 ? (int)(end - i) : 4, w, b, y, n, nb, g, g + 1);
+            for (long i = c; i < end; i += step)
+                run(kind, &xb, i, end - i < step ? (int)(end - i) : step, w, b, y, n, nb, g,
+                    g + 1);
     }
     xblocks_free(&xb);
     return 0;

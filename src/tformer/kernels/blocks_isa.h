@@ -150,12 +150,17 @@ BLK_TARGET static void BLK_NAME(rows)(int kind, const struct xblocks *xb, long i
 
 /* The product over repacked weights (blocks.c's struct repacked: eight rows of W side by
  * side, a block's values one byte each): rows [i0, i0 + M) of x against the eight outputs
- * of one group. Lane o of a vector is output o: register t of a block holds the eight
- * outputs' values 4t .. 4t + 3, so eight byte products with x's four bytes t, broadcast,
- * sum each output's block exactly in its own lane, starting from -offset * sum(q_x). Then,
- * as the plain C product: acc += (fp32) s * (d_w * d_x), off += m_w * (d_x sum(q_x)),
- * each a rounding of its own (the build does not fuse), and acc + off (+ b) at the end, so
- * the results are the plain C product's, bit for bit. */
+ * of one group. A register of W holds four outputs' values four to a 32-bit lane, lane
+ * (o, h) values 8c + 4h .. 8c + 4h + 3 of output o, which x's eight bytes 8c .. 8c + 7,
+ * broadcast as one 64-bit word, meet in the same lane: multiply-adds of four byte pairs a
+ * lane (vpdpbusd, or AVX2's byte multiply-adds) sum each output's block exactly in its lanes
+ * (o, 0) and (o, 1), the first starting from -offset * sum(q_x) (q8_0 on VNNI: from start,
+ * x taken + 128), and each register of W serves up to four rows of x (BLK_512, whose 32
+ * registers hold them; else two). (512-bit registers, eight outputs each, ran no faster
+ * here: a block's 32 values are four of them, and the fp32 steps below, one a block, weigh
+ * as much.) The pair of lanes added, as the plain C product: acc += (fp32) s * (d_w * d_x),
+ * off += m_w * (d_x sum(q_x)), each a rounding of its own (the build does not fuse), and
+ * acc + off (+ b) at the end, so the results are the plain C product's, bit for bit. */
 BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(group)(
     const int kind, const struct xblocks *xb, long i0, const struct repacked *w,
     const float *b, float *y, long n, long nb, long g, const int M)
@@ -168,36 +173,64 @@ BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(group)(
         acc[i] = off[i] = _mm256_setzero_ps();
     const struct repacked *blk = w + g * nb;
     for (long q = 0; q < nb; q++, blk++) {
+        const uint8_t *xq[4];
+        long at[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            at[i] = (i0 + i) * nb + q;
+            xq[i] = (const uint8_t *)(xb->qx + at[i] * BLOCK);
+        }
+        __m256i s8[4];
+        __m256i sa[4], sb[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            sa[i] = sb[i] = _mm256_set1_epi64x((uint32_t)(-offset_of(kind) * xb->isum[at[i]]));
+#ifdef BLK_DOT
+            if (kind == KIND_Q8_0) {
+                sa[i] = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)blk->start));
+                sb[i] = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(blk->start + 4)));
+            }
+#endif
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i va = _mm256_loadu_si256((const __m256i *)blk->u[c][0]);
+            const __m256i vb = _mm256_loadu_si256((const __m256i *)blk->u[c][4]);
+#pragma GCC unroll 4
+            for (int i = 0; i < M; i++) {
+                const __m256i xs = _mm256_set1_epi64x((long long)load_u32(xq[i] + 8 * c)
+                                                      | (long long)load_u32(xq[i] + 8 * c + 4) << 32);
+#ifdef BLK_DOT
+                if (kind == KIND_Q8_0) {
+                    const __m256i xu = _mm256_xor_si256(xs, _mm256_set1_epi8(-128));
+                    sa[i] = BLK_SUM(sa[i], xu, va);
+                    sb[i] = BLK_SUM(sb[i], xu, vb);
+                    continue;
+                }
+#else
+                if (kind == KIND_Q8_0) { /* signed weights: |w| times x with w's sign */
+                    sa[i] = BLK_SUM(sa[i], _mm256_sign_epi8(va, va), _mm256_sign_epi8(xs, va));
+                    sb[i] = BLK_SUM(sb[i], _mm256_sign_epi8(vb, vb), _mm256_sign_epi8(xs, vb));
+                    continue;
+                }
+#endif
+                sa[i] = BLK_SUM(sa[i], va, xs);
+                sb[i] = BLK_SUM(sb[i], vb, xs);
+            }
+        }
+        /* [o0 o1 o4 o5 | o2 o3 o6 o7] from the pairs' sums, to outputs in order */
+        const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++)
+            s8[i] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(sa[i], sb[i]), order);
         const __m256 dw = _mm256_loadu_ps(blk->d);
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            const long at = (i0 + i) * nb + q;
-            const uint8_t *xq = (const uint8_t *)(xb->qx + at * BLOCK);
-            __m256i sum = _mm256_set1_epi32(-offset_of(kind) * xb->isum[at]);
-#ifdef BLK_DOT
-            /* q8_0's signed weights: x + 128 (x ^ 0x80, unsigned) times w, from -128 sum(w) */
-            if (kind == KIND_Q8_0)
-                sum = _mm256_loadu_si256((const __m256i *)blk->start);
-#endif
-#pragma GCC unroll 8
-            for (int t = 0; t < 8; t++) {
-                const __m256i xs = _mm256_set1_epi32((int)load_u32(xq + 4 * t));
-                const __m256i v = _mm256_loadu_si256((const __m256i *)blk->u[t]);
-#ifdef BLK_DOT
-                if (kind == KIND_Q8_0)
-                    sum = BLK_SUM(sum, _mm256_xor_si256(xs, _mm256_set1_epi8(-128)), v);
-#else
-                if (kind == KIND_Q8_0) /* signed weights: |w| times x with w's sign */
-                    sum = BLK_SUM(sum, _mm256_sign_epi8(v, v), _mm256_sign_epi8(xs, v));
-#endif
-                else
-                    sum = BLK_SUM(sum, v, xs);
-            }
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb->dx[at]));
-            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb->dx[at[i]]));
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(s8[i]), scale));
             if (has_min(kind))
                 off[i] = _mm256_add_ps(
-                    off[i], _mm256_mul_ps(_mm256_loadu_ps(blk->m), _mm256_set1_ps(xb->sx[at])));
+                    off[i], _mm256_mul_ps(_mm256_loadu_ps(blk->m), _mm256_set1_ps(xb->sx[at[i]])));
         }
     }
     const long valid = n - g * 8 < 8 ? n - g * 8 : 8;
@@ -215,7 +248,8 @@ BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(group)(
     }
 }
 
-/* Rows [i0, i0 + M) of x (M at most 4) times groups [g0, g1) of repacked W. */
+/* Rows [i0, i0 + M) of x (M at most 4 with BLK_512, else 2) times groups [g0, g1) of
+ * repacked W. */
 BLK_TARGET static void BLK_NAME(groups)(int kind, const struct xblocks *xb, long i0, int M,
                                         const struct repacked *w, const float *b, float *y,
                                         long n, long nb, long g0, long g1)
@@ -226,6 +260,7 @@ BLK_TARGET static void BLK_NAME(groups)(int kind, const struct xblocks *xb, long
             BLK_NAME(group)(KIND, xb, i0, w, b, y, n, nb, g, MM);                          \
         return;                                                                            \
     }
+#ifdef BLK_512
 #define BLK_KIND(KIND)                                                                     \
     switch (M) {                                                                           \
     case 1: BLK_GROUPS(KIND, 1)                                                            \
@@ -233,6 +268,13 @@ BLK_TARGET static void BLK_NAME(groups)(int kind, const struct xblocks *xb, long
     case 3: BLK_GROUPS(KIND, 3)                                                            \
     default: BLK_GROUPS(KIND, 4)                                                           \
     }
+#else
+#define BLK_KIND(KIND)                                                                     \
+    switch (M) {                                                                           \
+    case 1: BLK_GROUPS(KIND, 1)                                                            \
+    default: BLK_GROUPS(KIND, 2)                                                           \
+    }
+#endif
     switch (kind) {
     case KIND_Q8_0: BLK_KIND(KIND_Q8_0)
     case KIND_Q4_0: BLK_KIND(KIND_Q4_0)

@@ -75,16 +75,19 @@ struct unpacked {
 
 /* W repacked for products of many rows (tformer_kquants_repack): W's rows eight at a time
  * (a group; the last one filled out with zero rows), and for each super-block of the group
- * the eight rows' unpackings side by side: d and dmin in fp32, each group of 16's scale
- * (sc[g][o]) and minimum (mn[g / 2][o][g % 2], 16-bit pairs), and the values a byte each,
- * interleaved four at a time: u[t][o] holds values 4t .. 4t + 3 of output o (kquants_isa.h
- * says why). 2,880 bytes for eight rows' super-blocks, 360 a row where the file's q4_k
- * takes 144, q6_k 210. */
+ * the eight rows' unpackings side by side: d and dmin in fp32; each group of 16's scale in
+ * 16 bits, twice (sc[g][o][h]: the two halves of a 32-bit lane's pair, below); the minimums
+ * (mn[g / 2][o][g % 2], 16-bit pairs); and the values a byte each, eight of an output at a
+ * time in two fours: u[c][o][h] holds values 8c + 4h .. 8c + 4h + 3 of output o, so that a
+ * register of W holds four (256-bit) or eight (512-bit) outputs' two fours side by side,
+ * each of its 32-bit lanes (o, h) the four values that x's eight bytes 8c .. 8c + 7,
+ * broadcast, meet in the same lane (kquants_isa.h says why). 2,880 bytes for eight rows'
+ * super-blocks, 360 a row where the file's q4_k takes 144, q6_k 210. */
 struct krepacked {
     float d[8], dmin[8];
-    int32_t sc[GROUPS][8];
+    int16_t sc[GROUPS][8][2];
     int16_t mn[GROUPS / 2][8][2];
-    uint8_t u[QK / 4][8][4];
+    uint8_t u[QK / 8][8][2][4];
 };
 
 static inline uint16_t load_u16(const uint8_t *p)
@@ -321,12 +324,10 @@ KQ_AVX2 static void quantize_superblock_avx2(const float *x, int8_t *q, float *d
 #undef KQ_DPBUSD
 
 #define KQ_NAME(name) name##_vnni512
-#define KQ_TARGET __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl")))
-#define KQ_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#include "kquants_isa.h"
-#undef KQ_TARGET
 #define KQ_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define KQ_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #define KQ_512
+#include "kquants_isa.h"
 #include "kquants_rows.h"
 #undef KQ_512
 #undef KQ_NAME
@@ -336,9 +337,11 @@ KQ_AVX2 static void quantize_superblock_avx2(const float *x, int8_t *q, float *d
 
 /* The product over repacked W in plain C: each output's integer sums as the few-row
  * product's, and the same fp32 operations in the same order. */
-static void kgroups_generic(const struct kx *xb, long i0, int M, const struct krepacked *w,
-                            const float *b, float *y, long n, long nb, long gr)
+static void kgroups_generic(int kind, const struct kx *xb, long i0, int M,
+                            const struct krepacked *w, const float *b, float *y, long n, long nb,
+                            long gr)
 {
+    (void)kind;
     for (int i = 0; i < M; i++)
         for (int o = 0; o < 8 && gr * 8 + o < n; o++) {
             float acc = 0.0f;
@@ -351,8 +354,8 @@ static void kgroups_generic(const struct kx *xb, long i0, int M, const struct kr
                 for (int g = 0; g < GROUPS; g++) {
                     int32_t p = 0;
                     for (int j = 16 * g; j < 16 * g + 16; j++)
-                        p += blk->u[j / 4][o][j % 4] * xq[j];
-                    s += blk->sc[g][o] * p;
+                        p += blk->u[j / 8][o][j / 4 % 2][j % 4] * xq[j];
+                    s += blk->sc[g][o][0] * p;
                     mins += blk->mn[g / 2][o][g % 2] * bs[g];
                 }
                 acc += (float)s * (blk->d[o] * xb->d[at])
@@ -362,7 +365,7 @@ static void kgroups_generic(const struct kx *xb, long i0, int M, const struct kr
         }
 }
 
-typedef void (*kgroups_fn)(const struct kx *, long, int, const struct krepacked *,
+typedef void (*kgroups_fn)(int, const struct kx *, long, int, const struct krepacked *,
                            const float *, float *, long, long, long);
 
 /* Bytes of W (n x k, a K kind) repacked: n rounded up to a group of eight. */
@@ -382,21 +385,25 @@ int tformer_kquants_repack(int kind, const uint8_t *w, long n, long k, uint8_t *
     const long nb = k / QK, size = formats[kind - TFORMER_Q4_K].size;
     const unpack_fn unpack = formats[kind - TFORMER_Q4_K].unpack_c;
     struct krepacked *r = (struct krepacked *)out;
-    memset(out, 0, (size_t)tformer_kquants_repacked_size(kind, n, k));
-    for (long row = 0; row < n; row++)
+    for (long g8 = 0; g8 < (n + 7) / 8; g8++)
         for (long sb = 0; sb < nb; sb++) {
-            struct krepacked *blk = r + (row / 8) * nb + sb;
-            const int o = (int)(row % 8);
-            struct unpacked p;
-            unpack(w + (row * nb + sb) * size, &p);
-            blk->d[o] = p.d;
-            blk->dmin[o] = p.dmin;
-            for (int g = 0; g < GROUPS; g++) {
-                blk->sc[g][o] = p.sc[g];
-                blk->mn[g / 2][o][g % 2] = (int16_t)p.mn[g]; /* at most 32 * 128 in size */
+            struct krepacked *blk = r + g8 * nb + sb;
+            for (int o = 0; o < 8; o++) {
+                const long row = g8 * 8 + o;
+                struct unpacked p;
+                if (row < n)
+                    unpack(w + (row * nb + sb) * size, &p);
+                else
+                    memset(&p, 0, sizeof p); /* the last group filled out with zero rows */
+                blk->d[o] = p.d;
+                blk->dmin[o] = p.dmin;
+                for (int g = 0; g < GROUPS; g++) {
+                    blk->sc[g][o][0] = blk->sc[g][o][1] = (int16_t)p.sc[g];
+                    blk->mn[g / 2][o][g % 2] = (int16_t)p.mn[g]; /* at most 32 * 128 in size */
+                }
+                for (int c = 0; c < QK / 8; c++) /* eight values at a time */
+                    memcpy(blk->u[c][o], p.u + 8 * c, 8);
             }
-            for (int j = 0; j < QK; j++)
-                blk->u[j / 4][o][j % 4] = p.u[j];
         }
     return 0;
 }
@@ -453,12 +460,14 @@ static int kquants_repacked_linear(const struct tformer_linear *l, const float *
                            : isa == TFORMER_BLOCKS_AVX512_VNNI ? kgroups_vnni512
                                                                : kgroups_avx2;
     const struct krepacked *w = l->packed;
+    const int step = isa == TFORMER_BLOCKS_AVX512_VNNI ? 4 : 2; /* rows of x at a time */
     for (long c = 0; c < m; c += X_CHUNK) {
         const long end = c + X_CHUNK < m ? c + X_CHUNK : m;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (long gr = 0; gr < groups; gr++)
-            for (long i = c; i < end; i += 4)
-                run(&xb, i, end - i < 4 ? (int)(end - i) : 4, w, l->bias, y, n, nb, gr);
+            for (long i = c; i < end; i += step)
+                run(l->kind, &xb, i, end - i < step ? (int)(end - i) : step, w, l->bias, y, n,
+                    nb, gr);
     }
     kx_free(&xb);
     return 0;

@@ -6,67 +6,192 @@
  *   KQ_VNNI        defined: sums of four byte products with a VNNI instruction (KQ_DPBUSD);
  *                  else with AVX2's byte multiply-add (pairs at most 2 * 63 * 127: no
  *                  saturation)
+ *   KQ_512         defined: AVX-512 (F, BW, VNNI), eight outputs' two fours a register
  *
- * Lane o of a vector is output o of a group of eight: register t of a super-block holds the
- * eight outputs' values 4t .. 4t + 3, so four byte products with x's four bytes, broadcast,
- * give each output its group of 16's sum in its own lane, which its scale multiplies. The
+ * A register of W holds outputs' values four to a 32-bit lane, lane (o, h) values
+ * 8c + 4h .. 8c + 4h + 3 of output o (struct krepacked's u[c]): x's eight bytes 8c .. 8c + 7
+ * broadcast as one 64-bit word meet them in the same lanes, so one multiply-add of four byte
+ * pairs a lane (vpdpbusd) serves four outputs (256-bit) or eight (512-bit) with no shuffle;
+ * each register of W is loaded once for up to four rows of x. A group of 16 values is two
+ * such steps; its sum a lane, at most 8 * 63 * 127 for q4_k and q5_k (values below 32) and
+ * so within 16 bits, times the group's scale with one 16-bit multiply-add (vpmaddwd against
+ * the scale as [sc, 0]: the lane's top half, the sum's sign, meets the 0) instead of a 32-bit
+ * multiply, which costs two; q6_k's values reach 63, and its sums take the scale after each
+ * step (4 * 63 * 127 a lane). Lanes (o, 0) and (o, 1) are added once a super-block. The
  * minimums' sum takes x's group sums two at a time against the outputs' minimums (16-bit
  * pairs, _mm256_madd_epi16). Both integer sums are the plain C ones exactly, and the fp32
  * operations the same in the same order: the results are the few-row product's, bit for
  * bit. */
 
-#ifdef KQ_VNNI
-#define KQ_SUM(acc, u, s) KQ_DPBUSD(acc, u, s)
-#else
-#define KQ_SUM(acc, u, s)                                                                  \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones))
-#endif
-
-/* Rows [i0, i0 + M) of x (M at most 4) against group gr of W's rows (8 outputs). */
-KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kgroup)(
-    const struct kx *xb, long i0, const struct krepacked *w, const float *b, float *y,
-    long n, long nb, long gr, const int M)
+/* The minimums' sums and the fp32 steps of a super-block, shared by both widths: s[i] (row i
+ * of x: output o's scaled sum in lane o) and x's group sums against the minimums into
+ * acc[i], as kquants.c's plain C product adds them. */
+KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kfinish_sb)(
+    const struct kx *xb, long i0, long nb, long sb, const struct krepacked *blk,
+    const __m256i *s, __m256 *acc, const int M)
 {
-    const __m256i ones = _mm256_set1_epi16(1);
-    (void)ones;
+    __m256i mins[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++)
+        mins[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int h = 0; h < GROUPS / 2; h++) {
+        const __m256i mn = _mm256_loadu_si256((const __m256i *)blk->mn[h]);
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            const int32_t *bs = xb->bsums + ((i0 + i) * nb + sb) * GROUPS;
+            const uint32_t pair = (uint16_t)bs[2 * h] | (uint32_t)bs[2 * h + 1] << 16;
+            mins[i] = _mm256_add_epi32(mins[i],
+                                       _mm256_madd_epi16(mn, _mm256_set1_epi32((int)pair)));
+        }
+    }
+    const __m256 d = _mm256_loadu_ps(blk->d), dmin = _mm256_loadu_ps(blk->dmin);
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++) {
+        const __m256 dx = _mm256_set1_ps(xb->d[(i0 + i) * nb + sb]);
+        const __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(d, dx));
+        const __m256 t2 = _mm256_mul_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_mul_ps(dmin, dx));
+        acc[i] = _mm256_add_ps(acc[i], _mm256_sub_ps(t1, t2));
+    }
+}
+
+/* x's eight bytes 8c .. 8c + 7 of row i's super-block, as one 64-bit word. */
+#define KQ_EIGHT(i, c)                                                                     \
+    ({                                                                                     \
+        long long eight_;                                                                  \
+        memcpy(&eight_, xq[i] + 8 * (c), sizeof eight_);                                   \
+        eight_;                                                                            \
+    })
+
+#ifdef KQ_512
+/* Rows [i0, i0 + M) of x (M at most 4) against group gr of W's rows (8 outputs), a register
+ * of W (64 bytes: u[c]) for eight outputs. */
+KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kgroup)(
+    const int kind, const struct kx *xb, long i0, const struct krepacked *w, const float *b,
+    float *y, long n, long nb, long gr, const int M)
+{
     __m256 acc[4];
 #pragma GCC unroll 4
     for (int i = 0; i < M; i++)
         acc[i] = _mm256_setzero_ps();
     const struct krepacked *blk = w + gr * nb;
     for (long sb = 0; sb < nb; sb++, blk++) {
-        const __m256 d = _mm256_loadu_ps(blk->d), dmin = _mm256_loadu_ps(blk->dmin);
+        const uint8_t *xq[4];
+        __m512i s[4];
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            const long at = (i0 + i) * nb + sb;
-            const uint8_t *xq = (const uint8_t *)(xb->q + at * QK);
-            const int32_t *bs = xb->bsums + at * GROUPS;
-            __m256i s = _mm256_setzero_si256(), mins = _mm256_setzero_si256();
-            for (int g = 0; g < GROUPS; g++) {
-                __m256i p = _mm256_setzero_si256();
-#pragma GCC unroll 4
-                for (int t = 4 * g; t < 4 * g + 4; t++) {
-                    uint32_t four;
-                    memcpy(&four, xq + 4 * t, sizeof four);
-                    p = KQ_SUM(p, _mm256_loadu_si256((const __m256i *)blk->u[t]),
-                               _mm256_set1_epi32((int)four));
-                }
-                s = _mm256_add_epi32(
-                    s, _mm256_mullo_epi32(p, _mm256_loadu_si256((const __m256i *)blk->sc[g])));
-            }
-#pragma GCC unroll 8
-            for (int h = 0; h < GROUPS / 2; h++) {
-                const uint32_t pair = (uint16_t)bs[2 * h] | (uint32_t)bs[2 * h + 1] << 16;
-                mins = _mm256_add_epi32(
-                    mins, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)blk->mn[h]),
-                                            _mm256_set1_epi32((int)pair)));
-            }
-            const __m256 dx = _mm256_set1_ps(xb->d[at]);
-            const __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, dx));
-            const __m256 t2 = _mm256_mul_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx));
-            acc[i] = _mm256_add_ps(acc[i], _mm256_sub_ps(t1, t2));
+            xq[i] = (const uint8_t *)(xb->q + ((i0 + i) * nb + sb) * QK);
+            s[i] = _mm512_setzero_si512();
         }
+#pragma GCC unroll 2
+        for (int g = 0; g < GROUPS; g++) {
+            const __m512i sc = _mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)blk->sc[g]));
+            __m512i p[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < M; i++)
+                p[i] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                const int c = 2 * g + half;
+                const __m512i u = _mm512_loadu_si512((const void *)blk->u[c]);
+#pragma GCC unroll 4
+                for (int i = 0; i < M; i++)
+                    p[i] = _mm512_dpbusd_epi32(p[i], u, _mm512_set1_epi64(KQ_EIGHT(i, c)));
+                if (kind == TFORMER_Q6_K) {
+#pragma GCC unroll 4
+                    for (int i = 0; i < M; i++) {
+                        s[i] = _mm512_add_epi32(s[i], _mm512_madd_epi16(p[i], sc));
+                        p[i] = _mm512_setzero_si512();
+                    }
+                }
+            }
+            if (kind != TFORMER_Q6_K) {
+#pragma GCC unroll 4
+                for (int i = 0; i < M; i++)
+                    s[i] = _mm512_add_epi32(s[i], _mm512_madd_epi16(p[i], sc));
+            }
+        }
+        __m256i s8[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) /* lane (o, 0) + lane (o, 1), to lane o */
+            s8[i] = _mm512_cvtepi64_epi32(_mm512_add_epi32(s[i], _mm512_srli_epi64(s[i], 32)));
+        KQ_NAME(kfinish_sb)(xb, i0, nb, sb, blk, s8, acc, M);
     }
+#else
+#ifdef KQ_VNNI
+#define KQ_SUM(acc, u, s) KQ_DPBUSD(acc, u, s)
+#else
+#define KQ_SUM(acc, u, s)                                                                  \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones))
+#endif
+/* Rows [i0, i0 + M) of x (M at most 2: AVX2 has 16 registers) against group gr of W's rows
+ * (8 outputs), two registers of W (u[c]'s halves) for four outputs each. */
+KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kgroup)(
+    const int kind, const struct kx *xb, long i0, const struct krepacked *w, const float *b,
+    float *y, long n, long nb, long gr, const int M)
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;
+    __m256 acc[4];
+#pragma GCC unroll 2
+    for (int i = 0; i < M; i++)
+        acc[i] = _mm256_setzero_ps();
+    const struct krepacked *blk = w + gr * nb;
+    for (long sb = 0; sb < nb; sb++, blk++) {
+        const uint8_t *xq[2];
+        __m256i sa[2], sb4[2];
+#pragma GCC unroll 2
+        for (int i = 0; i < M; i++) {
+            xq[i] = (const uint8_t *)(xb->q + ((i0 + i) * nb + sb) * QK);
+            sa[i] = sb4[i] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 2
+        for (int g = 0; g < GROUPS; g++) {
+            const __m256i sca = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)blk->sc[g][0]));
+            const __m256i scb = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)blk->sc[g][4]));
+            __m256i pa[2], pb[2];
+#pragma GCC unroll 2
+            for (int i = 0; i < M; i++)
+                pa[i] = pb[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                const int c = 2 * g + half;
+                const __m256i ua = _mm256_loadu_si256((const __m256i *)blk->u[c][0]);
+                const __m256i ub = _mm256_loadu_si256((const __m256i *)blk->u[c][4]);
+#pragma GCC unroll 2
+                for (int i = 0; i < M; i++) {
+                    const __m256i x8 = _mm256_set1_epi64x(KQ_EIGHT(i, c));
+                    pa[i] = KQ_SUM(pa[i], ua, x8);
+                    pb[i] = KQ_SUM(pb[i], ub, x8);
+                }
+                if (kind == TFORMER_Q6_K) {
+#pragma GCC unroll 2
+                    for (int i = 0; i < M; i++) {
+                        sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(pa[i], sca));
+                        sb4[i] = _mm256_add_epi32(sb4[i], _mm256_madd_epi16(pb[i], scb));
+                        pa[i] = pb[i] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            if (kind != TFORMER_Q6_K) {
+#pragma GCC unroll 2
+                for (int i = 0; i < M; i++) {
+                    sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(pa[i], sca));
+                    sb4[i] = _mm256_add_epi32(sb4[i], _mm256_madd_epi16(pb[i], scb));
+                }
+            }
+        }
+        /* [o0 o1 o4 o5 | o2 o3 o6 o7] from the pairs' sums, to outputs in order */
+        __m256i s8[2];
+        const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+#pragma GCC unroll 2
+        for (int i = 0; i < M; i++)
+            s8[i] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(sa[i], sb4[i]), order);
+        KQ_NAME(kfinish_sb)(xb, i0, nb, sb, blk, s8, acc, M);
+    }
+#undef KQ_SUM
+#endif
     const long valid = n - gr * 8 < 8 ? n - gr * 8 : 8;
     float bias[8] = {0};
     if (b)
@@ -80,16 +205,39 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kgroup)(
     }
 }
 
-KQ_TARGET static void KQ_NAME(kgroups)(const struct kx *xb, long i0, int M,
+/* Each kind and number of rows its own copy of the kernel, constants folded. */
+#define KQ_ROWS(kind)                                                                      \
+    switch (M) {                                                                           \
+    case 1: KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 1); return;                  \
+    case 2: KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 2); return;                  \
+    case 3: KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 3); return;                  \
+    default: KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 4); return;                 \
+    }
+#define KQ_ROWS2(kind)                                                                     \
+    if (M == 1)                                                                            \
+        KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 1);                              \
+    else                                                                                   \
+        KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 2);                              \
+    return;
+
+/* Rows [i0, i0 + M) of x against group gr of W's rows: M at most 4 (KQ_512), else 2. */
+KQ_TARGET static void KQ_NAME(kgroups)(int kind, const struct kx *xb, long i0, int M,
                                        const struct krepacked *w, const float *b, float *y,
                                        long n, long nb, long gr)
 {
-    switch (M) {
-    case 1: KQ_NAME(kgroup)(xb, i0, w, b, y, n, nb, gr, 1); return;
-    case 2: KQ_NAME(kgroup)(xb, i0, w, b, y, n, nb, gr, 2); return;
-    case 3: KQ_NAME(kgroup)(xb, i0, w, b, y, n, nb, gr, 3); return;
-    default: KQ_NAME(kgroup)(xb, i0, w, b, y, n, nb, gr, 4); return;
+#ifdef KQ_512
+    if (kind == TFORMER_Q6_K) {
+        KQ_ROWS(TFORMER_Q6_K)
     }
+    KQ_ROWS(TFORMER_Q4_K) /* q4_k and q5_k: the same steps */
+#else
+    if (kind == TFORMER_Q6_K) {
+        KQ_ROWS2(TFORMER_Q6_K)
+    }
+    KQ_ROWS2(TFORMER_Q4_K)
+#endif
 }
 
-#undef KQ_SUM
+#undef KQ_ROWS
+#undef KQ_ROWS2
+#undef KQ_EIGHT
