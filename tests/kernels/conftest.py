@@ -52,8 +52,9 @@ def avx2_method(request):
 @pytest.fixture(scope="session")
 def fresh_build(tmp_path_factory):
     """The library as load() builds it in an empty cache (XDG_CACHE_HOME), once a session:
-    the cache folder, and the files load() left in it. The tests that need a build of
-    their own copy this one (`copy_build`) instead of compiling again."""
+    the cache folder, and the files load() left in it. A whole build, some 20 to 40 s: the
+    slow suite's (the fast one builds the library once a session where the cache lacks it,
+    and tests compile_library with a stand-in compiler); the others take `session_build`."""
     if library.load() is None:
         pytest.skip("no C kernels here")
     cache = tmp_path_factory.mktemp("fresh-cache")
@@ -72,10 +73,23 @@ def fresh_build(tmp_path_factory):
     return cache / "tformer", sorted(p.name for p in (cache / "tformer").iterdir())
 
 
+@pytest.fixture(scope="session")
+def session_build():
+    """The library this session loads (built in the usual cache where it lacked it): its
+    folder and file name."""
+    lib = library.load()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    path = library.cache_dir() / library.library_name(library.compiler())
+    if not path.exists():
+        pytest.skip("the session's library was built in a private folder")
+    return path.parent, [path.name]
+
+
 @pytest.fixture
-def copy_build(fresh_build, monkeypatch):
+def copy_build(session_build, monkeypatch):
     """library.compile_library copies the session's build instead of compiling."""
-    folder, files = fresh_build
+    folder, files = session_build
 
     def copy(compiler: str, path) -> None:
         shutil.copy(folder / files[0], path)

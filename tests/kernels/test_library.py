@@ -39,8 +39,8 @@ def test_the_signature_table_names_the_header_functions_with_their_arity():
 
 
 @compiler
-def test_the_build_refuses_a_definition_or_call_without_a_declaration(tmp_path, fresh_build):
-    # Every build of the library (fresh_build: once a session) is made with these flags.
+def test_the_build_refuses_a_definition_or_call_without_a_declaration(tmp_path):
+    # Every build of the library (compile_library) is made with these flags.
     flags = [f for f in library.FLAGS if f not in ("-shared", "-fPIC")]
     assert {"-Werror=missing-prototypes", "-Werror=implicit-function-declaration"} <= set(flags)
     for body in ("int tformer_undeclared(int x) { return x; }",

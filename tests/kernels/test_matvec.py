@@ -155,9 +155,53 @@ def test_forced_to_torch_everything_runs_with_one_warning_line(tmp_path):
 
 
 @native
+@pytest.mark.slow  # a whole build; the next test runs the same steps with a stand-in compiler
 def test_a_fresh_cache_builds_the_kernel_and_leaves_no_temporary_files(fresh_build):
     _, built = fresh_build  # load() in an empty cache, once a session
     assert len(built) == 1 and built[0].startswith("tformer-") and built[0].endswith(".so")
+
+
+FAKE_CC = """#!/bin/sh
+# a stand-in compiler: notes its arguments, writes its -o file, fails on a source named in FAIL
+echo "$@" >> "$LOG"
+out=""; prev=""
+for a in "$@"; do
+    if [ "$prev" = "-o" ]; then out="$a"; fi
+    case "$a" in *"$FAIL"*) if [ -n "$FAIL" ]; then echo "$a: error: planted" >&2; exit 1; fi;; esac
+    prev="$a"
+done
+echo built > "$out"
+"""
+
+
+@pytest.mark.parametrize("fail", ["", "kquants.c", "-shared"])
+def test_a_build_compiles_each_source_links_them_and_leaves_nothing_else(tmp_path, monkeypatch,
+                                                                         fail):
+    """compile_library's steps with a stand-in compiler: every source to an object file of
+    its own (-c, without -shared), one link of them all with the library's flags, the
+    library renamed into place and nothing else left in its folder; a failing source or link
+    is one error naming the command and the compiler's message, and leaves nothing at all."""
+    cc, log, cache = tmp_path / "cc", tmp_path / "log", tmp_path / "cache"
+    cc.write_text(FAKE_CC)
+    cc.chmod(0o755)
+    cache.mkdir()
+    monkeypatch.setenv("LOG", str(log))
+    monkeypatch.setenv("FAIL", fail)
+    target = cache / "tformer-test.so"
+    if fail:
+        with pytest.raises(library.Unavailable, match="planted") as raised:
+            library.compile_library(str(cc), target)
+        assert "\n" not in str(raised.value).split("failed: ")[0]
+        assert list(cache.iterdir()) == []
+        return
+    library.compile_library(str(cc), target)
+    assert [p.name for p in cache.iterdir()] == [target.name]
+    calls = [line.split() for line in log.read_text().splitlines()]
+    compiles, (link,) = calls[:-1], calls[-1:]
+    assert sorted(c[c.index("-c") + 1] for c in compiles) == sorted(map(str, library.SOURCES))
+    assert all("-shared" not in c for c in compiles)
+    objects = [c[c.index("-o") + 1] for c in compiles]
+    assert "-shared" in link and set(objects) <= set(link)
 
 
 # --- inputs the kernel cannot read go to torch ------------------------------------------

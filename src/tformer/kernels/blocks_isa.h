@@ -198,8 +198,9 @@ BLK_TARGET static inline __attribute__((always_inline)) void BLK_NAME(group)(
             const __m256i vb = _mm256_loadu_si256((const __m256i *)blk->u[c][4]);
 #pragma GCC unroll 4
             for (int i = 0; i < M; i++) {
-                const __m256i xs = _mm256_set1_epi64x((long long)load_u32(xq[i] + 8 * c)
-                                                      | (long long)load_u32(xq[i] + 8 * c + 4) << 32);
+                long long eight;
+                memcpy(&eight, xq[i] + 8 * c, sizeof eight);
+                const __m256i xs = _mm256_set1_epi64x(eight);
 #ifdef BLK_DOT
                 if (kind == KIND_Q8_0) {
                     const __m256i xu = _mm256_xor_si256(xs, _mm256_set1_epi8(-128));
