@@ -485,3 +485,20 @@ def test_a_transformer_xl_evaluates_with_block_weights(fmt):
                        for i in range(0, 12, 4))
 
     assert loss(through_format(model, fmt)) == pytest.approx(loss(model), rel=0.05)
+
+
+def test_keeping_repacked_copies_skips_the_k_formats():
+    """keep_repacked gives a copy to the 32-value formats' layers and to none of the K
+    formats' (pays_to_keep), in a stack of parts as in a layer of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        blocks.BlockLinear(blocks.quantize(torch.randn(8, 256), "q4_1"), "q4_1", 256),
+        blocks.BlockLinear(blocks.quantize(torch.randn(8, 256), "q4_k"), "q4_k", 256),
+        blocks.StackedLinear([("q4_k", blocks.quantize(torch.randn(8, 256), "q4_k")),
+                              ("q8_0", blocks.quantize(torch.randn(8, 256), "q8_0"))], 256))
+    blocks.keep_repacked(model)
+    assert [model[0].keep_repacked, model[1].keep_repacked] == [True, False]
+    assert [part.keep_repacked for part in model[2].parts] == [False, True]
+    blocks.keep_repacked(model, False)
+    assert not any([model[0].keep_repacked, model[1].keep_repacked,
+                    *(part.keep_repacked for part in model[2].parts)])

@@ -40,14 +40,16 @@ beside the K formats' 144 to 210. Where that copy lives is a choice of memory ag
 speed (`keep_repacked`):
 - by default a layer keeps none: a product of REPACK_CALL_ROWS (64) rows and more repacks
   W for the call (kinds.c, a slice of rows at a time), which those rows pay for (at one
-  thread a 8192 x 2048 q4_k layer took 26 ms to repack, and 58 ms for 64 rows over its
-  blocks against 29 repacked, 545 against 425 for 512), and fewer rows read the file's
-  blocks. A model then holds its weights in their file's bytes, as llama.cpp does.
+  thread a 8192 x 2048 q4_k layer took 10.5 ms to repack; 64 rows took 29 ms over its
+  blocks and 36 repacked for the call, 512 rows 399 and 316), and fewer rows read the
+  file's blocks. A model then holds its weights in their file's bytes, as llama.cpp does.
 - a layer that keeps it (keep_repacked(model), or TFORMER_KEEP_REPACKED=1 for every
   layer) makes it at its first product of REPACK_MIN_ROWS (5) rows and more (or when
-  step.c is given it) and reads it for every such product: 1.4x faster at 8 rows, 2x at
-  16, but its weights take 2.2 (q8_0) to 3.5 (q4_k) times their file's bytes. Batched
-  serving and speculative decoding, whose every step has many rows, keep it.
+  step.c is given it) and reads it for every such product: for the 32-value formats
+  1.3x faster at 8 rows and 1.8x at 64 (q4_1), but its weights take 2.2 (q4_0) to 1.2
+  (q8_0) times their file's bytes more. Batched serving and speculative decoding, whose
+  every step has many rows, keep it for those formats; the K formats' few-row product is
+  as fast as the repacked one below 64 rows, so they keep none (pays_to_keep).
 The file's blocks stay either way because one row, decoding's product, is a stream through
 the weights, where the file's 4.5 bits a weight are read faster than the repacked 10. The
 repacked product's results: the K formats' the few-row product's bit for bit; the
@@ -363,14 +365,30 @@ keep_repacked sets it for a model's layers."""
 def keep_repacked(model: nn.Module, keep: bool = True) -> None:
     """Make the block layers of `model` keep W repacked beside their blocks (or not), for
     decoding whose every step multiplies REPACK_MIN_ROWS rows or more (batched serving,
-    speculative decoding): 1.4x to 2x faster products of 5 to 63 rows, for 1.2 (q8_0) to
-    2.5 (q4_k) times the blocks' bytes more. Set before a decoding step reads the layers
-    (step.c's structures are made at the first cache)."""
+    speculative decoding): 1.3x to 2x faster products of 5 to 63 rows in the 32-value
+    formats, for 1.2 (q8_0) to 2.2 (q4_0) times the blocks' bytes more. The K formats keep
+    none (pays_to_keep). Set before a decoding step reads the layers (step.c's structures
+    are made at the first cache)."""
     for module in model.modules():
-        if isinstance(module, (BlockLinear, StackedLinear)):
+        if isinstance(module, BlockLinear):
+            module.keep_repacked = keep and pays_to_keep(module.fmt)
+        elif isinstance(module, StackedLinear):
             module.keep_repacked = keep
-            if isinstance(module, StackedLinear):
-                module._split()
+            module._split()
+            for part in module.parts:
+                part.keep_repacked = keep and pays_to_keep(part.fmt)
+
+
+def pays_to_keep(fmt: str) -> bool:
+    """Whether a layer of `fmt` gains from keeping W repacked for products of a few rows
+    more than four (keep_repacked). The K formats' product over the file's bytes
+    (kquants_rows.h) runs as fast as over a repacked copy below REPACK_CALL_ROWS rows and
+    reads 2.5x fewer bytes: on one 8192 x 2048 q4_k layer at one thread, 8 rows took 5.5 ms
+    over the blocks and 8.2 over the copy, 64 rows 29 and 27; and greedy batch 8 of a
+    Llama-3.2-1B-shaped Q4_K_M on two threads ran 41.0 tokens/s without the copy and 30.1
+    with it (benchmarks/README.md). The 32-value formats' few-row product gains from it
+    (q4_1: 7.9 against 6.0 ms at 8 rows, 62 against 34 at 64)."""
+    return LAYOUTS[fmt].values == 32
 
 
 def repack(lib: ctypes.CDLL, fmt: str, blocks: Tensor, k: int) -> Tensor | None:
