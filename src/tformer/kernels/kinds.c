@@ -62,9 +62,9 @@ int tformer_linear(const struct tformer_linear *l, const float *x, float *y, lon
  * time (some repack_slice_bytes of them repacked, so that a 128,256-row output layer does
  * not take its whole repacked size at once): where a layer keeps no repacked copy (that
  * copy takes 1.2 to 2.5 times the blocks' bytes), a product of enough rows still reads W
- * repacked, and pays for the repacking: at 1 thread, a 8192 x 2048 q4_k layer took 26 ms
- * to repack, 58 ms for 64 rows over its blocks and 29 over them repacked, 545 and 425 for
- * 512 rows. The results are the kept copy's product's, bit for bit (the same kernel over
+ * repacked, and pays for the repacking: at 1 thread, a 8192 x 2048 q4_k layer took 10.5 ms
+ * to repack, 29 ms for 64 rows over its blocks and 36 repacked for the call (27 over a kept
+ * copy), 399 and 316 (275) for 512 rows. The results are the kept copy's product's, bit for bit (the same kernel over
  * the same bytes); a slice's outputs go through a scratch into their columns of y.
  * Returns the product's status, or -1 where it could not allocate. */
 static long repack_slice_bytes = 32L << 20;
