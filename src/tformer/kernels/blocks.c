@@ -160,7 +160,7 @@ static void quantize_block_c(const float *x, int8_t *q, float *d, int32_t *isum,
     *sx = scale * (float)s;
 }
 
-/* The same with AVX2: roundf exactly, as trunc(v) + sign(v) where |v - trunc(v)| >= 1/2. */
+/* The same with AVX2: roundf exactly (vecmath.h's roundf8). */
 __attribute__((target("avx2,fma"))) static void quantize_block_avx2(
     const float *x, int8_t *q, float *d, int32_t *isum, float *sx)
 {
@@ -170,28 +170,13 @@ __attribute__((target("avx2,fma"))) static void quantize_block_avx2(
         v[t] = _mm256_loadu_ps(x + 8 * t);
         m = _mm256_max_ps(m, _mm256_and_ps(v[t], abs_mask));
     }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float amax = _mm_cvtss_f32(h);
+    const float amax = max8(m);
     const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-    const __m256 vinv = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f);
-    const __m256 one = _mm256_set1_ps(1.0f), sign_mask = _mm256_set1_ps(-0.0f);
+    const __m256 vinv = _mm256_set1_ps(inv);
     __m256i r[4];
-    for (int t = 0; t < 4; t++) {
-        const __m256 a = _mm256_mul_ps(v[t], vinv);
-        const __m256 tr = _mm256_round_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        const __m256 frac = _mm256_and_ps(_mm256_sub_ps(a, tr), abs_mask);
-        const __m256 step = _mm256_or_ps(_mm256_and_ps(a, sign_mask), one);
-        const __m256 up = _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step);
-        r[t] = _mm256_cvtps_epi32(_mm256_add_ps(tr, up));
-    }
-    /* Pack 4 x 8 int32 to 32 int8 in order: packs work within 128-bit lanes, so the
-     * result's 32-bit groups come out as 0 2 4 6 1 3 5 7 and are permuted back. */
-    const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
-    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-    const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)q, ordered);
+    for (int t = 0; t < 4; t++)
+        r[t] = roundf8(_mm256_mul_ps(v[t], vinv));
+    _mm256_storeu_si256((__m256i *)q, pack_bytes(r));
     __m256i s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));

@@ -55,31 +55,6 @@ static int activation_of(const struct tformer_linear *l)
     return tformer_kind_geometry(l->kind, geometry) ? -1 : geometry[2];
 }
 
-/* 1 / (1 + exp(-v)) for eight floats, exp of -|v| only (exp8 is for arguments <= 0). */
-static inline __m256 sigmoid8(__m256 v)
-{
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 e = exp8(_mm256_or_ps(v, _mm256_set1_ps(-0.0f)));
-    return _mm256_div_ps(_mm256_blendv_ps(one, e, v), _mm256_add_ps(one, e));
-}
-
-static inline float sigmoid1(float v)
-{
-    const float e = expf(-fabsf(v));
-    return (v >= 0.0f ? 1.0f : e) / (1.0f + e);
-}
-
-/* g = silu(g) * u over n floats, as glu.c's tformer_silu_mul_forward computes it. */
-static void silu_gate(float *g, const float *u, long n)
-{
-    long j = 0;
-    for (; j + 8 <= n; j += 8)
-        _mm256_storeu_ps(g + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + j)),
-                                              _mm256_loadu_ps(u + j)));
-    for (; j < n; j++)
-        g[j] = silu1(g[j]) * u[j];
-}
-
 /* g = c sigmoid(alpha c) (clamp(u, -limit, limit) + 1), c = min(g, limit), over n floats:
  * gpt-oss's gate (layers/experts.py's ClampedGLU), a NaN kept as torch's clamp keeps it. */
 static void clamped_gate(float *g, const float *u, long n, float limit, float alpha)
@@ -305,7 +280,8 @@ int tformer_experts_step(const struct tformer_experts *e, const float *x, long m
                     clamped_gate(gu + G->hidden, gu + floats + G->hidden, G->rows * G->width,
                                  e->limit, e->alpha);
                 else
-                    silu_gate(gu + G->hidden, gu + floats + G->hidden, G->rows * G->width);
+                    tformer_silu_mul_forward(gu + G->hidden, gu + floats + G->hidden,
+                                             gu + G->hidden, G->rows * G->width, 1);
             }
 #pragma omp single
             for (long g = 0; g < n_groups && !failed; g++) {

@@ -21,20 +21,6 @@
 #define LANES 8
 #define BLOCK 4096 /* floats a thread takes at a time */
 
-static inline __m256 sigmoid8(__m256 g)
-{
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 e = exp8(_mm256_or_ps(g, _mm256_set1_ps(-0.0f)));
-    /* blendv picks by the sign bit: e / (1 + e) where g < 0 */
-    return _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));
-}
-
-static inline float sigmoid1(float g)
-{
-    const float e = expf(-fabsf(g));
-    return (g >= 0.0f ? 1.0f : e) / (1.0f + e);
-}
-
 /* out[j] = silu(g[j]) * u[j] for j < n. */
 void tformer_silu_mul_forward(const float *g, const float *u, float *out, long n, int threads)
 {

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "tformer.h"
+#include "vecmath.h"
 
 #define QK 256       /* values in a super-block */
 #define GROUPS 16    /* groups of 16 values in a super-block, each with its scale */
@@ -263,36 +264,21 @@ static void quantize_superblock(const float *x, int8_t *q, float *d, int32_t *bs
     *d = scale;
 }
 
-/* The same in AVX2, the same bytes: roundf as trunc(v) plus v's sign where |v - trunc(v)| is
- * at least 1/2 (v - trunc(v) is exact), so halves round away from zero. */
+/* The same in AVX2, the same bytes (vecmath.h's roundf8). */
 KQ_AVX2 static void quantize_superblock_avx2(const float *x, int8_t *q, float *d, int32_t *bsums)
 {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 m = _mm256_setzero_ps();
     for (int t = 0; t < QK / 8; t++)
         m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + 8 * t), abs_mask));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float amax = _mm_cvtss_f32(h);
+    const float amax = max8(m);
     const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-    const __m256 vinv = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f);
-    const __m256 one = _mm256_set1_ps(1.0f), sign_mask = _mm256_set1_ps(-0.0f);
+    const __m256 vinv = _mm256_set1_ps(inv);
     for (int c = 0; c < QK / 32; c++) {
         __m256i r[4];
-        for (int t = 0; t < 4; t++) {
-            const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + 32 * c + 8 * t), vinv);
-            const __m256 tr = _mm256_round_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            const __m256 frac = _mm256_and_ps(_mm256_sub_ps(a, tr), abs_mask);
-            const __m256 step = _mm256_or_ps(_mm256_and_ps(a, sign_mask), one);
-            const __m256 up = _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step);
-            r[t] = _mm256_cvtps_epi32(_mm256_add_ps(tr, up));
-        }
-        /* 4 x 8 int32 to 32 bytes in order (the packs work within 128-bit lanes) */
-        const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
-                                              _mm256_packs_epi32(r[2], r[3]));
-        _mm256_storeu_si256((__m256i *)(q + 32 * c),
-                            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        for (int t = 0; t < 4; t++)
+            r[t] = roundf8(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * c + 8 * t), vinv));
+        _mm256_storeu_si256((__m256i *)(q + 32 * c), pack_bytes(r));
         /* the sums of the two groups of 16: [r0 + r1 | r2 + r3] summed within halves */
         const __m256i a = _mm256_add_epi32(r[0], r[1]), b = _mm256_add_epi32(r[2], r[3]);
         __m256i s = _mm256_hadd_epi32(a, b); /* [a01 a23 b01 b23 | a45 a67 b45 b67] */
@@ -582,12 +568,6 @@ static inline float clampf(float v, float lo, float hi)
  * iscale), lo, hi) for 8n values v, and the sums in double of the fp32 products a q and
  * a q q (b q for sums[2]), as kquants.py's _dsum forms them. The sums of fp32 products of
  * such a block are exact or nearly in double, whatever their order. */
-static inline double sum_pd(__m256d v)
-{
-    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-    return _mm_cvtsd_f64(h) + _mm_cvtsd_f64(_mm_unpackhi_pd(h, h));
-}
-
 static inline __m256d add_ps_as_pd(__m256d acc, __m256 v)
 {
     acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
@@ -608,9 +588,9 @@ static void trial_sums(const float *v, float iscale, float lo, float hi, const f
         s1 = add_ps_as_pd(s1, _mm256_mul_ps(aq, q));
         s2 = add_ps_as_pd(s2, _mm256_mul_ps(_mm256_loadu_ps(b + 8 * c), q));
     }
-    sums[0] = sum_pd(s0);
-    sums[1] = sum_pd(s1);
-    sums[2] = sum_pd(s2);
+    sums[0] = sum_lanes_pd(s0);
+    sums[1] = sum_lanes_pd(s1);
+    sums[2] = sum_lanes_pd(s2);
 }
 
 /* The scale and minimum of 32 values (x ~ scale q - minimum, q in 0..nmax): kquants.py's

@@ -41,6 +41,37 @@ static inline __m256 exp8(__m256 x)
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), keep);
 }
 
+/* The largest of the eight lanes of v, none of them NaN. */
+static inline float max8(__m256 v)
+{
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* roundf of eight floats, to int32, bit for bit: trunc(a) plus a's sign where
+ * |a - trunc(a)| is at least 1/2 (a - trunc(a) is exact), so halves round away from zero. */
+static inline __m256i roundf8(__m256 a)
+{
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 tr = _mm256_round_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 frac = _mm256_and_ps(_mm256_sub_ps(a, tr), abs_mask);
+    const __m256 step = _mm256_or_ps(_mm256_and_ps(a, _mm256_set1_ps(-0.0f)), _mm256_set1_ps(1.0f));
+    const __m256 up = _mm256_and_ps(_mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ), step);
+    return _mm256_cvtps_epi32(_mm256_add_ps(tr, up));
+}
+
+/* Four vectors of eight int32, each within int8, to their 32 bytes in order: the packs work
+ * within 128-bit lanes, so the result's 32-bit groups come out as 0 2 4 6 1 3 5 7 and are
+ * permuted back. */
+static inline __m256i pack_bytes(const __m256i *r)
+{
+    const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                          _mm256_packs_epi32(r[2], r[3]));
+    return _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* The largest of m and the eight lanes of v. */
 static inline float max_lanes(__m256 v, float m)
 {
@@ -100,6 +131,23 @@ static inline float rms_norm_row(const float *row, const float *weight, float ep
     for (long j = d8; j < d; j++)
         out[j] = weight[j] * (row[j] * rstd);
     return rstd;
+}
+
+/* sigmoid(v) = 1 / (1 + exp(-v)) for eight floats, taking exp of -|v| only (exp8 is for
+ * arguments <= 0): 1 / (1 + e) for v >= 0, e / (1 + e) below (blendv picks by the sign
+ * bit), with e = exp(-|v|). */
+static inline __m256 sigmoid8(__m256 v)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = exp8(_mm256_or_ps(v, _mm256_set1_ps(-0.0f)));
+    return _mm256_div_ps(_mm256_blendv_ps(one, e, v), _mm256_add_ps(one, e));
+}
+
+/* sigmoid for one float, as the lanes' scalar rest. */
+static inline float sigmoid1(float v)
+{
+    const float e = expf(-fabsf(v));
+    return (v >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
 /* silu(v) = v sigmoid(v) for eight floats, taking exp of -|v| only (exp8 is for arguments
