@@ -64,134 +64,133 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kfinish_sb)(
     })
 
 #ifdef KQ_512
-/* Rows [i0, i0 + M) of x (M at most 4) against group gr of W's rows (8 outputs), a register
- * of W (64 bytes: u[c]) for eight outputs. */
-KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kgroup)(
-    const int kind, const struct kx *xb, long i0, const struct krepacked *w, const float *b,
-    float *y, long n, long nb, long gr, const int M)
+#define KQ_MAX_ROWS 4
+/* Row i's (i < M, at most 4) integer sums of super-block blk, output o's in lane o of s8[i]:
+ * a register of W (64 bytes: u[c]) for eight outputs. */
+KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
+    const int kind, const uint8_t *const *xq, const struct krepacked *blk, __m256i *s8,
+    const int M)
 {
-    __m256 acc[4];
+    __m512i s[4];
 #pragma GCC unroll 4
     for (int i = 0; i < M; i++)
-        acc[i] = _mm256_setzero_ps();
-    const struct krepacked *blk = w + gr * nb;
-    for (long sb = 0; sb < nb; sb++, blk++) {
-        const uint8_t *xq[4];
-        __m512i s[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < M; i++) {
-            xq[i] = (const uint8_t *)(xb->q + ((i0 + i) * nb + sb) * QK);
-            s[i] = _mm512_setzero_si512();
-        }
+        s[i] = _mm512_setzero_si512();
 #pragma GCC unroll 2
-        for (int g = 0; g < GROUPS; g++) {
-            const __m512i sc = _mm512_cvtepu16_epi32(
-                _mm256_loadu_si256((const __m256i *)blk->sc[g]));
-            __m512i p[4];
+    for (int g = 0; g < GROUPS; g++) {
+        const __m512i sc = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)blk->sc[g]));
+        __m512i p[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++)
+            p[i] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            const int c = 2 * g + half;
+            const __m512i u = _mm512_loadu_si512((const void *)blk->u[c]);
 #pragma GCC unroll 4
             for (int i = 0; i < M; i++)
-                p[i] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-            for (int half = 0; half < 2; half++) {
-                const int c = 2 * g + half;
-                const __m512i u = _mm512_loadu_si512((const void *)blk->u[c]);
+                p[i] = _mm512_dpbusd_epi32(p[i], u, _mm512_set1_epi64(KQ_EIGHT(i, c)));
+            if (kind == TFORMER_Q6_K) {
 #pragma GCC unroll 4
-                for (int i = 0; i < M; i++)
-                    p[i] = _mm512_dpbusd_epi32(p[i], u, _mm512_set1_epi64(KQ_EIGHT(i, c)));
-                if (kind == TFORMER_Q6_K) {
-#pragma GCC unroll 4
-                    for (int i = 0; i < M; i++) {
-                        s[i] = _mm512_add_epi32(s[i], _mm512_madd_epi16(p[i], sc));
-                        p[i] = _mm512_setzero_si512();
-                    }
+                for (int i = 0; i < M; i++) {
+                    s[i] = _mm512_add_epi32(s[i], _mm512_madd_epi16(p[i], sc));
+                    p[i] = _mm512_setzero_si512();
                 }
             }
-            if (kind != TFORMER_Q6_K) {
-#pragma GCC unroll 4
-                for (int i = 0; i < M; i++)
-                    s[i] = _mm512_add_epi32(s[i], _mm512_madd_epi16(p[i], sc));
-            }
         }
-        __m256i s8[4];
+        if (kind != TFORMER_Q6_K) {
 #pragma GCC unroll 4
-        for (int i = 0; i < M; i++) /* lane (o, 0) + lane (o, 1), to lane o */
-            s8[i] = _mm512_cvtepi64_epi32(_mm512_add_epi32(s[i], _mm512_srli_epi64(s[i], 32)));
-        KQ_NAME(kfinish_sb)(xb, i0, nb, sb, blk, s8, acc, M);
+            for (int i = 0; i < M; i++)
+                s[i] = _mm512_add_epi32(s[i], _mm512_madd_epi16(p[i], sc));
+        }
     }
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++) /* lane (o, 0) + lane (o, 1), to lane o */
+        s8[i] = _mm512_cvtepi64_epi32(_mm512_add_epi32(s[i], _mm512_srli_epi64(s[i], 32)));
+}
 #else
+#define KQ_MAX_ROWS 2
 #ifdef KQ_VNNI
 #define KQ_SUM(acc, u, s) KQ_DPBUSD(acc, u, s)
 #else
 #define KQ_SUM(acc, u, s)                                                                  \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones))
 #endif
-/* Rows [i0, i0 + M) of x (M at most 2: AVX2 has 16 registers) against group gr of W's rows
- * (8 outputs), two registers of W (u[c]'s halves) for four outputs each. */
+/* Row i's (i < M, at most 2: AVX2 has 16 registers) integer sums of super-block blk,
+ * output o's in lane o of s8[i]: two registers of W (u[c]'s halves) for four outputs each. */
+KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
+    const int kind, const uint8_t *const *xq, const struct krepacked *blk, __m256i *s8,
+    const int M)
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;
+    __m256i sa[2], sb[2];
+#pragma GCC unroll 2
+    for (int i = 0; i < M; i++)
+        sa[i] = sb[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int g = 0; g < GROUPS; g++) {
+        const __m256i sca = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)blk->sc[g][0]));
+        const __m256i scb = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)blk->sc[g][4]));
+        __m256i pa[2], pb[2];
+#pragma GCC unroll 2
+        for (int i = 0; i < M; i++)
+            pa[i] = pb[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            const int c = 2 * g + half;
+            const __m256i ua = _mm256_loadu_si256((const __m256i *)blk->u[c][0]);
+            const __m256i ub = _mm256_loadu_si256((const __m256i *)blk->u[c][4]);
+#pragma GCC unroll 2
+            for (int i = 0; i < M; i++) {
+                const __m256i x8 = _mm256_set1_epi64x(KQ_EIGHT(i, c));
+                pa[i] = KQ_SUM(pa[i], ua, x8);
+                pb[i] = KQ_SUM(pb[i], ub, x8);
+            }
+            if (kind == TFORMER_Q6_K) {
+#pragma GCC unroll 2
+                for (int i = 0; i < M; i++) {
+                    sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(pa[i], sca));
+                    sb[i] = _mm256_add_epi32(sb[i], _mm256_madd_epi16(pb[i], scb));
+                    pa[i] = pb[i] = _mm256_setzero_si256();
+                }
+            }
+        }
+        if (kind != TFORMER_Q6_K) {
+#pragma GCC unroll 2
+            for (int i = 0; i < M; i++) {
+                sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(pa[i], sca));
+                sb[i] = _mm256_add_epi32(sb[i], _mm256_madd_epi16(pb[i], scb));
+            }
+        }
+    }
+    /* [o0 o1 o4 o5 | o2 o3 o6 o7] from the pairs' sums, to outputs in order */
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+#pragma GCC unroll 2
+    for (int i = 0; i < M; i++)
+        s8[i] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(sa[i], sb[i]), order);
+}
+#undef KQ_SUM
+#endif
+
+/* Rows [i0, i0 + M) of x (M at most KQ_MAX_ROWS) against group gr of W's rows (8 outputs). */
 KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kgroup)(
     const int kind, const struct kx *xb, long i0, const struct krepacked *w, const float *b,
     float *y, long n, long nb, long gr, const int M)
 {
-    const __m256i ones = _mm256_set1_epi16(1);
-    (void)ones;
-    __m256 acc[4];
-#pragma GCC unroll 2
+    __m256 acc[KQ_MAX_ROWS];
+#pragma GCC unroll 4
     for (int i = 0; i < M; i++)
         acc[i] = _mm256_setzero_ps();
     const struct krepacked *blk = w + gr * nb;
     for (long sb = 0; sb < nb; sb++, blk++) {
-        const uint8_t *xq[2];
-        __m256i sa[2], sb4[2];
-#pragma GCC unroll 2
-        for (int i = 0; i < M; i++) {
-            xq[i] = (const uint8_t *)(xb->q + ((i0 + i) * nb + sb) * QK);
-            sa[i] = sb4[i] = _mm256_setzero_si256();
-        }
-#pragma GCC unroll 2
-        for (int g = 0; g < GROUPS; g++) {
-            const __m256i sca = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)blk->sc[g][0]));
-            const __m256i scb = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)blk->sc[g][4]));
-            __m256i pa[2], pb[2];
-#pragma GCC unroll 2
-            for (int i = 0; i < M; i++)
-                pa[i] = pb[i] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-            for (int half = 0; half < 2; half++) {
-                const int c = 2 * g + half;
-                const __m256i ua = _mm256_loadu_si256((const __m256i *)blk->u[c][0]);
-                const __m256i ub = _mm256_loadu_si256((const __m256i *)blk->u[c][4]);
-#pragma GCC unroll 2
-                for (int i = 0; i < M; i++) {
-                    const __m256i x8 = _mm256_set1_epi64x(KQ_EIGHT(i, c));
-                    pa[i] = KQ_SUM(pa[i], ua, x8);
-                    pb[i] = KQ_SUM(pb[i], ub, x8);
-                }
-                if (kind == TFORMER_Q6_K) {
-#pragma GCC unroll 2
-                    for (int i = 0; i < M; i++) {
-                        sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(pa[i], sca));
-                        sb4[i] = _mm256_add_epi32(sb4[i], _mm256_madd_epi16(pb[i], scb));
-                        pa[i] = pb[i] = _mm256_setzero_si256();
-                    }
-                }
-            }
-            if (kind != TFORMER_Q6_K) {
-#pragma GCC unroll 2
-                for (int i = 0; i < M; i++) {
-                    sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(pa[i], sca));
-                    sb4[i] = _mm256_add_epi32(sb4[i], _mm256_madd_epi16(pb[i], scb));
-                }
-            }
-        }
-        /* [o0 o1 o4 o5 | o2 o3 o6 o7] from the pairs' sums, to outputs in order */
-        __m256i s8[2];
-        const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-#pragma GCC unroll 2
+        const uint8_t *xq[KQ_MAX_ROWS];
+#pragma GCC unroll 4
         for (int i = 0; i < M; i++)
-            s8[i] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(sa[i], sb4[i]), order);
+            xq[i] = (const uint8_t *)(xb->q + ((i0 + i) * nb + sb) * QK);
+        __m256i s8[KQ_MAX_ROWS];
+        KQ_NAME(ksums)(kind, xq, blk, s8, M);
         KQ_NAME(kfinish_sb)(xb, i0, nb, sb, blk, s8, acc, M);
     }
-#undef KQ_SUM
-#endif
     const long valid = n - gr * 8 < 8 ? n - gr * 8 : 8;
     float bias[8] = {0};
     if (b)
@@ -206,38 +205,39 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kgroup)(
 }
 
 /* Each kind and number of rows its own copy of the kernel, constants folded. */
+#define KQ_CALL(kind, rows)                                                                \
+    {                                                                                      \
+        KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, rows);                           \
+        return;                                                                            \
+    }
+#ifdef KQ_512
 #define KQ_ROWS(kind)                                                                      \
     switch (M) {                                                                           \
-    case 1: KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 1); return;                  \
-    case 2: KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 2); return;                  \
-    case 3: KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 3); return;                  \
-    default: KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 4); return;                 \
+    case 1: KQ_CALL(kind, 1)                                                               \
+    case 2: KQ_CALL(kind, 2)                                                               \
+    case 3: KQ_CALL(kind, 3)                                                               \
+    default: KQ_CALL(kind, 4)                                                              \
     }
-#define KQ_ROWS2(kind)                                                                     \
-    if (M == 1)                                                                            \
-        KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 1);                              \
-    else                                                                                   \
-        KQ_NAME(kgroup)(kind, xb, i0, w, b, y, n, nb, gr, 2);                              \
-    return;
+#else
+#define KQ_ROWS(kind)                                                                      \
+    switch (M) {                                                                           \
+    case 1: KQ_CALL(kind, 1)                                                               \
+    default: KQ_CALL(kind, 2)                                                              \
+    }
+#endif
 
-/* Rows [i0, i0 + M) of x against group gr of W's rows: M at most 4 (KQ_512), else 2. */
+/* Rows [i0, i0 + M) of x against group gr of W's rows: M at most KQ_MAX_ROWS (4 with
+ * KQ_512, else 2). */
 KQ_TARGET static void KQ_NAME(kgroups)(int kind, const struct kx *xb, long i0, int M,
                                        const struct krepacked *w, const float *b, float *y,
                                        long n, long nb, long gr)
 {
-#ifdef KQ_512
-    if (kind == TFORMER_Q6_K) {
+    if (kind == TFORMER_Q6_K)
         KQ_ROWS(TFORMER_Q6_K)
-    }
     KQ_ROWS(TFORMER_Q4_K) /* q4_k and q5_k: the same steps */
-#else
-    if (kind == TFORMER_Q6_K) {
-        KQ_ROWS2(TFORMER_Q6_K)
-    }
-    KQ_ROWS2(TFORMER_Q4_K)
-#endif
 }
 
 #undef KQ_ROWS
-#undef KQ_ROWS2
+#undef KQ_CALL
+#undef KQ_MAX_ROWS
 #undef KQ_EIGHT
