@@ -192,8 +192,8 @@ def main() -> None:
         paths = {name: lib.tformer_blocks_isa(BLOCK_PATHS[args.isa]) for name, lib in libs.items()}
         names = {level: name for name, level in BLOCK_PATHS.items()}
         print(f"block kinds' path: {', '.join(f'{n} {names[p]}' for n, p in paths.items())}")
-        unit = "G multiply-adds/s" if args.many else "GB/s of weights"
-        print(f"{torch.get_num_threads()} thread(s), median of {args.repeats}, {unit} (blocks)"
+        unit = "GB/s of weights" + ("; the block kinds' G multiply-adds/s" if args.many else "")
+        print(f"{torch.get_num_threads()} thread(s), median of {args.repeats}, {unit}"
               f"\n\n| product | W (n x k) | rows | {a} | {b} | ratio |\n"
               "| --- | --- | ---: | ---: | ---: | ---: |")
         for kind in args.kinds:
