@@ -45,7 +45,7 @@ def test_rows_joining_and_leaving_decode_as_a_full_pass_over_each_text(options, 
     model = model_of(options)
     pool = PagedPool(model, 64, block_size=4)
     if not in_place:
-        pool._step = None
+        pool._step, pool.in_place = None, False
     elif native() is None:
         pytest.skip("the kernels are not built here")
     assert (pool._step is not None) == in_place
@@ -97,7 +97,7 @@ def test_steps_in_place_give_the_gathered_path_s_logits_through_preemption(optio
         pytest.skip("the kernels are not built here")
     model = model_of(options)
     pools = [PagedPool(model, 40, block_size=4), PagedPool(model, 40, block_size=4)]
-    pools[1]._step = None
+    pools[1]._step, pools[1].in_place = None, False
     for pool in pools:
         pool.reach = 2
     g = torch.Generator().manual_seed(7)
@@ -143,6 +143,45 @@ def test_steps_in_place_give_the_gathered_path_s_logits_through_preemption(optio
     want = torch.stack([model(torch.tensor([t]))[0, -1] for t in texts])
     torch.testing.assert_close(in_place, want, atol=1e-5, rtol=1e-5)
     assert pools[0].found == pools[1].found > 0
+
+
+GEMMA_LIKE = {**LLAMA, "window": 5, "global_every": 2, "n_kv_head": 2}
+"""Sliding layers between global ones: each layer reads the blocks through its own window."""
+
+
+@pytest.mark.parametrize("options", [*LAYOUTS, GEMMA_LIKE, {**LLAMA, "attn_softcap": 5.0}],
+                         ids=str)
+@torch.no_grad()
+def test_chunks_read_in_place_give_the_gathered_path_s_logits(options):
+    """Prompts read in chunks longer than the one-call step takes, one row at a time and rows
+    in step (as many positions held, as many new tokens): the layers attend over the blocks
+    in place (kernels/attend.py's paged attention, causal within the chunk, each layer its
+    own window) with the logits of a pool whose every layer gathers, and of a full pass over
+    each text. A layer whose attention is not plain (a soft cap) gathers in both."""
+    from tformer.kernels.attend import native
+
+    if native() is None:
+        pytest.skip("the kernels are not built here")
+    model = model_of(options, context=64)
+    pools = [PagedPool(model, 64, block_size=4), PagedPool(model, 64, block_size=4)]
+    pools[1].in_place = False
+    for pool in pools:
+        pool._step = None  # the layers' path at every pass
+    g = torch.Generator().manual_seed(2)
+    texts = [torch.randint(0, 37, (37,), generator=g).tolist() for _ in range(2)]
+    rows = [[Row(), Row()] for _ in pools]
+    got = [[], []]
+    for start, width in [(0, 11), (11, 13), (24, 13)]:  # past the one-call step's 8
+        ids = torch.tensor([t[start : start + width] for t in texts])
+        for pool, pair, out in zip(pools, rows, got, strict=True):
+            if start == 0:  # one row at a time
+                out.append(torch.cat([pool.forward([row], ids[i : i + 1]) for i, row
+                                      in enumerate(pair)]))
+            else:  # both rows in one pass
+                out.append(pool.forward(pair, ids))
+    in_place, gathered = (torch.cat(out, dim=1) for out in got)
+    torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(in_place, model(torch.tensor(texts)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("options", LAYOUTS[:2], ids=str)

@@ -162,21 +162,24 @@ def test_a_row_outside_the_buffer_is_an_index_error_not_a_stray_read():
 
 
 def naive_paged(q, k, v, tables, lengths, window):
-    """Paged attention row by row and head by head in float64, each position's key found by
-    hand: block tables[i, s // bs], slot s % bs."""
-    n, heads, d = q.shape
+    """Paged attention row by row, head by head and query by query in float64, each
+    position's key found by hand: block tables[i, s // bs], slot s % bs. q (N, H, d) one
+    query per row, or (N, H, T, d): the row's last T positions, each reading up to its own."""
+    queries = q if q.dim() == 4 else q[:, :, None]
+    n, heads, tokens, d = queries.shape
     bs, kv_group = k.shape[2], heads // k.shape[1]
-    out = torch.empty(n, heads, v.shape[-1], dtype=torch.float64)
+    out = torch.empty(n, heads, tokens, v.shape[-1], dtype=torch.float64)
     for i in range(n):
-        length = int(lengths[i])
-        seen = range(max(0, length - window) if window else 0, length)
-        for h in range(heads):
-            g = h // kv_group
-            keys = torch.stack([k[int(tables[i, s // bs]), g, s % bs] for s in seen]).double()
-            values = torch.stack([v[int(tables[i, s // bs]), g, s % bs] for s in seen]).double()
-            scores = keys @ q[i, h].double() / math.sqrt(d)
-            out[i, h] = scores.softmax(dim=0) @ values
-    return out
+        for t in range(tokens):
+            length = int(lengths[i]) - tokens + 1 + t  # the positions query t reads
+            seen = range(max(0, length - window) if window else 0, length)
+            for h in range(heads):
+                g = h // kv_group
+                keys = torch.stack([k[int(tables[i, s // bs]), g, s % bs] for s in seen])
+                values = torch.stack([v[int(tables[i, s // bs]), g, s % bs] for s in seen])
+                scores = keys.double() @ queries[i, h, t].double() / math.sqrt(d)
+                out[i, h, t] = scores.softmax(dim=0) @ values.double()
+    return out if q.dim() == 4 else out[:, :, 0]
 
 
 @native
@@ -195,6 +198,31 @@ def test_paged_attention_reads_each_position_in_its_block(heads, kv_heads, d, dv
     if window is None:
         tables[2, :2] = torch.tensor([4, 8])
     out = attend.attend_paged(q, k, v, tables, lengths, window=window)
+    want = naive_paged(q, k, v, tables, lengths, window)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    reference = attend.attend_paged_reference(q, k, v, tables, lengths, window=window)
+    torch.testing.assert_close(reference.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("tokens, window, heads, kv_heads, dv",
+                         [(5, None, 9, 3, 64), (12, None, 9, 3, 64), (6, 7, 9, 3, 64),
+                          (13, 4, 9, 3, 64), (3, None, 20, 1, 300)])
+def test_paged_attention_of_several_new_tokens_a_row_is_causal(tokens, window, heads,
+                                                               kv_heads, dv):
+    """A chunk of T new tokens a row (a prompt read a piece at a time, a speculative round),
+    the blocks scattered through the pool: each query reads the positions up to its own (and
+    within the window), against float64 attention found by hand; the result is laid out as
+    attention's (N, H, T, d_value). The last case's 20 query heads of one key/value head take
+    two tiles, the second part-full, and its 300-wide values two passes of columns."""
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(12, kv_heads, 4, 64, generator=g)
+    v = torch.randn(12, kv_heads, 4, dv, generator=g)
+    q = torch.randn(2, heads, tokens, 64, generator=g)
+    tables = torch.tensor([[5, 2, 9, 6, 1, 0, 0], [7, 3, 10, 11, 4, 8, 0]])
+    lengths = torch.tensor([max(tokens, 17), 24])
+    out = attend.attend_paged(q, k, v, tables, lengths, window=window)
+    assert out.shape == (2, heads, tokens, dv)
     want = naive_paged(q, k, v, tables, lengths, window)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
     reference = attend.attend_paged_reference(q, k, v, tables, lengths, window=window)

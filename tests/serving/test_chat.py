@@ -137,7 +137,10 @@ def test_a_chat_reply_is_the_completion_of_the_rendered_prompt(client):
     assert choice.finish_reason == plain.choices[0].finish_reason
     assert reply.usage.prompt_tokens == len(rendered())
     content = choice.logprobs.content
-    assert [c.logprob for c in content] == plain.choices[0].logprobs.token_logprobs
+    # The second request finds the prompt's first blocks in the prefix cache and reads the
+    # rest as a shorter chunk, which may attend through another kernel: the same to rounding.
+    assert [c.logprob for c in content] == pytest.approx(
+        plain.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert [c.token for c in content] == plain.choices[0].logprobs.tokens
     assert all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.bytes == list(c.token.encode()) for c in content)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tformer.serving.plan import Phase, PoolView, Want, plan_step
+from tformer.serving.plan import DECODING_SHARE, MIN_PIECE, Phase, PoolView, Want, plan_step
 
 BS = 16
 
@@ -26,13 +26,15 @@ def waiting(key: int, text: int, **kw) -> Want:
 
 
 def test_the_budget_holds_decoding_and_reading_together():
-    """Eight rows decode; a 1,000-token prompt is read a quarter of the budget at a time
-    (less the rows' tokens), and a 20-token one is read whole beside it."""
+    """Eight rows decode; a 1,000-token prompt is read a sixteenth of the budget at a time
+    (less the rows' tokens, MIN_PIECE at least), and a 20-token one is read whole beside it."""
     wants = [decoding(i, 40) for i in range(8)] + [reading(8, 0, 1000), waiting(9, 20)]
-    plan = plan_step(wants, pool(1000), 128, max_batch=16)
+    plan = plan_step(wants, pool(1000), 1024, max_batch=16)
     assert plan.decode == list(range(8)) and plan.admit == [9]
-    assert dict(plan.chunks) == {9: 20, 8: 128 // 4 - 8}
-    assert plan.tokens <= 128
+    assert dict(plan.chunks) == {9: 20, 8: 1024 // DECODING_SHARE - 8}
+    assert plan.tokens <= 1024
+    plan = plan_step(wants, pool(1000), 128, max_batch=16)
+    assert dict(plan.chunks) == {9: 20, 8: MIN_PIECE}
     # With no row decoding, a long prompt takes the whole budget.
     plan = plan_step([reading(8, 0, 1000)], pool(1000), 128, max_batch=16)
     assert plan.chunks == [(8, 128)]

@@ -43,9 +43,17 @@ from torch import Tensor, nn
 
 from tformer.decoding.blocks import BlockPool
 from tformer.decoding.runner import runner
+from tformer.kernels.attend import MAX_POSITIONS, attend_paged, serves, serves_cache
 
 BLOCK_SIZE = 16
 """Positions per block: small enough that a text wastes little of its last block."""
+
+IN_PLACE_TOKENS = 16
+"""The most new tokens a row whose pass reads the blocks in place (PagedView): past it the
+layers gather, where torch's flash attention (a 16-lane GEMM on AVX-512 hosts) outruns
+attend.c's 8-lane paged kernel by more than the gather costs (SmolLM2-135M on two cores, a
+chunk at position 4,096: 9 tokens 0.08 s in place against 0.15 gathered, 16 about even, 64
+0.32 against 0.25; benchmarks/README.md)."""
 
 
 class PoolFull(RuntimeError):
@@ -80,17 +88,24 @@ def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
 
 
 class PagedLayer:
-    """One layer's part of a pass (a LayerKV, layers/cache.py): its blocks, and the view
-    that says which are each row's and where the new positions go."""
+    """One layer's part of a pass (a LayerKV, layers/cache.py): its blocks, the window it
+    slides (None: it reads every position), and the view that says which are each row's
+    and where the new positions go."""
 
-    def __init__(self, k: Tensor, v: Tensor, pass_: PagedView) -> None:
-        self.k, self.v, self.pass_ = k, v, pass_
+    def __init__(self, k: Tensor, v: Tensor, window: int | None, pass_: PagedView) -> None:
+        self.k, self.v, self.window, self.pass_ = k, v, window, pass_
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                attention: nn.Module) -> Tensor:
         """Store the step's new keys and values in their blocks and attend with q over the
         rows' past and them: (n, H, T, d) -> (n, H, T, d_value)."""
         p = self.pass_
+        if p.in_place and attention.is_plain and serves(q):
+            # Every row holds as many positions and reads T new ones, all its own: the mask
+            # is causal (and the layer's window), which the kernel applies itself.
+            p.scatter(self.k, k)
+            p.scatter(self.v, v)
+            return attend_paged(q, self.k, self.v, p.tables, p.lengths, window=self.window)
         if p.width:
             k_all = torch.cat([p.gather(self.k), k], dim=2)
             v_all = torch.cat([p.gather(self.v), v], dim=2)
@@ -105,7 +120,13 @@ class PagedLayer:
 class PagedView:
     """The rows of one pass over the pool as a model's forward reads its cache (a KVView,
     layers/cache.py): block tables as a tensor, which positions are each row's, and a
-    PagedLayer per layer."""
+    PagedLayer per layer.
+
+    Where every row holds as many positions and reads as many new tokens, IN_PLACE_TOKENS
+    at most (a prompt's short chunk, a speculative round; rows in step), layers whose
+    attention is plain read the keys and values in their blocks through kernels/attend.py's
+    paged attention (`in_place`): nothing is gathered. Elsewhere each layer gathers the
+    rows' blocks into a window of the longest row's positions, padded and masked."""
 
     lineage = None
     step = None
@@ -117,21 +138,27 @@ class PagedView:
         lengths = torch.tensor(held, device=device)
         self.width = max(held)
         self.length = self.width
-        tables = pool.block_tables(rows)  # every block a row holds, the new ones' too
-        self.table = tables[:, : blocks_for(self.width, bs)]
+        self.tables = pool.block_tables(rows)  # every block a row holds, the new ones' too
+        self.table = self.tables[:, : blocks_for(self.width, bs)]
         uniform = all(h == self.width for h in held) and bool(real.all())
         self.is_real: Tensor | None = None
         if not uniform:
             self.is_real = torch.cat([
                 torch.arange(self.width, device=device)[None] < lengths[:, None], real], dim=1)
+        self.in_place = (uniform and pool.in_place and real.shape[1] <= IN_PLACE_TOKENS
+                         and serves_cache(pool.k[0].dtype, device)
+                         and self.width + real.shape[1] <= MAX_POSITIONS)
+        self.lengths = lengths + real.shape[1]
+        """Each row's positions with the new ones (the in-place path's)."""
         # The new positions of each row, in order, and the block and offset each goes to.
         self.real = real
         rank = (real.cumsum(1) - 1) + lengths[:, None]
         rows_of, cols = real.nonzero(as_tuple=True)
         positions = rank[rows_of, cols]
-        self.dest_block = tables[rows_of, positions // bs]
+        self.dest_block = self.tables[rows_of, positions // bs]
         self.dest_offset = positions % bs
-        self.self_attn = [PagedLayer(k, v, self) for k, v in zip(pool.k, pool.v, strict=True)]
+        self.self_attn = [PagedLayer(k, v, window, self)
+                          for k, v, window in zip(pool.k, pool.v, pool.windows, strict=True)]
 
     def gather(self, blocks: Tensor) -> Tensor:
         """(blocks, H, bs, ·) pool -> (n, H, W, ·) the rows' past positions."""
@@ -161,6 +188,14 @@ class PagedPool:
         self.window: int | None = getattr(model.cfg, "cache_window", None)
         self.block_size = block_size
         probe = model.make_cache(1, 1).self_attn
+        slides = getattr(model.cfg, "slides", None)
+        self.windows: list[int | None] = [
+            model.cfg.window if slides is not None and slides(i) else None
+            for i in range(len(probe))]
+        """Each layer's sliding window (None: it reads every position)."""
+        self.in_place = True
+        """Whether passes of rows in step read the blocks in place where the kernel serves
+        (PagedView); False: every layer gathers (the path to compare it with)."""
         self.k = [layer.k.new_empty(blocks, layer.k.shape[1], block_size, layer.k.shape[3])
                   for layer in probe]
         self.v = [layer.v.new_empty(blocks, layer.v.shape[1], block_size, layer.v.shape[3])

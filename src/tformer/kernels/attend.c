@@ -62,23 +62,16 @@ static inline void dot_block(const float *q, const float *const k[BLOCK], long d
 }
 
 /* Where the keys and values of a query row's positions lie. Position s of query row i is
- * at slot `slot` of buffer row `place(...)`:
- *   - block > 0 (a paged cache): table is the row's block table, position s in block
- *     table[s / block] at slot s % block;
- *   - else with a table (a lineage): buffer row table[s], slot s;
- *   - else: buffer row i / group, slot s. */
+ * at slot `slot` of buffer row `place(...)`: with a table (a lineage), buffer row
+ * table[s], slot s; else buffer row i / group, slot s. */
 struct places {
     const int64_t *rows; /* (n, ...) tables, rows_row apart; NULL: none */
-    long rows_row, group, block;
+    long rows_row, group;
 };
 
 static inline long place(const struct places *w, const int64_t *table, long i, long s,
                          long *slot)
 {
-    if (w->block) {
-        *slot = s % w->block;
-        return table[s / w->block];
-    }
     *slot = s;
     return table ? table[s] : i / w->group;
 }
@@ -208,7 +201,7 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
             for (long s = 0; s < length; s++)
                 if (rows[i * rows_row + s] < 0 || rows[i * rows_row + s] >= r)
                     return -1;
-    const struct places w = {rows, rows_row, group, 0};
+    const struct places w = {rows, rows_row, group};
     const long work = n * heads * length * (d + dv);
     /* One thread runs the loop itself (an OpenMP region of one thread still costs ~0.4 us;
      * step.c's team calls this for a few heads at a time). */
@@ -231,6 +224,139 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
     return 0;
 }
 
+/* A tile of queries that read the same key/value head of one sequence's blocks: the
+ * query heads of a group (grouped-query attention) at up to a few consecutive new tokens.
+ * Each span of SPAN positions is scored for every query of the tile while its keys and
+ * values are in the L1 cache, so a long history is read from memory once a tile instead of
+ * once a query. The softmax is taken online (Milakov & Gimelshein 2018, as flash attention
+ * does): each query keeps its running maximum m, the sum l of exp(score - m) and the
+ * exp-weighted sum of values, rescaled when m grows. Spans start at multiples of SPAN, and
+ * a query skips the spans outside its positions and masks the rest of a span it shares, so
+ * its result has the same bits whatever tile it is in (one query alone, a thread's share). */
+#define TILE 16 /* queries of a tile at most */
+#define SPAN (4 * BLOCK) /* positions a query's softmax takes a step at a time */
+#define COLUMNS 256 /* value columns a tile sums at once (wider values: the scores again) */
+
+struct tile {
+    const float *q[TILE]; /* each query's d floats */
+    float *out[TILE];     /* and its dv outputs */
+    long first[TILE], end[TILE]; /* the positions it reads: first .. end - 1 */
+    int n;
+};
+
+/* The tile's attention over value columns x0 .. x0 + dv - 1 (dv <= COLUMNS). */
+static void attend_tile(const struct tile *t, const float *k, long k_block, long k_pos,
+                        const float *v, long v_block, long v_pos, const int64_t *table,
+                        long block, long d, long x0, long dv, float scale)
+{
+    float acc[TILE][COLUMNS], m[TILE], l[TILE];
+    int nan[TILE];
+    long lo = t->first[0], hi = t->end[0];
+    for (int j = 0; j < t->n; j++) {
+        lo = t->first[j] < lo ? t->first[j] : lo;
+        hi = t->end[j] > hi ? t->end[j] : hi;
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+        nan[j] = 0;
+        for (long c = 0; c < dv; c++)
+            acc[j][c] = 0.0f;
+    }
+    const __m256 scales = _mm256_set1_ps(scale);
+    for (long s0 = lo / SPAN * SPAN; s0 < hi; s0 += SPAN) {
+        /* this span's keys and values, found by walking the table (past the last position
+         * the last one again, masked) */
+        const float *keys[SPAN], *values[SPAN];
+        long c = s0 / block, slot = s0 % block;
+        for (int b = 0; b < SPAN; b++) {
+            if (s0 + b < hi) {
+                keys[b] = k + table[c] * k_block + slot * k_pos;
+                values[b] = v + table[c] * v_block + slot * v_pos + x0;
+                if (++slot == block) {
+                    slot = 0;
+                    c++;
+                }
+            } else {
+                keys[b] = keys[b - 1];
+                values[b] = values[b - 1];
+            }
+        }
+        for (int j = 0; j < t->n; j++) {
+            if (s0 + SPAN <= t->first[j] || s0 >= t->end[j] || nan[j])
+                continue;
+            float p[SPAN];
+            __m256 e[SPAN / BLOCK], top8 = _mm256_set1_ps(-INFINITY), odd = _mm256_setzero_ps();
+            for (int q = 0; q < SPAN / BLOCK; q++) {
+                dot_block(t->q[j], keys + q * BLOCK, d, p + q * BLOCK);
+                e[q] = _mm256_mul_ps(_mm256_loadu_ps(p + q * BLOCK), scales);
+            }
+            if (s0 < t->first[j] || s0 + SPAN > t->end[j]) { /* a span it partly reads */
+                for (int q = 0; q < SPAN / BLOCK; q++)
+                    _mm256_storeu_ps(p + q * BLOCK, e[q]);
+                for (int b = 0; b < SPAN; b++)
+                    if (s0 + b < t->first[j] || s0 + b >= t->end[j])
+                        p[b] = -INFINITY;
+                for (int q = 0; q < SPAN / BLOCK; q++)
+                    e[q] = _mm256_loadu_ps(p + q * BLOCK);
+            }
+            for (int q = 0; q < SPAN / BLOCK; q++) {
+                odd = _mm256_or_ps(odd, _mm256_cmp_ps(e[q], e[q], _CMP_UNORD_Q));
+                top8 = _mm256_max_ps(top8, e[q]);
+            }
+            if (_mm256_movemask_ps(odd)) { /* as torch's softmax: a NaN score makes the row
+                                            * NaN (exp8 would zero it) */
+                nan[j] = 1;
+                continue;
+            }
+            const float top = max8(top8);
+            if (top > m[j]) {
+                const float shrink = expf(m[j] - top); /* 0 at the first span */
+                l[j] *= shrink;
+                for (long x = 0; x < dv; x++)
+                    acc[j][x] *= shrink;
+                m[j] = top;
+            }
+            const __m256 mx = _mm256_set1_ps(m[j]);
+            __m256 sum = _mm256_setzero_ps();
+            for (int q = 0; q < SPAN / BLOCK; q++) {
+                e[q] = exp8(_mm256_sub_ps(e[q], mx));
+                sum = _mm256_add_ps(sum, e[q]);
+                _mm256_storeu_ps(p + q * BLOCK, e[q]);
+            }
+            l[j] += sum_lanes(sum);
+            /* acc += sum_b p[b] values[b], 64 columns at a time in eight registers (eight
+             * chains of multiply-adds, not one), then eight, then one */
+            float *a = acc[j];
+            long x = 0;
+            for (; x + 64 <= dv; x += 64) {
+                __m256 r[8];
+                for (int u = 0; u < 8; u++)
+                    r[u] = _mm256_loadu_ps(a + x + 8 * u);
+                for (int b = 0; b < SPAN; b++) {
+                    const __m256 w = _mm256_set1_ps(p[b]);
+                    for (int u = 0; u < 8; u++)
+                        r[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[b] + x + 8 * u), r[u]);
+                }
+                for (int u = 0; u < 8; u++)
+                    _mm256_storeu_ps(a + x + 8 * u, r[u]);
+            }
+            for (; x + 8 <= dv; x += 8) {
+                __m256 r = _mm256_loadu_ps(a + x);
+                for (int b = 0; b < SPAN; b++)
+                    r = _mm256_fmadd_ps(_mm256_set1_ps(p[b]), _mm256_loadu_ps(values[b] + x), r);
+                _mm256_storeu_ps(a + x, r);
+            }
+            for (; x < dv; x++)
+                for (int b = 0; b < SPAN; b++)
+                    a[x] += p[b] * values[b][x];
+        }
+    }
+    for (int j = 0; j < t->n; j++) {
+        const float inv = nan[j] ? NAN : 1.0f / l[j];
+        for (long x = 0; x < dv; x++)
+            t->out[j][x0 + x] = nan[j] ? NAN : acc[j][x] * inv;
+    }
+}
+
 /* The same over a paged cache (Kwon et al. 2023): k and v hold `blocks` blocks of `block`
  * positions, key head g of position `slot` of block b at k + b * k_block + g * k_head +
  * slot * k_pos (v alike). The n query rows are `tokens` new tokens of each of n / tokens
@@ -238,8 +364,10 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
  * lengths[b] positions, its new tokens the last `tokens` of them (already stored), position
  * s in block table[b * table_row + s / block]; each token reads the positions up to its own
  * (causal), and with a sliding window > 0 only the last `window` of those (the blocks
- * behind may have been given back). Returns -1, computing nothing, where a table names a
- * block outside the pool or a sequence has fewer than `tokens` positions. */
+ * behind may have been given back). The queries go in tiles (attend_tile): one sequence's
+ * query heads of a key/value head at up to TILE / kv_group consecutive tokens. Returns -1,
+ * computing nothing, where a table names a block outside the pool or a sequence has fewer
+ * than `tokens` positions. */
 int tformer_attend_paged(const float *q, long q_row, const float *k, long k_block, long k_head,
                          long k_pos, const float *v, long v_block, long v_head, long v_pos,
                          const int64_t *table, long table_row, long block,
@@ -258,23 +386,44 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
                 return -1;
         work += tokens * heads * (T - first) * (d + dv);
     }
-    const struct places w = {table, table_row, 1, block};
-#define ATTEND_PAGED(ih)                                                                         \
+    const long group = kv_group < TILE ? kv_group : TILE; /* query heads a tile takes */
+    const long span = group < kv_group ? 1 : TILE / group; /* and tokens */
+    const long heads_tiles = (kv_group + group - 1) / group;
+    const long token_tiles = (tokens + span - 1) / span;
+    const long kv_heads = heads / kv_group;
+    const long tiles = n / tokens * kv_heads * heads_tiles * token_tiles;
+    /* Tile u: sequence, key/value head, group of its query heads, tokens; interleaved over
+     * the threads (a causal chunk's later tokens read more). */
+#define ATTEND_TILE(u)                                                                           \
     do {                                                                                       \
-        const long i = (ih) / heads, h = (ih) % heads, b = i / tokens;                         \
-        const long T = lengths[b] - tokens + 1 + i % tokens; /* the positions this row reads */ \
-        const long first = window > 0 && T > window ? T - window : 0;                          \
-        attend_one(q + i * q_row + h * d, k, k_block, k_head, k_pos, v, v_block, v_head, v_pos, \
-                   &w, table + b * table_row, i, h / kv_group, NULL, 0, first, T, d, dv, scale, \
-                   out + (ih) * dv);                                                           \
+        const long tt = (u) % token_tiles, hg = (u) / token_tiles % heads_tiles;               \
+        const long g = (u) / token_tiles / heads_tiles % kv_heads;                             \
+        const long b = (u) / token_tiles / heads_tiles / kv_heads;                             \
+        struct tile t;                                                                         \
+        t.n = 0;                                                                               \
+        for (long tok = tt * span; tok < tokens && tok < (tt + 1) * span; tok++) {            \
+            const long i = b * tokens + tok;                                                   \
+            const long T = lengths[b] - tokens + 1 + tok; /* the positions it reads */         \
+            const long h0 = g * kv_group + hg * group;                                        \
+            for (long h = h0; h < h0 + group && h < (g + 1) * kv_group; h++) {                \
+                t.q[t.n] = q + i * q_row + h * d;                                              \
+                t.out[t.n] = out + (i * heads + h) * dv;                                       \
+                t.first[t.n] = window > 0 && T > window ? T - window : 0;                     \
+                t.end[t.n++] = T;                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (long x0 = 0; x0 < dv; x0 += COLUMNS)                                              \
+            attend_tile(&t, k + g * k_head, k_block, k_pos, v + g * v_head, v_block, v_pos,    \
+                        table + b * table_row, block, d, x0,                                   \
+                        dv - x0 < COLUMNS ? dv - x0 : COLUMNS, scale);                         \
     } while (0)
     if (threads > 1 && work > 65536) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (long ih = 0; ih < n * heads; ih++)
-            ATTEND_PAGED(ih);
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+        for (long u = 0; u < tiles; u++)
+            ATTEND_TILE(u);
     } else
-        for (long ih = 0; ih < n * heads; ih++)
-            ATTEND_PAGED(ih);
-#undef ATTEND_PAGED
+        for (long u = 0; u < tiles; u++)
+            ATTEND_TILE(u);
+#undef ATTEND_TILE
     return 0;
 }
