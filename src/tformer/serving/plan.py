@@ -37,12 +37,13 @@ MIN_PIECE = 16
 """The fewest tokens of texts read in chunks a step reads while rows decode."""
 
 DECODING_SHARE = 32
-"""While rows decode, texts read in chunks take at most budget // DECODING_SHARE tokens a step.
-On a CPU a prompt's token costs about what a decoding row's does and the rows' step reads the
-weights once for all of them: SmolLM2-135M on two cores steps seven rows in ~25 ms and reads
-a 32-token chunk at position 1,000 in ~80 ms, a 128-token one in ~300 ms. A sixteenth of the
-default 512 keeps the rows' steps within ~4x of their own cost (the long text is read at
-~0.9x its rate meanwhile) where a quarter slowed them 13x."""
+"""While rows decode, texts read in chunks take at most budget // DECODING_SHARE tokens a step
+(MIN_PIECE at least). On a CPU a prompt's token costs about what a decoding row's does, and
+the rows' step reads the weights once for all of them: SmolLM2-135M (q4_1, two cores) steps
+seven rows in ~25 ms, and a chunk at position ~600 adds ~55 ms at 16 tokens, ~300 ms at 121.
+A 32nd of the default 512 keeps the rows' steps within ~3x their own cost, where a quarter
+made them 13x; the long text is read at about a third of its own rate meanwhile (a larger
+--step-tokens gives it more)."""
 
 
 class Phase(enum.Enum):
