@@ -25,9 +25,11 @@ with --baseline-src DIR, another tree's (say main's) side by side.
     python benchmarks/serve_load.py --long-prompt CKPT --baseline-src /work/main/src
 
 With --budget CKPT, --budget-clients (64) clients each send a --budget-tokens (2,000)
-prompt at once to a server with --kv-memory 1 (GiB): the answered and failed requests, the
-wall time, and the server's resident memory at idle and at its peak against the pool's
-budget plus the idle model plus 500 MB.
+prompt at once to a server with --kv-memory 1 (GiB) and --max-waiting --budget-waiting
+(default: twice the clients, so that none is turned away): the answered requests, those
+refused with 503 and a Retry-After header (past --max-waiting), any other failure, the wall
+time, and the server's resident memory at idle and at its peak against the pool's budget
+plus the idle model plus 500 MB.
 
     python benchmarks/serve_load.py --budget CKPT
 
@@ -317,6 +319,28 @@ def chat_scenario(args: argparse.Namespace) -> None:
     print(f"turn {args.turns}: {last:.1f}x faster to the first token with the prefix cache")
 
 
+class Refused(Exception):
+    """A 503 with a Retry-After header: the server's queue was full."""
+
+
+async def refusable_stream(http: httpx.AsyncClient, prompt: list[int], tokens: int
+                           ) -> tuple[float, float]:
+    """timed_stream's (seconds to the first token, to the end), raising Refused for a 503
+    that says when to retry and RuntimeError for any other answer than 200."""
+    start = time.perf_counter()
+    first = None
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code == 503 and "retry-after" in r.headers:
+            raise Refused(r.headers["retry-after"])
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and first is None and line != "data: [DONE]":
+                first = time.perf_counter() - start
+    return first or float("nan"), time.perf_counter() - start
+
+
 async def budget_round(url: str, clients: int, prompt_tokens: int
                        ) -> list[tuple[float, float] | BaseException]:
     g = torch.Generator().manual_seed(1)
@@ -324,20 +348,22 @@ async def budget_round(url: str, clients: int, prompt_tokens: int
                for _ in range(clients)]
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
         await timed_stream(http, prompts[0][:8], 2)  # warm up
-        return await asyncio.gather(*(timed_stream(http, p, 8) for p in prompts),
+        return await asyncio.gather(*(refusable_stream(http, p, 8) for p in prompts),
                                     return_exceptions=True)
 
 
 def budget_scenario(args: argparse.Namespace) -> None:
     """Many long prompts at once into a KV pool far smaller than they need together: none
-    may fail, and the server's memory stays within the pool, the model and 500 MB."""
+    may fail (those past --max-waiting are refused with 503 and Retry-After), and the
+    server's memory stays within the pool, the model and 500 MB."""
+    waiting = args.budget_waiting or 2 * args.budget_clients
     need = args.budget_clients * (args.budget_tokens + 8)
     print(f"{args.budget_clients} clients x {args.budget_tokens}-token prompts at once ("
           f"{need:,} positions), 8 greedy tokens each, --kv-memory {args.kv_memory} GiB, "
-          f"SmolLM2-135M {args.weights}; load {os.getloadavg()[0]:.1f}")
+          f"--max-batch 16, --max-waiting {waiting}, SmolLM2-135M {args.weights}; "
+          f"load {os.getloadavg()[0]:.1f}")
     with real_server(args.budget, str(ROOT / "src"), "--weights", args.weights, "--kv-memory",
-                     str(args.kv_memory), "--max-waiting",
-                     str(2 * args.budget_clients)) as (server, url):
+                     str(args.kv_memory), "--max-waiting", str(waiting)) as (server, url):
         idle = memory_mb(server.pid, "VmRSS")
         start = time.perf_counter()
         results = asyncio.run(budget_round(url, args.budget_clients, args.budget_tokens))
@@ -345,15 +371,18 @@ def budget_scenario(args: argparse.Namespace) -> None:
         peak = memory_mb(server.pid)
         print("  " + figures(url, "tformer_preemptions", "tformer_kv_blocks"), file=sys.stderr)
     done = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, Refused)]
     for r in results:
-        if isinstance(r, BaseException):
+        if isinstance(r, BaseException) and not isinstance(r, Refused):
             print(f"  failed: {r!r}"[:300], file=sys.stderr)
     limit = idle + args.kv_memory * 1024 + 500
     firsts = sorted(t[0] for t in done) or [float("nan")]
-    print("| answered | failed | wall (s) | TTFT median / max (s) | RSS idle / peak (MB) "
-          "| idle + budget + 500 MB |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {len(done)} | {len(results) - len(done)} | {wall:.1f} | "
+    retry = sorted({str(r) for r in refused})
+    print("| answered | refused: 503 + Retry-After | failed otherwise | wall (s) "
+          "| TTFT median / max (s) | RSS idle / peak (MB) | idle + budget + 500 MB |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {len(done)} | {len(refused)} ({', '.join(retry) or '-'} s) | "
+          f"{len(results) - len(done) - len(refused)} | {wall:.1f} | "
           f"{statistics.median(firsts):.1f} / {firsts[-1]:.1f} | {idle:.0f} / {peak:.0f} | "
           f"{limit:.0f} ({'within' if peak <= limit else 'OVER'}) |", flush=True)
 
@@ -492,6 +521,9 @@ def main() -> None:
                         help="the scenario of many long prompts under a small --kv-memory")
     parser.add_argument("--budget-clients", type=int, default=64)
     parser.add_argument("--budget-tokens", type=int, default=2000)
+    parser.add_argument("--budget-waiting", type=int,
+                        help="the server's --max-waiting in --budget (default: twice the "
+                             "clients, none turned away)")
     parser.add_argument("--kv-memory", type=float, default=1.0)
     parser.add_argument("--long-tokens", type=int, default=7314)
     parser.add_argument("--short-tokens", type=int, default=115)

@@ -280,6 +280,16 @@ static void attend_tile(const struct tile *t, const float *k, long k_block, long
                 values[b] = values[b - 1];
             }
         }
+        /* the next span's keys and values into the cache while this one is summed: its
+         * blocks lie where no prefetcher can guess */
+        for (long s = s0 + SPAN; s < s0 + 2 * SPAN && s < hi; s++) {
+            fetch(k + table[c] * k_block + slot * k_pos, d);
+            fetch(v + table[c] * v_block + slot * v_pos + x0, dv);
+            if (++slot == block) {
+                slot = 0;
+                c++;
+            }
+        }
         for (int j = 0; j < t->n; j++) {
             if (s0 + SPAN <= t->first[j] || s0 >= t->end[j] || nan[j])
                 continue;
