@@ -601,7 +601,8 @@ static void place_qkv(const struct tformer_lm_layer *l, float *qkv, long r, long
 
 /* The layer's attention for n rows (`tokens` new tokens of each of n / tokens sequences)
  * over kv's buffer rows in query order: tformer_attend_step's, or in a team one chunk per
- * query row and head, through the same kernel on one thread. */
+ * query row and head (over a paged cache: per query row and key/value head, its query heads
+ * one tile), through the same kernel on one thread. */
 struct lm_attention {
     const struct tformer_lm_layer *l;
     const float *q; /* q|k|v rows, q_row apart */
@@ -622,18 +623,22 @@ static int lm_attention_chunk(const void *job, long chunk)
     const struct tformer_lm_layer *l = a->l;
     const struct tformer_kv *kv = a->kv;
     const long H = l->heads, dk = l->d_head, dv = l->d_value;
+    if (a->table) {
+        /* a paged cache: query row i's heads of key/value head g, one tile that reads the
+         * head's blocks once (tformer_attend_paged's), over the positions row i reads */
+        const long group = H / l->kv_heads;
+        const long i = chunk / l->kv_heads, g = chunk % l->kv_heads, b = i / a->tokens;
+        const int64_t length = a->lengths[b] - a->tokens + 1 + i % a->tokens;
+        return tformer_attend_paged(a->q + i * a->q_row + g * group * dk, a->q_row,
+                                    kv->k + g * kv->k_head, kv->k_row, kv->k_head, kv->k_pos,
+                                    kv->v + g * kv->v_head, kv->v_row, kv->v_head, kv->v_pos,
+                                    a->table + b * a->table_row, a->table_row, a->block,
+                                    &length, a->window, a->out + (i * H + g * group) * dv, 1, 1,
+                                    kv->rows, group, group, dk, dv, l->scale, 1);
+    }
     const long i = chunk / H, h = chunk % H, g = h / (H / l->kv_heads), b = i / a->tokens;
     const float *q = a->q + i * a->q_row + h * dk;
     float *out = a->out + (i * H + h) * dv;
-    if (a->table) {
-        /* the positions row i reads, as tformer_attend_paged counts them for it */
-        const int64_t length = a->lengths[b] - a->tokens + 1 + i % a->tokens;
-        return tformer_attend_paged(q, a->q_row, kv->k + g * kv->k_head, kv->k_row, kv->k_head,
-                                    kv->k_pos, kv->v + g * kv->v_head, kv->v_row, kv->v_head,
-                                    kv->v_pos, a->table + b * a->table_row, a->table_row,
-                                    a->block, &length, a->window, out, 1, 1, kv->rows, 1, 1, dk,
-                                    dv, l->scale, 1);
-    }
     return tformer_attend_step(q, a->q_row, kv->k + b * kv->k_row + g * kv->k_head, kv->k_row,
                                kv->k_head, kv->k_pos, kv->v + b * kv->v_row + g * kv->v_head,
                                kv->v_row, kv->v_head, kv->v_pos, NULL, 0, 1,
@@ -648,7 +653,8 @@ static int exec_attention(const struct exec *e, const struct lm_attention *a)
     const struct tformer_kv *kv = a->kv;
     if (e->team) {
         team_close(e->team);
-        return team_run(e->team, lm_attention_chunk, a, a->n * l->heads);
+        return team_run(e->team, lm_attention_chunk, a,
+                        a->n * (a->table ? l->kv_heads : l->heads));
     }
     if (a->table)
         return tformer_attend_paged(a->q, a->q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos,
