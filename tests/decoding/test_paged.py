@@ -152,16 +152,22 @@ GEMMA_LIKE = {**LLAMA, "window": 5, "global_every": 2, "n_kv_head": 2}
 @pytest.mark.parametrize("options", [*LAYOUTS, GEMMA_LIKE, {**LLAMA, "attn_softcap": 5.0}],
                          ids=str)
 @torch.no_grad()
-def test_chunks_read_in_place_give_the_gathered_path_s_logits(options):
-    """Prompts read in chunks longer than the one-call step takes, one row at a time and rows
-    in step (as many positions held, as many new tokens): the layers attend over the blocks
-    in place (kernels/attend.py's paged attention, causal within the chunk, each layer its
-    own window) with the logits of a pool whose every layer gathers, and of a full pass over
-    each text. A layer whose attention is not plain (a soft cap) gathers in both."""
+def test_chunks_read_in_place_give_the_gathered_path_s_logits(options, monkeypatch):
+    """Prompts read in chunks through the layers (the one-call step off), one row at a time
+    and rows in step (as many positions held, as many new tokens): the layers attend over
+    the blocks in place (kernels/attend.py's paged attention, causal within the chunk, each
+    layer its own window) with the logits of a pool whose every layer gathers, and of a full
+    pass over each text. A layer whose attention is not plain (a soft cap) gathers in both."""
     from tformer.kernels.attend import native
 
     if native() is None:
         pytest.skip("the kernels are not built here")
+    from tformer.decoding import paged
+
+    kernel_calls = []
+    kernel = paged.attend_paged
+    monkeypatch.setattr(paged, "attend_paged",
+                        lambda *args, **kw: kernel_calls.append(1) or kernel(*args, **kw))
     model = model_of(options, context=64)
     pools = [PagedPool(model, 64, block_size=4), PagedPool(model, 64, block_size=4)]
     pools[1].in_place = False
@@ -171,7 +177,7 @@ def test_chunks_read_in_place_give_the_gathered_path_s_logits(options):
     texts = [torch.randint(0, 37, (37,), generator=g).tolist() for _ in range(2)]
     rows = [[Row(), Row()] for _ in pools]
     got = [[], []]
-    for start, width in [(0, 11), (11, 13), (24, 13)]:  # past the one-call step's 8
+    for start, width in [(0, 7), (7, 8), (15, 8), (23, 8), (31, 6)]:
         ids = torch.tensor([t[start : start + width] for t in texts])
         for pool, pair, out in zip(pools, rows, got, strict=True):
             if start == 0:  # one row at a time
@@ -180,6 +186,7 @@ def test_chunks_read_in_place_give_the_gathered_path_s_logits(options):
             else:  # both rows in one pass
                 out.append(pool.forward(pair, ids))
     in_place, gathered = (torch.cat(out, dim=1) for out in got)
+    assert bool(kernel_calls) == ("attn_softcap" not in options)  # a soft cap gathers
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(in_place, model(torch.tensor(texts)), atol=1e-5, rtol=1e-5)
 

@@ -13,6 +13,7 @@ from tformer.data.chat import ChatTemplate
 from tformer.data.tokenizers import CharTokenizer
 from tformer.serving.protocol import ApiError
 from tformer.serving.tools import (
+    CALL_FORMATS,
     TOOLS_SYSTEM_BLOCK,
     call_format,
     held_back,
@@ -94,6 +95,23 @@ def test_hermes_calls_are_read_with_the_text_before_them():
     assert parse_calls("no calls here", "hermes") == ("no calls here", [])
     broken = "<tool_call>{not json</tool_call>"
     assert parse_calls(broken, "hermes") == (broken, [])
+
+
+def test_a_hermes_call_whose_string_holds_the_close_tag_is_read_whole():
+    """A call ends after its JSON value, not at the first close tag: a sampled string
+    argument may write the tag itself (SmolLM2 did, at temperature 1)."""
+    arguments = {"city": "Lyon.</tool_call> and on", "n": 2}
+    reply = (f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(arguments)}}}'
+             '\n</tool_call>')
+    content, calls = parse_calls(reply, "hermes")
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", arguments)]
+    # Streamed: the call counts as begun, not ended, while its string is open.
+    fmt = CALL_FORMATS["hermes"]
+    cut = reply.index("</tool_call> and") + len("</tool_call>")
+    assert [end for _, end in fmt.begun(reply[:cut])] == [None]
+    assert [json.loads(reply[head.start() : end]) for head, end in fmt.begun(reply)] == [
+        {"name": "get_weather", "arguments": arguments}]
 
 
 def test_llama3_json_calls_are_read():

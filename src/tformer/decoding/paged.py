@@ -48,12 +48,17 @@ from tformer.kernels.attend import MAX_POSITIONS, attend_paged, serves, serves_c
 BLOCK_SIZE = 16
 """Positions per block: small enough that a text wastes little of its last block."""
 
-IN_PLACE_TOKENS = 16
-"""The most new tokens a row whose pass reads the blocks in place (PagedView): past it the
-layers gather, where torch's flash attention (a 16-lane GEMM on AVX-512 hosts) outruns
-attend.c's 8-lane paged kernel by more than the gather costs (SmolLM2-135M on two cores, a
-chunk at position 4,096: 9 tokens 0.08 s in place against 0.15 gathered, 16 about even, 64
-0.32 against 0.25; benchmarks/README.md)."""
+IN_PLACE_TOKENS = 8
+"""The most new tokens a row whose pass reads the blocks in place (PagedView), as many as
+the one-call step takes (kernels/step.py's LM_F32_ROWS): the layers read in place where that
+step does not serve (more rows than it takes, as a speculative round over many rows).
+Longer chunks gather, for two reasons. A prompt must give the same logits whether it is read
+alone or beside others (left-padded rows, which gather), and the kernel and torch's
+attention round differently: at 9-16 tokens a greedy text could flip between the two. And
+past ~16 tokens torch's flash attention (a 16-lane GEMM on AVX-512 hosts) outruns attend.c's
+8-lane kernel by more than the gather costs (SmolLM2-135M on two cores, a chunk at position
+4,096: 9 tokens 0.12 s in place against 0.16 gathered, 16 0.19 against 0.16, 64 0.32
+against 0.25; benchmarks/README.md)."""
 
 
 class PoolFull(RuntimeError):
@@ -123,7 +128,7 @@ class PagedView:
     PagedLayer per layer.
 
     Where every row holds as many positions and reads as many new tokens, IN_PLACE_TOKENS
-    at most (a prompt's short chunk, a speculative round; rows in step), layers whose
+    at most (a speculative round over more rows than the one-call step takes), layers whose
     attention is plain read the keys and values in their blocks through kernels/attend.py's
     paged attention (`in_place`): nothing is gathered. Elsewhere each layer gathers the
     rows' blocks into a window of the longest row's positions, padded and masked."""

@@ -330,8 +330,9 @@ class Hermes(CallFormat):
         if start < 0:
             return text, []
         calls = []
-        for match in _HERMES.finditer(text, start):
-            call = _call(match.group(1), "arguments")
+        for opened in re.finditer(re.escape(HERMES_OPEN), text):
+            end = _hermes_end(text, opened.end())
+            call = _call(text[opened.end() : end], "arguments") if end is not None else None
             if call is not None:
                 calls.append(call)
         if not calls:
@@ -344,8 +345,7 @@ class Hermes(CallFormat):
             head = _NAME_FIRST.match(text, opened.end())
             if head is None:
                 return
-            end = text.find(HERMES_CLOSE, head.end())
-            yield head, (end if end >= 0 else None)
+            yield head, _hermes_end(text, head.start())
 
     def unfinished(self, body: str) -> str:
         return body[:_text_held(body, HERMES_CLOSE)]
@@ -480,8 +480,20 @@ CALL_FORMATS: dict[str, CallFormat] = {"mistral": Mistral(), "llama3": Llama3(),
 """The forms by name, in the order they are tried on a template (Hermes' the default)."""
 
 
-_HERMES = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE),
-                     re.DOTALL)
+_HERMES_CLOSED = re.compile(r"\s*" + re.escape(HERMES_CLOSE))
+_JSON = json.JSONDecoder()
+
+
+def _hermes_end(text: str, at: int) -> int | None:
+    """Where the JSON value that starts at `at` (after spaces) ends, when the close tag
+    follows it; None while it is unfinished or is not JSON. The close is looked for after
+    the value, not as the first close in the text: a string in the arguments may hold it."""
+    at = len(text) - len(text[at:].lstrip())
+    try:
+        _, end = _JSON.raw_decode(text, at)
+    except json.JSONDecodeError:
+        return None
+    return end if _HERMES_CLOSED.match(text, end) else None
 
 
 def parse_calls(text: str, form: str) -> tuple[str | None, list[ToolCall]]:
