@@ -330,9 +330,8 @@ class Hermes(CallFormat):
         if start < 0:
             return text, []
         calls = []
-        for opened in re.finditer(re.escape(HERMES_OPEN), text):
-            end = _hermes_end(text, opened.end())
-            call = _call(text[opened.end() : end], "arguments") if end is not None else None
+        for at, end in _hermes_spans(text):
+            call = _call(text[at:end], "arguments") if end is not None else None
             if call is not None:
                 calls.append(call)
         if not calls:
@@ -341,11 +340,11 @@ class Hermes(CallFormat):
         return content or None, calls
 
     def begun(self, text: str) -> Iterator[tuple[re.Match[str], int | None]]:
-        for opened in re.finditer(re.escape(HERMES_OPEN), text):
-            head = _NAME_FIRST.match(text, opened.end())
+        for at, end in _hermes_spans(text):
+            head = _NAME_FIRST.match(text, at)
             if head is None:
                 return
-            yield head, _hermes_end(text, head.start())
+            yield head, end
 
     def unfinished(self, body: str) -> str:
         return body[:_text_held(body, HERMES_CLOSE)]
@@ -480,20 +479,27 @@ CALL_FORMATS: dict[str, CallFormat] = {"mistral": Mistral(), "llama3": Llama3(),
 """The forms by name, in the order they are tried on a template (Hermes' the default)."""
 
 
+_SPACES = re.compile(r"\s*")
 _HERMES_CLOSED = re.compile(r"\s*" + re.escape(HERMES_CLOSE))
 _JSON = json.JSONDecoder()
 
 
-def _hermes_end(text: str, at: int) -> int | None:
-    """Where the JSON value that starts at `at` (after spaces) ends, when the close tag
-    follows it; None while it is unfinished or is not JSON. The close is looked for after
-    the value, not as the first close in the text: a string in the arguments may hold it."""
-    at = len(text) - len(text[at:].lstrip())
-    try:
-        _, end = _JSON.raw_decode(text, at)
-    except json.JSONDecodeError:
-        return None
-    return end if _HERMES_CLOSED.match(text, end) else None
+def _hermes_spans(text: str) -> Iterator[tuple[int, int | None]]:
+    """Each call a reply opens: where its text starts (after the open tag) and where its
+    JSON value ends when the close tag follows it (None while it is unfinished or is not
+    JSON). A call ends after its value, not at the first close in the text, since a string
+    in its arguments may hold one; the next call is looked for after it."""
+    opened = text.find(HERMES_OPEN)
+    while opened >= 0:
+        at = opened + len(HERMES_OPEN)
+        try:
+            _, end = _JSON.raw_decode(text, _SPACES.match(text, at).end())
+        except json.JSONDecodeError:
+            end = None
+        if end is not None and not _HERMES_CLOSED.match(text, end):
+            end = None
+        yield at, end
+        opened = text.find(HERMES_OPEN, at if end is None else end)
 
 
 def parse_calls(text: str, form: str) -> tuple[str | None, list[ToolCall]]:
