@@ -216,13 +216,20 @@ def real_server(ckpt: str, src: str, *options: str) -> Iterator[tuple[subprocess
         server.wait(120)
 
 
+class Refused(RuntimeError):
+    """A 503 with a Retry-After header: the server's queue was full."""
+
+
 async def timed_stream(http: httpx.AsyncClient, prompt: list[int], tokens: int
                        ) -> tuple[float, float]:
-    """(seconds to the first token, seconds to the end) of one streamed completion."""
+    """(seconds to the first token, seconds to the end) of one streamed completion;
+    Refused for a 503 that says when to retry, RuntimeError for any other answer than 200."""
     start = time.perf_counter()
     first = None
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
     async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code == 503 and "retry-after" in r.headers:
+            raise Refused(r.headers["retry-after"])
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
@@ -319,28 +326,6 @@ def chat_scenario(args: argparse.Namespace) -> None:
     print(f"turn {args.turns}: {last:.1f}x faster to the first token with the prefix cache")
 
 
-class Refused(Exception):
-    """A 503 with a Retry-After header: the server's queue was full."""
-
-
-async def refusable_stream(http: httpx.AsyncClient, prompt: list[int], tokens: int
-                           ) -> tuple[float, float]:
-    """timed_stream's (seconds to the first token, to the end), raising Refused for a 503
-    that says when to retry and RuntimeError for any other answer than 200."""
-    start = time.perf_counter()
-    first = None
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code == 503 and "retry-after" in r.headers:
-            raise Refused(r.headers["retry-after"])
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and first is None and line != "data: [DONE]":
-                first = time.perf_counter() - start
-    return first or float("nan"), time.perf_counter() - start
-
-
 async def budget_round(url: str, clients: int, prompt_tokens: int
                        ) -> list[tuple[float, float] | BaseException]:
     g = torch.Generator().manual_seed(1)
@@ -348,7 +333,7 @@ async def budget_round(url: str, clients: int, prompt_tokens: int
                for _ in range(clients)]
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
         await timed_stream(http, prompts[0][:8], 2)  # warm up
-        return await asyncio.gather(*(refusable_stream(http, p, 8) for p in prompts),
+        return await asyncio.gather(*(timed_stream(http, p, 8) for p in prompts),
                                     return_exceptions=True)
 
 
