@@ -76,6 +76,7 @@ class Smoke:
 # The scripts whose smallest run needs nothing but its arguments; the others (which need a
 # trained run, a config or a second kernel source) have their own tests below.
 SMOKES = {
+    "activation_rounding": Smoke(("--tiny",), "| ggml, fp16 d and s:"),
     "blocks_quality": Smoke(("--tiny",), "| q4_1 |"),
     "block_rows": Smoke(("--tiny", "--repeats", "1", "--threads", "1", "--formats", "fp32",
                          "q4_1", "q4_1:file"), "| prompt 32 | q4_1:file |", kernel=True),
