@@ -18,6 +18,12 @@ Writing the default shape quantizes 1.2 billion weights and holds the file's ~0.
 memory until it is written; --layers 2 --d-model 256 --ff 512 --vocab 1024 makes a small
 one in a second.
 
+--arch qwen2 writes Qwen2's layout (q, k and v biases, rope theta 1,000,000, tied embeddings);
+Qwen2.5-1.5B's shape:
+
+    python benchmarks/kquant_model.py /tmp/qwen-1.5b-q4_k_m.gguf --arch qwen2 --layers 28 \
+        --d-model 1536 --ff 8960 --heads 12 --kv-heads 2 --vocab 151936
+
 --arch qwen3 writes Qwen3's layout instead (q/k norms, --head-dim apart from d_model, rope
 theta 1,000,000, an output layer of its own), and --arch qwen3moe a mixture of experts in
 Qwen3-MoE's (--experts stacked experts of width --d-expert, --active chosen a token, the
@@ -84,7 +90,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arch", choices=("llama", "qwen3", "qwen3moe"), default="llama")
+    ap.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "qwen3moe"), default="llama")
     ap.add_argument("--head-dim", type=int, default=None, help="default d_model / heads")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--active", type=int, default=8)
@@ -102,7 +108,7 @@ def write(args: argparse.Namespace) -> None:
         raise SystemExit(f"{args.out} exists")
     d, head = args.d_model, args.head_dim or args.d_model // args.heads
     qwen, moe = args.arch != "llama", args.arch == "qwen3moe"
-    tied = not qwen
+    qk_norm, tied = args.arch.startswith("qwen3"), args.arch in ("llama", "qwen2")
     tokens, types, merges = vocabulary(args.vocab)
     writer = gguf.GGUFWriter(args.out, args.arch)
     writer.add_name(f"random {args.arch} model")
@@ -137,11 +143,14 @@ def write(args: argparse.Namespace) -> None:
 
     def add(name: str, *shape: int) -> None:
         nonlocal weights
-        if len(shape) == 1:  # a norm's weights: near one, f32
+        if name.endswith(".bias"):  # Qwen2's q, k and v biases: f32
+            value = 0.1 * torch.randn(shape, generator=g)
+        elif len(shape) == 1:  # a norm's weights: near one, f32
             value = 1 + 0.1 * torch.randn(shape, generator=g)
         else:
             value = torch.randn(shape, generator=g) * 0.02
-        # Llama's embedding is also its output layer (tied), as Llama 3.2 1B's is
+        # Llama's embedding is also its output layer (tied), as Llama 3.2 1B's and
+        # Qwen2.5-1.5B's are
         kind = tensor_type(args.type, name, args.layers, tied=tied)
         array, raw = _stored(name, value, kind)
         writer.add_tensor(name, array, raw_dtype=raw)
@@ -154,8 +163,12 @@ def write(args: argparse.Namespace) -> None:
         add(b + "attn_q.weight", args.heads * head, d)
         add(b + "attn_k.weight", args.kv_heads * head, d)
         add(b + "attn_v.weight", args.kv_heads * head, d)
+        if args.arch == "qwen2":
+            add(b + "attn_q.bias", args.heads * head)
+            add(b + "attn_k.bias", args.kv_heads * head)
+            add(b + "attn_v.bias", args.kv_heads * head)
         add(b + "attn_output.weight", d, args.heads * head)
-        if qwen:
+        if qk_norm:
             add(b + "attn_q_norm.weight", head)
             add(b + "attn_k_norm.weight", head)
         add(b + "ffn_norm.weight", d)
