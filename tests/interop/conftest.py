@@ -237,7 +237,8 @@ def smollm2_reference(smollm2):
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16",
               "F32")
 """Every tensor type tformer reads; a tiny file's matrices take them in turn."""
-K_SCALES = {"Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 1e-4), "Q6_K": ((208,), 2e-5)}
+K_SCALES = {"Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 1e-4), "Q6_K": ((208,), 2e-5),
+            "IQ4_XS": ((0,), 1e-5), "IQ4_NL": ((0,), 4e-4)}
 """Where each super-block type keeps its fp16 scales (the rest may be any bytes), and a
 size for them that gives weights of a few hundredths, as the other types hold."""
 

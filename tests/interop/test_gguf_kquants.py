@@ -17,7 +17,7 @@ from tformer.interop.gguf import import_gguf, read_gguf, unpermute  # noqa: E402
 from tformer.kernels import blocks, library  # noqa: E402
 from tformer.loading import load_checkpoint  # noqa: E402
 
-K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+K_TYPES = ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
 N_HEAD, N_KV = 4, 2  # the tiny llama file's (conftest.write_tiny_gguf)
 
 
@@ -68,16 +68,39 @@ def test_the_imported_model_runs_its_k_blocks_as_the_decoded_weights_do(k_run):
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
-def test_a_q6_k_file_exports_as_the_same_bytes(tiny_gguf, tmp_path):
-    # q6_k is the K type export writes whole (q4_k and q5_k come in mixtures)
-    path = tiny_gguf("llama", types=("Q6_K",) * 2)
+@pytest.mark.parametrize("kind", ["Q6_K", "IQ4_XS"])
+def test_a_file_of_a_whole_k_type_exports_as_the_same_bytes(kind, tiny_gguf, tmp_path):
+    # q6_k and iq4_xs are the 256-value types export writes whole (q4_k and q5_k come in
+    # mixtures)
+    path = tiny_gguf("llama", types=(kind,) * 2)
     run = import_gguf(path, tmp_path / "run")
     out = tmp_path / "again.gguf"
-    assert main(["export", str(run), "--out", str(out), "--type", "q6_k"]) == 0
+    assert main(["export", str(run), "--out", str(out), "--type", kind.lower()]) == 0
     before, after = read_gguf(path), read_gguf(out)
     for name in ("blk.0.ffn_down.weight", "blk.1.attn_v.weight", "blk.1.attn_q.weight"):
-        assert after.tensors[name].type == "Q6_K"
+        assert after.tensors[name].type == kind
         assert np.array_equal(after.tensors[name].data, before.tensors[name].data), name
+
+
+def test_an_iq4_xs_export_is_the_quantizer_s_bytes_and_iq4_nl_comes_in_decoded(
+        fp32_run, tiny_gguf, tmp_path):
+    out = tmp_path / "iq4_xs.gguf"
+    assert main(["export", str(fp32_run), "--out", str(out), "--type", "iq4_xs"]) == 0
+    file = read_gguf(out)
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == 30
+    state = load_file(fp32_run / "model.safetensors")
+    tensor = file.tensors["blk.0.ffn_up.weight"]
+    assert tensor.type == "IQ4_XS"
+    weight = state["blocks.0.ff.up.weight"]
+    assert np.array_equal(tensor.data, blocks.quantize(weight, "iq4_xs").numpy())
+    got = decoded(tensor)
+    assert ((got - weight).norm() / weight.norm()).item() < 0.12
+    # IQ4_NL (the 32-value form llama.cpp gives rows that are not whole super-blocks) is read,
+    # its values as gguf.quants decodes them
+    path = tiny_gguf("llama", types=("IQ4_NL",) * 2)
+    model = load_checkpoint(import_gguf(path, tmp_path / "nl"), family="gpt").model
+    down = read_gguf(path).tensors["blk.0.ffn_down.weight"]
+    torch.testing.assert_close(model.blocks[0].ff.down.weight, decoded(down), rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")

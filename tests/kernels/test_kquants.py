@@ -1,7 +1,7 @@
-"""llama.cpp's K super-blocks (kernels/kquants.py, kquants.c): the layouts against the gguf
-package's dequantizers, the products on every path against the super-block arithmetic in
-float64 with the activations rounded to Q8_K as written out here, the quantizers' quality,
-and the q4_k_m mix's rule."""
+"""llama.cpp's K super-blocks and IQ4_XS (kernels/kquants.py, kquants.c): the layouts against
+the gguf package's dequantizers, the products on every path against the super-block
+arithmetic in float64 with the activations rounded to Q8_K as written out here, the
+quantizers' quality, and the q4_k_m mix's rule."""
 
 import ctypes
 
@@ -17,6 +17,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import quants as gguf_quants  # noqa: E402
 
 K_FORMATS = [name for name, layout in blocks.LAYOUTS.items() if layout.values == 256]
+REPACKED = [name for name in K_FORMATS if name != "iq4_xs"]
+"""The formats with a repacked form (iq4_xs has none: kinds.c's row says why)."""
 PATHS = {"generic": blocks.ISA_GENERIC, "avx2": blocks.ISA_AVX2,
          "avxvnni": blocks.ISA_AVX_VNNI, "avx512": blocks.ISA_AVX512_VNNI}
 
@@ -43,7 +45,7 @@ def test_decoding_equals_gguf_s_dequantizer(fmt):
     # and any bytes a file may hold, not only those the quantizer makes
     noise = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator()
                           .manual_seed(1))
-    halves = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[fmt]
+    halves = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}[fmt]
     b = noise.view(12, 2, -1)
     for at in halves:  # finite fp16 scales
         b[..., at:at + 2] = torch.rand(12, 2, 1).half().view(torch.uint8)
@@ -68,6 +70,8 @@ def test_the_quality_of_each_format_in_order():
     # the searches for scales beat the 32-value formats of as many bits, and more bits help
     assert err["q6_k"] < err["q5_k"] < err["q4_k"] < 0.1
     assert err["q4_k"] < err["q4_0"] and err["q5_k"] < err["q5_0"]
+    # iq4_xs's 16 non-linear levels beat q4_0's 16 even ones in fewer bits (4.25 against 4.5)
+    assert err["iq4_xs"] < err["q4_0"] and err["iq4_xs"] < 0.1
     assert err["q8_0"] < err["q6_k"] < 0.03
 
 
@@ -194,7 +198,7 @@ def plain_unrepack(packed: torch.Tensor, n: int, k: int) -> np.ndarray:
     return w.reshape(groups * 8, k)
 
 
-@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("fmt", REPACKED)
 def test_repacking_keeps_every_value_and_fills_the_last_group_with_zeros(fmt):
     lib = blocks._lib()
     if lib is None:
@@ -210,7 +214,7 @@ def test_repacking_keeps_every_value_and_fills_the_last_group_with_zeros(fmt):
 
 
 @pytest.mark.parametrize("path", list(PATHS), indirect=True)
-@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("fmt", REPACKED)
 def test_repacked_products_are_the_few_row_products_bit_for_bit(path, fmt):
     """Over repacked weights, on every path: the super-block arithmetic in float64 within
     fp32 rounding, and the few-row product's results exactly (the same integer sums, the
@@ -246,7 +250,7 @@ def test_repacked_products_are_the_few_row_products_bit_for_bit(path, fmt):
 
 
 @pytest.mark.parametrize("path", list(PATHS), indirect=True)
-@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("fmt", REPACKED)
 def test_the_largest_sums_a_super_block_can_hold_are_exact(path, fmt):
     """Every value at its kind's top (q4_k 15, q5_k 31, q6_k 63), every scale and minimum at
     its largest (q6_k's +127 and -128), and x at +-127 in every place: the sums the repacked
@@ -276,6 +280,33 @@ def test_the_largest_sums_a_super_block_can_hold_are_exact(path, fmt):
         rows = torch.arange(m) % 4
         got = blocks.call(path, fmt, x[rows], raw, n, k, None, packed)
         assert torch.equal(got, few[rows]), (fmt, m)
+
+
+@pytest.mark.parametrize("path", list(PATHS), indirect=True)
+def test_iq4_xs_s_largest_products_are_exact_on_every_path(path):
+    """iq4_xs at its extremes: every value -127 at scale -32 (bytes 0), then every value 113
+    at scale +31 (bytes 0xFF), x at +-127 in every place: the byte products taken as the
+    values' sizes against x's signed bytes reach 2 * 127 * 127 a pair, and the results are
+    the float64 arithmetic's and the plain C path's."""
+    n, k = 8, 512
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, 256:] = -1.0
+    lib, chosen = path, path.tformer_blocks_isa(-1)
+    for fill in (0x00, 0xFF):
+        raw = torch.full((n, k // 256, 136), fill, dtype=torch.uint8)
+        raw[..., 0:2] = one
+        raw = raw.reshape(n, -1)
+        w = gguf_quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.IQ4_XS)
+        assert np.abs(w).max() == (127 * 32 if fill == 0 else 113 * 31)
+        got = blocks.call(lib, "iq4_xs", x, raw, n, k, None)
+        want = q8_k(x) @ w.astype(np.float64).T
+        assert np.allclose(got.double().numpy(), want, rtol=1e-6, atol=0), fill
+        lib.tformer_blocks_isa(blocks.ISA_GENERIC)
+        assert torch.equal(blocks.call(lib, "iq4_xs", x, raw, n, k, None), got)
+        lib.tformer_blocks_isa(chosen)
 
 
 def test_the_c_table_gives_each_kind_the_layout_s_geometry():

@@ -200,7 +200,7 @@ def export_command(
         + " (default: the family the model's config is exactly)",
         choices=tuple(EXPORTERS))] = None,
     type: Annotated[str | None, Help(
-        "gguf only: the matrices' type, f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q6_k, or "
+        "gguf only: the matrices' type, f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q6_k, iq4_xs, or "
         "llama.cpp's mixtures q4_k_m, q5_k_m (default f32)")] = None,
     adapter: Annotated[
         bool, Help("a LoRA run's adapters alone, in PEFT's format, for its exported base "

@@ -43,9 +43,11 @@ GEMMA = ("gemma2", "gemma3")
 """llama.cpp's converter stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the
 weight itself); they come back as Gemma's offsets from 1."""
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
-         "MXFP4")
+         "IQ4_XS", "IQ4_NL", "MXFP4")
 """The tensor types read; every one is dequantized to fp32 unless kept (see `kept_types`).
-MXFP4 is how llama.cpp's converter keeps gpt-oss's released experts."""
+MXFP4 is how llama.cpp's converter keeps gpt-oss's released experts; IQ4_NL (IQ4_XS's
+32-value form, which llama.cpp's quantizer gives rows that are not whole super-blocks) is
+dequantized."""
 LLAMA_LINEARS = {  # our linear layers -> the file's tensors they are made of, in order
     "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "attn.out_proj": ("attn_output",),
     "ff.gate": ("ffn_gate",), "ff.up": ("ffn_up",), "ff.down": ("ffn_down",),
@@ -629,7 +631,7 @@ def hf_weights(file: GGUFFile, hf: dict[str, Any],
 def kept_types() -> dict[int, str]:
     """GGUF tensor type -> the weight format that holds its blocks as they are: every entry
     of the weight-format registry with a ggml_type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
-    Q5_K, Q6_K)."""
+    Q5_K, Q6_K, IQ4_XS)."""
     from tformer.kernels.formats import FORMATS
 
     return {fmt.ggml_type: name for name, fmt in FORMATS.items() if fmt.ggml_type is not None}

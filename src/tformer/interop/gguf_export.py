@@ -7,7 +7,7 @@ adapters merged; the tokenizer, special ids and chat template in the metadata.
 The tensors go the way tformer.interop.gguf brings them in, reversed: Hugging Face's names
 (the same mappings interop.llama and interop.gpt2 export with) to llama.cpp's, the query and
 key rows of `llama` into pairs order. Matrices are written in the chosen type (f32, f16, or
-llama.cpp's q8_0, q4_0, q4_1, q5_0, q5_1, q6_k blocks, or the q4_k_m and q5_k_m mixtures,
+llama.cpp's q8_0, q4_0, q4_1, q5_0, q5_1, q6_k, iq4_xs blocks, or the q4_k_m and q5_k_m mixtures,
 each tensor's type by llama.cpp's rule, kernels.formats.Mix), made by kernels.blocks'
 quantizers (byte for byte gguf.quants' where it has one); norms and biases stay f32. A
 K type's matrix whose rows are not whole super-blocks takes blocks.FALLBACK's type, as
@@ -42,10 +42,10 @@ from tformer.layers.experts import stack_experts
 
 log = logging.getLogger(__name__)
 
-GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "q4_k_m",
-              "q5_k_m")
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "iq4_xs",
+              "q4_k_m", "q5_k_m")
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9,
-              "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+              "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30}
 """general.file_type: llama.cpp's enum llama_ftype for a file mostly of that type."""
 
 

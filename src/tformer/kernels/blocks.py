@@ -1,5 +1,5 @@
-"""Block-quantized weights: llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 layouts and its K
-super-blocks (Q4_K, Q5_K, Q6_K, kquants.py), byte for byte.
+"""Block-quantized weights: llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 layouts, its K
+super-blocks (Q4_K, Q5_K, Q6_K) and IQ4_XS (kquants.py), byte for byte.
 
 A weight [N out, K in] is cut along K into blocks (LAYOUTS gives each format's values and
 bytes a block), each stored with its own fp16 scale d (and an fp16 offset m for q4_1 and
@@ -13,7 +13,7 @@ q5_1), so an outlier costs the precision of a block, not of a whole row:
     q5_0  fp16 d; uint32 qh; qs[16]: q4_0's nibbles, bit j of qh value j's fifth bit,
                                q = that 5-bit value - 16        x = d * q        22 bytes
     q5_1  fp16 d; fp16 m; uint32 qh; qs[16]: q = the 5-bit value x = d * q + m   24 bytes
-    q4_k, q5_k, q6_k: 256 values a block, 144, 176 and 210 bytes (kquants.py)
+    q4_k, q5_k, q6_k, iq4_xs: 256 values a block, 144, 176, 210 and 136 bytes (kquants.py)
 
 held as a uint8 tensor [N, K / values * bytes], rows contiguous: the order a GGUF file
 stores a 2-D tensor's data in, so a file's blocks are used as they are. quantize() rounds
@@ -102,12 +102,14 @@ LAYOUTS = {
     "q4_k": Layout(256, 144, "q8_k", library.KIND_Q4_K, 12),
     "q5_k": Layout(256, 176, "q8_k", library.KIND_Q5_K, 13),
     "q6_k": Layout(256, 210, "q8_k", library.KIND_Q6_K, 14),
+    "iq4_xs": Layout(256, 136, "q8_k", library.KIND_IQ4_XS, 23),
 }
 """Every block format, by name."""
-FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "iq4_xs": "q5_0"}
 """The 32-value format a K format's layer takes where its rows are not whole super-blocks
 (SmolLM2's 576 inputs): llama.cpp's quantizer does the same (llama-quant.cpp, the
-"incompatible tensor" fallback: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)."""
+"incompatible tensor" fallback: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0); its IQ4_XS
+falls back to IQ4_NL, which tformer does not hold, so iq4_xs takes q4_k's q5_0."""
 EXACTLY_AS = {("q4_0", "q8_0"): 8, ("q5_0", "q8_0"): 16}
 """(a format, a finer one) whose blocks say every value of the first exactly, with the first's
 offset: a q4_0 or q5_0 block is d (q - offset), a q8_0 block the same d and q - offset as

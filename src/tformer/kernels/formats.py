@@ -82,7 +82,9 @@ FORMATS: dict[str, WeightFormat] = {
            ("q5_k", "llama.cpp's Q5_K super-blocks: 5 bits per weight, 6-bit scales and "
                     "minimums per 32, the output layer q6_k (CPU)", "q6_k"),
            ("q6_k", "llama.cpp's Q6_K super-blocks: 6 bits per weight, 8-bit scales per 16 "
-                    "(CPU)", None))},
+                    "(CPU)", None),
+           ("iq4_xs", "llama.cpp's IQ4_XS super-blocks: 4.25 bits per weight, 16 non-linear "
+                      "levels, 6-bit scales per 32, the output layer q6_k (CPU)", "q6_k"))},
 }
 """Every weight format, by name. A K format's layer whose inputs are not whole super-blocks
 of 256 takes blocks.FALLBACK's 32-value format, as llama.cpp's quantizer does. MIXES (below)

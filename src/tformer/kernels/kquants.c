@@ -1,5 +1,5 @@
 /* Products with weights held as llama.cpp's K super-blocks (kquants.py): y = x W^T + b, W
- * (n x k) as rows of q4_k, q5_k or q6_k super-blocks of 256 values, x (m x k) fp32.
+ * (n x k) as rows of q4_k, q5_k, q6_k or iq4_xs super-blocks of 256 values, x (m x k) fp32.
  *
  * x is rounded once per call to Q8_K: one fp32 scale per 256 values (d = max|x| / 127,
  * q = roundf(x / d), as blocks.c rounds its 32-value blocks) and the integer sum of each 16
@@ -8,7 +8,10 @@
  *     w_j = d sc_g u_j - dmin mn_g          (u_j unsigned, 0..63; sc_g, mn_g integers)
  *
  * q4_k and q5_k with the 6-bit scale and minimum of the 32 values g is in; q6_k, whose
- * values are u - 32 with a signed 8-bit scale, with dmin = d and mn_g = 32 sc_g. So a
+ * values are u - 32 with a signed 8-bit scale, with dmin = d and mn_g = 32 sc_g. iq4_xs
+ * holds signed values, w_j = d sc_g v_j with v_j one of 16 bytes (IQ4_VALUES, -127..113)
+ * and sc_g a 6-bit scale less 32 per 32 values: it is the same sum with u_j = v_j (kept
+ * as v_j + 128 in a byte, struct unpacked's offset) and no minimums (dmin = 0). So a
  * super-block's product with x's is
  *
  *     dx (d sum_g sc_g sum_{j in g} u_j q_j  -  dmin sum_g mn_g bsum_g)
@@ -19,7 +22,7 @@
  * (dmin dx), in fp32, in that order, on every path.
  *
  * Decoding's few rows (below l->packed_min_rows, or any number where W has no repacked
- * copy) read the file's bytes: on the SIMD paths (kquants_rows.h, chosen by
+ * copy, as iq4_xs never has) read the file's bytes: on the SIMD paths (kquants_rows.h, chosen by
  * tformer_blocks_isa) each super-block of a tile of W's rows is unpacked in registers for
  * up to four rows of x at a time, the scales applied with 16-bit multiply-adds; the plain C
  * path unpacks each to a struct unpacked (u, sc, mn, d, dmin) and sums it, the reference
@@ -67,12 +70,18 @@ struct kx {
     int16_t *s16;
 };
 
-/* A super-block of W unpacked (see the file's text). */
+/* A super-block of W unpacked (see the file's text): value j is u[j] - offset (iq4_xs:
+ * offset 128; the K kinds 0). */
 struct unpacked {
     uint8_t u[QK];
     int32_t sc[GROUPS], mn[GROUPS];
     float d, dmin;
+    int32_t offset;
 };
+
+/* iq4_xs's 16 values (llama.cpp's kvalues_iq4nl), in order: a 4-bit index picks one. */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
 
 /* W repacked for products of many rows (tformer_kquants_repack): W's rows eight at a time
  * (a group; the last one filled out with zero rows), and for each super-block of the group
@@ -142,6 +151,7 @@ static void k_scales(const uint8_t *blk, struct unpacked *p)
     }
     p->d = half_to_float(load_u16(blk));
     p->dmin = half_to_float(load_u16(blk + 2));
+    p->offset = 0;
 }
 
 /* The same eight scales and minimums as bytes (scale j, minimum j in byte j of sc, mn), a
@@ -167,6 +177,38 @@ static void q6k_scales(const uint8_t *blk, struct unpacked *p)
         p->mn[g] = 32 * p->sc[g];
     }
     p->d = p->dmin = half_to_float(load_u16(blk + 208));
+    p->offset = 0;
+}
+
+/* iq4_xs: d (fp16), then the top two bits of the eight scales (a 16-bit word, scale j's at
+ * bits 2j, 2j + 1), their low four bits (four bytes, scale j's in the low half of byte
+ * j / 2 for even j, the high half for odd), and qs[128]: 16 bytes per 32 values, values
+ * 0-15 in their low halves, 16-31 in their high. Each scale is stored plus 32. */
+static inline void iq4xs_scales(const uint8_t *blk, int16_t *sc)
+{
+    const unsigned top = load_u16(blk + 2);
+    for (int j = 0; j < 8; j++)
+        sc[j] = (int16_t)((((blk[4 + j / 2] >> 4 * (j % 2)) & 15) | ((top >> 2 * j & 3) << 4))
+                          - 32);
+}
+
+static void iq4xs_unpack_c(const uint8_t *blk, struct unpacked *p)
+{
+    int16_t sc[8];
+    iq4xs_scales(blk, sc);
+    for (int g = 0; g < GROUPS; g++) {
+        p->sc[g] = sc[g / 2];
+        p->mn[g] = 0;
+    }
+    for (int j = 0; j < 8; j++)
+        for (int l = 0; l < 16; l++) {
+            const uint8_t b = blk[8 + 16 * j + l];
+            p->u[32 * j + l] = (uint8_t)(IQ4_VALUES[b & 15] + 128);
+            p->u[32 * j + 16 + l] = (uint8_t)(IQ4_VALUES[b >> 4] + 128);
+        }
+    p->d = half_to_float(load_u16(blk));
+    p->dmin = 0.0f;
+    p->offset = 128;
 }
 
 /* q4_k's 128 bytes qs from byte 16: each 64 values j are 32 bytes, values 64j .. 64j + 31
@@ -215,31 +257,47 @@ static void q6k_unpack_c(const uint8_t *blk, struct unpacked *p)
 #define KQ_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 typedef void (*unpack_fn)(const uint8_t *blk, struct unpacked *p);
+typedef void (*kquantize_fn)(const float *x, uint8_t *blk);
+static void quantize_q4k(const float *x, uint8_t *blk);
+static void quantize_q5k(const float *x, uint8_t *blk);
+static void quantize_q6k(const float *x, uint8_t *blk);
+static void quantize_iq4xs(const float *x, uint8_t *blk);
 
-/* Each K kind's super-block size and plain C unpacking, from TFORMER_Q4_K on. */
+/* Each kind of this file's super-block size, plain C unpacking and quantizer, by kind (size
+ * 0: not a kind of this file). */
 static const struct {
     long size;
     unpack_fn unpack_c;
-} formats[] = {
-    {144, q4k_unpack_c},
-    {176, q5k_unpack_c},
-    {210, q6k_unpack_c},
+    kquantize_fn quantize;
+} formats[TFORMER_KINDS] = {
+    [TFORMER_Q4_K] = {144, q4k_unpack_c, quantize_q4k},
+    [TFORMER_Q5_K] = {176, q5k_unpack_c, quantize_q5k},
+    [TFORMER_Q6_K] = {210, q6k_unpack_c, quantize_q6k},
+    [TFORMER_IQ4_XS] = {136, iq4xs_unpack_c, quantize_iq4xs},
 };
+
+static inline int is_kind_of_this_file(int kind)
+{
+    return kind >= 0 && kind < TFORMER_KINDS && formats[kind].size > 0;
+}
 
 /* The kind's super-block size, a constant the compiler folds into each kind's product. */
 static inline long kq_size(int kind)
 {
-    return kind == TFORMER_Q4_K ? 144 : kind == TFORMER_Q5_K ? 176 : 210;
+    return kind == TFORMER_Q4_K     ? 144
+           : kind == TFORMER_Q5_K   ? 176
+           : kind == TFORMER_IQ4_XS ? 136
+                                    : 210;
 }
 
-/* The plain C path's integer sum: sum_g sc_g sum_{j in g} u_j q_j. */
-static int32_t dot_c(const uint8_t *u, const int8_t *q, const int32_t *sc)
+/* The plain C path's integer sum: sum_g sc_g sum_{j in g} (u_j - offset) q_j. */
+static int32_t dot_c(const uint8_t *u, const int8_t *q, const int32_t *sc, int32_t offset)
 {
     int32_t total = 0;
     for (int g = 0; g < GROUPS; g++) {
         int32_t s = 0;
         for (int j = 16 * g; j < 16 * g + 16; j++)
-            s += u[j] * q[j];
+            s += (u[j] - offset) * q[j];
         total += sc[g] * s;
     }
     return total;
@@ -366,10 +424,10 @@ long tformer_kquants_repacked_size(int kind, long n, long k)
  * kind not of this file. */
 int tformer_kquants_repack(int kind, const uint8_t *w, long n, long k, uint8_t *out)
 {
-    if (kind < TFORMER_Q4_K || kind > TFORMER_Q6_K)
+    if (kind < TFORMER_Q4_K || kind > TFORMER_Q6_K) /* iq4_xs has no repacked form */
         return -3;
-    const long nb = k / QK, size = formats[kind - TFORMER_Q4_K].size;
-    const unpack_fn unpack = formats[kind - TFORMER_Q4_K].unpack_c;
+    const long nb = k / QK, size = formats[kind].size;
+    const unpack_fn unpack = formats[kind].unpack_c;
     struct krepacked *r = (struct krepacked *)out;
     for (long g8 = 0; g8 < (n + 7) / 8; g8++)
         for (long sb = 0; sb < nb; sb++) {
@@ -466,8 +524,8 @@ static void kquants_linear_c(const struct tformer_linear *l, const struct kx *xb
                              long m, int threads)
 {
     const long n = l->n_out, nb = l->n_in / QK;
-    const long size = formats[l->kind - TFORMER_Q4_K].size, row = nb * size;
-    const unpack_fn unpack = formats[l->kind - TFORMER_Q4_K].unpack_c;
+    const long size = formats[l->kind].size, row = nb * size;
+    const unpack_fn unpack = formats[l->kind].unpack_c;
     const uint8_t *w = l->data;
     for (long c = 0; c < m; c += X_CHUNK) {
         const long rows = m - c < X_CHUNK ? m - c : X_CHUNK;
@@ -485,7 +543,7 @@ static void kquants_linear_c(const struct tformer_linear *l, const struct kx *xb
                     int32_t mins = 0;
                     for (int g = 0; g < GROUPS; g++)
                         mins += p.mn[g] * bs[g];
-                    const int32_t s = dot_c(p.u, xb->q + at * QK, p.sc);
+                    const int32_t s = dot_c(p.u, xb->q + at * QK, p.sc, p.offset);
                     acc[i] += (float)s * (p.d * xb->d[at]) - (float)mins * (p.dmin * xb->d[at]);
                 }
             }
@@ -498,7 +556,7 @@ static void kquants_linear_c(const struct tformer_linear *l, const struct kx *xb
 typedef void (*krows_fn)(int, const struct kx *, long, int, const uint8_t *, const float *,
                          float *, long, long, long, long);
 
-/* kinds.c's product for q4_k, q5_k and q6_k: l->data holds n_out rows of n_in / 256
+/* kinds.c's product for q4_k, q5_k, q6_k and iq4_xs: l->data holds n_out rows of n_in / 256
  * super-blocks, and l->packed, where not NULL, the same repacked, for products of
  * l->packed_min_rows rows and more. Below that (decoding's rows) the SIMD paths read the
  * file's bytes (kquants_rows.h): threads take tiles of KQ_TILE rows of W, over which x's
@@ -764,6 +822,98 @@ static void quantize_q6k(const float *x, uint8_t *blk)
     store_u16(blk + 208, d);
 }
 
+/* The index of IQ4_VALUES' value nearest to v, the larger one where two are as near (ggml's
+ * best_index_int8): kquants.py's _iq4_nearest. */
+static int iq4_nearest(float v)
+{
+    if (v <= (float)IQ4_VALUES[0])
+        return 0;
+    int above = 1; /* the first value above v */
+    while (above < 15 && (float)IQ4_VALUES[above] <= v)
+        above++;
+    return v - (float)IQ4_VALUES[above - 1] < (float)IQ4_VALUES[above] - v ? above - 1 : above;
+}
+
+/* The sums of a trial of 32 values x, weights w at iscale: each value's nearest index at
+ * iscale x (into L where not NULL), and in double the fp32 products w v x and w v v. */
+static void iq4_trial(const float *x, const float *w, float iscale, double *sxv, double *svv,
+                      uint8_t *L)
+{
+    double a = 0.0, b = 0.0;
+    for (int j = 0; j < 32; j++) {
+        const int l = iq4_nearest(iscale * x[j]);
+        const float v = (float)IQ4_VALUES[l], wv = w[j] * v;
+        a += (double)(wv * x[j]);
+        b += (double)(wv * v);
+        if (L)
+            L[j] = (uint8_t)l;
+    }
+    *sxv = a;
+    *svv = b;
+}
+
+/* The scale of 32 values, x ~ scale v with each v one of IQ4_VALUES (ggml's
+ * quantize_row_iq4_nl_impl without an importance matrix: weights x^2): the least-squares
+ * scale for the values nearest x at 127 / max (max the value largest in size), replaced
+ * by that of any trial at (t - 127) / max, t = -7..7, that fits better. kquants.py's
+ * _iq4_search, step for step. */
+static float iq4_search(const float *x)
+{
+    float w[32], amax = 0.0f, big = 0.0f;
+    for (int j = 0; j < 32; j++) {
+        w[j] = x[j] * x[j];
+        if (fabsf(x[j]) > amax) {
+            amax = fabsf(x[j]);
+            big = x[j];
+        }
+    }
+    if (amax < 1e-15f)
+        return 0.0f;
+    double sxv, svv;
+    iq4_trial(x, w, 1.0f / (big / 127.0f), &sxv, &svv, NULL);
+    double scale = svv > 0.0 ? sxv / svv : 0.0, best = scale * sxv;
+    for (int t = -7; t <= 7; t++) {
+        iq4_trial(x, w, (float)(t - 127) / big, &sxv, &svv, NULL);
+        if (svv > 0.0 && sxv * sxv > best * svv) {
+            scale = sxv / svv;
+            best = scale * sxv;
+        }
+    }
+    return (float)scale;
+}
+
+/* iq4_xs of one super-block: each 32 values' scale searched, the eight rounded to 6 bits
+ * against d = -(the one largest in size) / 32, and the values chosen anew at the rounded
+ * scales. */
+static void quantize_iq4xs(const float *x, uint8_t *blk)
+{
+    float scale[8], top = 0.0f, big = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        scale[j] = iq4_search(x + 32 * j);
+        if (fabsf(scale[j]) > top) {
+            top = fabsf(scale[j]);
+            big = scale[j];
+        }
+    }
+    const float d = -big / 32.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t L[QK];
+    unsigned high = 0;
+    memset(blk + 4, 0, 4);
+    for (int j = 0; j < 8; j++) {
+        const int l = (int)clampf(rintf(id * scale[j]), -32.0f, 31.0f);
+        const float dl = d * (float)l, idl = dl != 0.0f ? 1.0f / dl : 0.0f;
+        for (int v = 0; v < 32; v++)
+            L[32 * j + v] = (uint8_t)iq4_nearest(idl * x[32 * j + v]);
+        blk[4 + j / 2] |= (uint8_t)(((l + 32) & 15) << 4 * (j % 2));
+        high |= (unsigned)((l + 32) >> 4) << 2 * j;
+    }
+    store_u16(blk, to_half(d));
+    store_u16(blk + 2, (uint16_t)high);
+    for (int j = 0; j < 8; j++)
+        for (int v = 0; v < 16; v++)
+            blk[8 + 16 * j + v] = (uint8_t)(L[32 * j + v] | L[32 * j + 16 + v] << 4);
+}
+
 static void quantize_q4k(const float *x, uint8_t *blk)
 {
     quantize_qk(x, 15, -1.0f, 20, blk);
@@ -778,12 +928,10 @@ static void quantize_q5k(const float *x, uint8_t *blk)
  * for a kind that is not a K kind. */
 int tformer_quantize_k(int kind, const float *x, long n, uint8_t *out, int threads)
 {
-    static void (*const quantizers[])(const float *, uint8_t *) = {quantize_q4k, quantize_q5k,
-                                                                   quantize_q6k};
-    if (kind < TFORMER_Q4_K || kind > TFORMER_Q6_K)
+    if (!is_kind_of_this_file(kind))
         return -3;
-    const long size = formats[kind - TFORMER_Q4_K].size;
-    void (*const quantize)(const float *, uint8_t *) = quantizers[kind - TFORMER_Q4_K];
+    const long size = formats[kind].size;
+    const kquantize_fn quantize = formats[kind].quantize;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 64)
     for (long b = 0; b < n; b++)
         quantize(x + b * QK, out + b * size);

@@ -6,6 +6,9 @@ their own, the scales themselves quantized against one fp16 factor.
     q5_k  176 bytes: as q4_k, with qh[32] (a fifth bit per value) before qs
     q6_k  210 bytes: ql[128] (low 4 bits), qh[64] (top 2 bits), 16 int8 scales (one per 16
           values), fp16 d                                    x = d sc (q - 32)
+    iq4_xs 136 bytes: fp16 d, the eight 6-bit scales (one per 32 values, stored plus 32) as
+          a 16-bit word of their top two bits and four bytes of their low four, qs[128]:
+          4-bit indices into 16 non-linear values v        x = d sc v[q]
 
 The order of values within qs, qh and ql is kquants.c's text (and gguf.quants' dequantizers,
 which the tests compare with). The quantize_* functions follow llama.cpp's reference
@@ -17,8 +20,12 @@ by x^2 (make_qx_quants); the scales are then rounded to 6 (8) bits against the b
 largest and the values rounded again with the rounded scales. The sums run in float64
 (ggml's in fp32), so a value on a rounding boundary may round otherwise than llama.cpp
 rounds it: the bytes are llama.cpp's layout and method, not promised equal to its output
-(gguf.quants has no K quantizer to compare with). kquants.c's tformer_quantize_k computes
-these same bytes, step for step, much faster; blocks.quantize uses it where it is built.
+(gguf.quants has no K quantizer to compare with). iq4_xs follows quantize_row_iq4_nl_impl
+(ggml-quants.c, no importance matrix): each 32 values the least-squares scale, weights x^2,
+for the values nearest x at 15 trial scales (t - 127) / max, t = -7..7, besides 127 / max;
+the eight scales rounded to 6 bits against -(the largest) / 32, and the values chosen again
+at the rounded scales. kquants.c's tformer_quantize_k computes these same bytes, step for
+step, much faster; blocks.quantize uses it where it is built.
 """
 
 from __future__ import annotations
@@ -237,8 +244,81 @@ def dequantize_q6_k(b: Tensor) -> Tensor:
     return ((d * sc)[..., None] * q).reshape(-1, QK)
 
 
-QUANTIZE = {"q4_k": quantize_q4_k, "q5_k": quantize_q5_k, "q6_k": quantize_q6_k}
-DEQUANTIZE = {"q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k, "q6_k": dequantize_q6_k}
+IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                           113], dtype=torch.float32)
+"""iq4_xs's 16 values (llama.cpp's kvalues_iq4nl), in order."""
+
+
+def _iq4_nearest(v: Tensor) -> Tensor:
+    """The index of IQ4_VALUES' value nearest to each of v (fp32), the larger where two are
+    as near (ggml's best_index_int8)."""
+    above = torch.bucketize(v, IQ4_VALUES, right=True).clamp(1, 15)  # the first value > v
+    below = above - 1
+    down = (v - IQ4_VALUES[below]) < (IQ4_VALUES[above] - v)
+    return torch.where(down, below, above)
+
+
+def _iq4_search(x: Tensor) -> Tensor:
+    """x [..., 32] -> scale [...] with x ~ scale v, v one of IQ4_VALUES (kquants.c's
+    iq4_search): the least-squares scale, weights x^2, of the values nearest x at
+    127 / max (max the value largest in size), replaced by any trial's at (t - 127) / max,
+    t = -7..7, that fits better; products in fp32, their sums in float64."""
+    w = x * x
+    big = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+    tiny = big.abs() < 1e-15
+    big = torch.where(tiny, 1.0, big)
+
+    def trial(iscale: Tensor) -> tuple[Tensor, Tensor]:
+        v = IQ4_VALUES[_iq4_nearest(iscale * x)]
+        wv = w * v
+        return _dsum(wv * x), _dsum(wv * v)
+
+    sxv, svv = trial(_over(1.0, big / torch.full_like(big, 127.0)))  # C's divisions
+    scale = torch.where(svv > 0, sxv / torch.where(svv > 0, svv, 1.0), 0.0)
+    best = scale * sxv
+    for t in range(-7, 8):
+        txv, tvv = trial(_over(float(t - 127), big))
+        better = (tvv > 0) & (txv * txv > best * tvv)
+        tscale = txv / torch.where(tvv > 0, tvv, 1.0)
+        scale = torch.where(better, tscale, scale)
+        best = torch.where(better, tscale * txv, best)
+    return torch.where(tiny, 0.0, scale.float()).squeeze(-1)
+
+
+def quantize_iq4_xs(x: Tensor) -> Tensor:
+    g = x.reshape(-1, 8, 32)
+    scale = _iq4_search(g)
+    big = scale.gather(-1, scale.abs().argmax(-1, keepdim=True))
+    d = -big / 32
+    inv = torch.where(d != 0, _over(1.0, torch.where(d != 0, d, 1.0)), 0.0)
+    ls = torch.round(inv * scale).clamp(-32, 31)
+    dl = (d * ls).unsqueeze(-1)
+    idl = torch.where(dl != 0, _over(1.0, torch.where(dl != 0, dl, 1.0)), 0.0)
+    q = _iq4_nearest(idl * g).to(torch.uint8)  # [B, 8, 32]
+    stored = (ls + 32).to(torch.int64)
+    low = stored & 15
+    scales_l = (low[:, 0::2] | (low[:, 1::2] << 4)).to(torch.uint8)
+    high = ((stored >> 4) << (2 * torch.arange(8))).sum(-1, keepdim=True)
+    scales_h = torch.cat([high & 255, high >> 8], -1).to(torch.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(-1, 128)
+    return torch.cat([_fp16_bytes(d), scales_h, scales_l, qs], -1)
+
+
+def dequantize_iq4_xs(b: Tensor) -> Tensor:
+    d = b[:, 0:2].contiguous().view(torch.float16).float()
+    high = b[:, 2].long() | (b[:, 3].long() << 8)
+    j = torch.arange(8)
+    low = (b[:, 4 + j // 2].long() >> (4 * (j % 2))) & 15
+    sc = (low | (((high[:, None] >> (2 * j)) & 3) << 4)) - 32
+    qs = b[:, 8:].reshape(-1, 8, 1, 16)
+    q = torch.cat([qs & 15, qs >> 4], 2).reshape(-1, 8, 32).long()
+    return ((d * sc.float())[..., None] * IQ4_VALUES[q]).reshape(-1, QK)
+
+
+QUANTIZE = {"q4_k": quantize_q4_k, "q5_k": quantize_q5_k, "q6_k": quantize_q6_k,
+            "iq4_xs": quantize_iq4_xs}
+DEQUANTIZE = {"q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k, "q6_k": dequantize_q6_k,
+              "iq4_xs": dequantize_iq4_xs}
 """x [B, 256] fp32 <-> super-blocks [B, bytes] uint8, per format."""
 
 

@@ -15,6 +15,9 @@
  * group's scale sums into 32-bit lanes: sum_g sc_g sum_{j in g} u_j q_j, exact (kquants.c's
  * text bounds it). The minimums' sum takes x's group sums in 16 bits (struct kx's s16)
  * against the minimums (q6_k: its scales, the sum times 32 after), one multiply-add.
+ * iq4_xs's values are signed bytes (-127..113), looked up from their 4-bit indices with a
+ * byte shuffle: the multiply takes their sizes against x's bytes given the values' signs
+ * (pairs at most 2 * 127 * 127), and it has no minimums.
  *
  * Per super-block, each pair of an x row and a W row then has its two integer sums, s and
  * mins, across lanes; horizontal adds of four W rows at once give [s_0 .. s_3 | mins_0 ..
@@ -42,7 +45,9 @@ KQ_INLINE __m256 KQ_NAME(kd)(const int kind, const uint8_t *const *blk, const in
         if (kind == TFORMER_Q6_K) {
             const uint32_t d = load_u16(blk[r] + 208);
             h[r] = d | d << 16;
-        } else
+        } else if (kind == TFORMER_IQ4_XS)
+            h[r] = load_u16(blk[r]); /* dmin 0 */
+        else
             memcpy(&h[r], blk[r], sizeof h[r]);
     }
     const __m256 v = _mm256_cvtph_ps(_mm_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3]));
@@ -92,6 +97,36 @@ KQ_INLINE void KQ_NAME(kblock)(const int kind, const uint8_t *blk, const struct 
 #pragma GCC unroll 4
     for (int i = 0; i < M; i++)
         acc[i] = _mm256_setzero_si256();
+    if (kind == TFORMER_IQ4_XS) {
+        /* the values' sizes by index, in both 128-bit lanes; indices below 8 are the
+         * negative values */
+        const __m256i sizes = _mm256_setr_epi8(127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25,
+                                               38, 53, 69, 89, 113, 127, 104, 83, 65, 49, 35,
+                                               22, 10, 1, 13, 25, 38, 53, 69, 89, 113);
+        const __m256i eight = _mm256_set1_epi8(8), one = _mm256_set1_epi8(1);
+        int16_t sc[8];
+        iq4xs_scales(blk, sc);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            /* 32 values c: the 16 bytes' low halves, then their high halves */
+            const __m128i b = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * c));
+            const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low);
+            const __m256i u = _mm256_shuffle_epi8(sizes, idx);
+            const __m256i sign = _mm256_or_si256(_mm256_cmpgt_epi8(eight, idx), one); /* -1, 1 */
+            const __m256i scw = _mm256_set1_epi16(sc[c]);
+#pragma GCC unroll 4
+            for (int i = 0; i < M; i++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xb->q + at[i] * QK + 32 * c));
+                acc[i] = KQ_WSUM(acc[i], _mm256_maddubs_epi16(u, _mm256_sign_epi8(xq, sign)), scw);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            m[i] = _mm_setzero_si128();
+            s[i] = acc[i];
+        }
+        return;
+    }
     if (kind == TFORMER_Q6_K) {
         /* 16 signed scales as words: words 2c, 2c + 1 (one 32-bit lane, broadcast) to the
          * low and high 128-bit lanes: groups 2c and 2c + 1 of chunk c */
@@ -189,6 +224,40 @@ KQ_INLINE void KQ_NAME(kblock)(const int kind, const uint8_t *blk, const struct 
 #pragma GCC unroll 4
     for (int i = 0; i < M; i++)
         acc[i] = _mm512_setzero_si512();
+    if (kind == TFORMER_IQ4_XS) {
+        const __m512i sizes = _mm512_broadcast_i32x4(_mm_setr_epi8(
+            127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113));
+        const __m512i eight = _mm512_set1_epi8(8), zero = _mm512_setzero_si512();
+        int16_t sc[8];
+        iq4xs_scales(blk, sc);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            /* qs's 32 bytes c (bytes A, B: 16 each) as [A, A, B, B] in 128-bit lanes, the
+             * second of each pair shifted: values 64c .. 64c + 63 in order */
+            const __m512i v = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * c)));
+            const __m512i pairs = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(1, 1, 0, 0));
+            const __m512i idx = _mm512_and_si512(
+                _mm512_mask_srli_epi16(pairs, 0xff00ff00u, pairs, 4), low);
+            const __m512i u = _mm512_shuffle_epi8(sizes, idx);
+            const __mmask64 negative = _mm512_cmplt_epu8_mask(idx, eight);
+            const __m512i scw = _mm512_inserti64x4(_mm512_set1_epi16(sc[2 * c]),
+                                                   _mm256_set1_epi16(sc[2 * c + 1]), 1);
+#pragma GCC unroll 4
+            for (int i = 0; i < M; i++) {
+                const __m512i xq = _mm512_loadu_si512((const void *)(xb->q + at[i] * QK + 64 * c));
+                const __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, zero, xq);
+                acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_maddubs_epi16(u, signed_x), scw);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            m[i] = _mm_setzero_si128();
+            s[i] = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]),
+                                    _mm512_extracti64x4_epi64(acc[i], 1));
+        }
+        return;
+    }
     if (kind == TFORMER_Q6_K) {
         /* word w of chunk c's scales: group 4c + w / 8's */
         static const int16_t pick[4][32] __attribute__((aligned(64))) = {
@@ -370,6 +439,7 @@ KQ_TARGET static void KQ_NAME(krows)(int kind, const struct kx *xb, long i0, int
     switch (kind) {
     case TFORMER_Q4_K: KQ_ROWS(TFORMER_Q4_K)
     case TFORMER_Q5_K: KQ_ROWS(TFORMER_Q5_K)
+    case TFORMER_IQ4_XS: KQ_ROWS(TFORMER_IQ4_XS)
     default: KQ_ROWS(TFORMER_Q6_K)
     }
 #undef KQ_ROWS

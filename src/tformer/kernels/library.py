@@ -206,7 +206,7 @@ def library_name(compiler: str) -> str:
 # --- The structures of tformer.h, field for field ------------------------------------------
 
 (KIND_FP32, KIND_INT8, KIND_Q8_0, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q4_K,
- KIND_Q5_K, KIND_Q6_K, KIND_STACK) = range(11)
+ KIND_Q5_K, KIND_Q6_K, KIND_STACK, KIND_IQ4_XS) = range(12)
 """tformer.h's enum tformer_kind: a weight format's tag (formats.py's `kind`)."""
 
 _p, _long, _i32, _int, _float = (ctypes.c_void_p, ctypes.c_long, ctypes.c_int32, ctypes.c_int,

@@ -425,7 +425,7 @@ static int splits(const struct tformer_linear *l, long m)
                 return 0;
         return 1;
     }
-    if (l->kind < TFORMER_FP32 || l->kind > TFORMER_Q6_K)
+    if (l->kind < TFORMER_FP32 || l->kind >= TFORMER_KINDS)
         return 0;
     return !(l->packed && m >= l->packed_min_rows);
 }

@@ -21,6 +21,7 @@ enum tformer_kind {
     TFORMER_Q5_K = 8,
     TFORMER_Q6_K = 9,
     TFORMER_STACK = 10, /* data: `layout` struct tformer_linear parts, their outputs side by side */
+    TFORMER_IQ4_XS = 11, /* data: n_out rows of n_in / 256 super-blocks (llama.cpp's IQ4_XS) */
     TFORMER_KINDS
 };
 
