@@ -95,12 +95,19 @@ def test_an_iq4_xs_export_is_the_quantizer_s_bytes_and_iq4_nl_comes_in_decoded(
     assert np.array_equal(tensor.data, blocks.quantize(weight, "iq4_xs").numpy())
     got = decoded(tensor)
     assert ((got - weight).norm() / weight.norm()).item() < 0.12
-    # IQ4_NL (the 32-value form llama.cpp gives rows that are not whole super-blocks) is read,
-    # its values as gguf.quants decodes them
+    # IQ4_NL (the 32-value form llama.cpp gives rows that are not whole super-blocks) is held
+    # as q8_0 blocks of its values exactly, as gguf.quants decodes them
     path = tiny_gguf("llama", types=("IQ4_NL",) * 2)
     model = load_checkpoint(import_gguf(path, tmp_path / "nl"), family="gpt").model
-    down = read_gguf(path).tensors["blk.0.ffn_down.weight"]
-    torch.testing.assert_close(model.blocks[0].ff.down.weight, decoded(down), rtol=0, atol=0)
+    file = read_gguf(path)
+    down = model.blocks[0].ff.down
+    assert isinstance(down, blocks.BlockLinear) and down.fmt == "q8_0"
+    torch.testing.assert_close(down.weight, decoded(file.tensors["blk.0.ffn_down.weight"]),
+                               rtol=0, atol=0)
+    want = torch.cat([unpermute(decoded(file.tensors["blk.1.attn_q.weight"]), N_HEAD),
+                      unpermute(decoded(file.tensors["blk.1.attn_k.weight"]), N_KV),
+                      decoded(file.tensors["blk.1.attn_v.weight"])])
+    torch.testing.assert_close(model.blocks[1].attn.qkv_proj.weight, want, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")

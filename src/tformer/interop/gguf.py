@@ -44,10 +44,13 @@ GEMMA = ("gemma2", "gemma3")
 weight itself); they come back as Gemma's offsets from 1."""
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
          "IQ4_XS", "IQ4_NL", "MXFP4")
-"""The tensor types read; every one is dequantized to fp32 unless kept (see `kept_types`).
-MXFP4 is how llama.cpp's converter keeps gpt-oss's released experts; IQ4_NL (IQ4_XS's
-32-value form, which llama.cpp's quantizer gives rows that are not whole super-blocks) is
-dequantized."""
+"""The tensor types read; every one is dequantized to fp32 unless kept (see `kept_types`,
+`REENCODED`). MXFP4 is how llama.cpp's converter keeps gpt-oss's released experts."""
+REENCODED = {20: "q8_0"}
+"""GGUF tensor types a linear layer holds in a format that says their values exactly:
+IQ4_NL (IQ4_XS's 32-value form, which llama.cpp's quantizer gives rows that are not whole
+super-blocks) as q8_0 blocks of the same d and its values as int8, which is also how
+llama.cpp multiplies it (against q8_0 activations). Its embedding table is read into fp32."""
 LLAMA_LINEARS = {  # our linear layers -> the file's tensors they are made of, in order
     "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "attn.out_proj": ("attn_output",),
     "ff.gate": ("ffn_gate",), "ff.up": ("ffn_up",), "ff.down": ("ffn_down",),
@@ -659,10 +662,16 @@ def held_format(formats: list[str]) -> str | None:
     return None
 
 
+def linear_types() -> dict[int, str]:
+    """GGUF tensor type -> the format a linear layer holds its tensors in: kept_types, and
+    REENCODED's."""
+    return kept_types() | REENCODED
+
+
 def held_linears(file: GGUFFile, cfg: Any) -> dict[str, tuple[str, ...]]:
-    """linear_sources' layers whose file tensors are all of kept types: those keep_blocks
-    holds as blocks."""
-    kept = kept_types()
+    """linear_sources' layers whose file tensors are all of kept (or REENCODED) types: those
+    keep_blocks holds as blocks."""
+    kept = linear_types()
     return {param: names for param, names in linear_sources(file, cfg).items()
             if all(n in file.tensors and file.tensors[n].ggml_type in kept for n in names)}
 
@@ -728,10 +737,16 @@ def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
     its type is kept, becomes a BlockEmbedding of its blocks, and a tied output layer a
     BlockLinear over the same bytes. The blocks are views of the file wherever they are
     held as it stores them. Returns {parameter: format} of those."""
-    kept = kept_types()
-    if not kept:
+    kept = linear_types()
+    if not kept_types():
         return {}
-    from tformer.kernels.blocks import BlockEmbedding, BlockLinear, StackedLinear, reencode
+    from tformer.kernels.blocks import (
+        BlockEmbedding,
+        BlockLinear,
+        StackedLinear,
+        iq4_nl_as_q8_0,
+        reencode,
+    )
 
     cfg, held = model.cfg, {}
     for param, names in held_linears(file, cfg).items():
@@ -741,6 +756,8 @@ def keep_blocks(model: Any, file: GGUFFile) -> dict[str, str]:
         parts: list[tuple[str, Tensor]] = []  # (format, rows), neighbours of a format joined
         for name, tensor, own in zip(names, tensors, formats, strict=True):
             data = file_bytes(tensor)
+            if tensor.ggml_type in REENCODED:
+                data = iq4_nl_as_q8_0(data)
             if fmt is not None and own != fmt:
                 data = reencode(data, own, fmt)
             if file.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):

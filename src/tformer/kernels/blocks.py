@@ -292,6 +292,17 @@ def reencode(blocks: Tensor, fmt: str, finer: str) -> Tensor:
     return torch.cat([b[..., :2], q], dim=-1).reshape(blocks.shape[0], -1)
 
 
+def iq4_nl_as_q8_0(blocks: Tensor) -> Tensor:
+    """llama.cpp's IQ4_NL blocks [N, B * 18] (fp16 d, then 16 bytes of 4-bit indices into
+    kquants.IQ4_VALUES, values 0-15 in the low halves, 16-31 in the high) -> q8_0 blocks
+    [N, B * 34] of the same values exactly: d as it is, each value as int8."""
+    n = blocks.shape[0]
+    b = blocks.contiguous().reshape(n, -1, 18)
+    index = torch.cat([b[..., 2:] & 15, b[..., 2:] >> 4], dim=-1).long()
+    values = kquants.IQ4_VALUES.to(torch.int8)[index].view(torch.uint8)
+    return torch.cat([b[..., :2], values], dim=-1).reshape(n, -1)
+
+
 def dequantize(blocks: Tensor, fmt: str) -> Tensor:
     """uint8 blocks [N, B * bytes] -> the fp32 weight [N, B * values]."""
     layout = _check_format(fmt)
