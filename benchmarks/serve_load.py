@@ -232,7 +232,7 @@ async def timed_stream(http: httpx.AsyncClient, prompt: list[int], tokens: int
             raise Refused(r.headers["retry-after"])
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if line.startswith("data: ") and first is None and line != "data: [DONE]":
                 first = time.perf_counter() - start
     return first or float("nan"), time.perf_counter() - start
@@ -294,7 +294,7 @@ async def chat_turns(url: str, turns: int, words: list[str], reply_tokens: int
             start = time.perf_counter()
             first, reply = None, []
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     delta = json.loads(line[6:])["choices"][0]["delta"]
@@ -372,6 +372,19 @@ def budget_scenario(args: argparse.Namespace) -> None:
           f"{limit:.0f} ({'within' if peak <= limit else 'OVER'}) |", flush=True)
 
 
+async def sse_lines(response: httpx.Response):
+    """A streamed response's server-sent-event lines, split where the SSE format ends a line
+    (LF, CR LF or CR) and nowhere else: httpx's aiter_lines also splits at U+2028, U+0085
+    and the like, which a JSON payload may hold unescaped (a sampled text's characters)."""
+    rest = b""
+    async for chunk in response.aiter_bytes():
+        *lines, rest = (rest + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode()
+    if rest:
+        yield rest.decode()
+
+
 async def streamed(http: httpx.AsyncClient, prompt: list[int], tokens: int) -> dict:
     """One streamed completion of exactly `tokens` greedy tokens (ignore_eos): seconds to
     the first token, the gaps between tokens after it, tokens received."""
@@ -383,7 +396,7 @@ async def streamed(http: httpx.AsyncClient, prompt: list[int], tokens: int) -> d
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
