@@ -55,10 +55,10 @@ TINY_BLOCK_SHAPES = [(72, 512)]
 BLOCK_KINDS = {  # name: (values a block, bytes a block, the fp16 scales' offsets in it)
     "q4_k": (256, 144, (0, 2)), "q5_k": (256, 176, (0, 2)), "q6_k": (256, 210, (208,)),
     "q8_0": (32, 34, (0,)), "q4_0": (32, 18, (0,)), "q4_1": (32, 20, (0, 2)),
-    "q5_0": (32, 22, (0,)), "q5_1": (32, 24, (0, 2)),
+    "q5_0": (32, 22, (0,)), "q5_1": (32, 24, (0, 2)), "iq4_xs": (256, 136, (0,)),
 }
 KIND_NUMBERS = {"q8_0": 2, "q4_0": 3, "q4_1": 4, "q5_0": 5, "q5_1": 6, "q4_k": 7, "q5_k": 8,
-                "q6_k": 9}
+                "q6_k": 9, "iq4_xs": 11}
 """tformer.h's enum tformer_kind (library.py's KIND_*)."""
 
 

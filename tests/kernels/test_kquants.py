@@ -17,8 +17,6 @@ gguf = pytest.importorskip("gguf")
 from gguf import quants as gguf_quants  # noqa: E402
 
 K_FORMATS = [name for name, layout in blocks.LAYOUTS.items() if layout.values == 256]
-REPACKED = [name for name in K_FORMATS if name != "iq4_xs"]
-"""The formats with a repacked form (iq4_xs has none: kinds.c's row says why)."""
 PATHS = {"generic": blocks.ISA_GENERIC, "avx2": blocks.ISA_AVX2,
          "avxvnni": blocks.ISA_AVX_VNNI, "avx512": blocks.ISA_AVX512_VNNI}
 
@@ -198,7 +196,7 @@ def plain_unrepack(packed: torch.Tensor, n: int, k: int) -> np.ndarray:
     return w.reshape(groups * 8, k)
 
 
-@pytest.mark.parametrize("fmt", REPACKED)
+@pytest.mark.parametrize("fmt", K_FORMATS)
 def test_repacking_keeps_every_value_and_fills_the_last_group_with_zeros(fmt):
     lib = blocks._lib()
     if lib is None:
@@ -214,7 +212,7 @@ def test_repacking_keeps_every_value_and_fills_the_last_group_with_zeros(fmt):
 
 
 @pytest.mark.parametrize("path", list(PATHS), indirect=True)
-@pytest.mark.parametrize("fmt", REPACKED)
+@pytest.mark.parametrize("fmt", K_FORMATS)
 def test_repacked_products_are_the_few_row_products_bit_for_bit(path, fmt):
     """Over repacked weights, on every path: the super-block arithmetic in float64 within
     fp32 rounding, and the few-row product's results exactly (the same integer sums, the
@@ -250,17 +248,19 @@ def test_repacked_products_are_the_few_row_products_bit_for_bit(path, fmt):
 
 
 @pytest.mark.parametrize("path", list(PATHS), indirect=True)
-@pytest.mark.parametrize("fmt", REPACKED)
+@pytest.mark.parametrize("fmt", K_FORMATS)
 def test_the_largest_sums_a_super_block_can_hold_are_exact(path, fmt):
-    """Every value at its kind's top (q4_k 15, q5_k 31, q6_k 63), every scale and minimum at
-    its largest (q6_k's +127 and -128), and x at +-127 in every place: the sums the repacked
-    product keeps in 16 bits before scaling reach their bounds (8 * 31 * 127 and
-    4 * 63 * 127) and stay exact, over repacked W and the file's bytes alike."""
+    """Every value at its kind's top (q4_k 15, q5_k 31, q6_k 63, iq4_xs 113, repacked as
+    241), every scale and minimum at its largest (q6_k's +127 and -128), and x at +-127 in
+    every place: the sums the repacked product keeps in 16 bits before scaling reach their
+    bounds (8 * 31 * 127 and 4 * 63 * 127), iq4_xs's in 32 bits 8 * 241 * 127, and stay
+    exact, over repacked W and the file's bytes alike."""
     n, k = 8, 512
     size = blocks.LAYOUTS[fmt].size
     raw = torch.full((n, k // 256, size), 0xFF, dtype=torch.uint8)
     one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
-    at = [0, 2] if fmt != "q6_k" else [208]  # d (and dmin): 1.0, where fp16's 0xFFFF is NaN
+    # d (and dmin): 1.0, where fp16's 0xFFFF is NaN
+    at = {"q6_k": [208], "iq4_xs": [0]}.get(fmt, [0, 2])
     for a in at:
         raw[..., a:a + 2] = one
     if fmt == "q6_k":

@@ -38,10 +38,9 @@ static const struct tformer_kind_traits kinds[TFORMER_KINDS] = {
                       tformer_quantize_k, tformer_kquants_repacked_size,
                       tformer_kquants_repack},
     [TFORMER_STACK] = {"stack", tformer_stack_linear, 1, 1, TFORMER_X_FP32, NULL, NULL, NULL},
-    /* no repacked form: its values are signed bytes, which the repacked product's unsigned
-     * ones cannot hold with sums in 16 bits; every number of rows reads the file's bytes */
     [TFORMER_IQ4_XS] = {"iq4_xs", tformer_kquants_linear, 256, 136, TFORMER_X_Q8_K,
-                        tformer_quantize_k, NULL, NULL},
+                        tformer_quantize_k, tformer_kquants_repacked_size,
+                        tformer_kquants_repack},
 };
 
 static int repacked_for_the_call(const struct tformer_linear *l, const float *x, float *y,

@@ -22,7 +22,7 @@
  * (dmin dx), in fp32, in that order, on every path.
  *
  * Decoding's few rows (below l->packed_min_rows, or any number where W has no repacked
- * copy, as iq4_xs never has) read the file's bytes: on the SIMD paths (kquants_rows.h, chosen by
+ * copy) read the file's bytes: on the SIMD paths (kquants_rows.h, chosen by
  * tformer_blocks_isa) each super-block of a tile of W's rows is unpacked in registers for
  * up to four rows of x at a time, the scales applied with 16-bit multiply-adds; the plain C
  * path unpacks each to a struct unpacked (u, sc, mn, d, dmin) and sums it, the reference
@@ -385,7 +385,6 @@ static void kgroups_generic(int kind, const struct kx *xb, long i0, int M,
                             const struct krepacked *w, const float *b, float *y, long n, long nb,
                             long gr)
 {
-    (void)kind;
     for (int i = 0; i < M; i++)
         for (int o = 0; o < 8 && gr * 8 + o < n; o++) {
             float acc = 0.0f;
@@ -401,6 +400,10 @@ static void kgroups_generic(int kind, const struct kx *xb, long i0, int M,
                         p += blk->u[j / 8][o][j / 4 % 2][j % 4] * xq[j];
                     s += blk->sc[g][o][0] * p;
                     mins += blk->mn[g / 2][o][g % 2] * bs[g];
+                }
+                if (kind == TFORMER_IQ4_XS) { /* kquants_isa.h: the values less 128 */
+                    s -= mins;
+                    mins = 0;
                 }
                 acc += (float)s * (blk->d[o] * xb->d[at])
                        - (float)mins * (blk->dmin[o] * xb->d[at]);
@@ -420,11 +423,12 @@ long tformer_kquants_repacked_size(int kind, long n, long k)
 }
 
 /* W (n rows of a K kind's super-blocks, k values a row) into `out`
- * (tformer_kquants_repacked_size bytes), as struct krepacked says. Returns 0, or -3 for a
- * kind not of this file. */
+ * (tformer_kquants_repacked_size bytes), as struct krepacked says; iq4_xs's values with
+ * their offset (u = v + 128), as w = d sc u - d (128 sc): its minimums 128 times its
+ * scales, dmin its d. Returns 0, or -3 for a kind not of this file. */
 int tformer_kquants_repack(int kind, const uint8_t *w, long n, long k, uint8_t *out)
 {
-    if (kind < TFORMER_Q4_K || kind > TFORMER_Q6_K) /* iq4_xs has no repacked form */
+    if (!is_kind_of_this_file(kind))
         return -3;
     const long nb = k / QK, size = formats[kind].size;
     const unpack_fn unpack = formats[kind].unpack_c;
@@ -440,10 +444,11 @@ int tformer_kquants_repack(int kind, const uint8_t *w, long n, long k, uint8_t *
                 else
                     memset(&p, 0, sizeof p); /* the last group filled out with zero rows */
                 blk->d[o] = p.d;
-                blk->dmin[o] = p.dmin;
+                blk->dmin[o] = p.offset ? p.d : p.dmin;
                 for (int g = 0; g < GROUPS; g++) {
                     blk->sc[g][o][0] = blk->sc[g][o][1] = (int16_t)p.sc[g];
-                    blk->mn[g / 2][o][g % 2] = (int16_t)p.mn[g]; /* at most 32 * 128 in size */
+                    /* at most 32 * 128 in size */
+                    blk->mn[g / 2][o][g % 2] = (int16_t)(p.mn[g] + p.offset * p.sc[g]);
                 }
                 for (int c = 0; c < QK / 8; c++) /* eight values at a time */
                     memcpy(blk->u[c][o], p.u + 8 * c, 8);
@@ -568,12 +573,14 @@ int tformer_kquants_linear(const struct tformer_linear *l, const float *x, float
     const long n = l->n_out, k = l->n_in, nb = k / QK;
     if (m <= 0 || n <= 0)
         return 0;
-    if (l->packed && m >= l->packed_min_rows)
+    const int isa = tformer_blocks_isa(-1); /* AVX-512 VNNI: with BW too */
+    /* iq4_xs's repacked values would saturate AVX2's byte multiply-add (kquants_isa.h) */
+    if (l->packed && m >= l->packed_min_rows
+        && !(l->kind == TFORMER_IQ4_XS && isa == TFORMER_BLOCKS_AVX2))
         return kquants_repacked_linear(l, x, y, m, threads);
     struct kx xb;
     if (kx_make(&xb, x, m, k, threads))
         return -1;
-    const int isa = tformer_blocks_isa(-1); /* AVX-512 VNNI: with BW too */
     if (isa == TFORMER_BLOCKS_GENERIC) {
         kquants_linear_c(l, &xb, y, m, threads);
         kx_free(&xb);

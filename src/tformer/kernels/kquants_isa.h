@@ -21,14 +21,21 @@
  * minimums' sum takes x's group sums two at a time against the outputs' minimums (16-bit
  * pairs, _mm256_madd_epi16). Both integer sums are the plain C ones exactly, and the fp32
  * operations the same in the same order: the results are the few-row product's, bit for
- * bit. */
+ * bit.
+ *
+ * iq4_xs is repacked with its values plus 128 (1..241, struct unpacked's u) and minimums of
+ * 128 times the scales: its sums a lane reach 8 * 241 * 127, past 16 bits, so each group's
+ * takes its scale with a 32-bit multiply (the scales sign-extended); the minimums' sum is
+ * taken from the scaled sum in integers, which leaves the sum over the values less 128,
+ * the few-row product's, and no minimums. The byte multiply-add of AVX2 without VNNI would
+ * saturate on such values: that path reads the file's bytes instead (kquants.c). */
 
 /* The minimums' sums and the fp32 steps of a super-block, shared by both widths: s[i] (row i
  * of x: output o's scaled sum in lane o) and x's group sums against the minimums into
  * acc[i], as kquants.c's plain C product adds them. */
 KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kfinish_sb)(
-    const struct kx *xb, long i0, long nb, long sb, const struct krepacked *blk,
-    const __m256i *s, __m256 *acc, const int M)
+    const int kind, const struct kx *xb, long i0, long nb, long sb,
+    const struct krepacked *blk, const __m256i *s, __m256 *acc, const int M)
 {
     __m256i mins[4];
 #pragma GCC unroll 4
@@ -49,7 +56,12 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kfinish_sb)(
 #pragma GCC unroll 4
     for (int i = 0; i < M; i++) {
         const __m256 dx = _mm256_set1_ps(xb->d[(i0 + i) * nb + sb]);
-        const __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(d, dx));
+        __m256i si = s[i];
+        if (kind == TFORMER_IQ4_XS) { /* the values less 128, in integers */
+            si = _mm256_sub_epi32(si, mins[i]);
+            mins[i] = _mm256_setzero_si256();
+        }
+        const __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, dx));
         const __m256 t2 = _mm256_mul_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_mul_ps(dmin, dx));
         acc[i] = _mm256_add_ps(acc[i], _mm256_sub_ps(t1, t2));
     }
@@ -77,7 +89,9 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
         s[i] = _mm512_setzero_si512();
 #pragma GCC unroll 2
     for (int g = 0; g < GROUPS; g++) {
-        const __m512i sc = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)blk->sc[g]));
+        const __m256i sc16 = _mm256_loadu_si256((const __m256i *)blk->sc[g]);
+        const __m512i sc = kind == TFORMER_IQ4_XS ? _mm512_cvtepi16_epi32(sc16)
+                                                  : _mm512_cvtepu16_epi32(sc16);
         __m512i p[4];
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++)
@@ -97,7 +111,11 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
                 }
             }
         }
-        if (kind != TFORMER_Q6_K) {
+        if (kind == TFORMER_IQ4_XS) {
+#pragma GCC unroll 4
+            for (int i = 0; i < M; i++)
+                s[i] = _mm512_add_epi32(s[i], _mm512_mullo_epi32(p[i], sc));
+        } else if (kind != TFORMER_Q6_K) {
 #pragma GCC unroll 4
             for (int i = 0; i < M; i++)
                 s[i] = _mm512_add_epi32(s[i], _mm512_madd_epi16(p[i], sc));
@@ -129,8 +147,12 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
         sa[i] = sb[i] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int g = 0; g < GROUPS; g++) {
-        const __m256i sca = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)blk->sc[g][0]));
-        const __m256i scb = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)blk->sc[g][4]));
+        const __m128i sa16 = _mm_loadu_si128((const __m128i *)blk->sc[g][0]);
+        const __m128i sb16 = _mm_loadu_si128((const __m128i *)blk->sc[g][4]);
+        const __m256i sca = kind == TFORMER_IQ4_XS ? _mm256_cvtepi16_epi32(sa16)
+                                                   : _mm256_cvtepu16_epi32(sa16);
+        const __m256i scb = kind == TFORMER_IQ4_XS ? _mm256_cvtepi16_epi32(sb16)
+                                                   : _mm256_cvtepu16_epi32(sb16);
         __m256i pa[2], pb[2];
 #pragma GCC unroll 2
         for (int i = 0; i < M; i++)
@@ -155,7 +177,13 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
                 }
             }
         }
-        if (kind != TFORMER_Q6_K) {
+        if (kind == TFORMER_IQ4_XS) {
+#pragma GCC unroll 2
+            for (int i = 0; i < M; i++) {
+                sa[i] = _mm256_add_epi32(sa[i], _mm256_mullo_epi32(pa[i], sca));
+                sb[i] = _mm256_add_epi32(sb[i], _mm256_mullo_epi32(pb[i], scb));
+            }
+        } else if (kind != TFORMER_Q6_K) {
 #pragma GCC unroll 2
             for (int i = 0; i < M; i++) {
                 sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(pa[i], sca));
@@ -189,7 +217,7 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kgroup)(
             xq[i] = (const uint8_t *)(xb->q + ((i0 + i) * nb + sb) * QK);
         __m256i s8[KQ_MAX_ROWS];
         KQ_NAME(ksums)(kind, xq, blk, s8, M);
-        KQ_NAME(kfinish_sb)(xb, i0, nb, sb, blk, s8, acc, M);
+        KQ_NAME(kfinish_sb)(kind, xb, i0, nb, sb, blk, s8, acc, M);
     }
     const long valid = n - gr * 8 < 8 ? n - gr * 8 : 8;
     float bias[8] = {0};
@@ -234,6 +262,8 @@ KQ_TARGET static void KQ_NAME(kgroups)(int kind, const struct kx *xb, long i0, i
 {
     if (kind == TFORMER_Q6_K)
         KQ_ROWS(TFORMER_Q6_K)
+    if (kind == TFORMER_IQ4_XS)
+        KQ_ROWS(TFORMER_IQ4_XS)
     KQ_ROWS(TFORMER_Q4_K) /* q4_k and q5_k: the same steps */
 }
 
