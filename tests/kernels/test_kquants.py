@@ -370,7 +370,7 @@ def test_q4_k_m_gives_the_output_and_half_the_v_and_down_layers_q6_k():
     assert q5.format_of("lm_head", 8) == "q6_k" and q5.format_of("blocks.0.ff.up", 8) == "q5_k"
 
 
-@pytest.mark.parametrize("fmt", ["q4_k_m", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_k_m", "q6_k", "iq4_xs"])
 def test_a_language_model_decodes_with_k_weights(fmt):
     from tformer.decoding.lm import generate
     from tformer.models.gpt import GPT, GPTConfig
@@ -382,7 +382,7 @@ def test_a_language_model_decodes_with_k_weights(fmt):
     tokens = torch.randint(0, 61, (3, 20))
     with torch.no_grad():
         full, got = model(tokens), quantized(tokens)
-    assert (full - got).abs().max() < {"q4_k_m": 0.5, "q6_k": 0.2}[fmt] * full.std()
+    assert (full - got).abs().max() < {"q4_k_m": 0.5, "q6_k": 0.2, "iq4_xs": 0.5}[fmt] * full.std()
     prompt = torch.randint(0, 61, (2, 5))
     run = lambda cache: torch.stack(  # noqa: E731
         list(generate(quantized, prompt, max_new_tokens=12, temperature=0.0, use_cache=cache)))
