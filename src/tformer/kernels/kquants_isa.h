@@ -13,11 +13,12 @@
  * broadcast as one 64-bit word meet them in the same lanes, so one multiply-add of four byte
  * pairs a lane (vpdpbusd) serves four outputs (256-bit) or eight (512-bit) with no shuffle;
  * each register of W is loaded once for up to four rows of x. A group of 16 values is two
- * such steps; its sum a lane, at most 8 * 63 * 127 for q4_k and q5_k (values below 32) and
- * so within 16 bits, times the group's scale with one 16-bit multiply-add (vpmaddwd against
- * the scale as [sc, 0]: the lane's top half, the sum's sign, meets the 0) instead of a 32-bit
- * multiply, which costs two; q6_k's values reach 63, and its sums take the scale after each
- * step (4 * 63 * 127 a lane). Lanes (o, 0) and (o, 1) are added once a super-block. The
+ * such steps; its sum a lane, at most 8 * 31 * 127 for q5_k (values below 32) and so within
+ * 16 bits, times the group's scale with one 16-bit multiply-add (vpmaddwd against the scale
+ * as [sc, 0]: the lane's top half, the sum's sign, meets the 0) instead of a 32-bit
+ * multiply, which costs two; q4_k's values stay below 16, so the two groups of 16 that
+ * share a scale take it once (16 * 15 * 127 a lane); q6_k's values reach 63, and its
+ * sums take the scale after each step (4 * 63 * 127 a lane). Lanes (o, 0) and (o, 1) are added once a super-block. The
  * minimums' sum takes x's group sums two at a time against the outputs' minimums (16-bit
  * pairs, _mm256_madd_epi16). Both integer sums are the plain C ones exactly, and the fp32
  * operations the same in the same order: the results are the few-row product's, bit for
@@ -67,6 +68,12 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(kfinish_sb)(
     }
 }
 
+/* Groups of 16 whose sums take their scale at once: two, a group of 32 that shares its
+ * scale, where its sums a lane stay within their bound (q4_k: 16 * 15 * 127, within 16 bits
+ * for the 16-bit multiply-add; iq4_xs: 16 * 241 * 127, within 32 for its 32-bit multiply);
+ * q5_k's values reach 31 and take their scale every 16, q6_k's every step. */
+#define KQ_GROUPS_A_SCALE(kind) ((kind) == TFORMER_Q4_K || (kind) == TFORMER_IQ4_XS ? 2 : 1)
+
 /* x's eight bytes 8c .. 8c + 7 of row i's super-block, as one 64-bit word. */
 #define KQ_EIGHT(i, c)                                                                     \
     ({                                                                                     \
@@ -87,8 +94,9 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
 #pragma GCC unroll 4
     for (int i = 0; i < M; i++)
         s[i] = _mm512_setzero_si512();
+    const int G = KQ_GROUPS_A_SCALE(kind);
 #pragma GCC unroll 2
-    for (int g = 0; g < GROUPS; g++) {
+    for (int g = 0; g < GROUPS; g += G) {
         const __m256i sc16 = _mm256_loadu_si256((const __m256i *)blk->sc[g]);
         const __m512i sc = kind == TFORMER_IQ4_XS ? _mm512_cvtepi16_epi32(sc16)
                                                   : _mm512_cvtepu16_epi32(sc16);
@@ -96,8 +104,8 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++)
             p[i] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-        for (int half = 0; half < 2; half++) {
+#pragma GCC unroll 4
+        for (int half = 0; half < 2 * G; half++) {
             const int c = 2 * g + half;
             const __m512i u = _mm512_loadu_si512((const void *)blk->u[c]);
 #pragma GCC unroll 4
@@ -145,8 +153,9 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
 #pragma GCC unroll 2
     for (int i = 0; i < M; i++)
         sa[i] = sb[i] = _mm256_setzero_si256();
+    const int G = KQ_GROUPS_A_SCALE(kind);
 #pragma GCC unroll 2
-    for (int g = 0; g < GROUPS; g++) {
+    for (int g = 0; g < GROUPS; g += G) {
         const __m128i sa16 = _mm_loadu_si128((const __m128i *)blk->sc[g][0]);
         const __m128i sb16 = _mm_loadu_si128((const __m128i *)blk->sc[g][4]);
         const __m256i sca = kind == TFORMER_IQ4_XS ? _mm256_cvtepi16_epi32(sa16)
@@ -157,8 +166,8 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
 #pragma GCC unroll 2
         for (int i = 0; i < M; i++)
             pa[i] = pb[i] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-        for (int half = 0; half < 2; half++) {
+#pragma GCC unroll 4
+        for (int half = 0; half < 2 * G; half++) {
             const int c = 2 * g + half;
             const __m256i ua = _mm256_loadu_si256((const __m256i *)blk->u[c][0]);
             const __m256i ub = _mm256_loadu_si256((const __m256i *)blk->u[c][4]);
@@ -264,10 +273,13 @@ KQ_TARGET static void KQ_NAME(kgroups)(int kind, const struct kx *xb, long i0, i
         KQ_ROWS(TFORMER_Q6_K)
     if (kind == TFORMER_IQ4_XS)
         KQ_ROWS(TFORMER_IQ4_XS)
-    KQ_ROWS(TFORMER_Q4_K) /* q4_k and q5_k: the same steps */
+    if (kind == TFORMER_Q5_K)
+        KQ_ROWS(TFORMER_Q5_K)
+    KQ_ROWS(TFORMER_Q4_K)
 }
 
 #undef KQ_ROWS
 #undef KQ_CALL
 #undef KQ_MAX_ROWS
 #undef KQ_EIGHT
+#undef KQ_GROUPS_A_SCALE
