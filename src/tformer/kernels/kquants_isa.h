@@ -15,10 +15,11 @@
  * each register of W is loaded once for up to four rows of x. A group of 16 values is two
  * such steps; its sum a lane, at most 8 * 31 * 127 for q5_k (values below 32) and so within
  * 16 bits, times the group's scale with one 16-bit multiply-add (vpmaddwd against the scale
- * as [sc, 0]: the lane's top half, the sum's sign, meets the 0) instead of a 32-bit
- * multiply, which costs two; q4_k's values stay below 16, so the two groups of 16 that
- * share a scale take it once (16 * 15 * 127 a lane); q6_k's values reach 63, and its
- * sums take the scale after each step (4 * 63 * 127 a lane). Lanes (o, 0) and (o, 1) are added once a super-block. The
+ * as [sc, 0]: the lane's top half, the sum's sign, meets the 0; with VNNI vpdpwssd, which
+ * adds it too) instead of a 32-bit multiply, which costs two. q4_k's values stay below 16,
+ * so the two groups of 16 that share a scale take it once (16 * 15 * 127 a lane); q6_k's
+ * reach 63, and its sums take the scale after each step (4 * 63 * 127 a lane). Lanes
+ * (o, 0) and (o, 1) are added once a super-block. The
  * minimums' sum takes x's group sums two at a time against the outputs' minimums (16-bit
  * pairs, _mm256_madd_epi16). Both integer sums are the plain C ones exactly, and the fp32
  * operations the same in the same order: the results are the few-row product's, bit for
@@ -114,7 +115,7 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
             if (kind == TFORMER_Q6_K) {
 #pragma GCC unroll 4
                 for (int i = 0; i < M; i++) {
-                    s[i] = _mm512_add_epi32(s[i], _mm512_madd_epi16(p[i], sc));
+                    s[i] = _mm512_dpwssd_epi32(s[i], p[i], sc);
                     p[i] = _mm512_setzero_si512();
                 }
             }
@@ -126,7 +127,7 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
         } else if (kind != TFORMER_Q6_K) {
 #pragma GCC unroll 4
             for (int i = 0; i < M; i++)
-                s[i] = _mm512_add_epi32(s[i], _mm512_madd_epi16(p[i], sc));
+                s[i] = _mm512_dpwssd_epi32(s[i], p[i], sc);
         }
     }
 #pragma GCC unroll 4
@@ -137,7 +138,9 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
 #define KQ_MAX_ROWS 2
 #ifdef KQ_VNNI
 #define KQ_SUM(acc, u, s) KQ_DPBUSD(acc, u, s)
+#define KQ_SCALED(acc, p, sc) _mm256_dpwssd_avx_epi32(acc, p, sc)
 #else
+#define KQ_SCALED(acc, p, sc) _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc))
 #define KQ_SUM(acc, u, s)                                                                  \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones))
 #endif
@@ -180,8 +183,8 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
             if (kind == TFORMER_Q6_K) {
 #pragma GCC unroll 2
                 for (int i = 0; i < M; i++) {
-                    sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(pa[i], sca));
-                    sb[i] = _mm256_add_epi32(sb[i], _mm256_madd_epi16(pb[i], scb));
+                    sa[i] = KQ_SCALED(sa[i], pa[i], sca);
+                    sb[i] = KQ_SCALED(sb[i], pb[i], scb);
                     pa[i] = pb[i] = _mm256_setzero_si256();
                 }
             }
@@ -195,8 +198,8 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
         } else if (kind != TFORMER_Q6_K) {
 #pragma GCC unroll 2
             for (int i = 0; i < M; i++) {
-                sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(pa[i], sca));
-                sb[i] = _mm256_add_epi32(sb[i], _mm256_madd_epi16(pb[i], scb));
+                sa[i] = KQ_SCALED(sa[i], pa[i], sca);
+                sb[i] = KQ_SCALED(sb[i], pb[i], scb);
             }
         }
     }
@@ -207,6 +210,7 @@ KQ_TARGET static inline __attribute__((always_inline)) void KQ_NAME(ksums)(
         s8[i] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(sa[i], sb[i]), order);
 }
 #undef KQ_SUM
+#undef KQ_SCALED
 #endif
 
 /* Rows [i0, i0 + M) of x (M at most KQ_MAX_ROWS) against group gr of W's rows (8 outputs). */
