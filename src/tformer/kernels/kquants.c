@@ -841,19 +841,15 @@ static int iq4_nearest(float v)
     return v - (float)IQ4_VALUES[above - 1] < (float)IQ4_VALUES[above] - v ? above - 1 : above;
 }
 
-/* The sums of a trial of 32 values x, weights w at iscale: each value's nearest index at
- * iscale x (into L where not NULL), and in double the fp32 products w v x and w v v. */
-static void iq4_trial(const float *x, const float *w, float iscale, double *sxv, double *svv,
-                      uint8_t *L)
+/* The sums of a trial of 32 values x, weights w at iscale, each value v the one nearest to
+ * iscale x: in double, the fp32 products w v x and w v v. */
+static void iq4_trial(const float *x, const float *w, float iscale, double *sxv, double *svv)
 {
     double a = 0.0, b = 0.0;
     for (int j = 0; j < 32; j++) {
-        const int l = iq4_nearest(iscale * x[j]);
-        const float v = (float)IQ4_VALUES[l], wv = w[j] * v;
+        const float v = (float)IQ4_VALUES[iq4_nearest(iscale * x[j])], wv = w[j] * v;
         a += (double)(wv * x[j]);
         b += (double)(wv * v);
-        if (L)
-            L[j] = (uint8_t)l;
     }
     *sxv = a;
     *svv = b;
@@ -877,10 +873,10 @@ static float iq4_search(const float *x)
     if (amax < 1e-15f)
         return 0.0f;
     double sxv, svv;
-    iq4_trial(x, w, 1.0f / (big / 127.0f), &sxv, &svv, NULL);
+    iq4_trial(x, w, 1.0f / (big / 127.0f), &sxv, &svv);
     double scale = svv > 0.0 ? sxv / svv : 0.0, best = scale * sxv;
     for (int t = -7; t <= 7; t++) {
-        iq4_trial(x, w, (float)(t - 127) / big, &sxv, &svv, NULL);
+        iq4_trial(x, w, (float)(t - 127) / big, &sxv, &svv);
         if (svv > 0.0 && sxv * sxv > best * svv) {
             scale = sxv / svv;
             best = scale * sxv;
