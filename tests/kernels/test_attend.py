@@ -230,6 +230,59 @@ def test_paged_attention_of_several_new_tokens_a_row_is_causal(tokens, window, h
 
 
 @native
+@pytest.mark.parametrize("heads, kv_heads, d, dv, window",
+                         [(9, 3, 64, 64, None), (4, 1, 20, 37, None), (6, 2, 16, 16, 9)])
+def test_paged_attention_of_chunks_of_different_lengths(heads, kv_heads, d, dv, window):
+    """Rows of one pass reading chunks of different lengths (a prompt's chunk beside
+    decoding rows): row i's first counts[i] columns are its new tokens, its last counts[i]
+    positions; each reads causally up to its own, against float64 attention found by hand
+    over that row's real tokens alone, and the columns past them come back zeros. Key and
+    value sizes off the vector widths take the kernel's masked loads."""
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(16, kv_heads, 4, d, generator=g)
+    v = torch.randn(16, kv_heads, 4, dv, generator=g)
+    tokens = 11
+    q = torch.randn(3, heads, tokens, d, generator=g)
+    tables = torch.tensor([[5, 2, 9, 6, 1, 0, 0, 0], [7, 3, 10, 11, 4, 8, 0, 0],
+                           [12, 13, 14, 15, 0, 0, 0, 0]])
+    lengths, counts = torch.tensor([20, 24, 13]), torch.tensor([11, 1, 6])
+    out = attend.attend_paged(q, k, v, tables, lengths, window=window, counts=counts)
+    for i, (length, real) in enumerate(zip(lengths.tolist(), counts.tolist(), strict=True)):
+        want = naive_paged(q[i : i + 1, :, :real], k, v, tables[i : i + 1],
+                           torch.tensor([length]), window)
+        torch.testing.assert_close(out[i : i + 1, :, :real].double(), want, atol=1e-5,
+                                   rtol=1e-5)
+        assert not out[i, :, real:].any()
+    reference = attend.attend_paged_reference(q, k, v, tables, lengths, window=window,
+                                              counts=counts)
+    torch.testing.assert_close(reference, out, atol=1e-5, rtol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_query_s_paged_attention_has_the_same_bits_in_any_company(window):
+    """A query's result does not depend on the tile, the register block or the pass it is
+    computed in: each token of a 70-token chunk read in one pass (beside a row of another
+    length), read a token at a time, and read as a 3-token chunk, gives the same bits (what
+    makes a prompt read alone, beside others or in other chunks decode the same text)."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, d = 9, 3, 64
+    k = torch.randn(40, kv_heads, 16, d, generator=g)
+    v = torch.randn(40, kv_heads, 16, d, generator=g)
+    tables = torch.randperm(39, generator=g)[:16].add(1).reshape(2, 8)
+    q = torch.randn(2, heads, 70, d, generator=g)
+    lengths, counts = torch.tensor([100, 90]), torch.tensor([70, 20])
+    whole = attend.attend_paged(q, k, v, tables, lengths, window=window, counts=counts)
+    for t in range(70):
+        one = attend.attend_paged(q[:1, :, t], k, v, tables[:1], torch.tensor([31 + t]),
+                                  window=window)
+        assert torch.equal(one, whole[:1, :, t]), t
+    three = attend.attend_paged(q[1:, :, 17:20], k, v, tables[1:], torch.tensor([90]),
+                                window=window)
+    assert torch.equal(three, whole[1:, :, 17:20])
+
+
+@native
 def test_paged_attention_refuses_a_table_outside_the_pool():
     k = v = torch.zeros(4, 1, 4, 8)
     with pytest.raises(IndexError, match="outside"):

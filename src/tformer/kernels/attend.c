@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "tformer.h"
 #include "vecmath.h"
@@ -224,17 +225,12 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
     return 0;
 }
 
-/* A tile of queries that read the same key/value head of one sequence's blocks: the
- * query heads of a group (grouped-query attention) at up to a few consecutive new tokens.
- * Each span of SPAN positions is scored for every query of the tile while its keys and
- * values are in the L1 cache, so a long history is read from memory once a tile instead of
- * once a query. The softmax is taken online (Milakov & Gimelshein 2018, as flash attention
- * does): each query keeps its running maximum m, the sum l of exp(score - m) and the
- * exp-weighted sum of values, rescaled when m grows. Spans start at multiples of SPAN, and
- * a query skips the spans outside its positions and masks the rest of a span it shares, so
- * its result has the same bits whatever tile it is in (one query alone, a thread's share). */
-#define TILE 16 /* queries of a tile at most */
-#define SPAN (4 * BLOCK) /* positions a query's softmax takes a step at a time */
+/* Paged attention in tiles (attend_tile.h): up to TILE queries that read the same
+ * key/value head of one sequence's blocks (a group's query heads at a few consecutive new
+ * tokens), a span of SPAN positions at a time while its keys and values are in the L1 cache,
+ * so that a long history is read from memory once a tile instead of once a query. */
+#define TILE 32 /* queries of a tile at most */
+#define SPAN 32 /* positions a query's softmax takes a step at a time */
 #define COLUMNS 256 /* value columns a tile sums at once (wider values: the scores again) */
 
 struct tile {
@@ -244,158 +240,91 @@ struct tile {
     int n;
 };
 
-/* The tile's attention over value columns x0 .. x0 + dv - 1 (dv <= COLUMNS). */
-static void attend_tile(const struct tile *t, const float *k, long k_block, long k_pos,
-                        const float *v, long v_block, long v_pos, const int64_t *table,
-                        long block, long d, long x0, long dv, float scale)
+/* The keys and values of positions s0 .. s0 + SPAN - 1 (past hi - 1 the last one again),
+ * found by walking the block table, the values' at column x0; and the next span's brought
+ * into the cache while this one is summed (its blocks lie where no prefetcher can guess). */
+static void span_places(const float *k, long k_block, long k_pos, const float *v, long v_block,
+                        long v_pos, const int64_t *table, long block, long d, long x0, long dv,
+                        long s0, long hi, const float *keys[SPAN], const float *values[SPAN])
 {
-    float acc[TILE][COLUMNS], m[TILE], l[TILE];
-    int nan[TILE];
-    long lo = t->first[0], hi = t->end[0];
-    for (int j = 0; j < t->n; j++) {
-        lo = t->first[j] < lo ? t->first[j] : lo;
-        hi = t->end[j] > hi ? t->end[j] : hi;
-        m[j] = -INFINITY;
-        l[j] = 0.0f;
-        nan[j] = 0;
-        for (long c = 0; c < dv; c++)
-            acc[j][c] = 0.0f;
-    }
-    const __m256 scales = _mm256_set1_ps(scale);
-    for (long s0 = lo / SPAN * SPAN; s0 < hi; s0 += SPAN) {
-        /* this span's keys and values, found by walking the table (past the last position
-         * the last one again, masked) */
-        const float *keys[SPAN], *values[SPAN];
-        long c = s0 / block, slot = s0 % block;
-        for (int b = 0; b < SPAN; b++) {
-            if (s0 + b < hi) {
-                keys[b] = k + table[c] * k_block + slot * k_pos;
-                values[b] = v + table[c] * v_block + slot * v_pos + x0;
-                if (++slot == block) {
-                    slot = 0;
-                    c++;
-                }
-            } else {
-                keys[b] = keys[b - 1];
-                values[b] = values[b - 1];
-            }
-        }
-        /* the next span's keys and values into the cache while this one is summed: its
-         * blocks lie where no prefetcher can guess */
-        for (long s = s0 + SPAN; s < s0 + 2 * SPAN && s < hi; s++) {
-            fetch(k + table[c] * k_block + slot * k_pos, d);
-            fetch(v + table[c] * v_block + slot * v_pos + x0, dv);
+    long c = s0 / block, slot = s0 % block;
+    for (int b = 0; b < SPAN; b++) {
+        if (s0 + b < hi) {
+            keys[b] = k + table[c] * k_block + slot * k_pos;
+            values[b] = v + table[c] * v_block + slot * v_pos + x0;
             if (++slot == block) {
                 slot = 0;
                 c++;
             }
-        }
-        for (int j = 0; j < t->n; j++) {
-            if (s0 + SPAN <= t->first[j] || s0 >= t->end[j] || nan[j])
-                continue;
-            float p[SPAN];
-            __m256 e[SPAN / BLOCK], top8 = _mm256_set1_ps(-INFINITY), odd = _mm256_setzero_ps();
-            for (int q = 0; q < SPAN / BLOCK; q++) {
-                dot_block(t->q[j], keys + q * BLOCK, d, p + q * BLOCK);
-                e[q] = _mm256_mul_ps(_mm256_loadu_ps(p + q * BLOCK), scales);
-            }
-            if (s0 < t->first[j] || s0 + SPAN > t->end[j]) { /* a span it partly reads */
-                for (int q = 0; q < SPAN / BLOCK; q++)
-                    _mm256_storeu_ps(p + q * BLOCK, e[q]);
-                for (int b = 0; b < SPAN; b++)
-                    if (s0 + b < t->first[j] || s0 + b >= t->end[j])
-                        p[b] = -INFINITY;
-                for (int q = 0; q < SPAN / BLOCK; q++)
-                    e[q] = _mm256_loadu_ps(p + q * BLOCK);
-            }
-            for (int q = 0; q < SPAN / BLOCK; q++) {
-                odd = _mm256_or_ps(odd, _mm256_cmp_ps(e[q], e[q], _CMP_UNORD_Q));
-                top8 = _mm256_max_ps(top8, e[q]);
-            }
-            if (_mm256_movemask_ps(odd)) { /* as torch's softmax: a NaN score makes the row
-                                            * NaN (exp8 would zero it) */
-                nan[j] = 1;
-                continue;
-            }
-            const float top = max8(top8);
-            if (top > m[j]) {
-                const float shrink = expf(m[j] - top); /* 0 at the first span */
-                l[j] *= shrink;
-                for (long x = 0; x < dv; x++)
-                    acc[j][x] *= shrink;
-                m[j] = top;
-            }
-            const __m256 mx = _mm256_set1_ps(m[j]);
-            __m256 sum = _mm256_setzero_ps();
-            for (int q = 0; q < SPAN / BLOCK; q++) {
-                e[q] = exp8(_mm256_sub_ps(e[q], mx));
-                sum = _mm256_add_ps(sum, e[q]);
-                _mm256_storeu_ps(p + q * BLOCK, e[q]);
-            }
-            l[j] += sum_lanes(sum);
-            /* acc += sum_b p[b] values[b], 64 columns at a time in eight registers (eight
-             * chains of multiply-adds, not one), then eight, then one */
-            float *a = acc[j];
-            long x = 0;
-            for (; x + 64 <= dv; x += 64) {
-                __m256 r[8];
-                for (int u = 0; u < 8; u++)
-                    r[u] = _mm256_loadu_ps(a + x + 8 * u);
-                for (int b = 0; b < SPAN; b++) {
-                    const __m256 w = _mm256_set1_ps(p[b]);
-                    for (int u = 0; u < 8; u++)
-                        r[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[b] + x + 8 * u), r[u]);
-                }
-                for (int u = 0; u < 8; u++)
-                    _mm256_storeu_ps(a + x + 8 * u, r[u]);
-            }
-            for (; x + 8 <= dv; x += 8) {
-                __m256 r = _mm256_loadu_ps(a + x);
-                for (int b = 0; b < SPAN; b++)
-                    r = _mm256_fmadd_ps(_mm256_set1_ps(p[b]), _mm256_loadu_ps(values[b] + x), r);
-                _mm256_storeu_ps(a + x, r);
-            }
-            for (; x < dv; x++)
-                for (int b = 0; b < SPAN; b++)
-                    a[x] += p[b] * values[b][x];
+        } else {
+            keys[b] = keys[b - 1];
+            values[b] = values[b - 1];
         }
     }
-    for (int j = 0; j < t->n; j++) {
-        const float inv = nan[j] ? NAN : 1.0f / l[j];
-        for (long x = 0; x < dv; x++)
-            t->out[j][x0 + x] = nan[j] ? NAN : acc[j][x] * inv;
+    for (long s = s0 + SPAN; s < s0 + 2 * SPAN && s < hi; s++) {
+        fetch(k + table[c] * k_block + slot * k_pos, d);
+        fetch(v + table[c] * v_block + slot * v_pos + x0, dv);
+        if (++slot == block) {
+            slot = 0;
+            c++;
+        }
     }
 }
 
+/* The first n lanes of eight, as a mask for AVX2's masked loads. */
+static inline __m256i lanes_below(long n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+#define AT_W 16
+#define AT_NAME(name) name##_512
+#define AT_TARGET __attribute__((target("avx2,fma,avx512f,avx512dq")))
+#include "attend_tile.h"
+#undef AT_W
+#undef AT_NAME
+#undef AT_TARGET
+#define AT_W 8
+#define AT_NAME(name) name##_256
+#define AT_TARGET
+#include "attend_tile.h"
+#undef AT_W
+#undef AT_NAME
+#undef AT_TARGET
+
 /* The same over a paged cache (Kwon et al. 2023): k and v hold `blocks` blocks of `block`
  * positions, key head g of position `slot` of block b at k + b * k_block + g * k_head +
- * slot * k_pos (v alike). The n query rows are `tokens` new tokens of each of n / tokens
- * sequences (row i: token i % tokens of sequence i / tokens). Sequence b's history is
- * lengths[b] positions, its new tokens the last `tokens` of them (already stored), position
- * s in block table[b * table_row + s / block]; each token reads the positions up to its own
- * (causal), and with a sliding window > 0 only the last `window` of those (the blocks
- * behind may have been given back). The queries go in tiles (attend_tile): one sequence's
- * query heads of a key/value head at up to TILE / kv_group consecutive tokens. Returns -1,
- * computing nothing, where a table names a block outside the pool or a sequence has fewer
- * than `tokens` positions. */
+ * slot * k_pos (v alike). The n query rows are `tokens` columns of new tokens of each of
+ * n / tokens sequences (row i: column i % tokens of sequence i / tokens), of which sequence
+ * b's first counts[b] are real (counts NULL: all `tokens`); the other rows' outputs are
+ * zeros. Sequence b's history is lengths[b] positions, its real new tokens the last
+ * counts[b] of them (already stored), position s in block table[b * table_row + s / block];
+ * each token reads the positions up to its own (causal), and with a sliding window > 0 only
+ * the last `window` of those (the blocks behind may have been given back). The queries go
+ * in tiles (attend_tile.h): one sequence's query heads of a key/value head at up to
+ * TILE / kv_group consecutive tokens. Returns -1, computing nothing, where a table names a
+ * block outside the pool or a sequence has fewer positions than real new tokens. */
 int tformer_attend_paged(const float *q, long q_row, const float *k, long k_block, long k_head,
                          long k_pos, const float *v, long v_block, long v_head, long v_pos,
                          const int64_t *table, long table_row, long block,
-                         const int64_t *lengths, long window, float *out, long n, long tokens,
-                         long blocks, long heads, long kv_group, long d, long dv, float scale,
-                         int threads)
+                         const int64_t *lengths, const int64_t *counts, long window, float *out,
+                         long n, long tokens, long blocks, long heads, long kv_group, long d,
+                         long dv, float scale, int threads)
 {
     long work = 0;
     for (long b = 0; b < n / tokens; b++) {
-        const long T = lengths[b], first = window > 0 && T - tokens + 1 > window
-                                               ? T - tokens + 1 - window : 0;
-        if (T < tokens)
+        const long real = counts ? counts[b] : tokens, T = lengths[b];
+        const long first = window > 0 && T - real + 1 > window ? T - real + 1 - window : 0;
+        if (T < real || real < 0 || real > tokens)
             return -1;
         for (long c = first / block; c <= (T - 1) / block; c++)
             if (table[b * table_row + c] < 0 || table[b * table_row + c] >= blocks)
                 return -1;
-        work += tokens * heads * (T - first) * (d + dv);
+        work += real * heads * (T - first) * (d + dv);
     }
+    void (*const attend_tile)(const struct tile *, const float *, long, long, const float *, long,
+                              long, const int64_t *, long, long, long, long, float) =
+        tformer_isa(-1) == TFORMER_ISA_AVX512_VNNI ? attend_tile_512 : attend_tile_256;
     const long group = kv_group < TILE ? kv_group : TILE; /* query heads a tile takes */
     const long span = group < kv_group ? 1 : TILE / group; /* and tokens */
     const long heads_tiles = (kv_group + group - 1) / group;
@@ -409,20 +338,26 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
         const long tt = (u) % token_tiles, hg = (u) / token_tiles % heads_tiles;               \
         const long g = (u) / token_tiles / heads_tiles % kv_heads;                             \
         const long b = (u) / token_tiles / heads_tiles / kv_heads;                             \
+        const long real = counts ? counts[b] : tokens;                                         \
+        const long h0 = g * kv_group + hg * group;                                             \
+        const long h1 = h0 + group < (g + 1) * kv_group ? h0 + group : (g + 1) * kv_group;     \
         struct tile t;                                                                         \
         t.n = 0;                                                                               \
         for (long tok = tt * span; tok < tokens && tok < (tt + 1) * span; tok++) {            \
             const long i = b * tokens + tok;                                                   \
-            const long T = lengths[b] - tokens + 1 + tok; /* the positions it reads */         \
-            const long h0 = g * kv_group + hg * group;                                        \
-            for (long h = h0; h < h0 + group && h < (g + 1) * kv_group; h++) {                \
+            const long T = lengths[b] - real + 1 + tok; /* the positions it reads */           \
+            for (long h = h0; h < h1; h++) {                                                   \
+                if (tok >= real) { /* a column past the sequence's real tokens */              \
+                    memset(out + (i * heads + h) * dv, 0, sizeof(float) * dv);                 \
+                    continue;                                                                  \
+                }                                                                              \
                 t.q[t.n] = q + i * q_row + h * d;                                              \
                 t.out[t.n] = out + (i * heads + h) * dv;                                       \
                 t.first[t.n] = window > 0 && T > window ? T - window : 0;                     \
                 t.end[t.n++] = T;                                                              \
             }                                                                                  \
         }                                                                                      \
-        for (long x0 = 0; x0 < dv; x0 += COLUMNS)                                              \
+        for (long x0 = 0; t.n && x0 < dv; x0 += COLUMNS)                                       \
             attend_tile(&t, k + g * k_head, k_block, k_pos, v + g * v_head, v_block, v_pos,    \
                         table + b * table_row, block, d, x0,                                   \
                         dv - x0 < COLUMNS ? dv - x0 : COLUMNS, scale);                         \

@@ -153,7 +153,7 @@ def attend_step_reference(
 
 
 def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tensor, *,
-                 window: int | None = None) -> Tensor:
+                 window: int | None = None, counts: Tensor | None = None) -> Tensor:
     """attend_step over a paged cache (Kwon et al. 2023), the keys read in their blocks.
 
     q: (N, H, d) one query per sequence, or (N, H, T, d): T new tokens of each sequence
@@ -162,9 +162,12 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
         axis contiguous: the pool's blocks, the new tokens' keys and values stored already.
     tables: (N, >= used) int64: sequence i's position s lies at slot s % block_size of block
         tables[i, s // block_size] (IndexError from the kernel where it names no block).
-    lengths: (N,) int64, sequence i's positions with its new ones (>= T): its T queries are
+    lengths: (N,) int64, sequence i's positions with its new ones: its T queries are
         positions lengths[i] - T .. lengths[i] - 1.
     window: each query reads only the last `window` positions up to its own (None: all).
+    counts: (N,) int64, sequence i's real new tokens, the first counts[i] of its T columns
+        (its last counts[i] positions; the other columns' outputs are zeros): rows of a pass
+        that read chunks of different lengths (None: all T).
     Returns (N, H, d_value), or (N, H, T, d_value) for T new tokens (a view of a (N, T, H,
     d_value) tensor: attention's output flattens its heads without a copy).
     """
@@ -175,42 +178,46 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
     lib = native()
     if (lib is None or not serves(q) or k.stride(3) != 1 or v.stride(3) != 1
             or k.dtype != q.dtype or v.dtype != q.dtype or int(lengths.max()) > MAX_POSITIONS):
-        return attend_paged_reference(q, k, v, tables, lengths, window=window)
+        return attend_paged_reference(q, k, v, tables, lengths, window=window, counts=counts)
     # Row i of the kernel's queries is token i % tokens of sequence i // tokens.
     rows = (q.transpose(1, 2) if q.dim() == 4 else q).contiguous()
     tables, lengths = tables.contiguous(), lengths.contiguous()
+    if counts is not None:
+        counts = counts.to(torch.long).contiguous()
     out = q.new_empty(n * tokens, heads, dv)
     if lib.tformer_attend_paged(
         rows.data_ptr(), heads * d, k.data_ptr(), *k.stride()[:3], v.data_ptr(),
         *v.stride()[:3], tables.data_ptr(), tables.stride(0), block, lengths.data_ptr(),
-        window or 0, out.data_ptr(), n * tokens, tokens, blocks, heads, heads // k_heads, d, dv,
+        None if counts is None else counts.data_ptr(), window or 0, out.data_ptr(), n * tokens, tokens, blocks, heads, heads // k_heads, d, dv,
         d**-0.5, torch.get_num_threads(),
     ):
         raise IndexError(f"attend_paged: a block table names a block outside the {blocks}, "
-                         f"or a length is below the new tokens' {tokens}")
+                         f"or a length is below its new tokens (of {tokens})")
     if q.dim() == 3:
         return out
     return out.view(n, tokens, heads, dv).transpose(1, 2)
 
 
 def attend_paged_reference(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tensor,
-                           *, window: int | None = None) -> Tensor:
+                           *, window: int | None = None, counts: Tensor | None = None) -> Tensor:
     """attend_paged with torch: each sequence's blocks gathered in order, then attention
     written out over its positions (each query's causal window's)."""
     block, group = k.shape[2], q.shape[1] // k.shape[1]
     queries = q if q.dim() == 4 else q[:, :, None]
     tokens = queries.shape[2]
+    reals = [tokens] * len(lengths) if counts is None else counts.tolist()
     out = []
-    for i, length in enumerate(lengths.tolist()):
+    for i, (length, real) in enumerate(zip(lengths.tolist(), reals, strict=True)):
         used = tables[i, : -(-length // block)]
         keys, values = (t[used].transpose(0, 1).flatten(1, 2)[:, :length]
                         .repeat_interleave(group, dim=0) for t in (k, v))
         scores = (queries[i] @ keys.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (H, T, S)
-        at = torch.arange(length - tokens, length)[:, None]  # each query's position
+        at = torch.arange(length - real, length - real + tokens)[:, None]  # each query's position
         seen = torch.arange(length)[None] <= at
         if window:
             seen &= torch.arange(length)[None] > at - window
         probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
+        probs = probs.masked_fill(torch.arange(tokens)[:, None] >= real, 0.0)
         out.append(probs @ values)
     result = torch.stack(out)
     return result if q.dim() == 4 else result[:, :, 0]

@@ -81,7 +81,7 @@ for a few rows (experts.py)."""
 HEADERS = [Path(__file__).with_name(name)
            for name in ("tformer.h", "vecmath.h", "int8.h", "int8_bytes.h", "int8_bytes_rows.h",
                         "int8_bytes_packed.h", "blocks_isa.h", "kquants_isa.h",
-                        "kquants_rows.h")]
+                        "kquants_rows.h", "attend_tile.h")]
 """Included by the sources: part of the key the built library is cached under."""
 PRIVATE_PREFIX = "tformer-kernel-"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
@@ -340,7 +340,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tformer_attend_step": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2 + [_p] + [_long] * 2
                             + [_p, _long, _p] + [_long] * 8 + [_float, _int]),
     "tformer_attend_paged": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2
-                             + [_p, _long, _long, _p, _long, _p] + [_long] * 7 + [_float, _int]),
+                             + [_p, _long, _long, _p, _p, _long, _p] + [_long] * 7 + [_float, _int]),
     "tformer_top_logprobs": (None, [_p] * 3 + [_int] + [_p] * 2 + [_long] * 2 + [_int] * 2),
     "tformer_decoder_layer_scratch": (_long, [ctypes.POINTER(DecoderLayer)]),
     "tformer_decoder_layer_step": (_int, [ctypes.POINTER(DecoderLayer), _p, _long,

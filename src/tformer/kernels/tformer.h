@@ -148,9 +148,9 @@ int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, 
 int tformer_attend_paged(const float *q, long q_row, const float *k, long k_block, long k_head,
                          long k_pos, const float *v, long v_block, long v_head, long v_pos,
                          const int64_t *table, long table_row, long block,
-                         const int64_t *lengths, long window, float *out, long n, long tokens,
-                         long blocks, long heads, long kv_group, long d, long dv, float scale,
-                         int threads);
+                         const int64_t *lengths, const int64_t *counts, long window, float *out,
+                         long n, long tokens, long blocks, long heads, long kv_group, long d,
+                         long dv, float scale, int threads);
 void tformer_top_logprobs(const float *x, const float *add, const int64_t *banned,
                           int nbanned, float *top, int64_t *idx, long n, long v, int k,
                           int threads);
