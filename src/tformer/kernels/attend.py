@@ -188,8 +188,9 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
     if lib.tformer_attend_paged(
         rows.data_ptr(), heads * d, k.data_ptr(), *k.stride()[:3], v.data_ptr(),
         *v.stride()[:3], tables.data_ptr(), tables.stride(0), block, lengths.data_ptr(),
-        None if counts is None else counts.data_ptr(), window or 0, out.data_ptr(), n * tokens, tokens, blocks, heads, heads // k_heads, d, dv,
-        d**-0.5, torch.get_num_threads(),
+        None if counts is None else counts.data_ptr(), window or 0, out.data_ptr(),
+        n * tokens, tokens, blocks, heads, heads // k_heads, d, dv, d**-0.5,
+        torch.get_num_threads(),
     ):
         raise IndexError(f"attend_paged: a block table names a block outside the {blocks}, "
                          f"or a length is below its new tokens (of {tokens})")
