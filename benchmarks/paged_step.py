@@ -6,7 +6,7 @@ Decoding: a step of B rows, each holding --lengths positions, through the paged 
 a contiguous cache of B rows (`runner(model).make_cache`: what the serving engine's slot pool
 was, one buffer per row as long as the context). Chunks: a prompt's chunk of N tokens read at
 position P by a pool whose layers attend over their blocks in place where they may
-(`PagedPool.in_place`, chunks of up to decoding/paged.py's IN_PLACE_TOKENS) and by one whose
+(`PagedPool.in_place`: kernels/attend.c's paged attention) and by one whose
 every layer gathers the past into one tensor first. The sides alternate --repeats times; the
 table shows medians of each side's per-call time and their ratio (paged / other: below 1 the
 paged pass is faster).
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from prefill import GGUF, gguf_dir  # noqa: E402
 
-from tformer.decoding.paged import IN_PLACE_TOKENS, PagedPool, Row, blocks_for  # noqa: E402
+from tformer.decoding.paged import PagedPool, Row, blocks_for  # noqa: E402
 from tformer.decoding.runner import runner  # noqa: E402
 from tformer.kernels.blocks import keep_repacked  # noqa: E402
 from tformer.kernels.formats import quantize_model  # noqa: E402
@@ -152,8 +152,7 @@ def table(model, args: argparse.Namespace) -> None:
         for tokens in args.chunks:
             calls = max(1, min(args.steps, 2000 // tokens))
             runs = [chunk_sides(model, position, tokens, calls) for _ in range(args.repeats)]
-            where = "in place" if tokens <= IN_PLACE_TOKENS else "gathered (past IN_PLACE_TOKENS)"
-            row(f"chunk of {tokens} at {position}, {where} (other: gathered)", runs, "gathered")
+            row(f"chunk of {tokens} at {position}, in place (other: gathered)", runs, "gathered")
 
 
 def row(name: str, runs: list[dict[str, float]], other: str) -> None:

@@ -154,7 +154,7 @@ GEMMA_LIKE = {**LLAMA, "window": 5, "global_every": 2, "n_kv_head": 2}
 @torch.no_grad()
 def test_chunks_read_in_place_give_the_gathered_path_s_logits(options, monkeypatch):
     """Prompts read in chunks through the layers (the one-call step off), one row at a time
-    and rows in step (as many positions held, as many new tokens): the layers attend over
+    and rows in step: the layers attend over
     the blocks in place (kernels/attend.py's paged attention, causal within the chunk, each
     layer its own window) with the logits of a pool whose every layer gathers, and of a full
     pass over each text. A layer whose attention is not plain (a soft cap) gathers in both."""
@@ -189,6 +189,53 @@ def test_chunks_read_in_place_give_the_gathered_path_s_logits(options, monkeypat
     assert bool(kernel_calls) == ("attn_softcap" not in options)  # a soft cap gathers
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(in_place, model(torch.tensor(texts)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [*LAYOUTS, GEMMA_LIKE], ids=str)
+@torch.no_grad()
+def test_chunks_of_different_lengths_in_one_pass_read_the_blocks_in_place(options,
+                                                                           monkeypatch):
+    """Rows that hold different numbers of positions reading chunks of different lengths in
+    one pass (a prompt's chunk beside decoding rows, padded after each row's last): the
+    layers attend in place, each row over its own real tokens (kernels/attend.py's counts),
+    with the logits of a pool whose every layer gathers and of a full pass over each text."""
+    from tformer.kernels.attend import native
+
+    if native() is None:
+        pytest.skip("the kernels are not built here")
+    from tformer.decoding import paged
+
+    counted = []
+    kernel = paged.attend_paged
+    monkeypatch.setattr(paged, "attend_paged", lambda *args, **kw: counted.append(
+        kw["counts"] is not None) or kernel(*args, **kw))
+    model = model_of(options, context=64)
+    pools = [PagedPool(model, 64, block_size=4), PagedPool(model, 64, block_size=4)]
+    pools[1].in_place = False
+    for pool in pools:
+        pool._step = None  # the layers' path at every pass
+    g = torch.Generator().manual_seed(5)
+    texts = [torch.randint(0, 37, (n,), generator=g).tolist() for n in (30, 21, 12)]
+    chunks = [(7, 3, 1), (5, 9, 1), (1, 1, 6), (12, 8, 4), (5, 0, 0)]
+    got = [[[] for _ in texts] for _ in pools]
+    for pool, out in zip(pools, got, strict=True):
+        rows, read = [Row() for _ in texts], [0] * len(texts)
+        for widths in chunks:
+            ids = torch.zeros(len(texts), max(widths), dtype=torch.long)
+            real = torch.zeros_like(ids, dtype=torch.bool)
+            for i, (text, width) in enumerate(zip(texts, widths, strict=True)):
+                ids[i, :width] = torch.tensor(text[read[i] : read[i] + width], dtype=torch.long)
+                real[i, :width] = True
+            logits = pool.forward(rows, ids, real)
+            for i, width in enumerate(widths):
+                out[i].append(logits[i, :width])
+                read[i] += width
+    assert any(counted), "no pass read the blocks in place with rows of other lengths"
+    for text, in_place, gathered in zip(texts, *got, strict=True):
+        in_place, gathered = torch.cat(in_place), torch.cat(gathered)
+        torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(in_place, model(torch.tensor([text]))[0], atol=1e-5,
+                                   rtol=1e-5)
 
 
 @pytest.mark.parametrize("options", LAYOUTS[:2], ids=str)

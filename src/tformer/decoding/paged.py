@@ -8,12 +8,15 @@ the one-call step kernel serves (fp32 on a CPU, a few rows) reads the keys and v
 they lie: each row's block table (a tensor) and length go to kernels/step.c's paged step,
 whose attention follows the table block by block, and the new keys and values are written
 into their blocks; nothing is gathered or copied. Elsewhere (a prompt's chunk, rows with
-different numbers of new tokens, a GPU) a forward pass hands the model a PagedView, which
-its forward reads as a cache (a KVView, layers/cache.py): each layer gathers the rows'
-blocks into a (n, H_kv, W, ·) window (W: the longest row's length, shorter rows masked as
-padding at its end), attends over it and the new keys, and writes the new keys and values
-into the rows' blocks. Positions count real tokens, so a row decodes as it would alone
-either way.
+different numbers of new tokens) a forward pass hands the model a PagedView, which its
+forward reads as a cache (a KVView, layers/cache.py): each layer writes the new keys and
+values into the rows' blocks and, on a CPU, attends through the same kernel's paged
+attention over the blocks in place (kernels/attend.c), the step's own; on a GPU, or for an
+attention that is not plain, it gathers the rows' blocks into a (n, H_kv, W, ·) window (W:
+the longest row's length, shorter rows masked as padding at its end) and attends over it
+and the new keys. Positions count real tokens, so a row decodes as it would alone either
+way, and on the in-place path to the bit: a query's attention is computed alike in any
+pass.
 
 With `prefix_cache`, every full block is known by a hash of its tokens and of everything
 before them (the previous block's hash), and kept after its text leaves, until its room is
@@ -47,19 +50,6 @@ from tformer.kernels.attend import MAX_POSITIONS, attend_paged, serves, serves_c
 
 BLOCK_SIZE = 16
 """Positions per block: small enough that a text wastes little of its last block."""
-
-IN_PLACE_TOKENS = 8
-"""The most new tokens a row whose pass reads the blocks in place (PagedView), as many as
-the one-call step takes (kernels/step.py's LM_F32_ROWS): the layers read in place where that
-step does not serve (more rows than it takes, as a speculative round over many rows).
-Longer chunks gather, for two reasons. A prompt must give the same logits whether it is read
-alone or beside others (left-padded rows, which gather), and the kernel and torch's
-attention round differently: at 9-16 tokens a greedy text could flip between the two. And
-past ~16 tokens torch's flash attention (a 16-lane GEMM on AVX-512 hosts) outruns attend.c's
-8-lane kernel by more than the gather costs (SmolLM2-135M on two cores, a chunk at position
-4,096: 9 tokens 0.12 s in place against 0.16 gathered, 16 0.19 against 0.16, 64 0.32
-against 0.25; benchmarks/README.md)."""
-
 
 class PoolFull(RuntimeError):
     """The pool has too few free blocks for what a pass would store."""
@@ -106,11 +96,12 @@ class PagedLayer:
         rows' past and them: (n, H, T, d) -> (n, H, T, d_value)."""
         p = self.pass_
         if p.in_place and attention.is_plain and serves(q):
-            # Every row holds as many positions and reads T new ones, all its own: the mask
-            # is causal (and the layer's window), which the kernel applies itself.
+            # Each row reads its own new tokens after its own past: the mask is causal (and
+            # the layer's window), which the kernel applies itself.
             p.scatter(self.k, k)
             p.scatter(self.v, v)
-            return attend_paged(q, self.k, self.v, p.tables, p.lengths, window=self.window)
+            return attend_paged(q, self.k, self.v, p.tables, p.lengths, window=self.window,
+                                counts=p.counts)
         if p.width:
             k_all = torch.cat([p.gather(self.k), k], dim=2)
             v_all = torch.cat([p.gather(self.v), v], dim=2)
@@ -127,11 +118,13 @@ class PagedView:
     layers/cache.py): block tables as a tensor, which positions are each row's, and a
     PagedLayer per layer.
 
-    Where every row holds as many positions and reads as many new tokens, IN_PLACE_TOKENS
-    at most (a speculative round over more rows than the one-call step takes), layers whose
-    attention is plain read the keys and values in their blocks through kernels/attend.py's
-    paged attention (`in_place`): nothing is gathered. Elsewhere each layer gathers the
-    rows' blocks into a window of the longest row's positions, padded and masked."""
+    Where the kernel serves (float32 on a CPU), layers whose attention is plain read the
+    keys and values in their blocks through kernels/attend.py's paged attention
+    (`in_place`), each row its own new tokens (a prompt's chunk beside decoding rows, rows
+    of any lengths): nothing is gathered, and a query's result does not depend on the pass
+    it is in, so a prompt gives the same logits read alone, beside others or in other
+    chunks. Elsewhere (a GPU, a soft cap or sinks) each layer gathers the rows' blocks into
+    a window of the longest row's positions, padded and masked."""
 
     lineage = None
     step = None
@@ -150,11 +143,17 @@ class PagedView:
         if not uniform:
             self.is_real = torch.cat([
                 torch.arange(self.width, device=device)[None] < lengths[:, None], real], dim=1)
-        self.in_place = (uniform and pool.in_place and real.shape[1] <= IN_PLACE_TOKENS
-                         and serves_cache(pool.k[0].dtype, device)
-                         and self.width + real.shape[1] <= MAX_POSITIONS)
-        self.lengths = lengths + real.shape[1]
-        """Each row's positions with the new ones (the in-place path's)."""
+        counts = real.sum(1)
+        self.in_place = (pool.in_place and serves_cache(pool.k[0].dtype, device)
+                         and self.width + real.shape[1] <= MAX_POSITIONS
+                         and bool((real == (torch.arange(real.shape[1], device=device)[None]
+                                            < counts[:, None])).all()))
+        """Whether the layers read the blocks in place: the kernel serves, and each row's
+        new tokens come first (the in-place path's columns past them are ignored)."""
+        self.lengths = lengths + counts
+        """Each row's positions with its new ones (the in-place path's)."""
+        self.counts = None if bool(real.all()) else counts
+        """Each row's new tokens where some read fewer than T (the in-place path's)."""
         # The new positions of each row, in order, and the block and offset each goes to.
         self.real = real
         rank = (real.cumsum(1) - 1) + lengths[:, None]
