@@ -1,5 +1,7 @@
 /* A decoding step's attention: one query per row over the keys and values cached so far,
- * x86 with AVX2 and FMA.
+ * x86 with AVX2 and FMA; and attention over a paged cache in tiles (attend_tile.h, AVX-512
+ * where the library's instruction set is AVX-512 VNNI, else AVX2), which serves decoding
+ * steps and prompts' chunks alike.
  *
  * At a decoding step each of N rows (hypotheses) has one query per head and attends over the
  * T positions cached so far. torch's fused attention costs ~90 us a call at these sizes (a few
