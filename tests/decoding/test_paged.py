@@ -149,6 +149,28 @@ GEMMA_LIKE = {**LLAMA, "window": 5, "global_every": 2, "n_kv_head": 2}
 """Sliding layers between global ones: each layer reads the blocks through its own window."""
 
 
+def kernel_and_layer_pools(options, monkeypatch):
+    """The kernel's calls as they come (their keyword arguments), and a model with two pools
+    whose passes go through the layers (the one-call step off): one reading the blocks in
+    place, one whose every layer gathers."""
+    from tformer.kernels.attend import native
+
+    if native() is None:
+        pytest.skip("the kernels are not built here")
+    from tformer.decoding import paged
+
+    calls = []
+    kernel = paged.attend_paged
+    monkeypatch.setattr(paged, "attend_paged",
+                        lambda *args, **kw: calls.append(kw) or kernel(*args, **kw))
+    model = model_of(options, context=64)
+    pools = [PagedPool(model, 64, block_size=4), PagedPool(model, 64, block_size=4)]
+    pools[1].in_place = False
+    for pool in pools:
+        pool._step = None  # the layers' path at every pass
+    return calls, model, pools
+
+
 @pytest.mark.parametrize("options", [*LAYOUTS, GEMMA_LIKE, {**LLAMA, "attn_softcap": 5.0}],
                          ids=str)
 @torch.no_grad()
@@ -158,21 +180,7 @@ def test_chunks_read_in_place_give_the_gathered_path_s_logits(options, monkeypat
     the blocks in place (kernels/attend.py's paged attention, causal within the chunk, each
     layer its own window) with the logits of a pool whose every layer gathers, and of a full
     pass over each text. A layer whose attention is not plain (a soft cap) gathers in both."""
-    from tformer.kernels.attend import native
-
-    if native() is None:
-        pytest.skip("the kernels are not built here")
-    from tformer.decoding import paged
-
-    kernel_calls = []
-    kernel = paged.attend_paged
-    monkeypatch.setattr(paged, "attend_paged",
-                        lambda *args, **kw: kernel_calls.append(1) or kernel(*args, **kw))
-    model = model_of(options, context=64)
-    pools = [PagedPool(model, 64, block_size=4), PagedPool(model, 64, block_size=4)]
-    pools[1].in_place = False
-    for pool in pools:
-        pool._step = None  # the layers' path at every pass
+    kernel_calls, model, pools = kernel_and_layer_pools(options, monkeypatch)
     g = torch.Generator().manual_seed(2)
     texts = [torch.randint(0, 37, (37,), generator=g).tolist() for _ in range(2)]
     rows = [[Row(), Row()] for _ in pools]
@@ -199,21 +207,7 @@ def test_chunks_of_different_lengths_in_one_pass_read_the_blocks_in_place(option
     one pass (a prompt's chunk beside decoding rows, padded after each row's last): the
     layers attend in place, each row over its own real tokens (kernels/attend.py's counts),
     with the logits of a pool whose every layer gathers and of a full pass over each text."""
-    from tformer.kernels.attend import native
-
-    if native() is None:
-        pytest.skip("the kernels are not built here")
-    from tformer.decoding import paged
-
-    counted = []
-    kernel = paged.attend_paged
-    monkeypatch.setattr(paged, "attend_paged", lambda *args, **kw: counted.append(
-        kw["counts"] is not None) or kernel(*args, **kw))
-    model = model_of(options, context=64)
-    pools = [PagedPool(model, 64, block_size=4), PagedPool(model, 64, block_size=4)]
-    pools[1].in_place = False
-    for pool in pools:
-        pool._step = None  # the layers' path at every pass
+    calls, model, pools = kernel_and_layer_pools(options, monkeypatch)
     g = torch.Generator().manual_seed(5)
     texts = [torch.randint(0, 37, (n,), generator=g).tolist() for n in (30, 21, 12)]
     chunks = [(7, 3, 1), (5, 9, 1), (1, 1, 6), (12, 8, 4), (5, 0, 0)]
@@ -230,7 +224,8 @@ def test_chunks_of_different_lengths_in_one_pass_read_the_blocks_in_place(option
             for i, width in enumerate(widths):
                 out[i].append(logits[i, :width])
                 read[i] += width
-    assert any(counted), "no pass read the blocks in place with rows of other lengths"
+    assert any(kw["counts"] is not None for kw in calls), \
+        "no pass read the blocks in place with rows of other lengths"
     for text, in_place, gathered in zip(texts, *got, strict=True):
         in_place, gathered = torch.cat(in_place), torch.cat(gathered)
         torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
