@@ -283,6 +283,26 @@ def test_a_query_s_paged_attention_has_the_same_bits_in_any_company(window):
 
 
 @native
+def test_paged_attention_reads_histories_past_the_step_kernel_s_bound(monkeypatch):
+    """attend_step keeps a row's scores on the stack (MAX_POSITIONS); the paged kernel takes
+    a span at a time, so a history longer than that (a 32k-context model's) is read in place
+    by the kernel, not by torch, against float64 attention found by hand."""
+    monkeypatch.setattr(attend, "attend_paged_reference", None)  # the kernel's call only
+    g = torch.Generator().manual_seed(8)
+    length = attend.MAX_POSITIONS + 900
+    blocks = -(-length // 16)
+    k = torch.randn(blocks + 1, 1, 16, 8, generator=g)
+    v = torch.randn(blocks + 1, 1, 16, 8, generator=g)
+    q = torch.randn(1, 2, 8, generator=g) * 3
+    tables = (torch.randperm(blocks, generator=g) + 1)[None]
+    out = attend.attend_paged(q, k, v, tables, torch.tensor([length]))
+    keys = k[tables[0]].transpose(0, 1).flatten(1, 2)[0, :length].double()
+    values = v[tables[0]].transpose(0, 1).flatten(1, 2)[0, :length].double()
+    want = (q[0].double() @ keys.T / math.sqrt(8)).softmax(dim=-1) @ values
+    torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@native
 def test_paged_attention_refuses_a_table_outside_the_pool():
     k = v = torch.zeros(4, 1, 4, 8)
     with pytest.raises(IndexError, match="outside"):

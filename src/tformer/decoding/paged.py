@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from tformer.decoding.blocks import BlockPool
 from tformer.decoding.runner import runner
-from tformer.kernels.attend import MAX_POSITIONS, attend_paged, serves, serves_cache
+from tformer.kernels.attend import attend_paged, serves, serves_cache
 
 BLOCK_SIZE = 16
 """Positions per block: small enough that a text wastes little of its last block."""
@@ -145,7 +145,6 @@ class PagedView:
                 torch.arange(self.width, device=device)[None] < lengths[:, None], real], dim=1)
         counts = real.sum(1)
         self.in_place = (pool.in_place and serves_cache(pool.k[0].dtype, device)
-                         and self.width + real.shape[1] <= MAX_POSITIONS
                          and bool((real == (torch.arange(real.shape[1], device=device)[None]
                                             < counts[:, None])).all()))
         """Whether the layers read the blocks in place: the kernel serves, and each row's

@@ -92,7 +92,7 @@ class LMRunner:
         start = torch.tensor(held, dtype=torch.long, device=tokens.device)
         positions = start[:, None] + torch.arange(T, device=tokens.device)
         x = self.model.embed_at(tokens, positions)
-        if not step.serves_paged(x, k[0], max(held) + T):
+        if not step.serves_paged(x, k[0]):
             return None
         x = step.run_paged(x, k, v, tables, start + T, positions, window)
         return self.model.outputs(x, last_only=last_only)

@@ -22,7 +22,8 @@ from torch import Tensor
 from tformer.kernels import library
 
 MAX_POSITIONS = 8192
-"""The kernel keeps a row's scores on the stack: longer caches take torch's path."""
+"""attend_step keeps a row's scores on the stack: longer caches take torch's path. The paged
+kernel (attend_paged) has no such bound: it takes a span of positions at a time."""
 
 
 @library.self_check
@@ -177,7 +178,7 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
     dv = v.shape[-1]
     lib = native()
     if (lib is None or not serves(q) or k.stride(3) != 1 or v.stride(3) != 1
-            or k.dtype != q.dtype or v.dtype != q.dtype or int(lengths.max()) > MAX_POSITIONS):
+            or k.dtype != q.dtype or v.dtype != q.dtype):
         return attend_paged_reference(q, k, v, tables, lengths, window=window, counts=counts)
     # Row i of the kernel's queries is token i % tokens of sequence i // tokens.
     rows = (q.transpose(1, 2) if q.dim() == 4 else q).contiguous()

@@ -350,17 +350,16 @@ class LMStep:
             c.length = length
         return x
 
-    def serves_paged(self, x: Tensor, pool: Tensor, longest: int) -> bool:
+    def serves_paged(self, x: Tensor, pool: Tensor) -> bool:
         """Whether step.c runs this step over a paged pool (`run_paged`): x (N, T, D) fp32 on
         the CPU with no gradient wanted (T new tokens of N sequences: one a step, or a few,
         as speculative decoding's verification reads them), N * T rows within what the
-        products take, the pool's blocks fp32 on the CPU, every sequence's history
-        (`longest` positions at most) within the kernel's, the blocks in eval mode and
+        products take, the pool's blocks fp32 on the CPU (any history: the paged
+        attention takes a span of positions at a time), the blocks in eval mode and
         recording nothing."""
         n, tokens = x.shape[:2]
         rows = self.max_rows if tokens == 1 else min(self.max_rows, LM_F32_ROWS)
         return (x.dtype == torch.float32 and x.device.type == "cpu" and n * tokens <= rows
-                and longest <= MAX_POSITIONS
                 and not (torch.is_grad_enabled() and x.requires_grad)
                 and not torch.compiler.is_compiling()
                 and serves_cache(pool.dtype, pool.device)
