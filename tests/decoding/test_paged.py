@@ -22,9 +22,11 @@ def model_of(options: dict, context: int = 40) -> GPT:
     model = GPT(GPTConfig(vocab_size=37, context=context, n_layer=2, n_head=4, d_model=16,
                           tie_embeddings=False, **options)).eval()
     with torch.no_grad():  # decisive logits: greedy texts compare tokens, not rounding
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.3)
+            elif name.endswith("sinks"):  # gpt-oss's sink logits: some heads attend little
+                p.normal_(0.0, 2.0)
     return model
 
 
@@ -147,6 +149,10 @@ def test_steps_in_place_give_the_gathered_path_s_logits_through_preemption(optio
 
 GEMMA_LIKE = {**LLAMA, "window": 5, "global_every": 2, "n_kv_head": 2}
 """Sliding layers between global ones: each layer reads the blocks through its own window."""
+GEMMA2_LIKE = {**GEMMA_LIKE, "attn_softcap": 5.0, "attn_scale": 0.3}
+"""Gemma 2's scores: a scale of their own, bounded by a soft cap."""
+SINKS = {**LLAMA, "n_kv_head": 2, "attn_sinks": True}
+"""gpt-oss's sink logit per head."""
 
 
 def kernel_and_layer_pools(options, monkeypatch):
@@ -171,15 +177,15 @@ def kernel_and_layer_pools(options, monkeypatch):
     return calls, model, pools
 
 
-@pytest.mark.parametrize("options", [*LAYOUTS, GEMMA_LIKE, {**LLAMA, "attn_softcap": 5.0}],
-                         ids=str)
+@pytest.mark.parametrize("options", [*LAYOUTS, GEMMA_LIKE, GEMMA2_LIKE, SINKS], ids=str)
 @torch.no_grad()
 def test_chunks_read_in_place_give_the_gathered_path_s_logits(options, monkeypatch):
     """Prompts read in chunks through the layers (the one-call step off), one row at a time
     and rows in step: the layers attend over
     the blocks in place (kernels/attend.py's paged attention, causal within the chunk, each
     layer its own window) with the logits of a pool whose every layer gathers, and of a full
-    pass over each text. A layer whose attention is not plain (a soft cap) gathers in both."""
+    pass over each text; Gemma 2's scale and soft cap and gpt-oss's sinks in the kernel
+    too."""
     kernel_calls, model, pools = kernel_and_layer_pools(options, monkeypatch)
     g = torch.Generator().manual_seed(2)
     texts = [torch.randint(0, 37, (37,), generator=g).tolist() for _ in range(2)]
@@ -194,12 +200,12 @@ def test_chunks_read_in_place_give_the_gathered_path_s_logits(options, monkeypat
             else:  # both rows in one pass
                 out.append(pool.forward(pair, ids))
     in_place, gathered = (torch.cat(out, dim=1) for out in got)
-    assert bool(kernel_calls) == ("attn_softcap" not in options)  # a soft cap gathers
+    assert kernel_calls
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(in_place, model(torch.tensor(texts)), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("options", [*LAYOUTS, GEMMA_LIKE], ids=str)
+@pytest.mark.parametrize("options", [*LAYOUTS, GEMMA_LIKE, GEMMA2_LIKE, SINKS], ids=str)
 @torch.no_grad()
 def test_chunks_of_different_lengths_in_one_pass_read_the_blocks_in_place(options,
                                                                            monkeypatch):

@@ -161,10 +161,12 @@ def test_a_row_outside_the_buffer_is_an_index_error_not_a_stray_read():
             attend_step(q, k, v, 4, rows=rows)
 
 
-def naive_paged(q, k, v, tables, lengths, window):
+def naive_paged(q, k, v, tables, lengths, window, scale=None, softcap=None, sinks=None):
     """Paged attention row by row, head by head and query by query in float64, each
     position's key found by hand: block tables[i, s // bs], slot s % bs. q (N, H, d) one
-    query per row, or (N, H, T, d): the row's last T positions, each reading up to its own."""
+    query per row, or (N, H, T, d): the row's last T positions, each reading up to its own.
+    A soft cap bounds the scores by cap * tanh(s / cap); a sink is one more score per head
+    whose probability has no value."""
     queries = q if q.dim() == 4 else q[:, :, None]
     n, heads, tokens, d = queries.shape
     bs, kv_group = k.shape[2], heads // k.shape[1]
@@ -177,8 +179,12 @@ def naive_paged(q, k, v, tables, lengths, window):
                 g = h // kv_group
                 keys = torch.stack([k[int(tables[i, s // bs]), g, s % bs] for s in seen])
                 values = torch.stack([v[int(tables[i, s // bs]), g, s % bs] for s in seen])
-                scores = keys.double() @ queries[i, h, t].double() / math.sqrt(d)
-                out[i, h, t] = scores.softmax(dim=0) @ values.double()
+                scores = keys.double() @ queries[i, h, t].double() * (scale or d**-0.5)
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h : h + 1].double()])
+                out[i, h, t] = scores.softmax(dim=0)[: len(seen)] @ values.double()
     return out if q.dim() == 4 else out[:, :, 0]
 
 
@@ -300,6 +306,30 @@ def test_paged_attention_reads_histories_past_the_step_kernel_s_bound(monkeypatc
     values = v[tables[0]].transpose(0, 1).flatten(1, 2)[0, :length].double()
     want = (q[0].double() @ keys.T / math.sqrt(8)).softmax(dim=-1) @ values
     torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("scale, softcap, sinks", [(0.3, 2.0, False), (None, None, True),
+                                                   (0.2, 1.5, True)])
+def test_paged_attention_with_a_scale_a_soft_cap_and_sinks(scale, softcap, sinks):
+    """Gemma 2's scale and soft cap on the scores, gpt-oss's sink logit per head (one large
+    enough that a head attends to almost nothing, one well below its scores), over a chunk
+    and a window, against float64 attention found by hand."""
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(12, 3, 4, 64, generator=g)
+    v = torch.randn(12, 3, 4, 64, generator=g)
+    q = torch.randn(2, 9, 5, 64, generator=g) * 2
+    tables = torch.tensor([[5, 2, 9, 6, 1, 0, 0], [7, 3, 10, 11, 4, 8, 0]])
+    lengths = torch.tensor([17, 24])
+    logits = torch.linspace(-6.0, 9.0, 9) if sinks else None
+    for window in (None, 6):
+        out = attend.attend_paged(q, k, v, tables, lengths, window=window, scale=scale,
+                                  softcap=softcap, sinks=logits)
+        want = naive_paged(q, k, v, tables, lengths, window, scale, softcap, logits)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        reference = attend.attend_paged_reference(q, k, v, tables, lengths, window=window,
+                                                  scale=scale, softcap=softcap, sinks=logits)
+        torch.testing.assert_close(reference.double(), want, atol=1e-5, rtol=1e-5)
 
 
 @native

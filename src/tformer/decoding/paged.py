@@ -11,12 +11,12 @@ into their blocks; nothing is gathered or copied. Elsewhere (a prompt's chunk, r
 different numbers of new tokens) a forward pass hands the model a PagedView, which its
 forward reads as a cache (a KVView, layers/cache.py): each layer writes the new keys and
 values into the rows' blocks and, on a CPU, attends through the same kernel's paged
-attention over the blocks in place (kernels/attend.c), the step's own; on a GPU, or for an
-attention that is not plain, it gathers the rows' blocks into a (n, H_kv, W, ·) window (W:
-the longest row's length, shorter rows masked as padding at its end) and attends over it
-and the new keys. Positions count real tokens, so a row decodes as it would alone either
-way, and on the in-place path to the bit: a query's attention is computed alike in any
-pass.
+attention over the blocks in place (kernels/attend.c), the step's own, with the layer's
+scale, soft cap or sinks (Gemma 2, gpt-oss); on a GPU it gathers the rows' blocks into a
+(n, H_kv, W, ·) window (W: the longest row's length, shorter rows masked as padding at its
+end) and attends over it and the new keys. Positions count real tokens, so a row decodes
+as it would alone either way, and on the in-place path to the bit: a query's attention is
+computed alike in any pass.
 
 With `prefix_cache`, every full block is known by a hash of its tokens and of everything
 before them (the previous block's hash), and kept after its text leaves, until its room is
@@ -95,13 +95,16 @@ class PagedLayer:
         """Store the step's new keys and values in their blocks and attend with q over the
         rows' past and them: (n, H, T, d) -> (n, H, T, d_value)."""
         p = self.pass_
-        if p.in_place and attention.is_plain and serves(q):
+        if (p.in_place and not attention.training and attention.recorded is None
+                and serves(q)):
             # Each row reads its own new tokens after its own past: the mask is causal (and
-            # the layer's window), which the kernel applies itself.
+            # the layer's window), which the kernel applies itself, with the attention's
+            # scale, soft cap and sinks.
             p.scatter(self.k, k)
             p.scatter(self.v, v)
             return attend_paged(q, self.k, self.v, p.tables, p.lengths, window=self.window,
-                                counts=p.counts)
+                                counts=p.counts, scale=attention.scale,
+                                softcap=attention.softcap, sinks=attention.sinks)
         if p.width:
             k_all = torch.cat([p.gather(self.k), k], dim=2)
             v_all = torch.cat([p.gather(self.v), v], dim=2)
@@ -118,13 +121,13 @@ class PagedView:
     layers/cache.py): block tables as a tensor, which positions are each row's, and a
     PagedLayer per layer.
 
-    Where the kernel serves (float32 on a CPU), layers whose attention is plain read the
-    keys and values in their blocks through kernels/attend.py's paged attention
+    Where the kernel serves (float32 on a CPU, not training), the layers read the keys and
+    values in their blocks through kernels/attend.py's paged attention
     (`in_place`), each row its own new tokens (a prompt's chunk beside decoding rows, rows
     of any lengths): nothing is gathered, and a query's result does not depend on the pass
     it is in, so a prompt gives the same logits read alone, beside others or in other
-    chunks. Elsewhere (a GPU, a soft cap or sinks) each layer gathers the rows' blocks into
-    a window of the longest row's positions, padded and masked."""
+    chunks. Elsewhere (a GPU, training, recorded attention) each layer gathers the rows'
+    blocks into a window of the longest row's positions, padded and masked."""
 
     lineage = None
     step = None

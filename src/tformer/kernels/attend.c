@@ -239,7 +239,8 @@ struct tile {
     const float *q[TILE]; /* each query's d floats */
     float *out[TILE];     /* and its dv outputs */
     long first[TILE], end[TILE]; /* the positions it reads: first .. end - 1 */
-    int n;
+    float sink[TILE];     /* its head's sink logit, where `sinks` */
+    int n, sinks;
 };
 
 /* The keys and values of positions s0 .. s0 + SPAN - 1 (past hi - 1 the last one again),
@@ -302,7 +303,10 @@ static inline __m256i lanes_below(long n)
  * zeros. Sequence b's history is lengths[b] positions, its real new tokens the last
  * counts[b] of them (already stored), position s in block table[b * table_row + s / block];
  * each token reads the positions up to its own (causal), and with a sliding window > 0 only
- * the last `window` of those (the blocks behind may have been given back). The queries go
+ * the last `window` of those (the blocks behind may have been given back). The scores are
+ * q . k * scale, bounded by softcap * tanh(score / softcap) where softcap > 0 (Gemma 2); with
+ * sinks (per query head, gpt-oss's), head h's softmax has exp(sinks[h]) more in its
+ * denominator and nothing more in its sum of values. The queries go
  * in tiles (attend_tile.h): one sequence's query heads of a key/value head at up to
  * TILE / kv_group consecutive tokens. Returns -1, computing nothing, where a table names a
  * block outside the pool or a sequence has fewer positions than real new tokens. */
@@ -311,7 +315,7 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
                          const int64_t *table, long table_row, long block,
                          const int64_t *lengths, const int64_t *counts, long window, float *out,
                          long n, long tokens, long blocks, long heads, long kv_group, long d,
-                         long dv, float scale, int threads)
+                         long dv, float scale, float softcap, const float *sinks, int threads)
 {
     long work = 0;
     for (long b = 0; b < n / tokens; b++) {
@@ -325,7 +329,7 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
         work += real * heads * (T - first) * (d + dv);
     }
     void (*const attend_tile)(const struct tile *, const float *, long, long, const float *, long,
-                              long, const int64_t *, long, long, long, long, float) =
+                              long, const int64_t *, long, long, long, long, float, float) =
         tformer_isa(-1) == TFORMER_ISA_AVX512_VNNI ? attend_tile_512 : attend_tile_256;
     const long group = kv_group < TILE ? kv_group : TILE; /* query heads a tile takes */
     const long span = group < kv_group ? 1 : TILE / group; /* and tokens */
@@ -345,6 +349,7 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
         const long h1 = h0 + group < (g + 1) * kv_group ? h0 + group : (g + 1) * kv_group;     \
         struct tile t;                                                                         \
         t.n = 0;                                                                               \
+        t.sinks = sinks != NULL;                                                               \
         for (long tok = tt * span; tok < tokens && tok < (tt + 1) * span; tok++) {            \
             const long i = b * tokens + tok;                                                   \
             const long T = lengths[b] - real + 1 + tok; /* the positions it reads */           \
@@ -355,6 +360,7 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
                 }                                                                              \
                 t.q[t.n] = q + i * q_row + h * d;                                              \
                 t.out[t.n] = out + (i * heads + h) * dv;                                       \
+                t.sink[t.n] = sinks ? sinks[h] : 0.0f;                                         \
                 t.first[t.n] = window > 0 && T > window ? T - window : 0;                     \
                 t.end[t.n++] = T;                                                              \
             }                                                                                  \
@@ -362,7 +368,7 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
         for (long x0 = 0; t.n && x0 < dv; x0 += COLUMNS)                                       \
             attend_tile(&t, k + g * k_head, k_block, k_pos, v + g * v_head, v_block, v_pos,    \
                         table + b * table_row, block, d, x0,                                   \
-                        dv - x0 < COLUMNS ? dv - x0 : COLUMNS, scale);                         \
+                        dv - x0 < COLUMNS ? dv - x0 : COLUMNS, scale, softcap);                \
     } while (0)
     if (threads > 1 && work > 65536) {
 #pragma omp parallel for schedule(static, 1) num_threads(threads)

@@ -154,7 +154,9 @@ def attend_step_reference(
 
 
 def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tensor, *,
-                 window: int | None = None, counts: Tensor | None = None) -> Tensor:
+                 window: int | None = None, counts: Tensor | None = None,
+                 scale: float | None = None, softcap: float | None = None,
+                 sinks: Tensor | None = None) -> Tensor:
     """attend_step over a paged cache (Kwon et al. 2023), the keys read in their blocks.
 
     q: (N, H, d) one query per sequence, or (N, H, T, d): T new tokens of each sequence
@@ -169,6 +171,8 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
     counts: (N,) int64, sequence i's real new tokens, the first counts[i] of its T columns
         (its last counts[i] positions; the other columns' outputs are zeros): rows of a pass
         that read chunks of different lengths (None: all T).
+    scale, softcap, sinks: as layers/scaled_dot_product.py's (Gemma 2's scale and soft cap,
+        gpt-oss's sink logit per query head).
     Returns (N, H, d_value), or (N, H, T, d_value) for T new tokens (a view of a (N, T, H,
     d_value) tensor: attention's output flattens its heads without a copy).
     """
@@ -179,19 +183,23 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
     lib = native()
     if (lib is None or not serves(q) or k.stride(3) != 1 or v.stride(3) != 1
             or k.dtype != q.dtype or v.dtype != q.dtype):
-        return attend_paged_reference(q, k, v, tables, lengths, window=window, counts=counts)
+        return attend_paged_reference(q, k, v, tables, lengths, window=window, counts=counts,
+                                      scale=scale, softcap=softcap, sinks=sinks)
     # Row i of the kernel's queries is token i % tokens of sequence i // tokens.
     rows = (q.transpose(1, 2) if q.dim() == 4 else q).contiguous()
     tables, lengths = tables.contiguous(), lengths.contiguous()
     if counts is not None:
         counts = counts.to(torch.long).contiguous()
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
     out = q.new_empty(n * tokens, heads, dv)
     if lib.tformer_attend_paged(
         rows.data_ptr(), heads * d, k.data_ptr(), *k.stride()[:3], v.data_ptr(),
         *v.stride()[:3], tables.data_ptr(), tables.stride(0), block, lengths.data_ptr(),
         None if counts is None else counts.data_ptr(), window or 0, out.data_ptr(),
-        n * tokens, tokens, blocks, heads, heads // k_heads, d, dv, d**-0.5,
-        torch.get_num_threads(),
+        n * tokens, tokens, blocks, heads, heads // k_heads, d, dv,
+        d**-0.5 if scale is None else scale, softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
     ):
         raise IndexError(f"attend_paged: a block table names a block outside the {blocks}, "
                          f"or a length is below its new tokens (of {tokens})")
@@ -201,7 +209,9 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
 
 
 def attend_paged_reference(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tensor,
-                           *, window: int | None = None, counts: Tensor | None = None) -> Tensor:
+                           *, window: int | None = None, counts: Tensor | None = None,
+                           scale: float | None = None, softcap: float | None = None,
+                           sinks: Tensor | None = None) -> Tensor:
     """attend_paged with torch: each sequence's blocks gathered in order, then attention
     written out over its positions (each query's causal window's)."""
     block, group = k.shape[2], q.shape[1] // k.shape[1]
@@ -213,12 +223,18 @@ def attend_paged_reference(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, leng
         used = tables[i, : -(-length // block)]
         keys, values = (t[used].transpose(0, 1).flatten(1, 2)[:, :length]
                         .repeat_interleave(group, dim=0) for t in (k, v))
-        scores = (queries[i] @ keys.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (H, T, S)
+        scores = (queries[i] @ keys.transpose(1, 2)) * (scale or q.shape[-1] ** -0.5)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)  # (H, T, S)
         at = torch.arange(length - real, length - real + tokens)[:, None]  # each query's position
         seen = torch.arange(length)[None] <= at
         if window:
             seen &= torch.arange(length)[None] > at - window
-        probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~seen, float("-inf"))
+        if sinks is not None:  # one more logit a head, with no value behind it
+            sink = sinks.to(scores.dtype)[:, None, None].expand(-1, tokens, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = scores.softmax(dim=-1)[..., :length]
         probs = probs.masked_fill(torch.arange(tokens)[:, None] >= real, 0.0)
         out.append(probs @ values)
     result = torch.stack(out)

@@ -39,6 +39,10 @@ typedef __m512 AT_NAME(vec);
 #define at_hsum(x) _mm512_reduce_add_ps(x)
 #define at_hmax(x) _mm512_reduce_max_ps(x)
 #define at_any_nan(x) (_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0)
+#define at_abs(x) _mm512_abs_ps(x)
+#define at_sign(x) _mm512_and_ps(x, _mm512_set1_ps(-0.0f))
+#define at_or(a, b) _mm512_or_ps(a, b)
+#define at_div(a, b) _mm512_div_ps(a, b)
 #define AT_QS 6  /* queries a block of scores holds, of AT_SK vectors each: 6 x 2 */
 #define AT_SK 2
 #define AT_QV 4  /* queries a block of output columns holds: 4 x 4 vectors */
@@ -59,12 +63,27 @@ typedef __m256 AT_NAME(vec);
 #define at_hsum(x) sum_lanes(x)
 #define at_hmax(x) max8(x)
 #define at_any_nan(x) (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0)
+#define at_abs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)
+#define at_sign(x) _mm256_and_ps(x, _mm256_set1_ps(-0.0f))
+#define at_or(a, b) _mm256_or_ps(a, b)
+#define at_div(a, b) _mm256_div_ps(a, b)
 #define AT_QS 6  /* 6 x 2 vectors, the span's 4 in two passes */
 #define AT_SK 2
 #define AT_QV 2  /* 2 x 4 vectors */
 #define AT_CV 4
 #endif
 #define AT_VEC AT_NAME(vec)
+
+/* cap * tanh(x / cap) (Gemma 2's soft cap on the scores), tanh(y) taken as
+ * sign(y) (1 - t) / (1 + t) with t = exp(-2 |y|), so that the exponential's argument is never
+ * above 0 (exp8 / exp16's range); -inf stays -inf only where the caller masks after this. */
+AT_TARGET static inline __attribute__((always_inline)) AT_VEC AT_NAME(cap)(AT_VEC x, float cap)
+{
+    const AT_VEC y = at_mul(x, at_set1(1.0f / cap));
+    const AT_VEC t = at_exp(at_mul(at_abs(y), at_set1(-2.0f)));
+    const AT_VEC one = at_set1(1.0f);
+    return at_mul(at_or(at_div(at_sub(one, t), at_add(one, t)), at_sign(y)), at_set1(cap));
+}
 
 /* kt[c * SPAN + b] = keys[b][c] for c < d: the span's keys turned, W x W at a time (the
  * last columns through a masked load, zeros past d). */
@@ -181,7 +200,7 @@ AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(weigh)(
 AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k, long k_block,
                                            long k_pos, const float *v, long v_block, long v_pos,
                                            const int64_t *table, long block, long d, long x0,
-                                           long dv, float scale)
+                                           long dv, float scale, float softcap)
 {
     const long width = (dv + AT_W - 1) / AT_W * AT_W; /* acc's columns, whole vectors */
     float acc[TILE][width], m[TILE], l[TILE];
@@ -231,8 +250,14 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k,
         for (int i = 0; i < n; i++) {
             const int j = on[i];
             AT_VEC e[AT_NK];
-            for (int u = 0; u < AT_NK; u++)
+            int odd = 0; /* a NaN score (before the cap, which would hide it) */
+            for (int u = 0; u < AT_NK; u++) {
                 e[u] = at_mul(at_load(s[i] + u * AT_W), scales);
+                if (softcap > 0.0f) {
+                    odd |= at_any_nan(e[u]);
+                    e[u] = AT_NAME(cap)(e[u], softcap);
+                }
+            }
             if (s0 < t->first[j] || s0 + SPAN > t->end[j]) { /* a span it partly reads */
                 for (int u = 0; u < AT_NK; u++)
                     at_store(s[i] + u * AT_W, e[u]);
@@ -242,7 +267,6 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k,
                 for (int u = 0; u < AT_NK; u++)
                     e[u] = at_load(s[i] + u * AT_W);
             }
-            int odd = 0;
             AT_VEC top = e[0];
             for (int u = 0; u < AT_NK; u++) {
                 odd |= at_any_nan(e[u]);
@@ -296,7 +320,13 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k,
         }
     }
     for (int j = 0; j < t->n; j++) {
-        const float inv = 1.0f / l[j];
+        /* a sink: one more logit in the softmax's denominator, with no value behind it */
+        float inv;
+        if (t->sinks && t->sink[j] > m[j]) {
+            const float shrink = expf(m[j] - t->sink[j]);
+            inv = shrink / (l[j] * shrink + 1.0f);
+        } else
+            inv = 1.0f / (t->sinks ? l[j] + expf(t->sink[j] - m[j]) : l[j]);
         long x = 0;
         const AT_VEC iv = at_set1(inv);
         for (; x + AT_W <= dv; x += AT_W)
@@ -326,3 +356,7 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k,
 #undef at_hsum
 #undef at_hmax
 #undef at_any_nan
+#undef at_abs
+#undef at_sign
+#undef at_or
+#undef at_div

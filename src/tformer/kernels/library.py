@@ -341,7 +341,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
                             + [_p, _long, _p] + [_long] * 8 + [_float, _int]),
     "tformer_attend_paged": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2
                              + [_p, _long, _long, _p, _p, _long, _p] + [_long] * 7
-                             + [_float, _int]),
+                             + [_float, _float, _p, _int]),
     "tformer_top_logprobs": (None, [_p] * 3 + [_int] + [_p] * 2 + [_long] * 2 + [_int] * 2),
     "tformer_decoder_layer_scratch": (_long, [ctypes.POINTER(DecoderLayer)]),
     "tformer_decoder_layer_step": (_int, [ctypes.POINTER(DecoderLayer), _p, _long,

@@ -150,7 +150,7 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
                          const int64_t *table, long table_row, long block,
                          const int64_t *lengths, const int64_t *counts, long window, float *out,
                          long n, long tokens, long blocks, long heads, long kv_group, long d,
-                         long dv, float scale, int threads);
+                         long dv, float scale, float softcap, const float *sinks, int threads);
 void tformer_top_logprobs(const float *x, const float *add, const int64_t *banned,
                           int nbanned, float *top, int64_t *idx, long n, long v, int k,
                           int threads);
