@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from prefill import GGUF, gguf_dir  # noqa: E402
 
+from tformer.decoding.blocks import BlockTable  # noqa: E402
 from tformer.decoding.paged import PagedPool, Row, blocks_for  # noqa: E402
 from tformer.decoding.runner import runner  # noqa: E402
 from tformer.kernels.blocks import keep_repacked  # noqa: E402
@@ -102,7 +103,7 @@ def chunk_sides(model, position: int, tokens: int, calls: int) -> dict[str, floa
             pool.read_chunk(row, whole[position:])
             for block in row.blocks[len(kept[0]) :]:
                 pool._drop(block)
-            row.blocks, row.length, row.tokens, row.passes = (list(kept[0]), kept[1],
+            row.blocks, row.length, row.tokens, row.passes = (BlockTable(kept[0]), kept[1],
                                                               list(kept[2]), list(kept[3]))
 
         read()  # warm

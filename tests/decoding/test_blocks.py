@@ -1,10 +1,13 @@
-"""decoding/blocks.py's BlockPool: the KV blocks' budget, without a tensor."""
+"""decoding/blocks.py's BlockPool (the KV blocks' budget, without a tensor) and BlockTable."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 
-from tformer.decoding.blocks import BlockPool
+from tformer.decoding.blocks import BlockPool, BlockTable
 
 
 def test_blocks_are_taken_held_and_given_back_by_count():
@@ -54,3 +57,34 @@ def test_a_name_is_kept_by_its_first_block_and_forgotten_on_request():
     c = off.take()
     off.name(c, 7)
     assert off.find(7) is None
+
+
+def test_a_block_table_reads_as_the_list_it_was_made_by():
+    """Random appends, settings and cuts of the tail, past the array's first capacity,
+    against a plain list doing the same; a pass's table row holds its ids, then zeros."""
+    rng = random.Random(0)
+    table, model = BlockTable(), []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.6:
+            block = rng.randrange(1, 1000)
+            table.append(block)
+            model.append(block)
+        elif op < 0.8 and model:
+            i = rng.randrange(-len(model), len(model))
+            table[i] = model[i] = 0
+        else:
+            k = rng.randrange(0, len(model) + 3)
+            del table[k:]
+            del model[k:]
+        assert table == model and len(table) == len(model) and list(table) == model
+        if model:
+            assert table[-1] == model[-1] and table[1:4] == model[1:4]
+        row = np.zeros(len(model) + 5, dtype=np.int64)
+        table.copy_into(row)
+        assert row.tolist() == model + [0] * 5
+    short = np.zeros(2, dtype=np.int64)
+    BlockTable([4, 5, 6]).copy_into(short)
+    assert short.tolist() == [4, 5]
+    with pytest.raises(ValueError, match="from its end"):
+        del table[1:2]

@@ -7,11 +7,18 @@ A named block that no row holds is not freed but kept idle, least recently used 
 given out again only when no free block is left (then its name is forgotten). The manager
 holds no tensor: decoding/paged.py's PagedPool keeps the keys and values and asks it for
 block ids. Block 0 is never given out (it pads block tables).
+
+A text's blocks in order are its BlockTable: int64 ids in an array that grows by doubling,
+from which a pass's (rows, width) table is copied a row at a time, not built from Python
+lists a block at a time.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+
+import numpy as np
 
 
 class BlockPool:
@@ -88,3 +95,56 @@ class BlockPool:
     def find(self, name: int) -> int | None:
         """The block known by this name, if any."""
         return self._by_name.get(name)
+
+
+class BlockTable:
+    """One text's block ids in order (block 0 where a block was given back behind a sliding
+    window), as int64 in an array that grows by doubling. It reads as a list of ints
+    (len, iteration, indexing and slicing, equality with a list); it changes only at its end
+    (`append`, `del table[k:]`) or by setting one id."""
+
+    def __init__(self, ids: Iterable[int] = ()) -> None:
+        ids = list(ids)
+        self._ids = np.zeros(max(16, len(ids)), dtype=np.int64)
+        self._ids[: len(ids)] = ids
+        self._n = len(ids)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids[: self._n].tolist())
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        held = self._ids[: self._n]
+        return held[i].tolist() if isinstance(i, slice) else int(held[i])
+
+    def __setitem__(self, i: int, block: int) -> None:
+        self._ids[: self._n][i] = block
+
+    def __delitem__(self, tail: slice) -> None:
+        """`del table[k:]`: forget the ids from k on."""
+        if tail.stop is not None or tail.step is not None:
+            raise ValueError("a block table drops ids only from its end (del table[k:])")
+        self._n = range(self._n)[tail].start if tail.start is not None else 0
+        self._ids[self._n :] = 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (BlockTable, list)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"BlockTable({list(self)})"
+
+    def append(self, block: int) -> None:
+        if self._n == len(self._ids):
+            self._ids = np.concatenate([self._ids, np.zeros_like(self._ids)])
+        self._ids[self._n] = block
+        self._n += 1
+
+    def copy_into(self, row: np.ndarray) -> None:
+        """Write its first len(row) ids into row (an int64 row of zeros: block 0 after its
+        last)."""
+        n = min(self._n, len(row))
+        row[:n] = self._ids[:n]

@@ -41,10 +41,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tformer.decoding.blocks import BlockPool
+from tformer.decoding.blocks import BlockPool, BlockTable
 from tformer.decoding.runner import runner
 from tformer.kernels.attend import attend_paged, serves, serves_cache
 
@@ -59,7 +60,7 @@ class PoolFull(RuntimeError):
 class Row:
     """One text's place in the pool: its blocks and how many positions they hold."""
 
-    blocks: list[int] = field(default_factory=list)
+    blocks: BlockTable = field(default_factory=BlockTable)
     length: int = 0
     passes: list[tuple[int, int]] = field(default_factory=list)
     """(columns, positions stored) of its latest passes, the last one last, as far back as
@@ -346,9 +347,10 @@ class PagedPool:
         """(n, width) int64: each row's blocks in order (width: the most any row holds),
         block 0 after a row's last."""
         width = max((len(row.blocks) for row in rows), default=0) if width is None else width
-        return torch.tensor([row.blocks[:width] + [0] * (width - len(row.blocks[:width]))
-                             for row in rows], dtype=torch.long, device=self.device
-                            ).reshape(len(rows), width)
+        tables = np.zeros((len(rows), width), dtype=np.int64)
+        for row, table in zip(rows, tables, strict=True):
+            row.blocks.copy_into(table)
+        return torch.from_numpy(tables).to(self.device)
 
     def _step_in_place(self, rows: list[Row], tokens: Tensor, last_only: bool
                        ) -> Tensor | None:
@@ -371,7 +373,7 @@ class PagedPool:
         """Give a row's blocks back."""
         for block in reversed(row.blocks[row.behind:]):
             self._drop(block)
-        row.blocks, row.length, row.tokens, row.hashes = [], 0, [], []
+        row.blocks, row.length, row.tokens, row.hashes = BlockTable(), 0, [], []
         row.behind = row.skipped = 0
         row.passes = []
 
