@@ -213,14 +213,15 @@ def test_paged_attention_reads_each_position_in_its_block(heads, kv_heads, d, dv
 @native
 @pytest.mark.parametrize("tokens, window, heads, kv_heads, dv",
                          [(5, None, 9, 3, 64), (12, None, 9, 3, 64), (6, 7, 9, 3, 64),
-                          (13, 4, 9, 3, 64), (3, None, 20, 1, 300)])
+                          (13, 4, 9, 3, 64), (3, None, 40, 1, 300)])
 def test_paged_attention_of_several_new_tokens_a_row_is_causal(tokens, window, heads,
                                                                kv_heads, dv):
     """A chunk of T new tokens a row (a prompt read a piece at a time, a speculative round),
     the blocks scattered through the pool: each query reads the positions up to its own (and
     within the window), against float64 attention found by hand; the result is laid out as
-    attention's (N, H, T, d_value). The last case's 20 query heads of one key/value head take
-    two tiles, the second part-full, and its 300-wide values two passes of columns."""
+    attention's (N, H, T, d_value). The last case's 40 query heads of one key/value head take
+    two tiles (its 300-wide values allow 32 queries a tile), the second part-full, and its
+    values two passes of columns."""
     g = torch.Generator().manual_seed(4)
     k = torch.randn(12, kv_heads, 4, 64, generator=g)
     v = torch.randn(12, kv_heads, 4, dv, generator=g)

@@ -203,7 +203,7 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k,
                                            long dv, float scale, float softcap)
 {
     const long width = (dv + AT_W - 1) / AT_W * AT_W; /* acc's columns, whole vectors */
-    float acc[TILE][width], m[TILE], l[TILE];
+    float acc[t->n][width], m[TILE], l[TILE];
     float s[TILE][SPAN] __attribute__((aligned(64)));
     float kt[d * SPAN] __attribute__((aligned(64)));
     int nan[TILE];
