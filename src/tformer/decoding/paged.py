@@ -96,8 +96,7 @@ class PagedLayer:
         """Store the step's new keys and values in their blocks and attend with q over the
         rows' past and them: (n, H, T, d) -> (n, H, T, d_value)."""
         p = self.pass_
-        if (p.in_place and not attention.training and attention.recorded is None
-                and serves(q)):
+        if p.in_place and attention.is_inference and serves(q):
             # Each row reads its own new tokens after its own past: the mask is causal (and
             # the layer's window), which the kernel applies itself, with the attention's
             # scale, soft cap and sinks.
@@ -142,7 +141,8 @@ class PagedView:
         self.length = self.width
         self.tables = pool.block_tables(rows)  # every block a row holds, the new ones' too
         self.table = self.tables[:, : blocks_for(self.width, bs)]
-        uniform = all(h == self.width for h in held) and bool(real.all())
+        all_real = bool(real.all())
+        uniform = all(h == self.width for h in held) and all_real
         self.is_real: Tensor | None = None
         if not uniform:
             self.is_real = torch.cat([
@@ -155,7 +155,7 @@ class PagedView:
         new tokens come first (the in-place path's columns past them are ignored)."""
         self.lengths = lengths + counts
         """Each row's positions with its new ones (the in-place path's)."""
-        self.counts = None if bool(real.all()) else counts
+        self.counts = None if all_real else counts
         """Each row's new tokens where some read fewer than T (the in-place path's)."""
         # The new positions of each row, in order, and the block and offset each goes to.
         self.real = real

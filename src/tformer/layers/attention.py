@@ -179,11 +179,17 @@ class MultiHeadAttention(nn.Module):
         return self.recorded is not None
 
     @property
+    def is_inference(self) -> bool:
+        """Whether nothing is dropped or recorded: a kernel computing this attention's
+        scores (its scale, soft cap and sinks included) may stand in for it."""
+        return not self.training and self.recorded is None
+
+    @property
     def is_plain(self) -> bool:
         """Whether attention is exactly softmax(q k^T / sqrt(d_head) + mask) v, with nothing
         dropped or recorded: what a kernel computing the same may stand in for."""
-        return (not self.training and self.recorded is None and self.scale is None
-                and self.softcap is None and self.sinks is None)
+        return (self.is_inference and self.scale is None and self.softcap is None
+                and self.sinks is None)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool = False

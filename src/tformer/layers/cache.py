@@ -31,6 +31,12 @@ class Attention(Protocol):
         nothing recorded), so that a kernel computing the same may stand in for it."""
         ...
 
+    @property
+    def is_inference(self) -> bool:
+        """Whether nothing is dropped or recorded (a kernel that also takes the attention's
+        scale, soft cap and sinks may stand in)."""
+        ...
+
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool = False
     ) -> Tensor:
