@@ -279,7 +279,8 @@ static void span_places(const float *k, long k_block, long k_pos, const float *v
 /* The first n lanes of eight, as a mask for AVX2's masked loads. */
 static inline __m256i lanes_below(long n)
 {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 #define AT_W 16
@@ -308,11 +309,11 @@ static inline __m256i lanes_below(long n)
  * the last `window` of those (the blocks behind may have been given back). The scores are
  * q . k * scale, bounded by softcap * tanh(score / softcap) where softcap > 0 (Gemma 2); with
  * sinks (per query head, gpt-oss's), head h's softmax has exp(sinks[h]) more in its
- * denominator and nothing more in its sum of values. The queries go
- * in tiles (attend_tile.h): one sequence's query heads of a key/value head at as many
- * consecutive tokens as TILE queries and TILE_FLOATS sums of values allow (a larger tile
- * reads a long history from memory fewer times: 512 tokens over 7,000 positions of
- * SmolLM2's shape took 0.7-0.8x the time of 32-query tiles). Returns -1, computing nothing, where a table names a
+ * denominator and nothing more in its sum of values. The queries go in tiles
+ * (attend_tile.h): one sequence's query heads of a key/value head at as many consecutive
+ * tokens as TILE queries and TILE_FLOATS sums of values allow (a larger tile reads a long
+ * history from memory fewer times: 512 tokens over 7,000 positions of SmolLM2's shape took
+ * 0.7-0.8x the time of 32-query tiles). Returns -1, computing nothing, where a table names a
  * block outside the pool or a sequence has fewer positions than real new tokens. */
 int tformer_attend_paged(const float *q, long q_row, const float *k, long k_block, long k_head,
                          long k_pos, const float *v, long v_block, long v_head, long v_pos,

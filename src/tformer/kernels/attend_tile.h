@@ -168,7 +168,7 @@ AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(score)(
     }
 }
 
-/* acc[j][x] += sum_b p[j][b] values[b][x0 + x] for nq queries and nc vectors of columns
+/* acc[j][x ..] += sum_b p[j][b] values[b][x ..] for nq queries and nc vectors of columns
  * from x (the last one `part` lanes wide where part > 0): one chain per column over the
  * positions in order. */
 AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(weigh)(

@@ -633,8 +633,9 @@ static int lm_attention_chunk(const void *job, long chunk)
                                     kv->k + g * kv->k_head, kv->k_row, kv->k_head, kv->k_pos,
                                     kv->v + g * kv->v_head, kv->v_row, kv->v_head, kv->v_pos,
                                     a->table + b * a->table_row, a->table_row, a->block,
-                                    &length, NULL, a->window, a->out + (i * H + g * group) * dv, 1, 1,
-                                    kv->rows, group, group, dk, dv, l->scale, 0.0f, NULL, 1);
+                                    &length, NULL, a->window, a->out + (i * H + g * group) * dv,
+                                    1, 1, kv->rows, group, group, dk, dv, l->scale, 0.0f, NULL,
+                                    1);
     }
     const long i = chunk / H, h = chunk % H, g = h / (H / l->kv_heads), b = i / a->tokens;
     const float *q = a->q + i * a->q_row + h * dk;
@@ -659,8 +660,8 @@ static int exec_attention(const struct exec *e, const struct lm_attention *a)
     if (a->table)
         return tformer_attend_paged(a->q, a->q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos,
                                     kv->v, kv->v_row, kv->v_head, kv->v_pos, a->table,
-                                    a->table_row, a->block, a->lengths, NULL, a->window, a->out, a->n,
-                                    a->tokens, kv->rows, l->heads, l->heads / l->kv_heads,
+                                    a->table_row, a->block, a->lengths, NULL, a->window, a->out,
+                                    a->n, a->tokens, kv->rows, l->heads, l->heads / l->kv_heads,
                                     l->d_head, l->d_value, l->scale, 0.0f, NULL, e->threads);
     return tformer_attend_step(a->q, a->q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v,
                                kv->v_row, kv->v_head, kv->v_pos, NULL, 0, a->tokens, a->bias,
