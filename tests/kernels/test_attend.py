@@ -188,16 +188,31 @@ def naive_paged(q, k, v, tables, lengths, window, scale=None, softcap=None, sink
     return out if q.dim() == 4 else out[:, :, 0]
 
 
+LAYOUTS = [(4, False), (4, True), (16, True)]
+"""(positions a block, keys turned): position-major keys and turned keys in blocks of four
+(copied into the turned shape a span at a time), and the pool's layout, turned keys in
+blocks of 16 (read where they lie: a block holds whole vectors of 8 and 16 positions)."""
+
+
+def pool_keys(blocks, kv_heads, block, d, generator, turned):
+    """(blocks, H_kv, block, d) random keys, laid out turned as PagedPool keeps them (a view
+    of (blocks, H_kv, d, block)) or position-major."""
+    k = torch.randn(blocks, kv_heads, block, d, generator=generator)
+    return k.transpose(2, 3).contiguous().transpose(2, 3) if turned else k
+
+
 @native
+@pytest.mark.parametrize("block, turned", LAYOUTS)
 @pytest.mark.parametrize("heads, kv_heads, d, dv, window",
                          [(4, 4, 16, 16, None), (9, 3, 64, 64, None), (4, 1, 12, 5, None),
                           (4, 2, 16, 16, 7)])
-def test_paged_attention_reads_each_position_in_its_block(heads, kv_heads, d, dv, window):
+def test_paged_attention_reads_each_position_in_its_block(heads, kv_heads, d, dv, window,
+                                                         block, turned):
     """Rows of different lengths whose blocks lie scattered through the pool (block 0
     standing for blocks behind a window), against float64 attention found by hand."""
     g = torch.Generator().manual_seed(3)
-    k = torch.randn(12, kv_heads, 4, d, generator=g)
-    v = torch.randn(12, kv_heads, 4, dv, generator=g)
+    k = pool_keys(12, kv_heads, block, d, g, turned)
+    v = torch.randn(12, kv_heads, block, dv, generator=g)
     q = torch.randn(3, heads, d, generator=g)
     tables = torch.tensor([[5, 2, 9, 0, 0], [7, 0, 0, 0, 0], [0, 0, 1, 11, 3]])
     lengths = torch.tensor([11, 3, 18])
@@ -211,11 +226,12 @@ def test_paged_attention_reads_each_position_in_its_block(heads, kv_heads, d, dv
 
 
 @native
+@pytest.mark.parametrize("block, turned", LAYOUTS)
 @pytest.mark.parametrize("tokens, window, heads, kv_heads, dv",
                          [(5, None, 9, 3, 64), (12, None, 9, 3, 64), (6, 7, 9, 3, 64),
                           (13, 4, 9, 3, 64), (3, None, 40, 1, 300)])
 def test_paged_attention_of_several_new_tokens_a_row_is_causal(tokens, window, heads,
-                                                               kv_heads, dv):
+                                                               kv_heads, dv, block, turned):
     """A chunk of T new tokens a row (a prompt read a piece at a time, a speculative round),
     the blocks scattered through the pool: each query reads the positions up to its own (and
     within the window), against float64 attention found by hand; the result is laid out as
@@ -223,8 +239,8 @@ def test_paged_attention_of_several_new_tokens_a_row_is_causal(tokens, window, h
     two tiles (its 300-wide values allow 32 queries a tile), the second part-full, and its
     values two passes of columns."""
     g = torch.Generator().manual_seed(4)
-    k = torch.randn(12, kv_heads, 4, 64, generator=g)
-    v = torch.randn(12, kv_heads, 4, dv, generator=g)
+    k = pool_keys(12, kv_heads, block, 64, g, turned)
+    v = torch.randn(12, kv_heads, block, dv, generator=g)
     q = torch.randn(2, heads, tokens, 64, generator=g)
     tables = torch.tensor([[5, 2, 9, 6, 1, 0, 0], [7, 3, 10, 11, 4, 8, 0]])
     lengths = torch.tensor([max(tokens, 17), 24])
@@ -237,17 +253,19 @@ def test_paged_attention_of_several_new_tokens_a_row_is_causal(tokens, window, h
 
 
 @native
+@pytest.mark.parametrize("block, turned", LAYOUTS)
 @pytest.mark.parametrize("heads, kv_heads, d, dv, window",
                          [(9, 3, 64, 64, None), (4, 1, 20, 37, None), (6, 2, 16, 16, 9)])
-def test_paged_attention_of_chunks_of_different_lengths(heads, kv_heads, d, dv, window):
+def test_paged_attention_of_chunks_of_different_lengths(heads, kv_heads, d, dv, window, block,
+                                                        turned):
     """Rows of one pass reading chunks of different lengths (a prompt's chunk beside
     decoding rows): row i's first counts[i] columns are its new tokens, its last counts[i]
     positions; each reads causally up to its own, against float64 attention found by hand
     over that row's real tokens alone, and the columns past them come back zeros. Key and
     value sizes off the vector widths take the kernel's masked loads."""
     g = torch.Generator().manual_seed(6)
-    k = torch.randn(16, kv_heads, 4, d, generator=g)
-    v = torch.randn(16, kv_heads, 4, dv, generator=g)
+    k = pool_keys(16, kv_heads, block, d, g, turned)
+    v = torch.randn(16, kv_heads, block, dv, generator=g)
     tokens = 11
     q = torch.randn(3, heads, tokens, d, generator=g)
     tables = torch.tensor([[5, 2, 9, 6, 1, 0, 0, 0], [7, 3, 10, 11, 4, 8, 0, 0],
@@ -266,15 +284,16 @@ def test_paged_attention_of_chunks_of_different_lengths(heads, kv_heads, d, dv, 
 
 
 @native
+@pytest.mark.parametrize("turned", [False, True])
 @pytest.mark.parametrize("window", [None, 40])
-def test_a_query_s_paged_attention_has_the_same_bits_in_any_company(window):
+def test_a_query_s_paged_attention_has_the_same_bits_in_any_company(window, turned):
     """A query's result does not depend on the tile, the register block or the pass it is
     computed in: each token of a 70-token chunk read in one pass (beside a row of another
     length), read a token at a time, and read as a 3-token chunk, gives the same bits (what
     makes a prompt read alone, beside others or in other chunks decode the same text)."""
     g = torch.Generator().manual_seed(7)
     heads, kv_heads, d = 9, 3, 64
-    k = torch.randn(40, kv_heads, 16, d, generator=g)
+    k = pool_keys(40, kv_heads, 16, d, g, turned)
     v = torch.randn(40, kv_heads, 16, d, generator=g)
     tables = torch.randperm(39, generator=g)[:16].add(1).reshape(2, 8)
     q = torch.randn(2, heads, 70, d, generator=g)
@@ -290,6 +309,34 @@ def test_a_query_s_paged_attention_has_the_same_bits_in_any_company(window):
 
 
 @native
+@pytest.mark.parametrize("block, turned", LAYOUTS)
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_positions_no_query_reads_may_hold_anything(block, turned, softcap):
+    """A block's slots past a row's length (not yet written, or left by a rollback) and the
+    positions behind every query's window (their blocks given back, taken by another row)
+    may hold NaN: no query reads them, so none reaches a result (a masked NaN would spread
+    through 0 * NaN, and a soft cap turns a masked score into a finite one)."""
+    g = torch.Generator().manual_seed(10)
+    length, tokens, window, d = 45, 3, 20, 32
+    used = -(-length // block)
+    k = pool_keys(used + 2, 2, block, d, g, turned)
+    v = torch.randn(used + 2, 2, block, d, generator=g)
+    tables = torch.arange(1, used + 1)[None]
+    first = length - tokens + 1 - window  # the earliest position a query reads
+    tables[0, : first // block] = used + 1  # a block given back, NaN from its new row
+    for t in (k, v):
+        t[used + 1] = float("nan")
+        t[tables[0, first // block], :, : first % block] = float("nan")
+        t[tables[0, -1], :, length - (used - 1) * block :] = float("nan")
+    q = torch.randn(1, 4, tokens, d, generator=g)
+    out = attend.attend_paged(q, k, v, tables, torch.tensor([length]), window=window,
+                              softcap=softcap)
+    want = naive_paged(q, k, v, tables, torch.tensor([length]), window, softcap=softcap)
+    assert not want.isnan().any()
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@native
 def test_paged_attention_reads_histories_past_the_step_kernel_s_bound(monkeypatch):
     """attend_step keeps a row's scores on the stack (MAX_POSITIONS); the paged kernel takes
     a span at a time, so a history longer than that (a 32k-context model's) is read in place
@@ -298,7 +345,7 @@ def test_paged_attention_reads_histories_past_the_step_kernel_s_bound(monkeypatc
     g = torch.Generator().manual_seed(8)
     length = attend.MAX_POSITIONS + 900
     blocks = -(-length // 16)
-    k = torch.randn(blocks + 1, 1, 16, 8, generator=g)
+    k = pool_keys(blocks + 1, 1, 16, 8, g, turned=True)
     v = torch.randn(blocks + 1, 1, 16, 8, generator=g)
     q = torch.randn(1, 2, 8, generator=g) * 3
     tables = (torch.randperm(blocks, generator=g) + 1)[None]
@@ -310,15 +357,17 @@ def test_paged_attention_reads_histories_past_the_step_kernel_s_bound(monkeypatc
 
 
 @native
+@pytest.mark.parametrize("block, turned", LAYOUTS)
 @pytest.mark.parametrize("scale, softcap, sinks", [(0.3, 2.0, False), (None, None, True),
                                                    (0.2, 1.5, True)])
-def test_paged_attention_with_a_scale_a_soft_cap_and_sinks(scale, softcap, sinks):
+def test_paged_attention_with_a_scale_a_soft_cap_and_sinks(scale, softcap, sinks, block,
+                                                           turned):
     """Gemma 2's scale and soft cap on the scores, gpt-oss's sink logit per head (one large
     enough that a head attends to almost nothing, one well below its scores), over a chunk
     and a window, against float64 attention found by hand."""
     g = torch.Generator().manual_seed(9)
-    k = torch.randn(12, 3, 4, 64, generator=g)
-    v = torch.randn(12, 3, 4, 64, generator=g)
+    k = pool_keys(12, 3, block, 64, g, turned)
+    v = torch.randn(12, 3, block, 64, generator=g)
     q = torch.randn(2, 9, 5, 64, generator=g) * 2
     tables = torch.tensor([[5, 2, 9, 6, 1, 0, 0], [7, 3, 10, 11, 4, 8, 0]])
     lengths = torch.tensor([17, 24])

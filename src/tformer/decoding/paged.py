@@ -203,8 +203,12 @@ class PagedPool:
         self.in_place = True
         """Whether passes of rows in step read the blocks in place where the kernel serves
         (PagedView); False: every layer gathers (the path to compare it with)."""
-        self.k = [layer.k.new_empty(blocks, layer.k.shape[1], block_size, layer.k.shape[3])
-                  for layer in probe]
+        # The keys are stored turned, (blocks, H_kv, d, block_size), and read through a view
+        # of the shape of the values: a key component of a block's positions side by side,
+        # as the paged attention's scores load them (kernels/attend_tile.h; vLLM's key
+        # cache is laid out alike).
+        self.k = [layer.k.new_empty(blocks, layer.k.shape[1], layer.k.shape[3], block_size)
+                  .transpose(2, 3) for layer in probe]
         self.v = [layer.v.new_empty(blocks, layer.v.shape[1], block_size, layer.v.shape[3])
                   for layer in probe]
         for buf in (*self.k, *self.v):

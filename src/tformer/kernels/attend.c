@@ -245,30 +245,43 @@ struct tile {
     int n, sinks;
 };
 
-/* The keys and values of positions s0 .. s0 + SPAN - 1 (past hi - 1 the last one again),
- * found by walking the block table, the values' at column x0; and the next span's brought
- * into the cache while this one is summed (its blocks lie where no prefetcher can guess). */
-static void span_places(const float *k, long k_block, long k_pos, const float *v, long v_block,
-                        long v_pos, const int64_t *table, long block, long d, long x0, long dv,
-                        long s0, long hi, const float *keys[SPAN], const float *values[SPAN])
+/* Where positions s0 .. s0 + SPAN - 1 of key/value head g lie (found by walking the block
+ * table): each one's key (its components kv->k_comp apart) and its value from column x0,
+ * those before lo or from hi on given lo's and hi - 1's (no query reads them: their scores
+ * are masked, their weights zeros, and the blocks they would name may be given back or not
+ * yet held). The next span's are brought into the cache while this one is summed: its
+ * blocks lie where no prefetcher can guess. */
+static void span_places(const struct tformer_kv *kv, long g, const int64_t *table, long block,
+                        long d, long x0, long dv, long s0, long lo, long hi,
+                        const float *keys[SPAN], const float *values[SPAN])
 {
-    long c = s0 / block, slot = s0 % block;
-    for (int b = 0; b < SPAN; b++) {
-        if (s0 + b < hi) {
-            keys[b] = k + table[c] * k_block + slot * k_pos;
-            values[b] = v + table[c] * v_block + slot * v_pos + x0;
-            if (++slot == block) {
-                slot = 0;
-                c++;
-            }
-        } else {
-            keys[b] = keys[b - 1];
-            values[b] = values[b - 1];
+    const float *k = kv->k + g * kv->k_head, *v = kv->v + g * kv->v_head + x0;
+    const long start = s0 > lo ? s0 : lo;
+    long c = start / block, slot = start % block;
+    for (long s = start; s < s0 + SPAN && s < hi; s++) {
+        keys[s - s0] = k + table[c] * kv->k_row + slot * kv->k_pos;
+        values[s - s0] = v + table[c] * kv->v_row + slot * kv->v_pos;
+        if (++slot == block) {
+            slot = 0;
+            c++;
         }
     }
+    for (long b = 0; b < start - s0; b++) {
+        keys[b] = keys[start - s0];
+        values[b] = values[start - s0];
+    }
+    for (long b = hi - s0; b < SPAN; b++) {
+        keys[b] = keys[b - 1];
+        values[b] = values[b - 1];
+    }
     for (long s = s0 + SPAN; s < s0 + 2 * SPAN && s < hi; s++) {
-        fetch(k + table[c] * k_block + slot * k_pos, d);
-        fetch(v + table[c] * v_block + slot * v_pos + x0, dv);
+        const float *key = k + table[c] * kv->k_row + slot * kv->k_pos;
+        if (kv->k_comp == 1)
+            fetch(key, d);
+        else if (s == s0 + SPAN || slot % 16 == 0) /* 16 positions' component a line */
+            for (long j = 0; j < d; j++)
+                _mm_prefetch((const char *)(key + j * kv->k_comp), _MM_HINT_T0);
+        fetch(v + table[c] * kv->v_row + slot * kv->v_pos, dv);
         if (++slot == block) {
             slot = 0;
             c++;
@@ -298,29 +311,31 @@ static inline __m256i lanes_below(long n)
 #undef AT_NAME
 #undef AT_TARGET
 
-/* The same over a paged cache (Kwon et al. 2023): k and v hold `blocks` blocks of `block`
- * positions, key head g of position `slot` of block b at k + b * k_block + g * k_head +
- * slot * k_pos (v alike). The n query rows are `tokens` columns of new tokens of each of
- * n / tokens sequences (row i: column i % tokens of sequence i / tokens), of which sequence
- * b's first counts[b] are real (counts NULL: all `tokens`); the other rows' outputs are
- * zeros. Sequence b's history is lengths[b] positions, its real new tokens the last
- * counts[b] of them (already stored), position s in block table[b * table_row + s / block];
- * each token reads the positions up to its own (causal), and with a sliding window > 0 only
- * the last `window` of those (the blocks behind may have been given back). The scores are
- * q . k * scale, bounded by softcap * tanh(score / softcap) where softcap > 0 (Gemma 2); with
- * sinks (per query head, gpt-oss's), head h's softmax has exp(sinks[h]) more in its
- * denominator and nothing more in its sum of values. The queries go in tiles
- * (attend_tile.h): one sequence's query heads of a key/value head at as many consecutive
- * tokens as TILE queries and TILE_FLOATS sums of values allow (a larger tile reads a long
- * history from memory fewer times: 512 tokens over 7,000 positions of SmolLM2's shape took
- * 0.7-0.8x the time of 32-query tiles). Returns -1, computing nothing, where a table names a
- * block outside the pool or a sequence has fewer positions than real new tokens. */
-int tformer_attend_paged(const float *q, long q_row, const float *k, long k_block, long k_head,
-                         long k_pos, const float *v, long v_block, long v_head, long v_pos,
+/* The same over a paged cache (Kwon et al. 2023): kv's rows are its blocks of `block`
+ * positions, key head g of position `slot` of block b at kv->k + b * kv->k_row + g *
+ * kv->k_head + slot * kv->k_pos (its components kv->k_comp apart; the values' contiguous). The
+ * pool's keys lie turned (k_pos 1, k_comp block: attend_tile.h loads them where they lie);
+ * any other layout is copied into that shape a span at a time. The n query rows are `tokens`
+ * columns of new tokens of each of n / tokens sequences (row i: column i % tokens of
+ * sequence i / tokens), of which sequence b's first counts[b] are real (counts NULL: all
+ * `tokens`); the other rows' outputs are zeros. Sequence b's history is lengths[b]
+ * positions, its real new tokens the last counts[b] of them (already stored), position s in
+ * block table[b * table_row + s / block]; each token reads the positions up to its own
+ * (causal), and with a sliding window > 0 only the last `window` of those (the blocks behind
+ * may have been given back). The scores are q . k * scale, bounded by softcap * tanh(score /
+ * softcap) where softcap > 0 (Gemma 2); with sinks (per query head, gpt-oss's), head h's
+ * softmax has exp(sinks[h]) more in its denominator and nothing more in its sum of values.
+ * The queries go in tiles (attend_tile.h): one sequence's query heads of a key/value head at
+ * as many consecutive tokens as TILE queries and TILE_FLOATS sums of values allow (a larger
+ * tile reads a long history from memory fewer times: 512 tokens over 7,000 positions of
+ * SmolLM2's shape took 0.7-0.8x the time of 32-query tiles). Returns -1, computing nothing,
+ * where a table names a block outside the pool or a sequence has fewer positions than real
+ * new tokens. */
+int tformer_attend_paged(const float *q, long q_row, const struct tformer_kv *kv,
                          const int64_t *table, long table_row, long block,
                          const int64_t *lengths, const int64_t *counts, long window, float *out,
-                         long n, long tokens, long blocks, long heads, long kv_group, long d,
-                         long dv, float scale, float softcap, const float *sinks, int threads)
+                         long n, long tokens, long heads, long kv_group, long d, long dv,
+                         float scale, float softcap, const float *sinks, int threads)
 {
     long work = 0;
     for (long b = 0; b < n / tokens; b++) {
@@ -329,12 +344,12 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
         if (T < real || real < 0 || real > tokens)
             return -1;
         for (long c = first / block; c <= (T - 1) / block; c++)
-            if (table[b * table_row + c] < 0 || table[b * table_row + c] >= blocks)
+            if (table[b * table_row + c] < 0 || table[b * table_row + c] >= kv->rows)
                 return -1;
         work += real * heads * (T - first) * (d + dv);
     }
-    void (*const attend_tile)(const struct tile *, const float *, long, long, const float *, long,
-                              long, const int64_t *, long, long, long, long, float, float) =
+    void (*const attend_tile)(const struct tile *, const struct tformer_kv *, long,
+                              const int64_t *, long, long, long, long, float, float) =
         tformer_isa(-1) == TFORMER_ISA_AVX512_VNNI ? attend_tile_512 : attend_tile_256;
     const long columns = ((dv < COLUMNS ? dv : COLUMNS) + 15) / 16 * 16;
     const long most = TILE_FLOATS / columns < TILE ? TILE_FLOATS / columns : TILE;
@@ -373,8 +388,7 @@ int tformer_attend_paged(const float *q, long q_row, const float *k, long k_bloc
             }                                                                                  \
         }                                                                                      \
         for (long x0 = 0; t.n && x0 < dv; x0 += COLUMNS)                                       \
-            attend_tile(&t, k + g * k_head, k_block, k_pos, v + g * v_head, v_block, v_pos,    \
-                        table + b * table_row, block, d, x0,                                   \
+            attend_tile(&t, kv, g, table + b * table_row, block, d, x0,                         \
                         dv - x0 < COLUMNS ? dv - x0 : COLUMNS, scale, softcap);                \
     } while (0)
     if (threads > 1 && work > 65536) {

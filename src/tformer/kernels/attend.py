@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from tformer.kernels import library
+from tformer.kernels.library import KV
 
 MAX_POSITIONS = 8192
 """attend_step keeps a row's scores on the stack: longer caches take torch's path. The paged
@@ -161,8 +162,10 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
 
     q: (N, H, d) one query per sequence, or (N, H, T, d): T new tokens of each sequence
         (a prompt's chunk, a speculative round's drafts), each attending causally.
-    k, v: (blocks, H_kv, block_size, d) and (blocks, H_kv, block_size, d_value), the last
-        axis contiguous: the pool's blocks, the new tokens' keys and values stored already.
+    k, v: (blocks, H_kv, block_size, d) and (blocks, H_kv, block_size, d_value): the pool's
+        blocks, the new tokens' keys and values stored already; the values' last axis
+        contiguous, the keys' in any strides, read fastest turned as the pool keeps them
+        (a view of (blocks, H_kv, d, block_size): PagedPool's).
     tables: (N, >= used) int64: sequence i's position s lies at slot s % block_size of block
         tables[i, s // block_size] (IndexError from the kernel where it names no block).
     lengths: (N,) int64, sequence i's positions with its new ones: its T queries are
@@ -181,8 +184,8 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
     blocks, k_heads, block, _ = k.shape
     dv = v.shape[-1]
     lib = native()
-    if (lib is None or not serves(q) or k.stride(3) != 1 or v.stride(3) != 1
-            or k.dtype != q.dtype or v.dtype != q.dtype):
+    if (lib is None or not serves(q) or v.stride(3) != 1 or k.dtype != q.dtype
+            or v.dtype != q.dtype):
         return attend_paged_reference(q, k, v, tables, lengths, window=window, counts=counts,
                                       scale=scale, softcap=softcap, sinks=sinks)
     # Row i of the kernel's queries is token i % tokens of sequence i // tokens.
@@ -194,12 +197,11 @@ def attend_paged(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, lengths: Tenso
         sinks = sinks.detach().to(torch.float32).contiguous()
     out = q.new_empty(n * tokens, heads, dv)
     if lib.tformer_attend_paged(
-        rows.data_ptr(), heads * d, k.data_ptr(), *k.stride()[:3], v.data_ptr(),
-        *v.stride()[:3], tables.data_ptr(), tables.stride(0), block, lengths.data_ptr(),
+        rows.data_ptr(), heads * d, ctypes.byref(KV.of(k, v)), tables.data_ptr(),
+        tables.stride(0), block, lengths.data_ptr(),
         None if counts is None else counts.data_ptr(), window or 0, out.data_ptr(),
-        n * tokens, tokens, blocks, heads, heads // k_heads, d, dv,
-        d**-0.5 if scale is None else scale, softcap or 0.0,
-        None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
+        n * tokens, tokens, heads, heads // k_heads, d, dv, d**-0.5 if scale is None else scale,
+        softcap or 0.0, None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
     ):
         raise IndexError(f"attend_paged: a block table names a block outside the {blocks}, "
                          f"or a length is below its new tokens (of {tokens})")

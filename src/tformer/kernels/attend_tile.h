@@ -3,14 +3,17 @@
  * copy's functions and AT_TARGET their instruction set.
  *
  * A tile is up to TILE queries that read the same key/value head of one sequence: a group's
- * query heads at a few consecutive new tokens. The positions go a span of SPAN at a time:
- * the span's keys are turned (transposed) into kt[c][b], key size c by position b, so that a
- * vector holds one key component of W positions; each query's scores are then W positions
- * a multiply-add, broadcasting the query's component c, and several queries' scores are
- * held in registers at once (register blocking): a span's keys are loaded once for a row of
- * queries, not once a query (nor reduced across lanes a position at a time). The values
- * need no turning: a query's output columns take p[b] * values[b] a position at a time, W
- * columns a vector, again several queries at once.
+ * query heads at a few consecutive new tokens. The positions go a span of SPAN at a time,
+ * and a score is taken W positions a vector: a vector holds one key component of W
+ * positions, each query's scores are W positions a multiply-add (broadcasting the query's
+ * component c), and several queries' scores are held in registers at once (register
+ * blocking): a span's keys are loaded once for a row of queries, not once a query (nor
+ * reduced across lanes a position at a time). The pool keeps its keys that way round
+ * (turned: k_pos 1, a component of a block's positions side by side, as vLLM's key cache
+ * does), so the vectors are loaded where they lie; keys in any other layout are copied into
+ * that shape a span at a time first. The values need no turning: a query's output columns
+ * take p[b] * values[b] a position at a time, W columns a vector, again several queries at
+ * once.
  *
  * The softmax is taken online (Milakov & Gimelshein 2018, as flash attention does): each
  * query keeps its running maximum m, the sum l of exp(score - m) and the exp-weighted sum of
@@ -85,67 +88,12 @@ AT_TARGET static inline __attribute__((always_inline)) AT_VEC AT_NAME(cap)(AT_VE
     return at_mul(at_or(at_div(at_sub(one, t), at_add(one, t)), at_sign(y)), at_set1(cap));
 }
 
-/* kt[c * SPAN + b] = keys[b][c] for c < d: the span's keys turned, W x W at a time (the
- * last columns through a masked load, zeros past d). */
-AT_TARGET static void AT_NAME(turn)(const float *const keys[SPAN], long d, float *kt)
-{
-    for (int b0 = 0; b0 < SPAN; b0 += AT_W)
-        for (long c0 = 0; c0 < d; c0 += AT_W) {
-            const long part = d - c0 < AT_W ? d - c0 : 0;
-            AT_VEC r[AT_W];
-            for (int b = 0; b < AT_W; b++)
-                r[b] = part ? at_load_part(keys[b0 + b] + c0, part) : at_load(keys[b0 + b] + c0);
-#if AT_W == 16
-            __m512 t[16], u[16];
-            for (int i = 0; i < 16; i += 2) {
-                t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-                t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-            }
-            for (int i = 0; i < 16; i += 4) {
-                u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-                u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-                u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-                u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-            }
-            /* lane L (128 bits) of u[4i + j] holds column 4L + j of rows 4i .. 4i + 3 */
-            for (int j = 0; j < 4; j++) {
-                const __m512 w0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
-                const __m512 w1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
-                const __m512 x0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
-                const __m512 x1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
-                r[j] = _mm512_shuffle_f32x4(w0, x0, 0x88);
-                r[4 + j] = _mm512_shuffle_f32x4(w0, x0, 0xDD);
-                r[8 + j] = _mm512_shuffle_f32x4(w1, x1, 0x88);
-                r[12 + j] = _mm512_shuffle_f32x4(w1, x1, 0xDD);
-            }
-#else
-            __m256 t[8], u[8];
-            for (int i = 0; i < 8; i += 2) {
-                t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-                t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-            }
-            for (int i = 0; i < 8; i += 4) {
-                u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-                u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-                u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-                u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-            }
-            for (int j = 0; j < 4; j++) {
-                r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
-                r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
-            }
-#endif
-            const long cols = part ? part : AT_W;
-            for (long c = 0; c < cols; c++)
-                at_store(kt + (c0 + c) * SPAN + b0, r[c]);
-        }
-}
-
 /* The span's scores of nq queries (q[0 .. nq-1], d floats each) into s[j][b], AT_SK
- * vectors of positions at a time: one chain of multiply-adds over the key's components per
- * query and position. */
+ * vectors of positions at a time, vector u's component c at kv[u] + c * comp: one chain of
+ * multiply-adds over the key's components per query and position. */
 AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(score)(
-    const int nq, const float *const *q, const float *kt, long d, float (*s)[SPAN])
+    const int nq, const float *const *q, const float *const kv[AT_NK], long comp, long d,
+    float (*s)[SPAN])
 {
     for (int u0 = 0; u0 < AT_NK; u0 += AT_SK) {
         AT_VEC a[AT_QS][AT_SK];
@@ -155,7 +103,7 @@ AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(score)(
         for (long c = 0; c < d; c++) {
             AT_VEC k[AT_SK];
             for (int u = 0; u < AT_SK; u++)
-                k[u] = at_load(kt + c * SPAN + (u0 + u) * AT_W);
+                k[u] = at_load(kv[u0 + u] + c * comp);
             for (int j = 0; j < nq; j++) {
                 const AT_VEC x = at_set1(q[j][c]);
                 for (int u = 0; u < AT_SK; u++)
@@ -166,6 +114,50 @@ AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(score)(
             for (int u = 0; u < AT_SK; u++)
                 at_store(s[j] + (u0 + u) * AT_W, a[j][u]);
     }
+}
+
+/* Where the span's key vectors lie (score's kv and comp): in the pool, where its keys are
+ * turned (k_pos 1) and a vector's W positions share a block (block % W == 0); else in kt
+ * (d x SPAN floats), where the span's keys are copied turned. A vector of positions no query
+ * reads (wholly before lo or from hi on) is given one that some query reads: its scores are
+ * masked, and the block it would name may be given back or not yet held. */
+AT_TARGET static inline __attribute__((always_inline)) long AT_NAME(key_vectors)(
+    const struct tformer_kv *kv, long block, long d, long s0, long lo, long hi,
+    const float *const keys[SPAN], float *kt, const float *vec[AT_NK])
+{
+    if (kv->k_pos != 1 || block % AT_W) {
+        for (int b = 0; b < SPAN; b++)
+            for (long c = 0; c < d; c++)
+                kt[c * SPAN + b] = keys[b][c * kv->k_comp];
+        for (int u = 0; u < AT_NK; u++)
+            vec[u] = kt + u * AT_W;
+        return SPAN;
+    }
+    int read = -1;
+    for (int u = 0; u < AT_NK; u++) {
+        const long p = s0 + u * AT_W, at = p > lo ? p : lo;
+        vec[u] = NULL;
+        if (p + AT_W > lo && p < hi) { /* keys[at - s0] is position at's, in p's block */
+            vec[u] = keys[at - s0] - (at - p);
+            read = read < 0 ? u : read;
+        }
+    }
+    for (int u = 0; u < AT_NK; u++)
+        vec[u] = vec[u] ? vec[u] : vec[read];
+    return kv->k_comp;
+}
+
+/* Scores of positions before first or from end on (of the span from s0) to -inf. */
+AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(mask)(
+    AT_VEC e[AT_NK], float *s, long s0, long first, long end)
+{
+    for (int u = 0; u < AT_NK; u++)
+        at_store(s + u * AT_W, e[u]);
+    for (int b = 0; b < SPAN; b++)
+        if (s0 + b < first || s0 + b >= end)
+            s[b] = -INFINITY;
+    for (int u = 0; u < AT_NK; u++)
+        e[u] = at_load(s + u * AT_W);
 }
 
 /* acc[j][x ..] += sum_b p[j][b] values[b][x ..] for nq queries and nc vectors of columns
@@ -195,17 +187,17 @@ AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(weigh)(
             at_store(acc[j] + x + u * AT_W, a[j][u]);
 }
 
-/* The tile's attention over value columns x0 .. x0 + dv - 1 (dv <= COLUMNS), the values'
- * pointers already at x0. */
-AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k, long k_block,
-                                           long k_pos, const float *v, long v_block, long v_pos,
-                                           const int64_t *table, long block, long d, long x0,
-                                           long dv, float scale, float softcap)
+/* The tile's attention over key/value head g's value columns x0 .. x0 + dv - 1 (dv <=
+ * COLUMNS). */
+AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const struct tformer_kv *kv,
+                                           long g, const int64_t *table, long block, long d,
+                                           long x0, long dv, float scale, float softcap)
 {
     const long width = (dv + AT_W - 1) / AT_W * AT_W; /* acc's columns, whole vectors */
     float acc[t->n][width], m[TILE], l[TILE];
     float s[TILE][SPAN] __attribute__((aligned(64)));
-    float kt[d * SPAN] __attribute__((aligned(64)));
+    const int in_place = kv->k_pos == 1 && block % AT_W == 0; /* key_vectors' kt unused */
+    float kt[in_place ? AT_W : d * SPAN] __attribute__((aligned(64)));
     int nan[TILE];
     long lo = t->first[0], hi = t->end[0];
     for (int j = 0; j < t->n; j++) {
@@ -220,8 +212,7 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k,
     const AT_VEC scales = at_set1(scale);
     for (long s0 = lo / SPAN * SPAN; s0 < hi; s0 += SPAN) {
         const float *keys[SPAN], *values[SPAN];
-        span_places(k, k_block, k_pos, v, v_block, v_pos, table, block, d, x0, dv, s0, hi,
-                    keys, values);
+        span_places(kv, g, table, block, d, x0, dv, s0, lo, hi, keys, values);
         /* the queries that read this span */
         int on[TILE], n = 0;
         for (int j = 0; j < t->n; j++)
@@ -229,7 +220,8 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k,
                 on[n++] = j;
         if (!n)
             continue;
-        AT_NAME(turn)(keys, d, kt);
+        const float *vec[AT_NK];
+        const long comp = AT_NAME(key_vectors)(kv, block, d, s0, lo, hi, keys, kt, vec);
         const float *qs[TILE];
         for (int i = 0; i < n; i++)
             qs[i] = t->q[on[i]];
@@ -237,7 +229,7 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k,
             switch (n - i < AT_QS ? n - i : AT_QS) {
 #define AT_SCORE(c)                                                                              \
     case c:                                                                                    \
-        AT_NAME(score)(c, qs + i, kt, d, s + i);                                               \
+        AT_NAME(score)(c, qs + i, vec, comp, d, s + i);                                        \
         break;
                 AT_SCORE(1) AT_SCORE(2) AT_SCORE(3) AT_SCORE(4) AT_SCORE(5) AT_SCORE(6)
 #undef AT_SCORE
@@ -249,23 +241,22 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const float *k,
         const float *ps[TILE];
         for (int i = 0; i < n; i++) {
             const int j = on[i];
+            /* a span it partly reads: the positions it does not read masked first, since
+             * their keys may be anything (a block's positions not yet written) */
+            const int part = s0 < t->first[j] || s0 + SPAN > t->end[j];
             AT_VEC e[AT_NK];
             int odd = 0; /* a NaN score (before the cap, which would hide it) */
-            for (int u = 0; u < AT_NK; u++) {
+            for (int u = 0; u < AT_NK; u++)
                 e[u] = at_mul(at_load(s[i] + u * AT_W), scales);
-                if (softcap > 0.0f) {
+            if (part)
+                AT_NAME(mask)(e, s[i], s0, t->first[j], t->end[j]);
+            if (softcap > 0.0f) {
+                for (int u = 0; u < AT_NK; u++) {
                     odd |= at_any_nan(e[u]);
                     e[u] = AT_NAME(cap)(e[u], softcap);
                 }
-            }
-            if (s0 < t->first[j] || s0 + SPAN > t->end[j]) { /* a span it partly reads */
-                for (int u = 0; u < AT_NK; u++)
-                    at_store(s[i] + u * AT_W, e[u]);
-                for (int b = 0; b < SPAN; b++)
-                    if (s0 + b < t->first[j] || s0 + b >= t->end[j])
-                        s[i][b] = -INFINITY;
-                for (int u = 0; u < AT_NK; u++)
-                    e[u] = at_load(s[i] + u * AT_W);
+                if (part) /* the cap took -inf to -softcap */
+                    AT_NAME(mask)(e, s[i], s0, t->first[j], t->end[j]);
             }
             AT_VEC top = e[0];
             for (int u = 0; u < AT_NK; u++) {

@@ -287,10 +287,18 @@ class Moe(ctypes.Structure):
 
 
 class KV(ctypes.Structure):
-    """struct tformer_kv: keys and values with their strides in floats."""
+    """struct tformer_kv: keys and values with their strides in floats (the keys' components
+    k_comp apart, the values' contiguous)."""
 
     _fields_ = [("k", _p), ("v", _p), ("rows", _long),
-                *((f"{t}_{axis}", _long) for t in "kv" for axis in ("row", "head", "pos"))]
+                *((f"k_{axis}", _long) for axis in ("row", "head", "pos", "comp")),
+                *((f"v_{axis}", _long) for axis in ("row", "head", "pos"))]
+
+    @classmethod
+    def of(cls, k: Tensor, v: Tensor) -> KV:
+        """The structure for (rows, heads, positions, ·) keys and values, the values' last
+        axis contiguous."""
+        return cls(k.data_ptr(), v.data_ptr(), k.shape[0], *k.stride(), *v.stride()[:3])
 
 
 # --- Every function of tformer.h: its result and its arguments ------------------------------
@@ -339,9 +347,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # decoding (attend.c, search.c, step.c)
     "tformer_attend_step": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2 + [_p] + [_long] * 2
                             + [_p, _long, _p] + [_long] * 8 + [_float, _int]),
-    "tformer_attend_paged": (_int, [_p, _long] + ([_p] + [_long] * 3) * 2
-                             + [_p, _long, _long, _p, _p, _long, _p] + [_long] * 7
-                             + [_float, _float, _p, _int]),
+    "tformer_attend_paged": (_int, [_p, _long, ctypes.POINTER(KV), _p, _long, _long, _p, _p,
+                                    _long, _p] + [_long] * 6 + [_float, _float, _p, _int]),
     "tformer_top_logprobs": (None, [_p] * 3 + [_int] + [_p] * 2 + [_long] * 2 + [_int] * 2),
     "tformer_decoder_layer_scratch": (_long, [ctypes.POINTER(DecoderLayer)]),
     "tformer_decoder_layer_step": (_int, [ctypes.POINTER(DecoderLayer), _p, _long,

@@ -592,8 +592,12 @@ static void place_qkv(const struct tformer_lm_layer *l, float *qkv, long r, long
         rotate(k, G, dk, l->rotated, l->interleaved, cos, sin);
     }
     for (long g = 0; g < G; g++) {
-        memcpy(kv->k + r * kv->k_row + g * kv->k_head + s * kv->k_pos, k + g * dk,
-               sizeof(float) * dk);
+        float *key = kv->k + r * kv->k_row + g * kv->k_head + s * kv->k_pos;
+        if (kv->k_comp == 1)
+            memcpy(key, k + g * dk, sizeof(float) * dk);
+        else /* a paged pool's turned keys */
+            for (long c = 0; c < dk; c++)
+                key[c * kv->k_comp] = k[g * dk + c];
         memcpy(kv->v + r * kv->v_row + g * kv->v_head + s * kv->v_pos, v + g * dv,
                sizeof(float) * dv);
     }
@@ -629,13 +633,13 @@ static int lm_attention_chunk(const void *job, long chunk)
         const long group = H / l->kv_heads;
         const long i = chunk / l->kv_heads, g = chunk % l->kv_heads, b = i / a->tokens;
         const int64_t length = a->lengths[b] - a->tokens + 1 + i % a->tokens;
-        return tformer_attend_paged(a->q + i * a->q_row + g * group * dk, a->q_row,
-                                    kv->k + g * kv->k_head, kv->k_row, kv->k_head, kv->k_pos,
-                                    kv->v + g * kv->v_head, kv->v_row, kv->v_head, kv->v_pos,
+        struct tformer_kv head = *kv; /* key/value head g alone */
+        head.k += g * kv->k_head;
+        head.v += g * kv->v_head;
+        return tformer_attend_paged(a->q + i * a->q_row + g * group * dk, a->q_row, &head,
                                     a->table + b * a->table_row, a->table_row, a->block,
                                     &length, NULL, a->window, a->out + (i * H + g * group) * dv,
-                                    1, 1, kv->rows, group, group, dk, dv, l->scale, 0.0f, NULL,
-                                    1);
+                                    1, 1, group, group, dk, dv, l->scale, 0.0f, NULL, 1);
     }
     const long i = chunk / H, h = chunk % H, g = h / (H / l->kv_heads), b = i / a->tokens;
     const float *q = a->q + i * a->q_row + h * dk;
@@ -658,11 +662,10 @@ static int exec_attention(const struct exec *e, const struct lm_attention *a)
                         a->n * (a->table ? l->kv_heads : l->heads));
     }
     if (a->table)
-        return tformer_attend_paged(a->q, a->q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos,
-                                    kv->v, kv->v_row, kv->v_head, kv->v_pos, a->table,
-                                    a->table_row, a->block, a->lengths, NULL, a->window, a->out,
-                                    a->n, a->tokens, kv->rows, l->heads, l->heads / l->kv_heads,
-                                    l->d_head, l->d_value, l->scale, 0.0f, NULL, e->threads);
+        return tformer_attend_paged(a->q, a->q_row, kv, a->table, a->table_row, a->block,
+                                    a->lengths, NULL, a->window, a->out, a->n, a->tokens,
+                                    l->heads, l->heads / l->kv_heads, l->d_head, l->d_value,
+                                    l->scale, 0.0f, NULL, e->threads);
     return tformer_attend_step(a->q, a->q_row, kv->k, kv->k_row, kv->k_head, kv->k_pos, kv->v,
                                kv->v_row, kv->v_head, kv->v_pos, NULL, 0, a->tokens, a->bias,
                                a->bias_row, a->out, a->n, kv->rows, l->heads,

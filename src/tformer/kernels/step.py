@@ -94,10 +94,6 @@ class _BoundLayer(NamedTuple):
         return cls(struct, min(b.max_rows for b in linears), tensors)
 
 
-def _kv(k: Tensor, v: Tensor) -> KV:
-    return KV(k.data_ptr(), v.data_ptr(), k.shape[0], *k.stride()[:3], *v.stride()[:3])
-
-
 class DecoderStep:
     """Every layer of a decoder (models.seq2seq.DecoderLayer) as step.c reads it, over the
     cache of one search. Made by `DecoderStep.of`, which returns None where step.c cannot
@@ -112,7 +108,7 @@ class DecoderStep:
         self._tensors = tensors + [t for c in cache.self_attn for t in (c.k, c.v)]
         self.pointers = [ctypes.pointer(s) for s in structs]
         self.max_rows = rows
-        self.self_kv = [ctypes.pointer(_kv(c.k, c.v)) for c in cache.self_attn]
+        self.self_kv = [ctypes.pointer(KV.of(c.k, c.v)) for c in cache.self_attn]
         self._cross: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
         # The layers' working memory: floats a row, and one tensor for the search, grown on
         # the first step (rows only fall as sentences leave).
@@ -192,7 +188,7 @@ class DecoderStep:
             self._scratch = torch.empty(n * self._scratch_row)
         for i, cache in enumerate(cross):
             if self._cross[i][0] is not cache.k:  # made once, and again when sentences leave
-                self._cross[i] = (cache.k, ctypes.pointer(_kv(cache.k, cache.v)))
+                self._cross[i] = (cache.k, ctypes.pointer(KV.of(cache.k, cache.v)))
             status = lib.tformer_decoder_layer_step(
                 self.pointers[i], x.data_ptr(), n, self.self_kv[i], length, rows_ptr, rows_row,
                 self._cross[i][1], source_len, bias.data_ptr(), bias.stride(0),
@@ -338,7 +334,7 @@ class LMStep:
             self._scratch = torch.empty(n * self._scratch_row)
         for i, c in enumerate(cache.self_attn):
             if self._kv[i][0] is not c.k:  # a new cache, or new views of the same buffers
-                self._kv[i] = (c.k, ctypes.pointer(_kv(c.k, c.v)))
+                self._kv[i] = (c.k, ctypes.pointer(KV.of(c.k, c.v)))
                 self._kvs[i] = self._kv[i][1]
         # Every layer in one call: with several threads, one parallel region (step.c's team).
         if lib.tformer_lm_step(self._layers, self._kvs, len(self.pointers), x.data_ptr(), n,
@@ -389,7 +385,7 @@ class LMStep:
         threads, block = torch.get_num_threads(), k[0].shape[2]
         for i, (kb, vb) in enumerate(zip(k, v, strict=True)):
             if self._kv[i][0] is not kb:  # the pool's buffers, bound once
-                self._kv[i] = (kb, ctypes.pointer(_kv(kb, vb)))
+                self._kv[i] = (kb, ctypes.pointer(KV.of(kb, vb)))
             status = lib.tformer_lm_layer_step_paged(
                 self.pointers[i], x.data_ptr(), n, tokens, self._kv[i][1], tables.data_ptr(),
                 tables.stride(0), block, lengths.data_ptr(), window or 0, _ptr(cos), _ptr(sin),

@@ -140,17 +140,27 @@ int tformer_stack_linear(const struct tformer_linear *l, const float *x, float *
                          int threads);
 
 /* --- A decoding step's attention (attend.c) and beam search's candidates (search.c) ------ */
+/* Keys and values, (rows, heads, positions, d) with these strides in floats: component c of
+ * the key at row r, head g, position s at k + r * k_row + g * k_head + s * k_pos + c * k_comp,
+ * the value's at v + r * v_row + g * v_head + s * v_pos + c. A paged pool's rows are its
+ * blocks, whose keys may lie turned (k_pos 1, k_comp the block's positions: a key component
+ * of consecutive positions side by side, as tformer_attend_paged reads them fastest); every
+ * other cache's components are contiguous (k_comp 1), as tformer_attend_step reads them. */
+struct tformer_kv {
+    float *k, *v;
+    long rows, k_row, k_head, k_pos, k_comp, v_row, v_head, v_pos;
+};
+
 int tformer_attend_step(const float *q, long q_row, const float *k, long k_row, long k_head,
                         long k_pos, const float *v, long v_row, long v_head, long v_pos,
                         const int64_t *rows, long rows_row, long group, const float *bias,
                         long bias_row, float *out, long n, long r, long heads, long kv_group,
                         long length, long own, long d, long dv, float scale, int threads);
-int tformer_attend_paged(const float *q, long q_row, const float *k, long k_block, long k_head,
-                         long k_pos, const float *v, long v_block, long v_head, long v_pos,
+int tformer_attend_paged(const float *q, long q_row, const struct tformer_kv *kv,
                          const int64_t *table, long table_row, long block,
                          const int64_t *lengths, const int64_t *counts, long window, float *out,
-                         long n, long tokens, long blocks, long heads, long kv_group, long d,
-                         long dv, float scale, float softcap, const float *sinks, int threads);
+                         long n, long tokens, long heads, long kv_group, long d, long dv,
+                         float scale, float softcap, const float *sinks, int threads);
 void tformer_top_logprobs(const float *x, const float *add, const int64_t *banned,
                           int nbanned, float *top, int64_t *idx, long n, long v, int k,
                           int threads);
@@ -189,12 +199,6 @@ struct tformer_lm_layer {
     int pre_norm, activation;
     const struct tformer_moe *moe; /* a mixture of experts in place of gate, up and down
                                     * (their n_out 0), or NULL */
-};
-
-/* Keys and values, (rows, heads, positions, d) with these strides in floats. */
-struct tformer_kv {
-    float *k, *v;
-    long rows, k_row, k_head, k_pos, v_row, v_head, v_pos;
 };
 
 long tformer_decoder_layer_scratch(const struct tformer_decoder_layer *l);
