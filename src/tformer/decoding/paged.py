@@ -184,7 +184,8 @@ class PagedPool:
     positions each, and the rows decoding over them (the first `rows` in `active`, in the
     order of the sequences in flight). Block 0 holds zeros and pads the block tables: the
     positions a pass gathers but masks must be finite, since a masked NaN spreads through
-    0 * NaN."""
+    0 * NaN. `k[i]` and `v[i]` are layer i's keys and values, both read as (blocks, H_kv,
+    block_size, ·); the keys lie turned (a view of (blocks, H_kv, d, block_size))."""
 
     def __init__(self, model: nn.Module, blocks: int, *, block_size: int = BLOCK_SIZE,
                  prefix_cache: bool = True) -> None:

@@ -366,7 +366,8 @@ class LMStep:
                   lengths: Tensor, positions: Tensor, window: int | None) -> Tensor:
         """Every block's step on x (N, T, D), T new tokens of each of N sequences, over a
         paged pool, where `serves_paged` says so: k[i], v[i] (blocks, H_kv, block_size, ·)
-        layer i's blocks; tables (N, >= used) int64, the blocks of each sequence in order;
+        layer i's blocks (the keys in any strides, PagedPool's turned; the values' last
+        axis contiguous); tables (N, >= used) int64, the blocks of each sequence in order;
         lengths (N,) int64, its positions with the new ones, which are stored at positions
         lengths - T .. lengths - 1 and attend causally; positions (N, T) theirs (rotary);
         window: a sliding window, or None. The keys and values are read where they lie (no
