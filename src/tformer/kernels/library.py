@@ -360,9 +360,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
                                _long, _p, _p, _p, _long, _p, _int]),
     "tformer_lm_layer_step": (_int, [ctypes.POINTER(LMLayer), _p, _long, _long,
                                      ctypes.POINTER(KV), _long, _p, _p, _p, _long, _p, _int]),
-    "tformer_lm_layer_step_paged": (_int, [ctypes.POINTER(LMLayer), _p, _long, _long,
-                                           ctypes.POINTER(KV), _p, _long, _long, _p, _long,
-                                           _p, _p, _p, _int]),
+    "tformer_lm_step_paged": (_int, [ctypes.POINTER(ctypes.POINTER(LMLayer)),
+                                     ctypes.POINTER(ctypes.POINTER(KV)), _long, _p, _long,
+                                     _long, _p, _long, _long, _p, _long, _p, _p, _p, _int]),
     # row ranges over activations rounded once (kinds.c, blocks.c), a mixture's experts
     # (experts.c)
     "tformer_round_activations": (_int, [ctypes.POINTER(Activations), _int, _p, _long, _long,

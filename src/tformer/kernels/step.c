@@ -806,6 +806,20 @@ static int lm_splits(const struct tformer_lm_layer *l, long n)
            && splits(&l->down, n);
 }
 
+/* body(exec, arg), `count` layers' steps for n rows: in one parallel region (team_step)
+ * where threads > 1 and a team can cut every product of every layer, else plainly. */
+static int lm_layers_step(const struct tformer_lm_layer *const *layers, long count, long n,
+                          int threads, int (*body)(const struct exec *, void *), void *arg)
+{
+    int team = threads > 1;
+    for (long j = 0; j < count && team; j++)
+        team = lm_splits(layers[j], n);
+    if (team)
+        return team_step(threads, body, arg);
+    const struct exec plain = {NULL, threads};
+    return body(&plain, arg);
+}
+
 /* `count` layers' steps, one after another, on n rows of x (n x d_model, updated in place):
  * layer j over its cache kvs[j], each as tformer_lm_layer_step takes it (scratch: n *
  * the largest tformer_lm_layer_scratch). With threads > 1 and products that a team can cut
@@ -818,14 +832,7 @@ int tformer_lm_step(const struct tformer_lm_layer *const *layers,
 {
     struct lm_step st = {layers, kvs, count, x, n, tokens, length, cos, sin, bias, bias_row,
                          scratch};
-    int team = threads > 1;
-    for (long j = 0; j < count && team; j++)
-        team = lm_splits(layers[j], n);
-    if (!team) {
-        const struct exec plain = {NULL, threads};
-        return lm_step_body(&plain, &st);
-    }
-    return team_step(threads, lm_step_body, &st);
+    return lm_layers_step(layers, count, n, threads, lm_step_body, &st);
 }
 
 /* One step of layer `l` for n rows of x (n x d_model, updated in place): `tokens` new
@@ -847,7 +854,7 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, lo
                            threads);
 }
 
-/* Where tformer_lm_layer_step_paged's rows store their keys and values. */
+/* Where tformer_lm_step_paged's rows store their keys and values. */
 struct paged_places {
     const struct tformer_kv *kv;
     const int64_t *table, *lengths;
@@ -864,52 +871,67 @@ static void paged_place(const struct tformer_lm_layer *l, float *qkv, long i, co
               p->cos ? p->cos + i * half : NULL, p->sin ? p->sin + i * half : NULL);
 }
 
+/* tformer_lm_step_paged's arguments, for its body on a team. */
 struct paged_step {
-    const struct tformer_lm_layer *l;
+    const struct tformer_lm_layer *const *layers;
+    const struct tformer_kv *const *kvs;
+    long count;
     float *x;
     long n;
-    const struct paged_places *places;
-    struct lm_attention *a;
+    struct paged_places places; /* kv: each layer's in turn */
+    struct lm_attention a;      /* the same */
     float *scratch;
 };
 
 static int paged_body(const struct exec *e, void *arg)
 {
     const struct paged_step *st = arg;
-    const struct lm_scratch s = lm_scratch(st->l, st->scratch, st->n);
-    const int status = lm_self_attention(e, st->l, st->x, st->n, &s, st->a, paged_place,
-                                         st->places);
-    return status ? status : lm_feed_forward(e, st->l, st->x, st->n, &s);
+    int status = 0;
+    for (long j = 0; j < st->count && !status; j++) {
+        const struct tformer_lm_layer *l = st->layers[j];
+        const struct lm_scratch s = lm_scratch(l, st->scratch, st->n);
+        struct paged_places places = st->places;
+        struct lm_attention a = st->a;
+        places.kv = a.kv = st->kvs[j];
+        status = lm_self_attention(e, l, st->x, st->n, &s, &a, paged_place, &places);
+        if (!status)
+            status = lm_feed_forward(e, l, st->x, st->n, &s);
+    }
+    return status;
 }
 
-/* One step of layer `l` over a paged cache: `tokens` new tokens of each of n / tokens
- * sequences (row i of x: token i % tokens of sequence i / tokens). kv's buffer rows are its
- * kv->rows blocks of `block` positions, and sequence b's positions lie in the blocks its
- * table names (table + b * table_row, as tformer_attend_paged reads it). lengths[b] counts
- * sequence b's positions with the new ones, which are stored at positions lengths[b] -
- * tokens .. lengths[b] - 1 (their blocks given); each reads the positions up to its own,
- * with window > 0 only the last `window`. cos, sin (per row) and scratch as
- * tformer_lm_layer_step takes them; with threads > 1, one parallel region as there.
- * Returns 0; -1 where a product could not allocate; -2 where a table names a block outside
- * the pool or a sequence has fewer positions than new tokens (nothing is stored then). */
-int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long n, long tokens,
-                                const struct tformer_kv *kv, const int64_t *table,
-                                long table_row, long block, const int64_t *lengths,
-                                long window, const float *cos, const float *sin,
-                                float *scratch, int threads)
+/* `count` layers' steps over a paged cache, one after another, as tformer_lm_step runs them
+ * over contiguous ones (one parallel region where a team can cut every product): `tokens`
+ * new tokens of each of n / tokens sequences (row i of x: token i % tokens of sequence i /
+ * tokens). Layer j's keys and values are kvs[j], whose buffer rows are its blocks of `block`
+ * positions (every layer's the same blocks), and sequence b's positions lie in the blocks
+ * its table names (table + b * table_row, as tformer_attend_paged reads it). lengths[b]
+ * counts sequence b's positions with the new ones, which are stored at positions lengths[b]
+ * - tokens .. lengths[b] - 1 (their blocks given); each reads the positions up to its own,
+ * with window > 0 only the last `window`. cos, sin (per row) and scratch as tformer_lm_step
+ * takes them. Returns 0; -1 where a product could not allocate; -2 where a table names a
+ * block outside the pool or a sequence has fewer positions than new tokens (nothing is
+ * stored then). */
+int tformer_lm_step_paged(const struct tformer_lm_layer *const *layers,
+                          const struct tformer_kv *const *kvs, long count, float *x, long n,
+                          long tokens, const int64_t *table, long table_row, long block,
+                          const int64_t *lengths, long window, const float *cos,
+                          const float *sin, float *scratch, int threads)
 {
     for (long i = 0; i < n; i++) {
         const long b = i / tokens, s = lengths[b] - tokens + i % tokens;
-        if (s < 0 || table[b * table_row + s / block] < 0
-            || table[b * table_row + s / block] >= kv->rows)
+        if (s < 0)
             return -2;
+        for (long j = 0; j < count; j++)
+            if (table[b * table_row + s / block] < 0
+                || table[b * table_row + s / block] >= kvs[j]->rows)
+                return -2;
     }
-    const struct paged_places places = {kv, table, lengths, table_row, block, tokens, cos, sin};
-    struct lm_attention a = {.kv = kv, .tokens = tokens, .table = table, .lengths = lengths,
-                             .table_row = table_row, .block = block, .window = window};
-    struct paged_step st = {l, x, n, &places, &a, scratch};
-    if (threads > 1 && lm_splits(l, n))
-        return team_step(threads, paged_body, &st);
-    const struct exec plain = {NULL, threads};
-    return paged_body(&plain, &st);
+    struct paged_step st = {
+        layers, kvs, count, x, n,
+        {NULL, table, lengths, table_row, block, tokens, cos, sin},
+        {.tokens = tokens, .table = table, .lengths = lengths, .table_row = table_row,
+         .block = block, .window = window},
+        scratch};
+    return lm_layers_step(layers, count, n, threads, paged_body, &st);
 }

@@ -383,17 +383,18 @@ class LMStep:
                         for t in self.rotary.cos_sin(positions, x.dtype))
         if self._scratch.numel() < n * self._scratch_row:
             self._scratch = torch.empty(n * self._scratch_row)
-        threads, block = torch.get_num_threads(), k[0].shape[2]
         for i, (kb, vb) in enumerate(zip(k, v, strict=True)):
             if self._kv[i][0] is not kb:  # the pool's buffers, bound once
                 self._kv[i] = (kb, ctypes.pointer(KV.of(kb, vb)))
-            status = lib.tformer_lm_layer_step_paged(
-                self.pointers[i], x.data_ptr(), n, tokens, self._kv[i][1], tables.data_ptr(),
-                tables.stride(0), block, lengths.data_ptr(), window or 0, _ptr(cos), _ptr(sin),
-                self._scratch.data_ptr(), threads)
-            if status == -1:
-                raise MemoryError(f"no memory for a decoding step of {n} rows")
-            if status:
-                raise IndexError("paged decoding step: a block table names a block outside "
-                                 "the pool")
+                self._kvs[i] = self._kv[i][1]
+        # Every layer in one call: with several threads, one parallel region (step.c's team).
+        status = lib.tformer_lm_step_paged(
+            self._layers, self._kvs, len(self.pointers), x.data_ptr(), n, tokens,
+            tables.data_ptr(), tables.stride(0), k[0].shape[2], lengths.data_ptr(),
+            window or 0, _ptr(cos), _ptr(sin), self._scratch.data_ptr(), torch.get_num_threads())
+        if status == -1:
+            raise MemoryError(f"no memory for a decoding step of {n} rows")
+        if status:
+            raise IndexError("paged decoding step: a block table names a block outside the "
+                             "pool")
         return x

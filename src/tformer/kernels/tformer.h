@@ -216,11 +216,11 @@ int tformer_lm_layer_step(const struct tformer_lm_layer *l, float *x, long n, lo
                           const struct tformer_kv *kv, long length, const float *cos,
                           const float *sin, const float *bias, long bias_row, float *scratch,
                           int threads);
-int tformer_lm_layer_step_paged(const struct tformer_lm_layer *l, float *x, long n, long tokens,
-                                const struct tformer_kv *kv, const int64_t *table,
-                                long table_row, long block, const int64_t *lengths,
-                                long window, const float *cos, const float *sin,
-                                float *scratch, int threads);
+int tformer_lm_step_paged(const struct tformer_lm_layer *const *layers,
+                          const struct tformer_kv *const *kvs, long count, float *x, long n,
+                          long tokens, const int64_t *table, long table_row, long block,
+                          const int64_t *lengths, long window, const float *cos,
+                          const float *sin, float *scratch, int threads);
 
 /* --- Training: dropout (dropout.c), the cross-entropy (xent.c), SwiGLU's gate (glu.c),
  * RMSNorm (rmsnorm.c) --------------------------------------------------------------------- */
