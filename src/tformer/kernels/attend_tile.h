@@ -89,10 +89,10 @@ AT_TARGET static inline __attribute__((always_inline)) AT_VEC AT_NAME(cap)(AT_VE
 }
 
 /* The span's scores of nq queries (q[0 .. nq-1], d floats each) into s[j][b], AT_SK
- * vectors of positions at a time, vector u's component c at kv[u] + c * comp: one chain of
- * multiply-adds over the key's components per query and position. */
+ * vectors of positions at a time, vector u's component c at vec[u] + c * comp: one chain
+ * of multiply-adds over the key's components per query and position. */
 AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(score)(
-    const int nq, const float *const *q, const float *const kv[AT_NK], long comp, long d,
+    const int nq, const float *const *q, const float *const vec[AT_NK], long comp, long d,
     float (*s)[SPAN])
 {
     for (int u0 = 0; u0 < AT_NK; u0 += AT_SK) {
@@ -103,7 +103,7 @@ AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(score)(
         for (long c = 0; c < d; c++) {
             AT_VEC k[AT_SK];
             for (int u = 0; u < AT_SK; u++)
-                k[u] = at_load(kv[u0 + u] + c * comp);
+                k[u] = at_load(vec[u0 + u] + c * comp);
             for (int j = 0; j < nq; j++) {
                 const AT_VEC x = at_set1(q[j][c]);
                 for (int u = 0; u < AT_SK; u++)
@@ -116,7 +116,7 @@ AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(score)(
     }
 }
 
-/* Where the span's key vectors lie (score's kv and comp): in the pool, where its keys are
+/* Where the span's key vectors lie (score's vec and comp): in the pool, where its keys are
  * turned (k_pos 1) and a vector's W positions share a block (block % W == 0); else in kt
  * (d x SPAN floats), where the span's keys are copied turned. A vector of positions no query
  * reads (wholly before lo or from hi on) is given one that some query reads: its scores are
