@@ -212,7 +212,7 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const struct tf
     const AT_VEC scales = at_set1(scale);
     for (long s0 = lo / SPAN * SPAN; s0 < hi; s0 += SPAN) {
         const float *keys[SPAN], *values[SPAN];
-        span_places(kv, g, table, block, d, x0, dv, s0, lo, hi, keys, values);
+        span_places(kv, g, table, block, x0, s0, lo, hi, keys, values);
         /* the queries that read this span */
         int on[TILE], n = 0;
         for (int j = 0; j < t->n; j++)
