@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -96,12 +97,26 @@ def test_eight_concurrent_greedy_requests_equal_one_by_one(gpt_server):
     body = {"max_tokens": 40, "temperature": 0.0}
     one_by_one = [complete(gpt_server.url, prompt=p, **body)["choices"][0]["text"]
                   for p in PROMPTS]
+    # Eight clients, each connected already, send at the same moment: a tiny model decodes
+    # 40 tokens in tens of milliseconds, about what opening eight connections one after
+    # another takes on a busy host, and requests that do not overlap share no steps.
+    clients = [httpx.Client(base_url=gpt_server.url, timeout=60) for _ in PROMPTS]
+    for client in clients:
+        assert client.get("/health").status_code == 200
+    start = threading.Barrier(len(PROMPTS))
+
+    def send(client: httpx.Client, prompt: str) -> str:
+        start.wait()
+        r = client.post("/v1/completions", json={"prompt": prompt, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
     before = counters(gpt_server.url)
-    with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(
-            lambda p: complete(gpt_server.url, prompt=p, **body)["choices"][0]["text"],
-            PROMPTS))
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(send, clients, PROMPTS))
     after = counters(gpt_server.url)
+    for client in clients:
+        client.close()
     assert together == one_by_one
     assert len(set(one_by_one)) > 4
     # They shared decoding steps: far fewer steps than tokens.
