@@ -116,16 +116,16 @@ AT_TARGET static inline __attribute__((always_inline)) void AT_NAME(score)(
     }
 }
 
-/* Where the span's key vectors lie (score's vec and comp): in the pool, where its keys are
- * turned (k_pos 1) and a vector's W positions share a block (block % W == 0); else in kt
- * (d x SPAN floats), where the span's keys are copied turned. A vector of positions no query
+/* Where the span's key vectors lie (score's vec and comp): in the pool (kt NULL: the tile
+ * found its keys turned, k_pos 1, and a vector's W positions in one block, block % W == 0);
+ * else in kt (d x SPAN floats), where the span's keys are copied turned. A vector of positions no query
  * reads (wholly before lo or from hi on) is given one that some query reads: its scores are
  * masked, and the block it would name may be given back or not yet held. */
 AT_TARGET static inline __attribute__((always_inline)) long AT_NAME(key_vectors)(
-    const struct tformer_kv *kv, long block, long d, long s0, long lo, long hi,
+    const struct tformer_kv *kv, long d, long s0, long lo, long hi,
     const float *const keys[SPAN], float *kt, const float *vec[AT_NK])
 {
-    if (kv->k_pos != 1 || block % AT_W) {
+    if (kt) {
         for (int b = 0; b < SPAN; b++)
             for (long c = 0; c < d; c++)
                 kt[c * SPAN + b] = keys[b][c * kv->k_comp];
@@ -196,8 +196,9 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const struct tf
     const long width = (dv + AT_W - 1) / AT_W * AT_W; /* acc's columns, whole vectors */
     float acc[t->n][width], m[TILE], l[TILE];
     float s[TILE][SPAN] __attribute__((aligned(64)));
-    const int in_place = kv->k_pos == 1 && block % AT_W == 0; /* key_vectors' kt unused */
-    float kt[in_place ? AT_W : d * SPAN] __attribute__((aligned(64)));
+    const int in_place = kv->k_pos == 1 && block % AT_W == 0; /* keys read where they lie */
+    float copied[in_place ? AT_W : d * SPAN] __attribute__((aligned(64)));
+    float *const kt = in_place ? NULL : copied;
     int nan[TILE];
     long lo = t->first[0], hi = t->end[0];
     for (int j = 0; j < t->n; j++) {
@@ -221,7 +222,7 @@ AT_TARGET static void AT_NAME(attend_tile)(const struct tile *t, const struct tf
         if (!n)
             continue;
         const float *vec[AT_NK];
-        const long comp = AT_NAME(key_vectors)(kv, block, d, s0, lo, hi, keys, kt, vec);
+        const long comp = AT_NAME(key_vectors)(kv, d, s0, lo, hi, keys, kt, vec);
         const float *qs[TILE];
         for (int i = 0; i < n; i++)
             qs[i] = t->q[on[i]];
