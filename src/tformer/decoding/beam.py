@@ -87,11 +87,13 @@ class _Rules:
         # read of the limits here instead of a vocabulary-wide mask at every step).
         self.first_forced = int(max_len.min()) - 1
 
-    def logprobs(self, logits: Tensor, step: int) -> Tensor:
-        """(N, V) logits of output position `step` -> (N, V) log-probabilities."""
+    def logprobs(self, logits: Tensor, step: int | Tensor, latest: int | None = None
+                 ) -> Tensor:
+        """(N, V) logits of output position `step` (one for all rows, or (N,) each row's,
+        `latest` then their largest) -> (N, V) log-probabilities."""
         logprobs = F.log_softmax(logits.float(), dim=-1)
         logprobs.index_fill_(1, self.banned, float("-inf"))
-        if step >= self.first_forced:
+        if (step if latest is None else latest) >= self.first_forced:
             must_end = (step >= self.max_len - 1)[:, None]
             logprobs.masked_fill_(must_end & self.not_eos, float("-inf"))
             if self.free_forced_eos:
@@ -99,15 +101,18 @@ class _Rules:
         return logprobs
 
     def candidates(
-        self, logits: Tensor, step: int, scores: Tensor, k: int
+        self, logits: Tensor, step: int | Tensor, scores: Tensor, k: int,
+        latest: int | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """(N, V) logits of output position `step` and the rows' (N,) scores so far -> the
-        best k of logprobs(logits, step) + scores in each row (values and tokens, (N, k)).
+        """(N, V) logits of output position `step` (as in `logprobs`) and the rows' (N,)
+        scores so far -> the best k of logprobs(logits, step) + scores in each row (values
+        and tokens, (N, k)).
 
         kernels/search.py finds them without writing out the (N, V) log-probabilities; the
         steps where a row reaches its limit (few) take logprobs' path."""
-        if step >= self.first_forced and bool((step >= self.max_len - 1).any()):
-            return self.logprobs(logits, step).add_(scores[:, None]).topk(k, dim=-1)
+        if ((step if latest is None else latest) >= self.first_forced
+                and bool((step >= self.max_len - 1).any())):
+            return self.logprobs(logits, step, latest).add_(scores[:, None]).topk(k, dim=-1)
         return top_logprobs(logits.float(), scores, k, self.banned)
 
     def keep(self, rows: Tensor) -> None:

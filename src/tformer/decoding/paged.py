@@ -192,7 +192,8 @@ class PagedPool:
         self.blocks = BlockPool(blocks, prefix_cache=prefix_cache)
         """Which blocks are free, held, or kept under a name (decoding/blocks.py)."""
         self.model = model = runner(model)
-        self.context = model.cfg.context
+        # A decoder-only model's positions, or an encoder-decoder's target positions.
+        self.context = getattr(model.cfg, "context", None) or model.cfg.max_len
         self.window: int | None = getattr(model.cfg, "cache_window", None)
         self.block_size = block_size
         probe = model.make_cache(1, 1).self_attn
@@ -257,7 +258,7 @@ class PagedPool:
     def _drop(self, block: int) -> None:
         self.blocks.drop(block)
 
-    def _allocate(self, rows: list[Row], adding: list[int]) -> None:
+    def allocate(self, rows: list[Row], adding: list[int]) -> None:
         """Give each row the blocks it needs for `adding` more positions, all or none."""
         needs = [blocks_for(row.length + a, self.block_size) - len(row.blocks)
                  for row, a in zip(rows, adding, strict=True)]
@@ -316,7 +317,7 @@ class PagedPool:
         if longest > self.context:
             raise ValueError(f"{longest} positions exceed the model's context of "
                              f"{self.context}")
-        self._allocate(rows, counts)
+        self.allocate(rows, counts)
         logits = None
         if bool(real.all()):
             logits = self._step_in_place(rows, tokens, last_only)
@@ -447,19 +448,49 @@ class PagedPool:
                 self._own_last(row)
 
     def _own_last(self, row: Row) -> None:
-        """Make the row's last block its own before it writes into it again: unnamed, or
-        a copy where other rows hold it too (copy on write)."""
-        block = row.blocks[-1]
-        if self.blocks.shared(block):
-            if not self.available:
-                raise PoolFull("no KV block free to copy a shared one into")
-            copy = self._take()
-            for buf in (*self.k, *self.v):
-                buf[copy] = buf[block]
+        """Make the row's last block its own before it writes into it again."""
+        self.own_last([row])
+
+    def own_last(self, rows: list[Row]) -> None:
+        """Make each row's last block its own before it writes into it again: unnamed, or
+        a copy where other rows hold it too (copy on write; the copies in one indexed copy
+        per buffer). PoolFull (nothing changed) where too few blocks are free for them."""
+        shared = [row for row in rows if self.blocks.shared(row.blocks[-1])]
+        if len(shared) > self.available:
+            raise PoolFull(f"{len(shared)} KV blocks needed to copy shared ones into, "
+                           f"{self.available} free")
+        for row in rows:
+            if not self.blocks.shared(row.blocks[-1]):
+                self.blocks.unname(row.blocks[-1])
+        if not shared:
+            return
+        # Each copy is taken before its source is dropped: a source block that the last of
+        # its rows leaves is then the last row's own, and needs no copy.
+        sources, copies = [], []
+        for row in shared:
+            block = row.blocks[-1]
+            if not self.blocks.shared(block):
+                self.blocks.unname(block)
+                continue
+            copy = self.blocks.take()
             self.blocks.drop(block)
             row.blocks[-1] = copy
-        else:
-            self.blocks.unname(block)
+            sources.append(block)
+            copies.append(copy)
+        src = torch.tensor(sources, device=self.device)
+        dst = torch.tensor(copies, device=self.device)
+        for buf in (*self.k, *self.v):
+            buf[dst] = buf[src]
+
+    def fork(self, row: Row) -> Row:
+        """A row that continues `row` (beam search: a hypothesis extending another): it
+        holds the same blocks, nothing copied; whichever of them next writes into a last
+        block that both hold first takes a copy (`own_last`)."""
+        for block in row.blocks[row.behind :]:
+            self.blocks.hold(block)
+        return Row(blocks=BlockTable(row.blocks), length=row.length, tokens=list(row.tokens),
+                   hashes=list(row.hashes), looked_up=row.looked_up, behind=row.behind,
+                   skipped=row.skipped)
 
     def remove(self, row: int) -> None:
         """Free an active row; the last one moves into its place."""

@@ -153,15 +153,22 @@ class MultiHeadAttention(nn.Module):
                 return self._norm_rotate(q, positions, self.q_norm), *kept
             if memory is None:
                 raise ValueError("cross-attention needs `memory`")
-            k, v = self.kv_proj(memory).split([k_width, v_width], dim=-1)
-        else:
-            q, k, v = self.qkv_proj(x).split([q_width, k_width, v_width], dim=-1)
-            q = self._heads(q, self.n_head, self.d_head)
+            return self._norm_rotate(q, positions, self.q_norm), *self.memory_kv(memory)
+        q, k, v = self.qkv_proj(x).split([q_width, k_width, v_width], dim=-1)
+        q = self._heads(q, self.n_head, self.d_head)
         k = self._heads(k, self.n_kv_head, self.d_head)
         v = self._heads(v, self.n_kv_head, self.d_value)
         q = self._norm_rotate(q, positions, self.q_norm)
-        k = self._norm_rotate(k, None if self.cross else positions, self.k_norm)
+        k = self._norm_rotate(k, positions, self.k_norm)
         return q, k, v
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention's keys (B', H_kv, S, d_head) and values (B', H_kv, S, d_value) of
+        the (B', S, D) memory: what a decoder keeps for every step (StaticKV)."""
+        _, k_width, v_width = self.widths
+        k, v = self.kv_proj(memory).split([k_width, v_width], dim=-1)
+        k = self._norm_rotate(self._heads(k, self.n_kv_head, self.d_head), None, self.k_norm)
+        return k, self._heads(v, self.n_kv_head, self.d_value)
 
     def _heads(self, x: Tensor, heads: int, d: int) -> Tensor:
         """(B, T, heads * d) -> (B, heads, T, d)."""

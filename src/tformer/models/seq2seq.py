@@ -195,17 +195,17 @@ class Seq2Seq(Model):
         tokens: Tensor,
         start: int = 0,
         is_real: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """Scaled embeddings plus positions: start, start + 1, ... or, given is_real, the
-        number of real tokens before each one (so padding shifts nothing)."""
-        if start + tokens.shape[1] > self.cfg.max_len:
-            raise ValueError(
-                f"{start + tokens.shape[1]} tokens exceed the model's max_len of "
-                f"{self.cfg.max_len}"
-            )
-        if is_real is None:
+        number of real tokens before each one (so padding shifts nothing), or given
+        `positions` (B, T), those."""
+        end = start + tokens.shape[1] if positions is None else int(positions.max()) + 1
+        if end > self.cfg.max_len:
+            raise ValueError(f"{end} tokens exceed the model's max_len of {self.cfg.max_len}")
+        if positions is None and is_real is None:
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        else:
+        elif positions is None:
             positions = (is_real.cumsum(1) - 1).clamp(min=0)
         x = embed(tokens)
         if self.embed_scale != 1.0:
@@ -255,6 +255,11 @@ class Seq2Seq(Model):
                                                         tgt_real=tgt_real)
         x = self.decoder_stack(x, memory, memory_mask, self_mask, cache)
         return self.decoder_outputs(x, targets=targets)
+
+    def embed_targets(self, tgt: Tensor, positions: Tensor) -> Tensor:
+        """(B, T) target ids at (B, T) positions -> the decoder's inputs (B, T, D): rows at
+        different steps (decoding/beam_pool.py)."""
+        return self._embed(self.tgt_embed, self.tgt_embed_norm, tgt, positions=positions)
 
     def decoder_inputs(
         self, tgt: Tensor, src_real: Tensor, *, cache: DecoderCache | None = None,
