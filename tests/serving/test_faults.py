@@ -12,13 +12,15 @@ import torch
 from fastapi.testclient import TestClient
 
 from tformer.data.tokenizers import CharTokenizer
+from tformer.decoding.beam_pool import BeamPool
 from tformer.decoding.translate import SearchOptions, Translation
 from tformer.models.gpt import GPT, GPTConfig
+from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from tformer.serving import sequence, translation
 from tformer.serving.app import create_app
 from tformer.serving.scheduler import LMEngine
 from tformer.serving.sequence import Sampling, Sequence
-from tformer.serving.translation import TranslationBatcher, TranslationJob
+from tformer.serving.translation import TranslationEngine, TranslationJob
 
 from .conftest import TEXT
 from .test_scheduler import Collect, alone, decisive
@@ -162,14 +164,27 @@ def test_a_detokenizing_fault_fails_its_request_alone(gpt):
 
 
 def test_a_translation_fault_fails_its_line_alone(monkeypatch):
+    # A step with a bad line in flight fails: every line in flight is translated again one
+    # by one, and only the bad one fails.
     def fake_translate(model, tokenizer, lines, options, *, batch_size):
         if any("boom" in line for line in lines):
             raise RuntimeError("injected fault")
         return [[Translation(line[::-1], -1.0)] for line in lines]
 
+    tokenizer = CharTokenizer(TEXT, specials=True)
+    step = BeamPool.step
+
+    def failing_step(self):
+        if any(key[1] == 1 and key[0].lines[1] == "a boom" for key in self.keys):
+            raise RuntimeError("a step failed")
+        return step(self)
+
     monkeypatch.setattr(translation, "translate", fake_translate)
-    tokenizer = CharTokenizer(TEXT)
-    batcher = TranslationBatcher(None, tokenizer, window=0.05)
+    monkeypatch.setattr(BeamPool, "step", failing_step)
+    torch.manual_seed(0)
+    model = Seq2Seq(Seq2SeqConfig(vocab_size=tokenizer.vocab_size, max_len=32, n_layer=1,
+                                  n_head=2, d_model=16, d_ff=32, dropout=0.0)).eval()
+    batcher = TranslationEngine(model, tokenizer, window=0.05)
     answers: dict[int, list] = {}
     done = [threading.Event() for _ in range(3)]
 

@@ -179,9 +179,9 @@ def test_the_thread_drains_its_queue_on_stop(gpt):
 
 def test_the_translation_queue_is_bounded():
     from tformer.decoding.translate import SearchOptions
-    from tformer.serving.translation import TranslationBatcher, TranslationJob
+    from tformer.serving.translation import TranslationEngine, TranslationJob
 
-    batcher = TranslationBatcher(None, None, max_waiting=2)
+    batcher = TranslationEngine(None, None, max_waiting=2)
     jobs = [TranslationJob(["a"], SearchOptions(), lambda r: None) for _ in range(3)]
     assert batcher.submit(jobs[0]) and batcher.submit(jobs[1])
     assert not batcher.submit(jobs[2])

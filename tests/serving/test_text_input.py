@@ -15,7 +15,7 @@ from tformer.data.tokenizers import BPETokenizer
 from tformer.registry import get_family
 from tformer.serving.app import create_app
 from tformer.serving.scheduler import LMEngine
-from tformer.serving.translation import TranslationBatcher
+from tformer.serving.translation import TranslationEngine
 
 BAD = "caf\ud800e"
 MESSAGE = [{"role": "user", "content": BAD}]
@@ -61,7 +61,7 @@ def app_of(family, **model):
         return create_app(engine, tokenizer, model_name="m", kind="lm",
                           chat_template=ChatTemplate("{% for m in messages %}{{ m.content }}"
                                                      "{% endfor %}"))
-    return create_app(TranslationBatcher(net, tokenizer), tokenizer, model_name="m",
+    return create_app(TranslationEngine(net, tokenizer), tokenizer, model_name="m",
                       kind="seq2seq")
 
 

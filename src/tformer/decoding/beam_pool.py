@@ -68,16 +68,17 @@ class BeamPool:
     """Sentences decoded by beam search together, each from the step it joined.
 
     `model`: an encoder-decoder model (models/seq2seq.py's Seq2Seq protocol, with
-    `embed_targets` and its `decoder` layers). `blocks`: the pool's size (None: room for
-    `sentences` sentences of K hypotheses of up to 128 target tokens, and for one of the
-    longest the model allows). With beam 1 and early stopping, this is greedy search.
+    `embed_targets` and its `decoder` layers). `pool`: the PagedPool to decode over (empty),
+    or None for one of `blocks` blocks (None: room for `sentences` sentences of K
+    hypotheses of up to 128 target tokens, and for one of the longest the model allows).
+    With beam 1 and early stopping, this is greedy search.
     """
 
     def __init__(self, model: nn.Module, *, beam: int, bos_id: int, eos_id: int,
                  pad_id: int, alpha: float = 0.6, max_len_a: float = 1.5, max_len_b: int = 10,
                  n_best: int = 1, early_stopping: bool = False, penalty: str = "gnmt",
                  sentences: int = 32, blocks: int | None = None,
-                 block_size: int = BLOCK_SIZE) -> None:
+                 block_size: int = BLOCK_SIZE, pool: PagedPool | None = None) -> None:
         self.model = model.model if isinstance(model, Seq2SeqRunner) else model
         cfg = self.model.cfg
         K = self.beam = beam
@@ -90,10 +91,14 @@ class BeamPool:
         self.early_stopping = early_stopping
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
         length_penalty(1.0, alpha, penalty)  # an unknown penalty fails here, not mid-flight
-        if blocks is None:
-            blocks = 1 + K * max(sentences * blocks_for(min(cfg.max_len, 128), block_size),
-                                 blocks_for(cfg.max_len, block_size))
-        self.pool = PagedPool(self.model, blocks, block_size=block_size, prefix_cache=False)
+        if pool is None:
+            if blocks is None:
+                blocks = 1 + K * max(sentences * blocks_for(min(cfg.max_len, 128), block_size),
+                                     blocks_for(cfg.max_len, block_size))
+            pool = PagedPool(self.model, blocks, block_size=block_size, prefix_cache=False)
+        elif pool.used:
+            raise ValueError("a beam pool starts over an empty KV pool")
+        self.pool = pool
         self.device = device = self.pool.device
         self.reserve: list[int] = []
         """The blocks each sentence in flight reserves (K times its longest output's)."""
@@ -344,6 +349,15 @@ class BeamPool:
             if i not in taken:
                 pool.release(row)
         self.rows = following
+
+    def leave(self, keys: Sequence[Any]) -> None:
+        """The sentences joined with these keys leave unfinished (a client gone)."""
+        gone = {id(key) for key in keys}
+        stay = [i for i, key in enumerate(self.keys) if id(key) not in gone]
+        K = self.beam
+        self._keep(torch.tensor(stay, dtype=torch.long, device=self.device))
+        self._follow([i * K + k for i in stay for k in range(K)])
+        self._latest = int(self.steps.max()) if self.keys else 0
 
     def clear(self) -> list[Any]:
         """Drop every sentence in flight (their blocks back); the keys they joined with."""

@@ -66,6 +66,32 @@ class Translation:
     score: float
 
 
+def source_ids(tokenizer: Tokenizer, lines: Sequence[str], limit: int,
+               trained_len: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """Each line's source ids (cut to the model's `limit` positions, with a warning; a
+    warning too where longer than `trained_len`, the longest the training pairs had), and
+    which lines are blank (their ids empty: they translate to an empty line, since a model
+    asked to translate nothing invents a sentence)."""
+    # Blank lines are not encoded (white space may not even be in the vocabulary).
+    sources = encode_source(tokenizer, [line if line.strip() else "" for line in lines])
+    too_long = []
+    for i, ids in enumerate(sources):
+        if len(ids) > limit:
+            log.warning("line %d has %d tokens; the model reads the first %d", i + 1, len(ids),
+                        limit)
+            sources[i] = ids[: limit - 1] + [tokenizer.eos_id]
+        elif trained_len is not None and len(ids) > trained_len:
+            too_long.append(i + 1)
+    if too_long:
+        shown = ", ".join(str(n) for n in too_long[:5]) + (" ..." if len(too_long) > 5 else "")
+        log.warning("%d line(s) are longer than any training source (%d tokens), so their "
+                    "translations are likely poor: line %s", len(too_long), trained_len, shown)
+    blank = [i for i, line in enumerate(lines) if not line.strip()]
+    for i in blank:
+        sources[i] = []
+    return sources, blank
+
+
 def translate(
     model: nn.Module,
     tokenizer: Tokenizer,
@@ -87,23 +113,8 @@ def translate(
     """
     options = options or SearchOptions()
     device = next(model.parameters()).device
-    limit = model.cfg.max_len
-    # Blank lines are not encoded (white space may not even be in the vocabulary).
-    sources = encode_source(tokenizer, [line if line.strip() else "" for line in lines])
+    sources, blank = source_ids(tokenizer, lines, model.cfg.max_len, trained_len)
     results: list[list[Translation]] = [[] for _ in sources]
-    too_long = []
-    for i, ids in enumerate(sources):
-        if len(ids) > limit:
-            log.warning("line %d has %d tokens; the model reads the first %d", i + 1, len(ids),
-                        limit)
-            sources[i] = ids[: limit - 1] + [tokenizer.eos_id]
-        elif trained_len is not None and len(ids) > trained_len:
-            too_long.append(i + 1)
-    if too_long:
-        shown = ", ".join(str(n) for n in too_long[:5]) + (" ..." if len(too_long) > 5 else "")
-        log.warning("%d line(s) are longer than any training source (%d tokens), so their "
-                    "translations are likely poor: line %s", len(too_long), trained_len, shown)
-    blank = [i for i, line in enumerate(lines) if not line.strip()]
     for i in blank:
         results[i] = [Translation("", 0.0)] * options.n_best
     if blank and progress is not None:

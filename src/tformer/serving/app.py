@@ -39,7 +39,7 @@ from tformer.serving.protocol import (
 )
 from tformer.serving.scheduler import LMEngine
 from tformer.serving.tokens import TokenTexts
-from tformer.serving.translation import TranslationBatcher
+from tformer.serving.translation import TranslationEngine
 from tformer.serving.turn import ClientLeft, Server
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class Metrics:
             t0, n0 = self.started, 0
         return (total - n0) / (now - t0) if now > t0 else 0.0
 
-    def render(self, engine: LMEngine | TranslationBatcher) -> str:
+    def render(self, engine: LMEngine | TranslationEngine) -> str:
         lines = ["# HELP tformer_requests_total HTTP requests by route and status.",
                  "# TYPE tformer_requests_total counter"]
         for (route, status), n in sorted(self.requests.items()):
@@ -153,7 +153,7 @@ def speculation_figures(spec: SpeculationStats | None) -> list[tuple[str, str, s
 # --- the application --------------------------------------------------------------------
 
 
-def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_name: str,
+def create_app(engine: LMEngine | TranslationEngine, tokenizer: Any, *, model_name: str,
                kind: str, api_key: str | None = None, limits: Limits | None = None,
                created: int | None = None, chat_template: ChatTemplate | None = None,
                pooling: str = "mean") -> FastAPI:
@@ -294,7 +294,7 @@ def create_app(engine: LMEngine | TranslationBatcher, tokenizer: Any, *, model_n
                 app.add_api_route(route.path, bound(route.handler, server),
                                   methods=[route.method], response_model=None)
     else:
-        assert isinstance(engine, TranslationBatcher)
+        assert isinstance(engine, TranslationEngine)
 
         @app.post("/v1/translations")
         async def translations(body: TranslationRequest, request: Request) -> JSONResponse:

@@ -97,7 +97,7 @@ def serve_command(
     from tformer.serving.app import create_app
     from tformer.serving.protocol import Limits
     from tformer.serving.scheduler import LMEngine
-    from tformer.serving.translation import TranslationBatcher
+    from tformer.serving.translation import TranslationEngine
     from tformer.training.device import pick_device
 
     if not 1 <= port <= 65535:
@@ -134,7 +134,7 @@ def serve_command(
                                     prompt_lookup=prompt_lookup, weights=weights,
                                     device=where, capacity=max_batch)
         blocks = kv_blocks(model, kv_memory, max_batch, where) if batched else None
-        engine: LMEngine | TranslationBatcher = LMEngine(
+        engine: LMEngine | TranslationEngine = LMEngine(
             model, eos_id=tokenizer.eos_ids, max_batch=max_batch, max_waiting=max_waiting,
             batched=batched, generate=family.generate, speculator=speculator,
             kv_blocks=blocks, step_tokens=step_tokens, prefix_cache=not no_prefix_cache)
@@ -142,7 +142,7 @@ def serve_command(
         if draft is not None or prompt_lookup:
             raise TformerError(f"speculative decoding is for language models; "
                                f"{loaded.label} is a {family.name} model")
-        engine = TranslationBatcher(model, tokenizer, window=batch_window_ms / 1000,
+        engine = TranslationEngine(model, tokenizer, window=batch_window_ms / 1000,
                                     batch_size=max(max_batch, 32), max_waiting=max_waiting)
     specials = special_tokens(tokenizer)
     template = load_chat_template(loaded.path, chat_template, specials) if kind == "lm" else None

@@ -35,7 +35,7 @@ from tformer.serving.scheduler import LMEngine
 from tformer.serving.sequence import Sampling, Sequence
 from tformer.serving.structured import compile_for, request_constraint
 from tformer.serving.tokens import TokenTexts
-from tformer.serving.translation import TranslationBatcher, TranslationJob
+from tformer.serving.translation import TranslationEngine, TranslationJob
 
 if TYPE_CHECKING:
     from tformer.decoding.constraints import Grammar
@@ -485,7 +485,7 @@ class Completion:
 
 
 async def translate_lines(body: TranslationRequest, request: Request,
-                          engine: TranslationBatcher, model_name: str,
+                          engine: TranslationEngine, model_name: str,
                           limits: Limits) -> JSONResponse:
     if not 1 <= len(body.input) <= limits.max_lines:
         raise ApiError(400, f"input holds {len(body.input)} lines; send 1 to "
