@@ -68,7 +68,7 @@ def max_output_lengths(src_real: Tensor, a: float, b: int, limit: int) -> Tensor
     return (a * src_len + b).floor().long().clamp(min=1, max=limit)
 
 
-class _Rules:
+class SearchRules:
     """The rules of decoding, applied to a step's log-probabilities: padding and BOS are
     never produced, and a row whose length limit is reached must produce EOS.
 
@@ -119,7 +119,7 @@ class _Rules:
         """Apply to rows `rows` of this batch only, from now on."""
         self.max_len = self.max_len[rows]
 
-    def of_rows(self, rows: Tensor) -> _Rules:
+    def of_rows(self, rows: Tensor) -> SearchRules:
         """The same rules for rows `rows` of this batch (this one unchanged)."""
         rules = copy.copy(self)
         rules.keep(rows)
@@ -166,7 +166,7 @@ def greedy_search(
     logprob = torch.zeros(B, device=src.device)
     length = torch.zeros(B, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
-    rules = _Rules(max_len, model.cfg.vocab_size, eos_id=eos_id, banned=(pad_id, bos_id),
+    rules = SearchRules(max_len, model.cfg.vocab_size, eos_id=eos_id, banned=(pad_id, bos_id),
                    free_forced_eos=penalty == "hf")
     sentence = torch.arange(B, device=src.device)  # the input sentence of each row
     results: list[Hypothesis | None] = [None] * B
@@ -265,7 +265,7 @@ def beam_search(
     rank = torch.arange(2 * K, device=device)
     row_offset = torch.arange(B, device=device)[:, None] * K
 
-    rules = _Rules(max_len_beams, V, eos_id=eos_id, banned=(pad_id, bos_id),
+    rules = SearchRules(max_len_beams, V, eos_id=eos_id, banned=(pad_id, bos_id),
                    free_forced_eos=penalty == "hf")
     any_finished = False  # whether any hypothesis has finished yet (known on the host)
     sentence = torch.arange(B, device=device)  # the input sentence of each row of the state

@@ -9,11 +9,11 @@ rows in flight before any step (`join`) and leaves at the step it is finished (`
 returns its hypotheses), so a server's translation starts at the next step, not after the
 longest one in flight has ended.
 
-The search is beam_search's, step for step, for each sentence: the same rules (_Rules, with
-each row's own step), the best 2K candidates, the finished hypotheses, and when a sentence
-ends (fairseq's rule, early stopping, or Hugging Face's), so a sentence gets the hypotheses
-it gets from beam_search alone (tests/decoding/test_beam_pool.py). What differs is where
-its state lies:
+The search is beam_search's, step for step, for each sentence: the same rules
+(SearchRules, with each row's own step), the best 2K candidates, the finished hypotheses,
+and when a sentence ends (fairseq's rule, early stopping, or Hugging Face's), so a sentence
+gets the hypotheses it gets from beam_search alone (tests/decoding/test_beam_pool.py).
+What differs is where its state lies:
 
 - self-attention: each hypothesis is a Row of a PagedPool (decoding/paged.py). A step's
   reorder copies no keys: a hypothesis that continues another holds the other's blocks
@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from tformer.data.parallel import pad_right
-from tformer.decoding.beam import Hypothesis, _Rules, length_penalty, max_output_lengths
+from tformer.decoding.beam import Hypothesis, SearchRules, length_penalty, max_output_lengths
 from tformer.decoding.paged import BLOCK_SIZE, PagedPool, PagedView, Row, blocks_for
 from tformer.decoding.runner import Seq2SeqRunner
 from tformer.layers.cache import StaticKV
@@ -118,7 +118,7 @@ class BeamPool:
         self.src_real = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.cross = [StaticKV() for _ in self.model.decoder]
         self.memory_bias = torch.zeros(0, 1, 1, 0, device=device)
-        self.rules: _Rules | None = None
+        self.rules: SearchRules | None = None
         self._latest = 0  # the most steps any sentence in flight has taken (on the host)
 
     @property
@@ -193,7 +193,7 @@ class BeamPool:
         self._new_rules()
 
     def _new_rules(self) -> None:
-        self.rules = None if not self.keys else _Rules(
+        self.rules = None if not self.keys else SearchRules(
             self.max_len.repeat_interleave(self.beam), self.model.cfg.vocab_size,
             eos_id=self.eos_id, banned=(self.pad_id, self.bos_id),
             free_forced_eos=self.penalty == "hf")

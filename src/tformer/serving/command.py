@@ -59,7 +59,8 @@ def serve_command(
     ] = 64,
     max_body_bytes: Annotated[int, Help("the largest request body accepted")] = 1 << 20,
     batch_window_ms: Annotated[
-        float, Help("translations arriving this close together share a batch")
+        float, Help("an idle server waits this long for translations arriving together, "
+                    "to start them in one step (later ones join the next step)")
     ] = 10.0,
     chat_template: Annotated[
         str | None, Help("a Jinja chat template for /v1/chat/completions (default: the "
@@ -142,8 +143,10 @@ def serve_command(
         if draft is not None or prompt_lookup:
             raise TformerError(f"speculative decoding is for language models; "
                                f"{loaded.label} is a {family.name} model")
+        sentences = max(max_batch, 32)
         engine = TranslationEngine(model, tokenizer, window=batch_window_ms / 1000,
-                                    batch_size=max(max_batch, 32), max_waiting=max_waiting)
+                                   batch_size=sentences, max_waiting=max_waiting,
+                                   blocks=kv_blocks(model, kv_memory, sentences, where))
     specials = special_tokens(tokenizer)
     template = load_chat_template(loaded.path, chat_template, specials) if kind == "lm" else None
     app = create_app(engine, tokenizer, model_name=name, kind=kind, api_key=api_key,
@@ -190,11 +193,15 @@ def free_memory(device: Any) -> int:
 
 def kv_blocks(model: Any, gib: float | None, max_batch: int, device: Any) -> int:
     """Blocks of the paged KV pool: `gib` GiB of them, or half the free memory, at most
-    what max_batch full contexts take."""
+    what max_batch full contexts take (a translation model's: what max_batch sentences
+    take, serving/translation.py's default_blocks)."""
     from tformer.decoding.paged import PagedPool, blocks_for
+    from tformer.serving.translation import default_blocks
 
     size = PagedPool.block_bytes(model)
-    most = max_batch * blocks_for(model.cfg.context) + 1
+    context = getattr(model.cfg, "context", None)
+    most = (max_batch * blocks_for(context) + 1 if context is not None
+            else default_blocks(model, max_batch))
     if gib is None:
         return max(2, min(most, free_memory(device) // 2 // size))
     blocks = int(gib * 2**30 // size)
