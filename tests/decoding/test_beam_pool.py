@@ -8,6 +8,7 @@ from tformer.decoding import paged as paged_module
 from tformer.decoding.beam import beam_search, greedy_search
 from tformer.decoding.beam_pool import BeamPool
 from tformer.kernels import attend as attend_module
+from tformer.kernels.step import DecoderStep
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
 PAD, BOS, EOS = 0, 1, 2
@@ -90,23 +91,45 @@ def test_beam_one_with_early_stopping_is_greedy_search(model):
         assert_same(results[i], alone(model, seq, beam=1, alpha=0.6, greedy=True))
 
 
-def test_the_attention_over_gathered_blocks_gives_the_same_search(model, monkeypatch):
-    # The pool's blocks read in place by the paged kernel, or gathered into a padded
-    # window by torch (the path off the CPU): the same hypotheses.
-    seqs = sentences(8, seed=5)
-    arrivals = [0, 0, 1, 3, 3, 4, 9, 10]
-    calls = []
-    kernel = paged_module.attend_paged
-    monkeypatch.setattr(paged_module, "attend_paged",
-                        lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    in_place = run(BeamPool(model, beam=4, **SPECIAL), seqs, arrivals)
-    assert calls or not attend_module.serves(torch.zeros(1, 2, 1, 8))
-    pool = BeamPool(model, beam=4, **SPECIAL)
-    pool.pool.in_place = False
-    monkeypatch.setattr(paged_module, "attend_paged", lambda *a, **k: pytest.fail("read in place"))
-    gathered = run(pool, seqs, arrivals)
+def paths_used(monkeypatch) -> dict[str, int]:
+    """Counts of the pool's decoding steps through step.c's paged decoder step, and of its
+    layers' attentions through the paged attention kernel."""
+    used = {"step": 0, "attend": 0}
+    run_paged, attend_paged = DecoderStep.run_paged, paged_module.attend_paged
+
+    def counted(name, f):
+        def g(*args, **kwargs):
+            used[name] += 1
+            return f(*args, **kwargs)
+        return g
+
+    monkeypatch.setattr(DecoderStep, "run_paged", counted("step", run_paged))
+    monkeypatch.setattr(paged_module, "attend_paged", counted("attend", attend_paged))
+    return used
+
+
+@pytest.mark.parametrize("path", ["layers", "gathered"])
+def test_every_path_over_the_blocks_gives_the_same_search(model, monkeypatch, path):
+    # step.c's decoder step over the blocks in place (where it serves: fp32 on a CPU), the
+    # layers as modules with the paged attention kernel over them, or with the blocks
+    # gathered into a padded window by torch (the path off the CPU): the same hypotheses.
+    # (step.c's fp32 products take 4 rows at most: steps of one or two sentences run
+    # there, the others as modules, in one search.)
+    seqs = sentences(10, seed=5)
+    arrivals = [0, 0, 1, 3, 3, 4, 9, 10, 25, 40]
+    used = paths_used(monkeypatch)
+    first = run(BeamPool(model, beam=2, **SPECIAL), seqs, arrivals)
+    assert used["step"] > 10 or not attend_module.serves(torch.zeros(1, 2, 1, 8))
+    pool = BeamPool(model, beam=2, **SPECIAL)
+    pool._step = None
+    pool.pool.in_place = path == "layers"
+    used.update(step=0, attend=0)
+    other = run(pool, seqs, arrivals)
+    assert used["step"] == 0
+    assert (used["attend"] > 10) == (path == "layers" and attend_module.serves(
+        torch.zeros(1, 2, 1, 8)))
     for i in range(len(seqs)):
-        assert_same(gathered[i], in_place[i])
+        assert_same(other[i], first[i])
 
 
 def test_beams_share_their_blocks_and_copy_only_the_last_one_they_write(model):

@@ -216,3 +216,60 @@ def test_heads_whose_values_are_wider_than_their_keys(int8):
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.to(b.dtype), b, atol=1e-4 if int8 else 2e-5,
                                    rtol=1e-4 if int8 else 1e-5)
+
+
+@native
+@pytest.mark.parametrize("norm", ["pre", "post"])
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
+def test_a_step_over_a_paged_pool_computes_what_the_layers_compute_in_float64(norm, activation):
+    # Rows of different lengths over blocks of 4 positions, two of them sharing their first
+    # blocks (a fork, as beam search's hypotheses do) and then a copy of the last one, each
+    # step's logits against the float64 model reading the row's whole target at once.
+    from tformer.decoding.paged import PagedPool, Row
+    from tformer.layers.cache import StaticKV
+    from tformer.layers.masks import attention_bias, padding_mask
+
+    model = quantize_model(make_model(norm, activation), "fp32")
+    reference = make_model(norm, activation).double()
+    step = DecoderStep.paged(model.decoder)
+    assert step is not None
+    src, real = sources(sentences=2)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        memory = model.encode(src, real)
+        memory64 = reference.encode(src, real)
+        cross = []
+        for layer in model.decoder:
+            c = StaticKV()
+            c.k, c.v = layer.cross_attn.memory_kv(memory)
+            cross.append(c)
+        bias = attention_bias(padding_mask(real), torch.float32)
+        pool = PagedPool(model, 24, block_size=4, prefix_cache=False)
+        rows = [Row(), Row()]  # one row a sentence at first: n = 2 rows of 2 sentences
+        targets = [[1], [1]]
+
+        def step_all(tokens):
+            pool.own_last([row for row in rows if row.length % pool.block_size])
+            pool.allocate(rows, [1] * len(rows))
+            positions = torch.tensor([[row.length] for row in rows])
+            x = model.embed_targets(torch.tensor(tokens)[:, None], positions)
+            lengths = torch.tensor([row.length + 1 for row in rows])
+            x = step.run_paged(x, pool.k, pool.v, pool.block_tables(rows), lengths, cross,
+                               bias)
+            for row in rows:
+                row.length += 1
+            return model.decoder_outputs(x)[:, -1]
+
+        for t in range(11):
+            if t == 5:  # each sentence's row forks: two hypotheses a sentence from here
+                rows = [rows[0], pool.fork(rows[0]), rows[1], pool.fork(rows[1])]
+                targets = [targets[0], list(targets[0]), targets[1], list(targets[1])]
+            got = step_all([target[-1] for target in targets])
+            group = len(rows) // 2
+            for i, target in enumerate(targets):
+                sentence = slice(i // group, i // group + 1)
+                want = reference.decode(torch.tensor([target]), memory64[sentence],
+                                        real[sentence])[0, -1]
+                torch.testing.assert_close(got[i].double(), want, atol=2e-5, rtol=1e-5)
+                target.append(int(torch.randint(3, VOCAB, (), generator=g)))
+        assert pool.used < sum(len(row.blocks) for row in rows)  # the forks share blocks

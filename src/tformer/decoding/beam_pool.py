@@ -50,6 +50,8 @@ from tformer.data.parallel import pad_right
 from tformer.decoding.beam import Hypothesis, SearchRules, length_penalty, max_output_lengths
 from tformer.decoding.paged import BLOCK_SIZE, PagedPool, PagedView, Row, blocks_for
 from tformer.decoding.runner import Seq2SeqRunner
+from tformer.kernels.attend import serves_cache
+from tformer.kernels.step import DecoderStep
 from tformer.layers.cache import StaticKV
 from tformer.layers.masks import attention_bias, padding_mask
 
@@ -100,6 +102,9 @@ class BeamPool:
             raise ValueError("a beam pool starts over an empty KV pool")
         self.pool = pool
         self.device = device = self.pool.device
+        self._step = DecoderStep.paged(self.model.decoder) if serves_cache(
+            pool.k[0].dtype, device) else None
+        """The decoder's layers as step.c's one call each over the pool, or None."""
         self.reserve: list[int] = []
         """The blocks each sentence in flight reserves (K times its longest output's)."""
 
@@ -204,18 +209,34 @@ class BeamPool:
         pool, rows, model = self.pool, self.rows, self.model
         pool.own_last([row for row in rows if row.length % pool.block_size])
         pool.allocate(rows, [1] * len(rows))
-        view = PagedView(pool, rows, torch.ones_like(inputs, dtype=torch.bool))
         x = model.embed_targets(inputs, self.steps.repeat_interleave(self.beam)[:, None])
+        step = self._step
+        if (pool.in_place and step is not None
+                and step.serves_paged(x, self.cross, self.memory_bias, pool.k[0])):
+            # Every layer one C call, its self-attention reading the blocks in place.
+            lengths = torch.tensor([row.length + 1 for row in rows], device=self.device)
+            x = step.run_paged(x, pool.k, pool.v, pool.block_tables(rows), lengths,
+                               self.cross, self.memory_bias)
+        else:
+            x = self._layers(x)
+        for row in rows:
+            row.length += 1
+        return model.decoder_outputs(x)[:, -1]
+
+    def _layers(self, x: Tensor) -> Tensor:
+        """The decoder's layers as modules on (n * K, 1, D) inputs, their keys and values
+        stored in the hypotheses' blocks: read in place by the paged attention kernel where
+        it serves, else gathered (PagedView)."""
+        view = PagedView(self.pool, self.rows, torch.ones(*x.shape[:2], dtype=torch.bool,
+                                                          device=self.device))
         # Where the blocks are gathered into a window (not read in place), rows shorter
         # than the longest are padded in it, and masked.
         self_mask = None if view.is_real is None else attention_bias(
             padding_mask(view.is_real), x.dtype)
-        for layer, self_kv, cross in zip(model.decoder, view.self_attn, self.cross,
+        for layer, self_kv, cross in zip(self.model.decoder, view.self_attn, self.cross,
                                          strict=True):
             x = layer(x, None, self.memory_bias, self_kv, cross, self_mask)
-        for row in rows:
-            row.length += 1
-        return model.decoder_outputs(x)[:, -1]
+        return x
 
     @torch.no_grad()
     def step(self) -> list[Finished]:

@@ -137,6 +137,16 @@ class BlockTable:
     def __repr__(self) -> str:
         return f"BlockTable({list(self)})"
 
+    @property
+    def last(self) -> int:
+        """The last id (a row's block that its next position may go to)."""
+        return int(self._ids[self._n - 1])
+
+    def copy(self) -> BlockTable:
+        table = BlockTable.__new__(BlockTable)
+        table._ids, table._n = self._ids.copy(), self._n
+        return table
+
     def append(self, block: int) -> None:
         if self._n == len(self._ids):
             self._ids = np.concatenate([self._ids, np.zeros_like(self._ids)])

@@ -455,32 +455,29 @@ class PagedPool:
         """Make each row's last block its own before it writes into it again: unnamed, or
         a copy where other rows hold it too (copy on write; the copies in one indexed copy
         per buffer). PoolFull (nothing changed) where too few blocks are free for them."""
-        shared = [row for row in rows if self.blocks.shared(row.blocks[-1])]
-        if len(shared) > self.available:
-            raise PoolFull(f"{len(shared)} KV blocks needed to copy shared ones into, "
-                           f"{self.available} free")
-        for row in rows:
-            if not self.blocks.shared(row.blocks[-1]):
-                self.blocks.unname(row.blocks[-1])
-        if not shared:
-            return
-        # Each copy is taken before its source is dropped: a source block that the last of
-        # its rows leaves is then the last row's own, and needs no copy.
+        blocks = self.blocks
+        lasts = [row.blocks.last for row in rows]
+        if sum(map(blocks.shared, lasts)) > self.available:
+            raise PoolFull("too few KV blocks free to copy the shared ones into")
         sources, copies = [], []
-        for row in shared:
-            block = row.blocks[-1]
-            if not self.blocks.shared(block):
-                self.blocks.unname(block)
+        for row, block in zip(rows, lasts, strict=True):
+            # A block that the last of its rows comes to is no longer shared: it is that
+            # row's own, with no copy (each copy is taken before its source is dropped).
+            if not blocks.shared(block):
+                blocks.unname(block)
                 continue
-            copy = self.blocks.take()
-            self.blocks.drop(block)
+            copy = blocks.take()
+            blocks.drop(block)
             row.blocks[-1] = copy
             sources.append(block)
             copies.append(copy)
-        src = torch.tensor(sources, device=self.device)
-        dst = torch.tensor(copies, device=self.device)
-        for buf in (*self.k, *self.v):
-            buf[dst] = buf[src]
+        if copies:
+            src = torch.tensor(sources, device=self.device)
+            dst = torch.tensor(copies, device=self.device)
+            for buf in (*self.k, *self.v):
+                if not buf.is_contiguous():  # the keys, turned: copied as they lie
+                    buf = buf.transpose(2, 3)
+                buf.index_copy_(0, dst, buf.index_select(0, src))
 
     def fork(self, row: Row) -> Row:
         """A row that continues `row` (beam search: a hypothesis extending another): it
@@ -488,7 +485,7 @@ class PagedPool:
         block that both hold first takes a copy (`own_last`)."""
         for block in row.blocks[row.behind :]:
             self.blocks.hold(block)
-        return Row(blocks=BlockTable(row.blocks), length=row.length, tokens=list(row.tokens),
+        return Row(blocks=row.blocks.copy(), length=row.length, tokens=list(row.tokens),
                    hashes=list(row.hashes), looked_up=row.looked_up, behind=row.behind,
                    skipped=row.skipped)
 

@@ -117,8 +117,7 @@ class Seq2SeqRunner:
         param = next(self.model.parameters())
         lineage = serves_cache(param.dtype, param.device)
         cache = self.model.make_cache(batch, max_len, lineage=lineage)
-        # step.c computes plain feed-forward layers only: gated ones run as modules.
-        if lineage and not any(getattr(layer.ff, "gated", True) for layer in self.model.decoder):
+        if lineage:
             cache.step = DecoderStep.of(self.model.decoder, cache)
         return cache
 

@@ -146,6 +146,23 @@ static void residual(int pre_norm, const struct tformer_norm *norm, float *x, co
         normalize(norm, x, x, n, d);
 }
 
+/* The G heads of a step's key k (G x dk) and value v (G x dv) stored at position s of
+ * buffer row r of kv (a paged pool's turned keys component by component). */
+static void store_kv(const struct tformer_kv *kv, long r, long s, const float *k,
+                     const float *v, long G, long dk, long dv)
+{
+    for (long g = 0; g < G; g++) {
+        float *key = kv->k + r * kv->k_row + g * kv->k_head + s * kv->k_pos;
+        if (kv->k_comp == 1)
+            memcpy(key, k + g * dk, sizeof(float) * dk);
+        else
+            for (long c = 0; c < dk; c++)
+                key[c * kv->k_comp] = k[g * dk + c];
+        memcpy(kv->v + r * kv->v_row + g * kv->v_head + s * kv->v_pos, v + g * dv,
+               sizeof(float) * dv);
+    }
+}
+
 /* attend.c's step over the keys and values of `kv`: rows and group as tformer_attend_step
  * takes them. Returns its status (-1: `rows` names a row outside kv's). */
 static int attend(const struct tformer_decoder_layer *l, const float *q, long q_row,
@@ -177,23 +194,33 @@ long tformer_decoder_layer_scratch(const struct tformer_decoder_layer *l)
     return d + widest + l->heads * l->d_value + d;
 }
 
-/* One step of layer `l` for n rows of x (n x d_model, updated in place).
- *   self_kv, length: the layer's cache (self_kv->rows >= n buffer rows); the step's keys
- *       and values go to position length - 1 of buffer rows 0 .. n-1, and attention reads
- *       positions 0 .. length-1 through rows (n x >= length int64, rows_row apart).
- *   cross_kv, source_len, bias: the encoder's keys and values of cross_kv->rows sentences
- *       (n a multiple of it: beam i reads sentence i / (n / sentences)), and a (sentences x
- *       >= source_len) bias on their scores, bias_row apart (NULL: none).
- *   scratch: n * tformer_decoder_layer_scratch(l) floats, the caller's (a step of many rows
- *       needs a megabyte: allocated anew at each call, the system hands it over zeroed page
- *       by page, which cost as much as the layer's attention).
- * Returns 0; -1 where a product could not allocate; -2 where `rows` names a buffer row
- * outside the cache's (the layer's output is then meaningless). */
-int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, long n,
-                               const struct tformer_kv *self_kv, long length,
-                               const int64_t *rows, long rows_row,
-                               const struct tformer_kv *cross_kv, long source_len,
-                               const float *bias, long bias_row, float *scratch, int threads)
+/* Where a decoder layer's step keeps its self-attention's keys and values: buffer rows
+ * 0 .. n-1 of kv, the new position at length - 1 and every position read through a
+ * lineage's rows (table NULL); or a paged pool's blocks, row i's listed at table + i *
+ * table_row, lengths[i] its positions with the new one. */
+struct self_places {
+    const struct tformer_kv *kv;
+    long length;
+    const int64_t *rows;
+    long rows_row;
+    const int64_t *table;
+    long table_row, block;
+    const int64_t *lengths;
+};
+
+/* One step of layer `l` for n rows of x (n x d_model, updated in place): its self-attention
+ * over `self` (above), cross-attention over the encoder's keys and values of cross_kv->rows
+ * sentences (n a multiple of it: beam i reads sentence i / (n / sentences)) with a
+ * (sentences x >= source_len) bias on their scores, bias_row apart (NULL: none), and the
+ * feed-forward layer. scratch: n * tformer_decoder_layer_scratch(l) floats, the caller's
+ * (a step of many rows needs a megabyte: allocated anew at each call, the system hands it
+ * over zeroed page by page, which cost as much as the layer's attention). Returns 0; -1
+ * where a product could not allocate; -2 where a lineage names a buffer row outside the
+ * cache (the layer's output is then meaningless). */
+static int decoder_layer_step(const struct tformer_decoder_layer *l, float *x, long n,
+                              const struct self_places *self,
+                              const struct tformer_kv *cross_kv, long source_len,
+                              const float *bias, long bias_row, float *scratch, int threads)
 {
     const long d = l->self_out.n_out, H = l->heads, dk = l->d_head, dv = l->d_value;
     const long qk = H * dk, width = l->qkv.n_out, ff = l->up.n_out;
@@ -205,15 +232,23 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
     const float *in = sublayer_input(l->pre_norm, &l->self_norm, x, h, n, d);
     if ((status = tformer_linear(&l->qkv, in, wide, n, threads)))
         return status;
-    const long s = length - 1;
-    for (long i = 0; i < n; i++)
-        for (long hd = 0; hd < H; hd++) {
-            memcpy(self_kv->k + i * self_kv->k_row + hd * self_kv->k_head + s * self_kv->k_pos,
-                   wide + i * width + qk + hd * dk, sizeof(float) * dk);
-            memcpy(self_kv->v + i * self_kv->v_row + hd * self_kv->v_head + s * self_kv->v_pos,
-                   wide + i * width + 2 * qk + hd * dv, sizeof(float) * dv);
+    for (long i = 0; i < n; i++) {
+        long r = i, s = self->length - 1;
+        if (self->table) {
+            s = self->lengths[i] - 1;
+            r = self->table[i * self->table_row + s / self->block];
+            s %= self->block;
         }
-    if (attend(l, wide, width, self_kv, rows, rows_row, 1, NULL, 0, att, n, length, threads))
+        store_kv(self->kv, r, s, wide + i * width + qk, wide + i * width + 2 * qk, H, dk, dv);
+    }
+    if (self->table)
+        status = tformer_attend_paged(wide, width, self->kv, self->table, self->table_row,
+                                      self->block, self->lengths, NULL, 0, att, n, 1, H, 1,
+                                      dk, dv, l->scale, 0.0f, NULL, threads);
+    else
+        status = attend(l, wide, width, self->kv, self->rows, self->rows_row, 1, NULL, 0, att,
+                        n, self->length, threads);
+    if (status)
         return -2;
     if ((status = tformer_linear(&l->self_out, att, out, n, threads)))
         return status;
@@ -238,6 +273,43 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
         return status;
     residual(l->pre_norm, &l->ff_norm, x, out, n, d);
     return 0;
+}
+
+/* decoder_layer_step over a cache of self_kv->rows >= n buffer rows, its keys and values
+ * in query order: the step's go to position length - 1 of rows 0 .. n-1, and attention
+ * reads positions 0 .. length-1 through rows (n x >= length int64, rows_row apart). */
+int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, long n,
+                               const struct tformer_kv *self_kv, long length,
+                               const int64_t *rows, long rows_row,
+                               const struct tformer_kv *cross_kv, long source_len,
+                               const float *bias, long bias_row, float *scratch, int threads)
+{
+    const struct self_places self = {self_kv, length, rows, rows_row, NULL, 0, 0, NULL};
+    return decoder_layer_step(l, x, n, &self, cross_kv, source_len, bias, bias_row, scratch,
+                              threads);
+}
+
+/* decoder_layer_step over a paged pool (decoding/beam_pool.py's): self_kv's rows are its
+ * blocks of `block` positions, row i's listed in order at table + i * table_row; lengths[i]
+ * counts its positions with the new one, stored at position lengths[i] - 1. Returns -2,
+ * storing nothing, where a table names a block outside the pool or a length is below 1. */
+int tformer_decoder_layer_step_paged(const struct tformer_decoder_layer *l, float *x, long n,
+                                     const struct tformer_kv *self_kv, const int64_t *table,
+                                     long table_row, long block, const int64_t *lengths,
+                                     const struct tformer_kv *cross_kv, long source_len,
+                                     const float *bias, long bias_row, float *scratch,
+                                     int threads)
+{
+    for (long i = 0; i < n; i++) {
+        if (lengths[i] < 1)
+            return -2;
+        for (long b = 0; b <= (lengths[i] - 1) / block; b++)
+            if (table[i * table_row + b] < 0 || table[i * table_row + b] >= self_kv->rows)
+                return -2;
+    }
+    const struct self_places self = {self_kv, 0, NULL, 0, table, table_row, block, lengths};
+    return decoder_layer_step(l, x, n, &self, cross_kv, source_len, bias, bias_row, scratch,
+                              threads);
 }
 
 /* --- A step's threads: one parallel region, its work taken in chunks ----------------------
@@ -591,16 +663,7 @@ static void place_qkv(const struct tformer_lm_layer *l, float *qkv, long r, long
         rotate(q, H, dk, l->rotated, l->interleaved, cos, sin);
         rotate(k, G, dk, l->rotated, l->interleaved, cos, sin);
     }
-    for (long g = 0; g < G; g++) {
-        float *key = kv->k + r * kv->k_row + g * kv->k_head + s * kv->k_pos;
-        if (kv->k_comp == 1)
-            memcpy(key, k + g * dk, sizeof(float) * dk);
-        else /* a paged pool's turned keys */
-            for (long c = 0; c < dk; c++)
-                key[c * kv->k_comp] = k[g * dk + c];
-        memcpy(kv->v + r * kv->v_row + g * kv->v_head + s * kv->v_pos, v + g * dv,
-               sizeof(float) * dv);
-    }
+    store_kv(kv, r, s, k, v, G, dk, dv);
 }
 
 /* The layer's attention for n rows (`tokens` new tokens of each of n / tokens sequences)

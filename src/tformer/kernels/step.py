@@ -33,6 +33,8 @@ from tformer.kernels.library import KV, BoundLinear, DecoderLayer, Linear, LMLay
 DecoderCache = Any
 """tformer.layers.cache.DecoderCache (kernels import nothing above them: the modules a step
 reads say what they are through `gated` and `rms`)."""
+StaticKV = Any
+"""tformer.layers.cache.StaticKV: a cross-attention's keys and values (k, v)."""
 
 _ACTIVATIONS = {nn.ReLU: 0, nn.SiLU: 3}
 """step.c's activations (and GELU: 1 exact, 2 tanh)."""
@@ -94,21 +96,32 @@ class _BoundLayer(NamedTuple):
         return cls(struct, min(b.max_rows for b in linears), tensors)
 
 
+DECODER_F32_ROWS = 32
+"""The most rows an fp32 decoder's step takes. fp32.c's products are slower than oneDNN's
+from about eight rows on, but one call a layer saves ~60 torch calls a layer: beam search's
+steps over a paged pool (decoding/beam_pool.py) took 0.66-0.83x the modules' time from 8 to
+64 rows on a 4 x 128-wide decoder, and 0.53-0.82x from 8 to 32 rows on a 6 x 512-wide one
+(1.05x at 64, 1.4x at 128), two threads of a Xeon (benchmarks/README.md)."""
+
+
 class DecoderStep:
     """Every layer of a decoder (models.seq2seq.DecoderLayer) as step.c reads it, over the
-    cache of one search. Made by `DecoderStep.of`, which returns None where step.c cannot
-    run these layers; `serves` says whether it runs a given step."""
+    cache of one search (`of`: `serves` says whether it runs a given step, `run` runs it), or
+    over a paged pool (`paged`: `serves_paged`, `run_paged`). Both return None where step.c
+    cannot run these layers."""
 
     def __init__(self, layers: Sequence[nn.Module], structs: list[DecoderLayer], rows: int,
-                 tensors: list[Tensor], cache: DecoderCache) -> None:
+                 tensors: list[Tensor], cache: DecoderCache | None) -> None:
         self.layers = list(layers)
         self.cache = cache
+        caches = cache.self_attn if cache is not None else []
         # Every tensor the structures point into, held for as long as they are used (the
         # pointers hold the structures).
-        self._tensors = tensors + [t for c in cache.self_attn for t in (c.k, c.v)]
+        self._tensors = tensors + [t for c in caches for t in (c.k, c.v)]
         self.pointers = [ctypes.pointer(s) for s in structs]
         self.max_rows = rows
-        self.self_kv = [ctypes.pointer(KV.of(c.k, c.v)) for c in cache.self_attn]
+        self.self_kv = [ctypes.pointer(KV.of(c.k, c.v)) for c in caches]
+        self._pool: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
         self._cross: list[tuple[Tensor | None, object]] = [(None, None)] * len(structs)
         # The layers' working memory: floats a row, and one tensor for the search, grown on
         # the first step (rows only fall as sentences leave).
@@ -120,10 +133,25 @@ class DecoderStep:
     def of(cls, layers: Sequence[nn.Module], cache: DecoderCache) -> DecoderStep | None:
         """The step for `layers` over `cache`, whose KV caches follow the beams through a
         lineage (never copied), or None where step.c cannot run it."""
-        lib = _library()
-        if lib is None or cache.lineage is None or not all(
+        if cache.lineage is None or not all(
                 c.k.is_contiguous() and c.v.is_contiguous()
                 and serves_cache(c.k.dtype, c.k.device) for c in cache.self_attn):
+            return None
+        return cls._made(layers, cache)
+
+    @classmethod
+    def paged(cls, layers: Sequence[nn.Module]) -> DecoderStep | None:
+        """The step for `layers` over a paged pool's blocks (`run_paged`), or None where
+        step.c cannot run it."""
+        return cls._made(layers, None)
+
+    @classmethod
+    def _made(cls, layers: Sequence[nn.Module], cache: DecoderCache | None
+              ) -> DecoderStep | None:
+        if _library() is None:
+            return None
+        # step.c computes plain feed-forward layers only: gated ones run as modules.
+        if any(getattr(layer.ff, "gated", True) for layer in layers):
             return None
         made = [cls._layer(layer) for layer in layers]
         if None in made:
@@ -134,8 +162,9 @@ class DecoderStep:
     @staticmethod
     def _layer(layer: nn.Module) -> _BoundLayer | None:
         self_attn, cross_attn, ff = layer.self_attn, layer.cross_attn, layer.ff
-        linears = [_linear(m) for m in (self_attn.qkv_proj, self_attn.out_proj, cross_attn.q_proj,
-                                        cross_attn.out_proj, ff.up, ff.down)]
+        linears = [_linear(m, DECODER_F32_ROWS)
+                   for m in (self_attn.qkv_proj, self_attn.out_proj, cross_attn.q_proj,
+                             cross_attn.out_proj, ff.up, ff.down)]
         norms = [_norm(r.norm) for r in (layer.self_residual, layer.cross_residual,
                                           layer.ff_residual)]
         activation = _activation(ff.activation)
@@ -154,11 +183,19 @@ class DecoderStep:
         the layers in eval mode and recording nothing, N within what the products take,
         every cross-attention's keys in place and shared evenly by the rows, and the source's
         padding as a (sentences, 1, 1, S) float bias."""
-        n, lineage_rows, cross = x.shape[0], self.cache.lineage.rows, self.cache.cross_attn
+        assert self.cache is not None and self.cache.lineage is not None
+        lineage_rows = self.cache.lineage.rows
+        if (lineage_rows.shape[0] != x.shape[0] or lineage_rows.dtype != torch.int64
+                or lineage_rows.stride(1) != 1):
+            return False
+        # The attention kernel keeps a row's scores on the stack (attend.MAX_POSITIONS).
+        return self._serves(x, self.cache.cross_attn, memory_bias, self.cache.length + 1)
+
+    def _serves(self, x: Tensor, cross: Sequence[StaticKV], memory_bias: Tensor,
+                positions: int) -> bool:
+        n = x.shape[0]
         if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != 1
-                or n > self.max_rows or lineage_rows.shape[0] != n
-                or lineage_rows.dtype != torch.int64 or lineage_rows.stride(1) != 1
-                or (torch.is_grad_enabled() and x.requires_grad)
+                or n > self.max_rows or (torch.is_grad_enabled() and x.requires_grad)
                 or torch.compiler.is_compiling()):
             return False
         for layer, c in zip(self.layers, cross, strict=True):
@@ -167,15 +204,54 @@ class DecoderStep:
                     or n % c.k.shape[0] or c.k.stride(3) != 1 or c.v.stride(3) != 1):
                 return False
         sentences, source_len = cross[0].k.shape[0], cross[0].k.shape[2]
-        # The attention kernel keeps a row's scores on the stack (attend.MAX_POSITIONS).
-        positions = max(source_len, self.cache.length + 1)
-        return (positions <= MAX_POSITIONS and memory_bias.dtype == torch.float32
+        return (max(positions, source_len) <= MAX_POSITIONS
+                and memory_bias.dtype == torch.float32
                 and memory_bias.shape == (sentences, 1, 1, source_len)
                 and memory_bias.stride(3) == 1)
+
+    def serves_paged(self, x: Tensor, cross: Sequence[StaticKV], memory_bias: Tensor,
+                     k: Tensor) -> bool:
+        """Whether `run_paged` runs this step: as `serves`, over a pool's blocks k (fp32 on
+        the CPU). (The paged attention keeps no row's scores whole: any length serves.)"""
+        return serves_cache(k.dtype, k.device) and self._serves(x, cross, memory_bias, 0)
+
+    def run_paged(self, x: Tensor, k: Sequence[Tensor], v: Sequence[Tensor], tables: Tensor,
+                  lengths: Tensor, cross: Sequence[StaticKV], memory_bias: Tensor) -> Tensor:
+        """Every layer's step on x (N, 1, D) over a paged pool, where `serves_paged` says so:
+        k[i], v[i] (blocks, H, block_size, ·) layer i's blocks (the keys in any strides),
+        tables (N, >= used) int64 each row's blocks in order, lengths (N,) int64 its
+        positions with the new one, which is stored at lengths - 1; cross[i] layer i's
+        encoder keys and values (sentences, H, S, ·), memory_bias their padding (sentences,
+        1, 1, S). The result is a new tensor."""
+        lib = _library()
+        x = x.contiguous().clone()
+        n, block = x.shape[0], k[0].shape[2]
+        tables, lengths = tables.contiguous(), lengths.contiguous()
+        source_len = cross[0].k.shape[2]
+        bias = memory_bias[:, 0, 0]
+        if self._scratch.numel() < n * self._scratch_row:
+            self._scratch = torch.empty(n * self._scratch_row)
+        for i, (kb, vb, c) in enumerate(zip(k, v, cross, strict=True)):
+            if self._pool[i][0] is not kb:  # the pool's buffers, bound once
+                self._pool[i] = (kb, ctypes.pointer(KV.of(kb, vb)))
+            if self._cross[i][0] is not c.k:  # made again as sentences join and leave
+                self._cross[i] = (c.k, ctypes.pointer(KV.of(c.k, c.v)))
+            status = lib.tformer_decoder_layer_step_paged(
+                self.pointers[i], x.data_ptr(), n, self._pool[i][1], tables.data_ptr(),
+                tables.stride(0), block, lengths.data_ptr(), self._cross[i][1], source_len,
+                bias.data_ptr(), bias.stride(0), self._scratch.data_ptr(),
+                torch.get_num_threads())
+            if status == -1:
+                raise MemoryError(f"no memory for a decoding step of {n} rows")
+            if status:
+                raise IndexError("paged decoding step: a block table names a block outside "
+                                 "the pool")
+        return x
 
     def run(self, x: Tensor, memory_bias: Tensor) -> Tensor:
         """Every layer's step on x (N, 1, D), where `serves` says so: the layers' keys and
         values stored in their caches (one position each), the result in a new tensor."""
+        assert self.cache is not None and self.cache.lineage is not None
         lib, self_caches, cross = _library(), self.cache.self_attn, self.cache.cross_attn
         lineage_rows = self.cache.lineage.rows
         x = x.contiguous().clone()

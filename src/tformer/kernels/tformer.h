@@ -207,6 +207,12 @@ int tformer_decoder_layer_step(const struct tformer_decoder_layer *l, float *x, 
                                const int64_t *rows, long rows_row,
                                const struct tformer_kv *cross_kv, long source_len,
                                const float *bias, long bias_row, float *scratch, int threads);
+int tformer_decoder_layer_step_paged(const struct tformer_decoder_layer *l, float *x, long n,
+                                     const struct tformer_kv *self_kv, const int64_t *table,
+                                     long table_row, long block, const int64_t *lengths,
+                                     const struct tformer_kv *cross_kv, long source_len,
+                                     const float *bias, long bias_row, float *scratch,
+                                     int threads);
 long tformer_lm_layer_scratch(const struct tformer_lm_layer *l);
 int tformer_lm_step(const struct tformer_lm_layer *const *layers,
                     const struct tformer_kv *const *kvs, long count, float *x, long n, long tokens,
