@@ -146,7 +146,7 @@ SMOKES = {
 # llama_cpp.py builds llama.cpp's tools (minutes): tests/benchmarks/test_llama_cpp.py checks
 # its flag choice and parsers without building.
 OWN_TESTS = {"draft_data", "kernel_ab", "kquant_model", "llama_cpp", "multi30k",
-             "translation_speed", "txl_memory"}
+             "translation_serve", "translation_speed", "txl_memory"}
 
 
 def run_script(name: str, *args: str) -> str:
@@ -251,6 +251,31 @@ def test_translation_speed(tiny_config, tmp_path):
     out = run_script("translation_speed", str(run), "--source", str(source), "--sentences",
                      "3", "--repeats", "1", "--batches", "2", "--count-rows")
     assert "beam 4" in out
+
+
+@pytest.fixture(scope="module")
+def tiny_translator(tiny_config, tmp_path_factory) -> tuple[Path, Path]:
+    """A run of the tiny seq2seq config, and lines for it to translate."""
+    folder = tmp_path_factory.mktemp("translator")
+    assert tformer_main(["train", str(tiny_config), "--out", str(folder / "run")]) == 0
+    source = folder / "source.txt"
+    source.write_text("12\n347\n5\n", encoding="utf-8")
+    return folder / "run", source
+
+
+def test_translation_serve_offline(tiny_translator):
+    run, source = tiny_translator
+    out = run_script("translation_serve", str(run), "--offline", "--source", str(source),
+                     "--sentences", "3", "--repeats", "1", "--threads", "1")
+    assert "3/3 outputs identical" in out and "| BeamPool, 32 in flight |" in out
+
+
+@pytest.mark.slow
+def test_translation_serve_under_load(tiny_translator):
+    run, source = tiny_translator
+    out = run_script("translation_serve", str(run), "--source", str(source), "--requests", "3",
+                     "--rates", "50", "--alone", "2", "--threads", "1")
+    assert "| this tree | 50 |" in out
 
 
 @pytest.mark.slow

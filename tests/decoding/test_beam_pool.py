@@ -83,6 +83,23 @@ def test_sentences_joining_at_any_step_get_what_beam_search_gives_each_alone(mod
         assert_same(results[i], alone(model, seq, **options))
 
 
+def test_a_marian_shaped_model_with_hugging_faces_rules(model):
+    # Post-norm, SiLU, an output bias, more decoder layers than encoder ones, sinusoids in
+    # Marian's layout, and Hugging Face's length penalty and end rule (its MarianMTModel's).
+    torch.manual_seed(1)
+    cfg = Seq2SeqConfig(vocab_size=V, max_len=40, n_layer=1, n_decoder_layer=2, n_head=2,
+                        d_model=16, d_ff=32, dropout=0.0, activation="silu", norm="post",
+                        output_bias=True, sinusoid_layout="halves")
+    marian = Seq2Seq(cfg).eval()
+    with torch.no_grad():
+        marian.out_proj.weight.mul_(4.0)
+    options = dict(beam=3, alpha=1.0, penalty="hf", n_best=2)
+    seqs = sentences(8, seed=8)
+    results = run(BeamPool(marian, **options, **SPECIAL), seqs, [0, 0, 1, 2, 2, 4, 7, 7])
+    for i, seq in enumerate(seqs):
+        assert_same(results[i], alone(marian, seq, **options))
+
+
 def test_beam_one_with_early_stopping_is_greedy_search(model):
     seqs = sentences(10, seed=4)
     pool = BeamPool(model, beam=1, alpha=0.6, early_stopping=True, **SPECIAL)
