@@ -201,7 +201,7 @@ class TranslationEngine:
 
     def _begin(self, options: SearchOptions) -> BeamPool:
         """A BeamPool for these options over the engine's one KV pool (empty now)."""
-        if self._pool is None:
+        if self._pool is None or self._pool.used:  # (a pool left holding blocks: anew)
             blocks = self.blocks or default_blocks(self.model, self.batch_size)
             self._pool = PagedPool(self.model, blocks, prefix_cache=False)
         greedy = options.beam == 1
