@@ -243,16 +243,6 @@ def test_multi30k_training_speed(tiny_config, tmp_path):
     assert "| tiny |" in out
 
 
-def test_translation_speed(tiny_config, tmp_path):
-    run = tmp_path / "run"
-    assert tformer_main(["train", str(tiny_config), "--out", str(run)]) == 0
-    source = tmp_path / "source.txt"
-    source.write_text("12\n347\n5\n", encoding="utf-8")
-    out = run_script("translation_speed", str(run), "--source", str(source), "--sentences",
-                     "3", "--repeats", "1", "--batches", "2", "--count-rows")
-    assert "beam 4" in out
-
-
 @pytest.fixture(scope="module")
 def tiny_translator(tiny_config, tmp_path_factory) -> tuple[Path, Path]:
     """A run of the tiny seq2seq config, and lines for it to translate."""
@@ -261,6 +251,13 @@ def tiny_translator(tiny_config, tmp_path_factory) -> tuple[Path, Path]:
     source = folder / "source.txt"
     source.write_text("12\n347\n5\n", encoding="utf-8")
     return folder / "run", source
+
+
+def test_translation_speed(tiny_translator):
+    run, source = tiny_translator
+    out = run_script("translation_speed", str(run), "--source", str(source), "--sentences",
+                     "3", "--repeats", "1", "--batches", "2", "--count-rows")
+    assert "beam 4" in out
 
 
 def test_translation_serve_offline(tiny_translator):

@@ -115,6 +115,10 @@ V = 23
 
 @pytest.fixture(scope="module")
 def model() -> Seq2Seq:
+    return tiny_model()
+
+
+def tiny_model() -> Seq2Seq:
     torch.manual_seed(0)
     cfg = Seq2SeqConfig(vocab_size=V, max_len=40, n_layer=2, n_head=2, d_model=16, d_ff=32,
                         dropout=0.0)

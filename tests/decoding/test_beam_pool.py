@@ -11,20 +11,12 @@ from tformer.kernels import attend as attend_module
 from tformer.kernels.step import DecoderStep
 from tformer.models.seq2seq import Seq2Seq, Seq2SeqConfig
 
-PAD, BOS, EOS = 0, 1, 2
-SPECIAL = {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD}
-V = 23
+from .test_beam import EOS, SPECIAL, V, tiny_model
 
 
 @pytest.fixture(scope="module")
 def model() -> Seq2Seq:
-    torch.manual_seed(0)
-    cfg = Seq2SeqConfig(vocab_size=V, max_len=40, n_layer=2, n_head=2, d_model=16, d_ff=32,
-                        dropout=0.0)
-    model = Seq2Seq(cfg).eval()
-    with torch.no_grad():  # sharper distributions than at initialisation: fewer near-ties
-        model.out_proj.weight.mul_(4.0)
-    return model
+    return tiny_model()
 
 
 def sentences(n: int, seed: int) -> list[list[int]]:

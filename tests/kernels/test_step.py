@@ -273,3 +273,30 @@ def test_a_step_over_a_paged_pool_computes_what_the_layers_compute_in_float64(no
                 torch.testing.assert_close(got[i].double(), want, atol=2e-5, rtol=1e-5)
                 target.append(int(torch.randint(3, VOCAB, (), generator=g)))
         assert pool.used < sum(len(row.blocks) for row in rows)  # the forks share blocks
+
+
+@native
+def test_a_paged_table_naming_a_block_outside_the_pool_is_an_error():
+    from tformer.decoding.paged import PagedPool
+    from tformer.layers.cache import StaticKV
+
+    model = quantize_model(make_model(), "fp32")
+    step = DecoderStep.paged(model.decoder)
+    src, real = sources(sentences=1)
+    with torch.no_grad():
+        memory = model.encode(src, real)
+        cross = []
+        for layer in model.decoder:
+            c = StaticKV()
+            c.k, c.v = layer.cross_attn.memory_kv(memory)
+            cross.append(c)
+        pool = PagedPool(model, 4, block_size=4, prefix_cache=False)
+        for buf in pool.k:
+            buf.fill_(0.5)  # (new blocks hold whatever memory held: NaN, maybe)
+        before = [buf.clone() for buf in pool.k]
+        x = model.embed_targets(torch.tensor([[5]]), torch.tensor([[4]]))
+        bias = torch.zeros(1, 1, 1, src.shape[1])
+        with pytest.raises(IndexError, match="outside the pool"):
+            step.run_paged(x, pool.k, pool.v, torch.tensor([[1, 4]]), torch.tensor([5]),
+                           cross, bias)
+        assert all(torch.equal(a, b) for a, b in zip(before, pool.k, strict=True))

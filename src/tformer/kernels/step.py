@@ -96,6 +96,14 @@ class _BoundLayer(NamedTuple):
         return cls(struct, min(b.max_rows for b in linears), tensors)
 
 
+def _paged_status(status: int, rows: int) -> None:
+    """A paged step's status (step.c) as an error, where it is one."""
+    if status == -1:
+        raise MemoryError(f"no memory for a decoding step of {rows} rows")
+    if status:
+        raise IndexError("paged decoding step: a block table names a block outside the pool")
+
+
 DECODER_F32_ROWS = 32
 """The most rows an fp32 decoder's step takes. fp32.c's products are slower than oneDNN's
 from about eight rows on, but one call a layer saves ~60 torch calls a layer: beam search's
@@ -241,11 +249,7 @@ class DecoderStep:
                 tables.stride(0), block, lengths.data_ptr(), self._cross[i][1], source_len,
                 bias.data_ptr(), bias.stride(0), self._scratch.data_ptr(),
                 torch.get_num_threads())
-            if status == -1:
-                raise MemoryError(f"no memory for a decoding step of {n} rows")
-            if status:
-                raise IndexError("paged decoding step: a block table names a block outside "
-                                 "the pool")
+            _paged_status(status, n)
         return x
 
     def run(self, x: Tensor, memory_bias: Tensor) -> Tensor:
@@ -468,9 +472,5 @@ class LMStep:
             self._layers, self._kvs, len(self.pointers), x.data_ptr(), n, tokens,
             tables.data_ptr(), tables.stride(0), k[0].shape[2], lengths.data_ptr(),
             window or 0, _ptr(cos), _ptr(sin), self._scratch.data_ptr(), torch.get_num_threads())
-        if status == -1:
-            raise MemoryError(f"no memory for a decoding step of {n} rows")
-        if status:
-            raise IndexError("paged decoding step: a block table names a block outside the "
-                             "pool")
+        _paged_status(status, n)
         return x
