@@ -218,6 +218,18 @@ def test_heads_whose_values_are_wider_than_their_keys(int8):
                                    rtol=1e-4 if int8 else 1e-5)
 
 
+def cross_caches(model, memory):
+    """Each decoder layer's cross-attention keys and values of `memory`, as StaticKVs."""
+    from tformer.layers.cache import StaticKV
+
+    caches = []
+    for layer in model.decoder:
+        cache = StaticKV()
+        cache.k, cache.v = layer.cross_attn.memory_kv(memory)
+        caches.append(cache)
+    return caches
+
+
 @native
 @pytest.mark.parametrize("norm", ["pre", "post"])
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
@@ -226,7 +238,6 @@ def test_a_step_over_a_paged_pool_computes_what_the_layers_compute_in_float64(no
     # blocks (a fork, as beam search's hypotheses do) and then a copy of the last one, each
     # step's logits against the float64 model reading the row's whole target at once.
     from tformer.decoding.paged import PagedPool, Row
-    from tformer.layers.cache import StaticKV
     from tformer.layers.masks import attention_bias, padding_mask
 
     model = quantize_model(make_model(norm, activation), "fp32")
@@ -238,11 +249,7 @@ def test_a_step_over_a_paged_pool_computes_what_the_layers_compute_in_float64(no
     with torch.no_grad():
         memory = model.encode(src, real)
         memory64 = reference.encode(src, real)
-        cross = []
-        for layer in model.decoder:
-            c = StaticKV()
-            c.k, c.v = layer.cross_attn.memory_kv(memory)
-            cross.append(c)
+        cross = cross_caches(model, memory)
         bias = attention_bias(padding_mask(real), torch.float32)
         pool = PagedPool(model, 24, block_size=4, prefix_cache=False)
         rows = [Row(), Row()]  # one row a sentence at first: n = 2 rows of 2 sentences
@@ -278,18 +285,13 @@ def test_a_step_over_a_paged_pool_computes_what_the_layers_compute_in_float64(no
 @native
 def test_a_paged_table_naming_a_block_outside_the_pool_is_an_error():
     from tformer.decoding.paged import PagedPool
-    from tformer.layers.cache import StaticKV
 
     model = quantize_model(make_model(), "fp32")
     step = DecoderStep.paged(model.decoder)
     src, real = sources(sentences=1)
     with torch.no_grad():
         memory = model.encode(src, real)
-        cross = []
-        for layer in model.decoder:
-            c = StaticKV()
-            c.k, c.v = layer.cross_attn.memory_kv(memory)
-            cross.append(c)
+        cross = cross_caches(model, memory)
         pool = PagedPool(model, 4, block_size=4, prefix_cache=False)
         for buf in pool.k:
             buf.fill_(0.5)  # (new blocks hold whatever memory held: NaN, maybe)
