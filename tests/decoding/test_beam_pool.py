@@ -183,3 +183,21 @@ def test_bad_options_and_sources_are_refused(model):
     with pytest.raises(ValueError, match="no tokens"):
         pool.join([(0, [])])
     assert pool.step() == [] and pool.sentences == 0
+
+
+def test_sentences_that_leave_unfinished_harm_none_of_the_others(model):
+    seqs = sentences(8, seed=9)
+    pool = BeamPool(model, beam=3, **SPECIAL)
+    pool.join([(i, s) for i, s in enumerate(seqs)])
+    results = {}
+    for step in range(200):
+        if step == 2:
+            pool.leave([key for key in pool.keys if key in (1, 4, 6)])
+        for done in pool.step():
+            results[done.key] = done.hypotheses
+        if not pool.sentences:
+            break
+    assert sorted(results) == [0, 2, 3, 5, 7]
+    assert pool.pool.used == 0 and pool.reserved == 0
+    for i in results:
+        assert_same(results[i], alone(model, seqs[i], beam=3))

@@ -51,11 +51,16 @@ class Answers:
         return TranslationJob(lines, options, done)
 
 
-def drive(engine: TranslationEngine, answers: Answers, arrivals: dict[int, list]) -> None:
-    """The engine's loop, a step at a time on this thread: jobs[step] submitted before it."""
+def drive(engine: TranslationEngine, answers: Answers, arrivals: dict[int, list],
+          leaving: dict[int, TranslationJob] | None = None) -> None:
+    """The engine's loop, a step at a time on this thread: jobs[step] submitted before it,
+    leaving[step] cancelled (its client gone)."""
+    leaving = dict(leaving or {})
     while arrivals or engine.running or engine.waiting:
         for job in arrivals.pop(answers.step, []):
             assert engine.submit(job)
+        if answers.step in leaving:
+            leaving.pop(answers.step).cancelled = True
         with torch.inference_mode():
             engine._admit()
             engine._step()
@@ -102,3 +107,14 @@ def test_lines_beyond_the_batch_join_as_others_leave(model, tokenizer):
     alone = translate(model, tokenizer, lines, OPTIONS)
     assert [h[0].text for h in answers.got["many"]] == [h[0].text for h in alone]
     assert engine.stats.finished_sequences == 5
+
+
+def test_a_client_that_leaves_takes_its_lines_out(model, tokenizer):
+    engine = TranslationEngine(model, tokenizer)
+    answers = Answers()
+    gone = answers.job("gone", ["the quick brown fox", "jumps over"])
+    drive(engine, answers, {0: [gone, answers.job("stays", ["a lazy dog"])]}, {4: gone})
+    assert "gone" not in answers.got and engine.running == 0
+    [[expected, _]] = translate(model, tokenizer, ["a lazy dog"], OPTIONS)
+    assert answers.got["stays"][0][0].text == expected.text
+    assert engine._pool is not None and engine._pool.used == 0
