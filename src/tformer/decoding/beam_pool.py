@@ -66,6 +66,16 @@ class Finished:
     hypotheses: list[Hypothesis]
 
 
+def pool_blocks(max_len: int, sentences: int, beam: int, *, widest: int | None = None,
+                block_size: int = BLOCK_SIZE) -> int:
+    """Blocks for `sentences` sentences of `beam` hypotheses of up to 128 target tokens
+    (fewer where the model's max_len is), and at least for one sentence of the `widest` beam
+    (default: `beam`) at max_len, block 0 besides."""
+    widest = beam if widest is None else widest
+    return 1 + max(sentences * beam * blocks_for(min(max_len, 128), block_size),
+                   widest * blocks_for(max_len, block_size))
+
+
 class BeamPool:
     """Sentences decoded by beam search together, each from the step it joined.
 
@@ -95,8 +105,7 @@ class BeamPool:
         length_penalty(1.0, alpha, penalty)  # an unknown penalty fails here, not mid-flight
         if pool is None:
             if blocks is None:
-                blocks = 1 + K * max(sentences * blocks_for(min(cfg.max_len, 128), block_size),
-                                     blocks_for(cfg.max_len, block_size))
+                blocks = pool_blocks(cfg.max_len, sentences, K, block_size=block_size)
             pool = PagedPool(self.model, blocks, block_size=block_size, prefix_cache=False)
         elif pool.used:
             raise ValueError("a beam pool starts over an empty KV pool")
@@ -156,7 +165,8 @@ class BeamPool:
         ids = [list(s) for _, s in sources]
         if any(not s for s in ids):
             raise ValueError("a source to translate has no tokens")
-        if not self.fits(ids):
+        reserve = self.reserve_for(ids)
+        if self.reserved + sum(reserve) > self.pool.total:
             raise ValueError(f"{len(ids)} sentences need more KV blocks than are free")
         K, device, model = self.beam, self.device, self.model
         src, src_real = (t.to(device) for t in pad_right(ids, self.pad_id))
@@ -194,7 +204,7 @@ class BeamPool:
         self.max_len = torch.cat([self.max_len, max_len])
         self.keys += [key for key, _ in sources]
         self.rows += [Row() for _ in range(m * K)]
-        self.reserve += self.reserve_for(ids)
+        self.reserve += reserve
         self._new_rules()
 
     def _new_rules(self) -> None:
@@ -293,15 +303,13 @@ class BeamPool:
         self.steps = t + 1
         self._latest += 1
         finished: list[Finished] = []
-        if n_done := int(done.sum()):
+        if int(done.sum()):
             which = done.nonzero()[:, 0]
             finished = self._read_out(which)
             keep = (~done).nonzero()[:, 0]
             parents = parents.view(n, K)[keep].flatten()
             self._keep(keep)
         self._follow(parents.tolist())
-        if n_done:
-            self._latest = int(self.steps.max()) if self.keys else 0
         return finished
 
     def _done(self, t: Tensor) -> Tensor:
@@ -351,6 +359,7 @@ class BeamPool:
         kept = keep.tolist()
         self.keys = [self.keys[i] for i in kept]
         self.reserve = [self.reserve[i] for i in kept]
+        self._latest = int(self.steps.max()) if kept else 0
         self._new_rules()
 
     def _follow(self, parents: list[int]) -> None:
@@ -378,23 +387,11 @@ class BeamPool:
         K = self.beam
         self._keep(torch.tensor(stay, dtype=torch.long, device=self.device))
         self._follow([i * K + k for i in stay for k in range(K)])
-        self._latest = int(self.steps.max()) if self.keys else 0
 
     def clear(self) -> list[Any]:
         """Drop every sentence in flight (their blocks back); the keys they joined with."""
         keys = self.keys
-        for row in self.rows:
-            self.pool.release(row)
-        self.rows, self.keys, self.reserve = [], [], []
-        everyone = torch.zeros(0, dtype=torch.long, device=self.device)
-        for name in ("tokens", "scores", "finished_score", "finished_logprob",
-                     "finished_length", "finished_tokens", "steps", "max_len", "src_real"):
-            setattr(self, name, getattr(self, name)[everyone])
-        for cache in self.cross:
-            cache.k = cache.v = None
-        self.memory_bias = self.memory_bias[everyone]
-        self._latest = 0
-        self.rules = None
+        self.leave(keys)
         return keys
 
 

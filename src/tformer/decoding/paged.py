@@ -445,11 +445,7 @@ class PagedPool:
                 self._drop(block)
             del row.blocks[keep_blocks:]
             if row.length % bs:
-                self._own_last(row)
-
-    def _own_last(self, row: Row) -> None:
-        """Make the row's last block its own before it writes into it again."""
-        self.own_last([row])
+                self.own_last([row])
 
     def own_last(self, rows: list[Row]) -> None:
         """Make each row's last block its own before it writes into it again: unnamed, or

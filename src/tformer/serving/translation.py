@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tformer.decoding.beam_pool import BeamPool
-from tformer.decoding.paged import PagedPool, blocks_for
+from tformer.decoding.beam_pool import BeamPool, pool_blocks
+from tformer.decoding.paged import PagedPool
 from tformer.decoding.translate import SearchOptions, Translation, source_ids, translate
 from tformer.serving.apply import EngineStats
 
@@ -55,9 +55,7 @@ class TranslationJob:
 def default_blocks(model: nn.Module, sentences: int) -> int:
     """A pool for `sentences` sentences of 4 hypotheses of up to 128 target tokens, and at
     least for one sentence of the widest beam and the longest target the model allows."""
-    longest = model.cfg.max_len
-    return 1 + max(sentences * 4 * blocks_for(min(longest, 128)),
-                   WIDEST_BEAM * blocks_for(longest))
+    return pool_blocks(model.cfg.max_len, sentences, 4, widest=WIDEST_BEAM)
 
 
 class TranslationEngine:
